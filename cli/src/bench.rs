@@ -1,0 +1,236 @@
+//! `strata bench`: prefill and decode throughput and peak memory of the CPU engine.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+use strata_engine::generate::Engine;
+use strata_engine::model::SeqChunk;
+use strata_engine::sampling::argmax;
+use strata_engine::tensor::DType;
+
+use crate::load::{load, parse_dtype};
+
+/// Arguments of `strata bench`.
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// Hugging Face directory or `.gguf` file.
+    #[arg(long, env = "STRATA_MODEL")]
+    model: PathBuf,
+    /// CPU threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    /// Tokens decoded per sequence.
+    #[arg(long, default_value_t = 128)]
+    decode_tokens: usize,
+    /// Sequences decoded together in the batched measurement.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Store float weights as this type.
+    #[arg(long, value_parser = parse_dtype)]
+    dtype: Option<DType>,
+    /// Where to write the JSON report.
+    #[arg(long, default_value = "target/bench/engine.json")]
+    out: PathBuf,
+    /// A llama.cpp baseline JSON (from scripts/llama-cpp-baseline.sh) to print beside the results.
+    #[arg(long)]
+    compare: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct Report {
+    engine: &'static str,
+    model: String,
+    backend: String,
+    threads: usize,
+    load_seconds: f64,
+    weight_bytes: usize,
+    prompt_tokens: usize,
+    decode_tokens: usize,
+    batch: usize,
+    prefill_tokens_per_s: f64,
+    decode_tokens_per_s_batch1: f64,
+    decode_tokens_per_s_batched: f64,
+    peak_rss_bytes: u64,
+}
+
+fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .map(str::to_string)
+        })
+        .and_then(|l| {
+            l.split_whitespace()
+                .nth(1)
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Deterministic prompt ids spread over the vocabulary (no tokenizer needed).
+fn synthetic_prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
+    (0..len)
+        .map(|i| ((i * 7919 + salt * 104_729 + 13) % vocab) as u32)
+        .collect()
+}
+
+/// Runs `strata bench`.
+pub fn run(a: BenchArgs) -> Result<()> {
+    let t0 = Instant::now();
+    let loaded = load(&a.model, a.dtype, a.threads, false)?;
+    let load_seconds = t0.elapsed().as_secs_f64();
+    let cfg = loaded.model.config().clone();
+    let backend = loaded.model.backend().clone();
+    let threads = backend.threads();
+    let weight_bytes = loaded.model.weight_bytes();
+    let kv_tokens = (a.prompt_tokens + a.decode_tokens + 1) * a.batch.max(1);
+    let mut engine = Engine::new(loaded.model, None, kv_tokens)?;
+    let vocab = cfg.vocab_size;
+
+    // Warm up caches and page in the weights.
+    let warm = synthetic_prompt(8, vocab, 99);
+    engine.step(
+        &[SeqChunk {
+            seq_id: 999,
+            start_pos: 0,
+            len: warm.len(),
+        }],
+        &warm,
+    )?;
+    engine.release(999);
+
+    // Prefill + batch-1 decode.
+    let prompt = synthetic_prompt(a.prompt_tokens, vocab, 0);
+    let t = Instant::now();
+    let logits = engine.step(
+        &[SeqChunk {
+            seq_id: 0,
+            start_pos: 0,
+            len: prompt.len(),
+        }],
+        &prompt,
+    )?;
+    let prefill_s = t.elapsed().as_secs_f64();
+    let mut next = argmax(&logits[0]);
+    let t = Instant::now();
+    for i in 0..a.decode_tokens {
+        let l = engine.step(
+            &[SeqChunk {
+                seq_id: 0,
+                start_pos: prompt.len() + i,
+                len: 1,
+            }],
+            &[next],
+        )?;
+        next = argmax(&l[0]);
+    }
+    let decode1_s = t.elapsed().as_secs_f64();
+    engine.release(0);
+
+    // Batched decode: `batch` sequences with short prompts, stepped together.
+    let short = 16;
+    let mut nexts = Vec::new();
+    for s in 0..a.batch {
+        let p = synthetic_prompt(short, vocab, s + 1);
+        let l = engine.step(
+            &[SeqChunk {
+                seq_id: s as u64 + 1,
+                start_pos: 0,
+                len: short,
+            }],
+            &p,
+        )?;
+        nexts.push(argmax(&l[0]));
+    }
+    let t = Instant::now();
+    for i in 0..a.decode_tokens {
+        let chunks: Vec<SeqChunk> = (0..a.batch)
+            .map(|s| SeqChunk {
+                seq_id: s as u64 + 1,
+                start_pos: short + i,
+                len: 1,
+            })
+            .collect();
+        let l = engine.step(&chunks, &nexts)?;
+        nexts = l.iter().map(|r| argmax(r)).collect();
+    }
+    let decode_b_s = t.elapsed().as_secs_f64();
+
+    let report = Report {
+        engine: "strata",
+        model: a.model.display().to_string(),
+        backend: backend_name(&backend),
+        threads,
+        load_seconds,
+        weight_bytes,
+        prompt_tokens: a.prompt_tokens,
+        decode_tokens: a.decode_tokens,
+        batch: a.batch,
+        prefill_tokens_per_s: a.prompt_tokens as f64 / prefill_s,
+        decode_tokens_per_s_batch1: a.decode_tokens as f64 / decode1_s,
+        decode_tokens_per_s_batched: (a.decode_tokens * a.batch) as f64 / decode_b_s,
+        peak_rss_bytes: peak_rss(),
+    };
+    if let Some(dir) = a.out.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(&a.out, serde_json::to_string_pretty(&report)?)
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    let baseline: Option<serde_json::Value> = match &a.compare {
+        Some(p) => Some(serde_json::from_str(
+            &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+        )?),
+        None => None,
+    };
+    let base = |k: &str| {
+        baseline
+            .as_ref()
+            .and_then(|b| b.get(k))
+            .and_then(|v| v.as_f64())
+            .map_or("-".to_string(), |v| format!("{v:.1}"))
+    };
+    println!(
+        "model: {}  backend: {}  weights: {:.1} MiB",
+        report.model,
+        report.backend,
+        weight_bytes as f64 / 1048576.0
+    );
+    println!("| metric | strata | llama.cpp |");
+    println!("|---|---:|---:|");
+    println!(
+        "| prefill tok/s ({} tokens) | {:.1} | {} |",
+        a.prompt_tokens,
+        report.prefill_tokens_per_s,
+        base("prefill_tokens_per_s")
+    );
+    println!(
+        "| decode tok/s (batch 1) | {:.1} | {} |",
+        report.decode_tokens_per_s_batch1,
+        base("decode_tokens_per_s")
+    );
+    println!(
+        "| decode tok/s (batch {}) | {:.1} | {} |",
+        a.batch,
+        report.decode_tokens_per_s_batched,
+        base("decode_tokens_per_s_batch8")
+    );
+    println!(
+        "| peak RSS MiB | {:.1} | - |",
+        report.peak_rss_bytes as f64 / 1048576.0
+    );
+    println!("| load s | {:.2} | - |", report.load_seconds);
+    eprintln!("wrote {}", a.out.display());
+    Ok(())
+}
+
+fn backend_name(b: &strata_engine::backend::cpu::CpuBackend) -> String {
+    use strata_engine::backend::Backend;
+    b.name()
+}

@@ -1,0 +1,95 @@
+//! Opening a model for the CLI: dtype parsing, a progress bar on terminals, conversion.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::loader::ModelFiles;
+use strata_engine::model::{LoadOptions, StageModel};
+use strata_engine::tensor::DType;
+use strata_engine::tokenizer::Tokenizer;
+
+/// Parses `f32|f16|bf16`.
+pub fn parse_dtype(s: &str) -> Result<DType, String> {
+    match DType::parse(s) {
+        Some(d) if !d.is_quantized() => Ok(d),
+        _ => Err(format!("unknown dtype {s:?} (expected f32, f16 or bf16)")),
+    }
+}
+
+/// A whole model on the CPU plus its tokenizer (when it has one).
+pub struct Loaded {
+    /// All layers.
+    pub model: StageModel<CpuBackend>,
+    /// The tokenizer.
+    pub tokenizer: Option<Arc<Tokenizer>>,
+}
+
+/// Loads every layer of `path` on the CPU with `threads` threads.
+pub fn load(
+    path: &Path,
+    dtype: Option<DType>,
+    threads: usize,
+    need_tokenizer: bool,
+) -> Result<Loaded> {
+    let files =
+        ModelFiles::open(path).with_context(|| format!("opening model {}", path.display()))?;
+    let tokenizer = match files.tokenizer() {
+        Ok(t) => Some(Arc::new(t)),
+        Err(e) if need_tokenizer => return Err(e).context("loading the tokenizer"),
+        Err(_) => None,
+    };
+    let backend = Arc::new(CpuBackend::new(threads)?);
+    let n = files.config().num_layers;
+    let bar = std::io::stdout().is_terminal().then(|| {
+        let b = indicatif::ProgressBar::new(1);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("loading weights {bar:40} {pos}/{len} tensors")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    });
+    let progress = |done: usize, total: usize| {
+        if let Some(b) = &bar {
+            b.set_length(total as u64);
+            b.set_position(done as u64);
+        }
+    };
+    let opts = LoadOptions {
+        dtype,
+        progress: Some(&progress),
+    };
+    let model = StageModel::load(&files, 0..n, backend, &opts)?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    Ok(Loaded { model, tokenizer })
+}
+
+/// Arguments of `strata convert`.
+#[derive(clap::Args)]
+pub struct ConvertArgs {
+    /// A `.gguf` file.
+    #[arg(long)]
+    model: PathBuf,
+    /// Output directory.
+    #[arg(long)]
+    out: PathBuf,
+    /// Matrix storage type.
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    dtype: DType,
+}
+
+/// Runs `strata convert`.
+pub fn convert(a: ConvertArgs) -> Result<()> {
+    let files = ModelFiles::open(&a.model)
+        .with_context(|| format!("opening model {}", a.model.display()))?;
+    if !matches!(files, ModelFiles::Gguf(_)) {
+        bail!("{} is not a GGUF file", a.model.display());
+    }
+    strata_engine::convert::to_hf_dir(&files, &a.out, a.dtype)?;
+    eprintln!("wrote {}", a.out.display());
+    Ok(())
+}

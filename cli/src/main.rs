@@ -1,0 +1,48 @@
+//! `strata`: generate text, benchmark, and convert models from the command line.
+
+mod bench;
+mod generate;
+mod load;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "strata",
+    version,
+    about = "Serve and run Llama-family models split across machines"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt in this process.
+    Generate(generate::GenerateArgs),
+    /// Measure prefill and decode speed and peak memory.
+    Bench(bench::BenchArgs),
+    /// Convert a GGUF file into a Hugging Face directory (dequantized safetensors).
+    Convert(load::ConvertArgs),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Bench(a) => bench::run(a),
+        Command::Convert(a) => load::convert(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

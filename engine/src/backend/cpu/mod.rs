@@ -1,0 +1,306 @@
+//! The CPU backend: f32 activations, weights in their storage type, rayon over a private thread pool.
+//! It is the reference every other backend and the distributed path are checked against.
+
+mod attention;
+mod matmul;
+pub mod simd;
+
+use super::{AttnSeq, AttnShape, Backend};
+use crate::tensor::{Bytes, DType, HostTensor};
+use crate::{Error, Result};
+use simd::Isa;
+
+/// Row-major f32 activations.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuTensor {
+    /// Elements, `rows × cols`.
+    pub data: Vec<f32>,
+    /// Rows (tokens).
+    pub rows: usize,
+    /// Columns (features).
+    pub cols: usize,
+}
+
+/// A weight matrix `[rows, cols]` in its storage type.
+#[derive(Debug, Clone)]
+pub struct CpuMatrix {
+    /// Output features.
+    pub rows: usize,
+    /// Input features.
+    pub cols: usize,
+    /// Storage type.
+    pub dtype: DType,
+    /// Row-major storage (GGML blocks for quantized types).
+    pub bytes: Bytes,
+}
+
+impl CpuMatrix {
+    /// Bytes per row.
+    pub fn row_bytes(&self) -> usize {
+        self.bytes.len() / self.rows.max(1)
+    }
+}
+
+/// Paged keys and values for one layer, f32.
+#[derive(Debug)]
+pub struct CpuKvLayer {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    kv_dim: usize,
+    block_size: usize,
+}
+
+/// The CPU device.
+pub struct CpuBackend {
+    pool: rayon::ThreadPool,
+    threads: usize,
+    isa: Isa,
+}
+
+impl CpuBackend {
+    /// A backend using `threads` worker threads (0: one per core).
+    pub fn new(threads: usize) -> Result<Self> {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        } else {
+            threads
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("strata-cpu-{i}"))
+            .build()
+            .map_err(|e| Error::Device(format!("cannot start CPU thread pool: {e}")))?;
+        Ok(CpuBackend {
+            pool,
+            threads,
+            isa: Isa::detect(),
+        })
+    }
+
+    /// The same backend restricted to portable scalar kernels (for testing the SIMD ones).
+    pub fn scalar(threads: usize) -> Result<Self> {
+        Ok(CpuBackend {
+            isa: Isa::Scalar,
+            ..Self::new(threads)?
+        })
+    }
+
+    /// Worker threads.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+}
+
+fn same_shape(op: &'static str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
+    if a.rows == b.rows && a.cols == b.cols {
+        Ok(())
+    } else {
+        Err(Error::Shape {
+            op,
+            reason: format!("{}x{} vs {}x{}", a.rows, a.cols, b.rows, b.cols),
+        })
+    }
+}
+
+impl Backend for CpuBackend {
+    type Act = CpuTensor;
+    type Mat = CpuMatrix;
+    type Vector = Vec<f32>;
+    type KvLayer = CpuKvLayer;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads, {:?})", self.threads, self.isa)
+    }
+
+    fn upload_matrix(&self, t: &HostTensor) -> Result<CpuMatrix> {
+        if t.shape.len() != 2 {
+            return Err(Error::Shape {
+                op: "upload_matrix",
+                reason: format!("expected 2-D, got {:?}", t.shape),
+            });
+        }
+        Ok(CpuMatrix {
+            rows: t.shape[0],
+            cols: t.shape[1],
+            dtype: t.dtype,
+            bytes: t.bytes.clone(),
+        })
+    }
+
+    fn upload_vector(&self, v: &[f32]) -> Result<Vec<f32>> {
+        Ok(v.to_vec())
+    }
+
+    fn matrix_bytes(&self, m: &CpuMatrix) -> usize {
+        m.bytes.len()
+    }
+
+    fn alloc_kv_layer(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        kv_dim: usize,
+    ) -> Result<CpuKvLayer> {
+        let n = num_blocks * block_size * kv_dim;
+        Ok(CpuKvLayer {
+            k: vec![0.0; n],
+            v: vec![0.0; n],
+            kv_dim,
+            block_size,
+        })
+    }
+
+    fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<CpuTensor> {
+        if data.len() != rows * cols {
+            return Err(Error::Shape {
+                op: "act_from_host",
+                reason: format!("{} values for {rows}x{cols}", data.len()),
+            });
+        }
+        Ok(CpuTensor {
+            data: data.to_vec(),
+            rows,
+            cols,
+        })
+    }
+
+    fn act_to_host(&self, a: &CpuTensor) -> Result<Vec<f32>> {
+        Ok(a.data.clone())
+    }
+
+    fn act_shape(&self, a: &CpuTensor) -> (usize, usize) {
+        (a.rows, a.cols)
+    }
+
+    fn embed(&self, table: &CpuMatrix, ids: &[u32]) -> Result<CpuTensor> {
+        matmul::embed(table, ids)
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, w: &Vec<f32>, eps: f32) -> Result<CpuTensor> {
+        if w.len() != x.cols {
+            return Err(Error::Shape {
+                op: "rms_norm",
+                reason: format!("weight {} for {} columns", w.len(), x.cols),
+            });
+        }
+        let mut out = vec![0f32; x.data.len()];
+        for (dst, src) in out
+            .chunks_exact_mut(x.cols)
+            .zip(x.data.chunks_exact(x.cols))
+        {
+            let ss: f32 = src.iter().map(|v| v * v).sum::<f32>() / x.cols as f32;
+            let inv = 1.0 / (ss + eps).sqrt();
+            for ((d, s), w) in dst.iter_mut().zip(src).zip(w) {
+                *d = s * inv * w;
+            }
+        }
+        Ok(CpuTensor {
+            data: out,
+            rows: x.rows,
+            cols: x.cols,
+        })
+    }
+
+    fn linear(&self, x: &CpuTensor, w: &CpuMatrix, bias: Option<&Vec<f32>>) -> Result<CpuTensor> {
+        self.pool
+            .install(|| matmul::linear(self.isa, self.threads, x, w, bias.map(|b| b.as_slice())))
+    }
+
+    fn rope(
+        &self,
+        x: &mut CpuTensor,
+        positions: &[u32],
+        inv_freq: &[f32],
+        head_dim: usize,
+    ) -> Result<()> {
+        if positions.len() != x.rows || !x.cols.is_multiple_of(head_dim) || inv_freq.len() * 2 != head_dim {
+            return Err(Error::Shape {
+                op: "rope",
+                reason: format!("{} positions for {} rows", positions.len(), x.rows),
+            });
+        }
+        let half = head_dim / 2;
+        let mut cos = vec![0f32; half];
+        let mut sin = vec![0f32; half];
+        for (row, &pos) in x.data.chunks_exact_mut(x.cols).zip(positions) {
+            for j in 0..half {
+                let a = pos as f32 * inv_freq[j];
+                (sin[j], cos[j]) = a.sin_cos();
+            }
+            for head in row.chunks_exact_mut(head_dim) {
+                let (lo, hi) = head.split_at_mut(half);
+                for j in 0..half {
+                    let (a, b) = (lo[j], hi[j]);
+                    lo[j] = a * cos[j] - b * sin[j];
+                    hi[j] = b * cos[j] + a * sin[j];
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        cache: &mut CpuKvLayer,
+        seqs: &[AttnSeq<'_>],
+        shape: AttnShape,
+    ) -> Result<CpuTensor> {
+        if k.cols != cache.kv_dim
+            || v.cols != cache.kv_dim
+            || q.cols != shape.num_heads * shape.head_dim
+        {
+            return Err(Error::Shape {
+                op: "attention",
+                reason: "q/k/v widths do not match the cache".into(),
+            });
+        }
+        attention::write_kv(cache, k, v, seqs)?;
+        Ok(self
+            .pool
+            .install(|| attention::attend(self.isa, q, cache, seqs, shape)))
+    }
+
+    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
+        same_shape("silu_mul", gate, up)?;
+        let data = gate
+            .data
+            .iter()
+            .zip(&up.data)
+            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+            .collect();
+        Ok(CpuTensor {
+            data,
+            rows: gate.rows,
+            cols: gate.cols,
+        })
+    }
+
+    fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
+        same_shape("add", x, y)?;
+        x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    fn select_rows(&self, x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
+        let mut data = Vec::with_capacity(rows.len() * x.cols);
+        for &r in rows {
+            if r >= x.rows {
+                return Err(Error::Shape {
+                    op: "select_rows",
+                    reason: format!("row {r} of {}", x.rows),
+                });
+            }
+            data.extend_from_slice(&x.data[r * x.cols..(r + 1) * x.cols]);
+        }
+        Ok(CpuTensor {
+            data,
+            rows: rows.len(),
+            cols: x.cols,
+        })
+    }
+}

@@ -1,0 +1,407 @@
+//! Dot-product kernels: a portable scalar version of each (the oracle) and AVX2/FMA/F16C versions picked
+//! at runtime.
+
+use crate::tensor::{QK, f16_at};
+
+/// An activation block quantized to 8 bits for integer dot products with quantized weights.
+#[derive(Debug, Clone, Copy)]
+#[repr(C)]
+pub struct Q8Block {
+    /// Scale: value ≈ `d * qs[i]`.
+    pub d: f32,
+    /// `d * Σ qs`, used by the offset terms of Q4_0/Q4_1.
+    pub s: f32,
+    /// Quantized values.
+    pub qs: [i8; QK],
+}
+
+/// Quantizes a row (length a multiple of 32) into 8-bit blocks.
+pub fn quantize_row(x: &[f32], out: &mut [Q8Block]) {
+    for (chunk, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in b.qs.iter_mut().zip(chunk) {
+            let r = (v * id).round() as i32;
+            *q = r.clamp(-127, 127) as i8;
+            sum += *q as i32;
+        }
+        b.d = d;
+        b.s = d * sum as f32;
+    }
+}
+
+/// Which instruction set the kernels use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// Portable Rust.
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C.
+    Avx2,
+}
+
+impl Isa {
+    /// The best instruction set this CPU supports.
+    pub fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    }
+}
+
+/// Σ a·b over f32.
+pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: Avx2 is only chosen after runtime detection of avx2, fma and f16c.
+        return unsafe { x86::dot_f32(a, b) };
+    }
+    let _ = isa;
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Σ x·w with `w` as f16 bits.
+pub fn dot_f16(isa: Isa, x: &[f32], w: &[u16]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: see dot_f32.
+        return unsafe { x86::dot_f16(x, w) };
+    }
+    let _ = isa;
+    x.iter()
+        .zip(w)
+        .map(|(a, &b)| a * half::f16::from_bits(b).to_f32())
+        .sum()
+}
+
+/// Σ x·w with `w` as bf16 bits.
+pub fn dot_bf16(isa: Isa, x: &[f32], w: &[u16]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: see dot_f32.
+        return unsafe { x86::dot_bf16(x, w) };
+    }
+    let _ = isa;
+    x.iter()
+        .zip(w)
+        .map(|(a, &b)| a * f32::from_bits((b as u32) << 16))
+        .sum()
+}
+
+/// Dot product of one Q8_0 weight row (raw blocks) with quantized activations.
+pub fn dot_q8_0(isa: Isa, w: &[u8], a: &[Q8Block]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: see dot_f32; `w` holds `a.len()` blocks (checked by the caller's shapes).
+        return unsafe { x86::dot_q8_0(w, a) };
+    }
+    let _ = isa;
+    let mut sum = 0f32;
+    for (blk, ab) in w.chunks_exact(34).zip(a) {
+        let isum: i32 = blk[2..]
+            .iter()
+            .zip(&ab.qs)
+            .map(|(&q, &x)| (q as i8) as i32 * x as i32)
+            .sum();
+        sum += f16_at(blk, 0) * ab.d * isum as f32;
+    }
+    sum
+}
+
+/// Dot product of one Q4_0 weight row with quantized activations.
+pub fn dot_q4_0(isa: Isa, w: &[u8], a: &[Q8Block]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: see dot_q8_0.
+        return unsafe { x86::dot_q4(w, a, 18, 2, false) };
+    }
+    let _ = isa;
+    let mut sum = 0f32;
+    for (blk, ab) in w.chunks_exact(18).zip(a) {
+        let isum = nibble_dot(&blk[2..18], &ab.qs);
+        sum += f16_at(blk, 0) * (ab.d * isum as f32 - 8.0 * ab.s);
+    }
+    sum
+}
+
+/// Dot product of one Q4_1 weight row with quantized activations.
+pub fn dot_q4_1(isa: Isa, w: &[u8], a: &[Q8Block]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: see dot_q8_0.
+        return unsafe { x86::dot_q4(w, a, 20, 4, true) };
+    }
+    let _ = isa;
+    let mut sum = 0f32;
+    for (blk, ab) in w.chunks_exact(20).zip(a) {
+        let isum = nibble_dot(&blk[4..20], &ab.qs);
+        sum += f16_at(blk, 0) * ab.d * isum as f32 + f16_at(blk, 2) * ab.s;
+    }
+    sum
+}
+
+fn nibble_dot(qs: &[u8], a: &[i8; QK]) -> i32 {
+    let mut isum = 0i32;
+    for j in 0..16 {
+        isum += (qs[j] & 0x0f) as i32 * a[j] as i32 + (qs[j] >> 4) as i32 * a[j + 16] as i32;
+    }
+    isum
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::Q8Block;
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps(v, 1);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn half(bits: u16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        // SAFETY: every load reads within 0..n of both slices.
+        unsafe {
+            while i + 32 <= n {
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(pa.add(i + 8 * j)),
+                        _mm256_loadu_ps(pb.add(i + 8 * j)),
+                        *acc,
+                    );
+                }
+                i += 32;
+            }
+            while i + 8 <= n {
+                acc[0] = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(pa.add(i)),
+                    _mm256_loadu_ps(pb.add(i)),
+                    acc[0],
+                );
+                i += 8;
+            }
+        }
+        let mut s = hsum(_mm256_add_ps(
+            _mm256_add_ps(acc[0], acc[1]),
+            _mm256_add_ps(acc[2], acc[3]),
+        ));
+        for k in i..n {
+            s += a[k] * b[k];
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_f16(x: &[f32], w: &[u16]) -> f32 {
+        let n = x.len().min(w.len());
+        let mut acc = [_mm256_setzero_ps(); 2];
+        let mut i = 0;
+        // SAFETY: every load reads within 0..n of both slices.
+        unsafe {
+            while i + 16 <= n {
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let wv = _mm256_cvtph_ps(_mm_loadu_si128(
+                        w.as_ptr().add(i + 8 * j) as *const __m128i
+                    ));
+                    *acc = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i + 8 * j)), wv, *acc);
+                }
+                i += 16;
+            }
+        }
+        let mut s = hsum(_mm256_add_ps(acc[0], acc[1]));
+        for k in i..n {
+            s += x[k] * half::f16::from_bits(w[k]).to_f32();
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_bf16(x: &[f32], w: &[u16]) -> f32 {
+        let n = x.len().min(w.len());
+        let mut acc = [_mm256_setzero_ps(); 2];
+        let mut i = 0;
+        // SAFETY: every load reads within 0..n of both slices.
+        unsafe {
+            while i + 16 <= n {
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let raw = _mm_loadu_si128(w.as_ptr().add(i + 8 * j) as *const __m128i);
+                    let wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+                    *acc = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i + 8 * j)), wv, *acc);
+                }
+                i += 16;
+            }
+        }
+        let mut s = hsum(_mm256_add_ps(acc[0], acc[1]));
+        for k in i..n {
+            s += x[k] * f32::from_bits((w[k] as u32) << 16);
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8_0(w: &[u8], a: &[Q8Block]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let ones = _mm256_set1_epi16(1);
+        for (blk, ab) in w.chunks_exact(34).zip(a) {
+            // SAFETY: each block is 34 bytes (2 scale + 32 quants); each activation block holds 32 i8.
+            let (wq, av) = unsafe {
+                (
+                    _mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i),
+                    _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i),
+                )
+            };
+            // maddubs needs an unsigned operand: move w's sign onto a.
+            let p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(av, wq));
+            let p32 = _mm256_madd_epi16(p16, ones);
+            let scale = half(u16::from_le_bytes([blk[0], blk[1]])) * ab.d;
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(scale), acc);
+        }
+        hsum(acc)
+    }
+
+    /// Q4_0 (`has_min == false`: values are q-8) and Q4_1 (`has_min`: values are d*q+m).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4(
+        w: &[u8],
+        a: &[Q8Block],
+        block_bytes: usize,
+        qs_off: usize,
+        has_min: bool,
+    ) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut offset_sum = 0f32;
+        let ones = _mm256_set1_epi16(1);
+        let mask = _mm256_set1_epi8(0x0f);
+        for (blk, ab) in w.chunks_exact(block_bytes).zip(a) {
+            // SAFETY: a block holds 16 bytes of nibbles at `qs_off`; activation blocks hold 32 i8.
+            let (q, av) = unsafe {
+                (
+                    _mm_loadu_si128(blk.as_ptr().add(qs_off) as *const __m128i),
+                    _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i),
+                )
+            };
+            // Low nibbles are elements 0..16, high nibbles 16..32.
+            let wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), mask);
+            let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, av), ones);
+            let d = half(u16::from_le_bytes([blk[0], blk[1]]));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(d * ab.d), acc);
+            offset_sum += if has_min {
+                half(u16::from_le_bytes([blk[2], blk[3]])) * ab.s
+            } else {
+                -8.0 * d * ab.s
+            };
+        }
+        hsum(acc) + offset_sum
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn rand_vec(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    #[test]
+    fn simd_float_dots_match_scalar() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let isa = Isa::detect();
+        for n in [1, 7, 8, 33, 100, 576] {
+            let (a, b) = (rand_vec(&mut rng, n), rand_vec(&mut rng, n));
+            let h: Vec<u16> = b
+                .iter()
+                .map(|&x| half::f16::from_f32(x).to_bits())
+                .collect();
+            let bf: Vec<u16> = b
+                .iter()
+                .map(|&x| half::bf16::from_f32(x).to_bits())
+                .collect();
+            let tol = 1e-4 * n as f32;
+            assert!((dot_f32(isa, &a, &b) - dot_f32(Isa::Scalar, &a, &b)).abs() < tol);
+            assert!((dot_f16(isa, &a, &h) - dot_f16(Isa::Scalar, &a, &h)).abs() < tol);
+            assert!((dot_bf16(isa, &a, &bf) - dot_bf16(Isa::Scalar, &a, &bf)).abs() < tol);
+        }
+    }
+
+    #[test]
+    fn simd_quant_dots_match_scalar_and_dequantized_math() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(2);
+        let isa = Isa::detect();
+        let n = 128;
+        let x = rand_vec(&mut rng, n);
+        let mut xq = vec![
+            Q8Block {
+                d: 0.0,
+                s: 0.0,
+                qs: [0; 32]
+            };
+            n / 32
+        ];
+        quantize_row(&x, &mut xq);
+        for (dtype, bb) in [
+            (crate::tensor::DType::Q8_0, 34),
+            (crate::tensor::DType::Q4_0, 18),
+            (crate::tensor::DType::Q4_1, 20),
+        ] {
+            let mut w: Vec<u8> = (0..n / 32 * bb).map(|_| rng.random()).collect();
+            for blk in w.chunks_exact_mut(bb) {
+                blk[0..2].copy_from_slice(
+                    &half::f16::from_f32(rng.random_range(0.01..0.1)).to_le_bytes(),
+                );
+                if dtype == crate::tensor::DType::Q4_1 {
+                    blk[2..4].copy_from_slice(
+                        &half::f16::from_f32(rng.random_range(-0.5..0.5)).to_le_bytes(),
+                    );
+                }
+            }
+            let (fast, slow) = match dtype {
+                crate::tensor::DType::Q8_0 => {
+                    (dot_q8_0(isa, &w, &xq), dot_q8_0(Isa::Scalar, &w, &xq))
+                }
+                crate::tensor::DType::Q4_0 => {
+                    (dot_q4_0(isa, &w, &xq), dot_q4_0(Isa::Scalar, &w, &xq))
+                }
+                _ => (dot_q4_1(isa, &w, &xq), dot_q4_1(Isa::Scalar, &w, &xq)),
+            };
+            let mut wf = vec![0f32; n];
+            for (blk, dst) in w.chunks_exact(bb).zip(wf.chunks_exact_mut(32)) {
+                crate::tensor::dequantize_block(dtype, blk, dst);
+            }
+            let exact: f32 = wf.iter().zip(&x).map(|(a, b)| a * b).sum();
+            assert!(
+                (fast - slow).abs() < 1e-3,
+                "{dtype}: simd {fast} vs scalar {slow}"
+            );
+            assert!(
+                (slow - exact).abs() < 0.02 * exact.abs().max(1.0),
+                "{dtype}: {slow} vs f32 {exact}"
+            );
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! The compute interface the model is written against. The CPU backend is the reference; a CUDA backend
+//! implements the same trait, so model code never changes per device.
+
+pub mod cpu;
+
+use crate::Result;
+use crate::tensor::HostTensor;
+
+/// Where one sequence's new tokens sit in a batch and in its KV cache.
+#[derive(Debug, Clone)]
+pub struct AttnSeq<'a> {
+    /// First row of this sequence's tokens in the batch's activations.
+    pub row: usize,
+    /// Number of new tokens.
+    pub len: usize,
+    /// Position of the first new token (tokens already cached before it).
+    pub start_pos: usize,
+    /// KV blocks holding positions `0..start_pos+len`, in order.
+    pub blocks: &'a [u32],
+}
+
+/// Shape of one attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads.
+    pub num_kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+}
+
+/// A compute device: owns weight, activation and KV storage and runs the ops of a decoder layer.
+/// Activations are `[rows, cols]` with one row per token.
+pub trait Backend: Send + Sync + 'static {
+    /// Activations (hidden states, logits) on the device.
+    type Act: Send;
+    /// A weight matrix `[out, in]` on the device, in its storage type (possibly quantized).
+    type Mat: Send + Sync;
+    /// A small f32 vector (norm weight, bias) on the device.
+    type Vector: Send + Sync;
+    /// Paged key/value storage for one layer.
+    type KvLayer: Send;
+
+    /// Human-readable device name.
+    fn name(&self) -> String;
+    /// Uploads a weight matrix (2-D host tensor), keeping its storage type.
+    fn upload_matrix(&self, t: &HostTensor) -> Result<Self::Mat>;
+    /// Uploads an f32 vector.
+    fn upload_vector(&self, v: &[f32]) -> Result<Self::Vector>;
+    /// Bytes a matrix occupies on the device.
+    fn matrix_bytes(&self, m: &Self::Mat) -> usize;
+    /// Allocates KV storage for one layer: `num_blocks × block_size` slots of `kv_dim` keys and values.
+    fn alloc_kv_layer(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        kv_dim: usize,
+    ) -> Result<Self::KvLayer>;
+    /// Copies host f32 data (`rows × cols`) into an activation.
+    fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Act>;
+    /// Copies an activation back to the host as f32, row-major.
+    fn act_to_host(&self, a: &Self::Act) -> Result<Vec<f32>>;
+    /// `(rows, cols)` of an activation.
+    fn act_shape(&self, a: &Self::Act) -> (usize, usize);
+    /// Gathers embedding rows for `ids`.
+    fn embed(&self, table: &Self::Mat, ids: &[u32]) -> Result<Self::Act>;
+    /// RMSNorm of each row, scaled by `w`.
+    fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Result<Self::Act>;
+    /// `x · wᵀ (+ bias)`.
+    fn linear(
+        &self,
+        x: &Self::Act,
+        w: &Self::Mat,
+        bias: Option<&Self::Vector>,
+    ) -> Result<Self::Act>;
+    /// Rotary embedding (Hugging Face rotate-half layout) on each head of each row, in place.
+    fn rope(
+        &self,
+        x: &mut Self::Act,
+        positions: &[u32],
+        inv_freq: &[f32],
+        head_dim: usize,
+    ) -> Result<()>;
+    /// Writes the new keys/values into the cache, then runs causal GQA attention for every sequence.
+    fn attention(
+        &self,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        cache: &mut Self::KvLayer,
+        seqs: &[AttnSeq<'_>],
+        shape: AttnShape,
+    ) -> Result<Self::Act>;
+    /// `silu(gate) * up`, element-wise.
+    fn silu_mul(&self, gate: &Self::Act, up: &Self::Act) -> Result<Self::Act>;
+    /// `x += y`, element-wise.
+    fn add_assign(&self, x: &mut Self::Act, y: &Self::Act) -> Result<()>;
+    /// A new activation holding the given rows of `x`.
+    fn select_rows(&self, x: &Self::Act, rows: &[usize]) -> Result<Self::Act>;
+}

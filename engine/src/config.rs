@@ -1,0 +1,367 @@
+//! Model hyper-parameters, read from a Hugging Face `config.json` or GGUF metadata.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// The decoder families this engine runs; they share one forward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Architecture {
+    /// `LlamaForCausalLM` (also GGUF `llama`).
+    Llama,
+    /// `MistralForCausalLM`.
+    Mistral,
+    /// `Qwen2ForCausalLM` (q/k/v projections carry a bias).
+    Qwen2,
+}
+
+impl Architecture {
+    /// The Hugging Face class name.
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Architecture::Llama => "LlamaForCausalLM",
+            Architecture::Mistral => "MistralForCausalLM",
+            Architecture::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+
+    /// Parses a Hugging Face class name.
+    pub fn from_hf_name(name: &str) -> Result<Self> {
+        match name {
+            "LlamaForCausalLM" => Ok(Architecture::Llama),
+            "MistralForCausalLM" => Ok(Architecture::Mistral),
+            "Qwen2ForCausalLM" => Ok(Architecture::Qwen2),
+            other => Err(Error::UnsupportedArchitecture(other.to_string())),
+        }
+    }
+}
+
+/// `rope_scaling` of type `llama3`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Llama3RopeScaling {
+    /// Overall context extension factor.
+    pub factor: f64,
+    /// Wavelengths above `original_max / low_freq_factor` are scaled fully.
+    pub low_freq_factor: f64,
+    /// Wavelengths below `original_max / high_freq_factor` are left alone.
+    pub high_freq_factor: f64,
+    /// Context length the model was trained with.
+    pub original_max_position_embeddings: f64,
+}
+
+/// Everything the forward pass needs to know about a model's shape.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    /// Decoder family.
+    pub architecture: Architecture,
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Width of the MLP.
+    pub intermediate_size: usize,
+    /// Number of transformer layers.
+    pub num_layers: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (GQA when fewer than `num_heads`).
+    pub num_kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// Optional llama3 RoPE frequency scaling.
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    /// Whether `lm_head` reuses the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// Whether q/k/v projections carry a bias.
+    pub attention_bias: bool,
+    /// Longest context the model supports.
+    pub max_position_embeddings: usize,
+    /// Beginning-of-sequence token, when the model has one.
+    pub bos_token_id: Option<u32>,
+    /// End-of-sequence tokens.
+    pub eos_token_ids: Vec<u32>,
+}
+
+#[derive(Deserialize)]
+struct HfConfig {
+    architectures: Option<Vec<String>>,
+    model_type: Option<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<serde_json::Value>,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    max_position_embeddings: Option<usize>,
+    bos_token_id: Option<serde_json::Value>,
+    eos_token_id: Option<serde_json::Value>,
+    hidden_act: Option<String>,
+}
+
+fn ids(v: &Option<serde_json::Value>) -> Vec<u32> {
+    match v {
+        Some(serde_json::Value::Number(n)) => {
+            n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
+        }
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u32)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+impl ModelConfig {
+    /// Parses a Hugging Face `config.json`.
+    pub fn from_hf_json(text: &str) -> Result<Self> {
+        let raw: HfConfig =
+            serde_json::from_str(text).map_err(|e| Error::Config(format!("config.json: {e}")))?;
+        let arch_name = match (&raw.architectures, &raw.model_type) {
+            (Some(a), _) if !a.is_empty() => a[0].clone(),
+            (_, Some(t)) => match t.as_str() {
+                "llama" => "LlamaForCausalLM".into(),
+                "mistral" => "MistralForCausalLM".into(),
+                "qwen2" => "Qwen2ForCausalLM".into(),
+                other => other.to_string(),
+            },
+            _ => return Err(Error::Config("config.json names no architecture".into())),
+        };
+        let architecture = Architecture::from_hf_name(&arch_name)?;
+        if let Some(act) = &raw.hidden_act
+            && act != "silu"
+        {
+            return Err(Error::Config(format!(
+                "hidden_act {act:?} is not supported (only silu)"
+            )));
+        }
+        let rope_scaling = match &raw.rope_scaling {
+            None | Some(serde_json::Value::Null) => None,
+            Some(v) => {
+                let kind = v
+                    .get("rope_type")
+                    .or_else(|| v.get("type"))
+                    .and_then(|t| t.as_str())
+                    .unwrap_or("");
+                match kind {
+                    "llama3" => {
+                        let num = |k: &str| {
+                            v.get(k)
+                                .and_then(|x| x.as_f64())
+                                .ok_or_else(|| Error::Config(format!("rope_scaling.{k} missing")))
+                        };
+                        Some(Llama3RopeScaling {
+                            factor: num("factor")?,
+                            low_freq_factor: num("low_freq_factor")?,
+                            high_freq_factor: num("high_freq_factor")?,
+                            original_max_position_embeddings: num(
+                                "original_max_position_embeddings",
+                            )?,
+                        })
+                    }
+                    "default" => None,
+                    other => {
+                        return Err(Error::Config(format!(
+                            "rope_scaling type {other:?} is not supported"
+                        )));
+                    }
+                }
+            }
+        };
+        let num_kv_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
+        let head_dim = raw
+            .head_dim
+            .unwrap_or(raw.hidden_size / raw.num_attention_heads.max(1));
+        let cfg = ModelConfig {
+            architecture,
+            hidden_size: raw.hidden_size,
+            intermediate_size: raw.intermediate_size,
+            num_layers: raw.num_hidden_layers,
+            num_heads: raw.num_attention_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size: raw.vocab_size,
+            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
+            rope_theta: raw.rope_theta.unwrap_or(10000.0),
+            rope_scaling,
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            attention_bias: raw
+                .attention_bias
+                .unwrap_or(architecture == Architecture::Qwen2),
+            max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
+            bos_token_id: ids(&raw.bos_token_id).first().copied(),
+            eos_token_ids: ids(&raw.eos_token_id),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks the shape parameters are consistent.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(m));
+        if self.hidden_size == 0
+            || self.num_layers == 0
+            || self.num_heads == 0
+            || self.vocab_size == 0
+        {
+            return bad("hidden_size, num_hidden_layers, num_attention_heads and vocab_size must be positive".into());
+        }
+        if self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
+            return bad(format!(
+                "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return bad(format!(
+                "head_dim {} must be even and positive",
+                self.head_dim
+            ));
+        }
+        Ok(())
+    }
+
+    /// Width of all query heads together.
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    /// Width of all key (or value) heads together.
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// RoPE inverse frequencies (`head_dim / 2` of them), llama3 scaling applied.
+    pub fn rope_inv_freq(&self) -> Vec<f32> {
+        let half = self.head_dim / 2;
+        (0..half)
+            .map(|j| {
+                let base = self
+                    .rope_theta
+                    .powf(-(2.0 * j as f64) / self.head_dim as f64);
+                let f = match &self.rope_scaling {
+                    None => base,
+                    Some(s) => {
+                        let low_wavelen = s.original_max_position_embeddings / s.low_freq_factor;
+                        let high_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
+                        let wavelen = 2.0 * std::f64::consts::PI / base;
+                        if wavelen < high_wavelen {
+                            base
+                        } else if wavelen > low_wavelen {
+                            base / s.factor
+                        } else {
+                            let smooth = (s.original_max_position_embeddings / wavelen
+                                - s.low_freq_factor)
+                                / (s.high_freq_factor - s.low_freq_factor);
+                            (1.0 - smooth) * base / s.factor + smooth * base
+                        }
+                    }
+                };
+                f as f32
+            })
+            .collect()
+    }
+
+    /// Renders this config as a Hugging Face `config.json` value.
+    pub fn to_hf_json(&self) -> serde_json::Value {
+        let mut v = serde_json::json!({
+            "architectures": [self.architecture.hf_name()],
+            "model_type": match self.architecture {
+                Architecture::Llama => "llama",
+                Architecture::Mistral => "mistral",
+                Architecture::Qwen2 => "qwen2",
+            },
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_ids,
+        });
+        if let Some(s) = &self.rope_scaling {
+            v["rope_scaling"] = serde_json::json!({
+                "rope_type": "llama3",
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+            });
+        }
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_llama_with_gqa_and_defaults() {
+        let cfg = ModelConfig::from_hf_json(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100,
+            "eos_token_id":[1,2]}"#,
+        )
+        .expect("valid config");
+        assert_eq!(cfg.head_dim, 16);
+        assert_eq!(cfg.kv_dim(), 32);
+        assert_eq!(cfg.eos_token_ids, vec![1, 2]);
+        assert!(!cfg.attention_bias);
+    }
+
+    #[test]
+    fn rejects_unknown_architecture_by_name() {
+        let err = ModelConfig::from_hf_json(
+            r#"{"architectures":["GPTNeoXForCausalLM"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100}"#,
+        )
+        .expect_err("must fail");
+        assert!(err.to_string().contains("GPTNeoXForCausalLM"), "{err}");
+    }
+
+    #[test]
+    fn rejects_heads_not_divisible() {
+        let err = ModelConfig::from_hf_json(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":3,"vocab_size":100}"#,
+        )
+        .expect_err("must fail");
+        assert!(err.to_string().contains("num_key_value_heads"), "{err}");
+    }
+
+    #[test]
+    fn llama3_scaling_keeps_high_freqs_and_divides_low_ones() {
+        let mut cfg = ModelConfig::from_hf_json(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":1,"num_attention_heads":1,"vocab_size":10,"rope_theta":500000.0,
+            "rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
+            "original_max_position_embeddings":8192}}"#,
+        )
+        .expect("valid config");
+        let scaled = cfg.rope_inv_freq();
+        cfg.rope_scaling = None;
+        let plain = cfg.rope_inv_freq();
+        assert_eq!(scaled[0], plain[0]);
+        let last = plain.len() - 1;
+        assert!((scaled[last] - plain[last] / 8.0).abs() <= plain[last] * 1e-6);
+    }
+}

@@ -1,0 +1,115 @@
+//! The engine's one error type.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong while loading or running a model.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A file could not be opened or read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// `config.json` (or GGUF metadata) is malformed or incomplete.
+    #[error("invalid model config: {0}")]
+    Config(String),
+    /// The architecture is not one this engine implements.
+    #[error(
+        "unsupported architecture {0:?} (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, GGUF llama)"
+    )]
+    UnsupportedArchitecture(String),
+    /// A safetensors file is malformed (truncated, bad header, bad offsets).
+    #[error("invalid safetensors file {path}: {reason}")]
+    Safetensors {
+        /// The file.
+        path: PathBuf,
+        /// What the parser said.
+        reason: String,
+    },
+    /// A GGUF file is malformed.
+    #[error("invalid GGUF file {path}: {reason}")]
+    Gguf {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A tensor the model needs is absent.
+    #[error("missing tensor {0:?}")]
+    MissingTensor(String),
+    /// A tensor has the wrong shape for the config.
+    #[error("tensor {name:?} has shape {actual:?}, expected {expected:?}")]
+    ShapeMismatch {
+        /// Tensor name.
+        name: String,
+        /// Shape in the file.
+        actual: Vec<usize>,
+        /// Shape the config implies.
+        expected: Vec<usize>,
+    },
+    /// A tensor element type this engine cannot hold.
+    #[error("tensor {name:?} has unsupported type {dtype}")]
+    UnsupportedDType {
+        /// Tensor name.
+        name: String,
+        /// The type as named by the file format.
+        dtype: String,
+    },
+    /// The tokenizer could not be built or failed to encode/decode.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// The chat template could not be rendered.
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+    /// A request that cannot be served as given (empty prompt, id outside the vocab, ...).
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// The KV cache has no free block left.
+    #[error("KV cache exhausted: need {needed} blocks, {free} free")]
+    KvExhausted {
+        /// Blocks asked for.
+        needed: usize,
+        /// Blocks free.
+        free: usize,
+    },
+    /// A sequence id the KV cache does not know.
+    #[error("unknown sequence {0}")]
+    UnknownSequence(u64),
+    /// The layer range is empty or outside the model.
+    #[error("invalid layer range {start}..{end} for a model of {layers} layers")]
+    LayerRange {
+        /// First layer.
+        start: usize,
+        /// One past the last layer.
+        end: usize,
+        /// Layers in the model.
+        layers: usize,
+    },
+    /// An input tensor does not have the shape an op expects.
+    #[error("{op}: {reason}")]
+    Shape {
+        /// The op.
+        op: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The requested device or backend is not available here.
+    #[error("device unavailable: {0}")]
+    Device(String),
+}
+
+impl Error {
+    /// Wraps an I/O error with the path it concerns.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+/// The engine's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,493 @@
+//! GGUF files (llama architecture): metadata, tensor directory, and the mapping to Hugging Face names.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+
+use crate::config::{Architecture, ModelConfig};
+use crate::tensor::{Bytes, DType, HostTensor};
+use crate::{Error, Result};
+
+/// One metadata value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    /// Any unsigned integer.
+    U64(u64),
+    /// Any signed integer.
+    I64(i64),
+    /// Any float.
+    F64(f64),
+    /// A boolean.
+    Bool(bool),
+    /// A UTF-8 string.
+    Str(String),
+    /// An array of values.
+    Array(Vec<Value>),
+}
+
+impl Value {
+    /// The value as an unsigned integer, when it is one.
+    pub fn as_u64(&self) -> Option<u64> {
+        match self {
+            Value::U64(v) => Some(*v),
+            Value::I64(v) if *v >= 0 => Some(*v as u64),
+            _ => None,
+        }
+    }
+
+    /// The value as a float, when it is numeric.
+    pub fn as_f64(&self) -> Option<f64> {
+        match self {
+            Value::F64(v) => Some(*v),
+            Value::U64(v) => Some(*v as f64),
+            Value::I64(v) => Some(*v as f64),
+            _ => None,
+        }
+    }
+
+    /// The value as a string, when it is one.
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The value as an array, when it is one.
+    pub fn as_array(&self) -> Option<&[Value]> {
+        match self {
+            Value::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+}
+
+struct TensorInfo {
+    dtype: DType,
+    shape: Vec<usize>,
+    offset: usize,
+    len: usize,
+}
+
+/// An opened GGUF file.
+pub struct GgufSource {
+    path: PathBuf,
+    map: Arc<Mmap>,
+    /// All metadata key/values.
+    pub metadata: HashMap<String, Value>,
+    tensors: HashMap<String, TensorInfo>,
+    config: ModelConfig,
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    path: &'a Path,
+}
+
+impl<'a> Reader<'a> {
+    fn err(&self, reason: impl Into<String>) -> Error {
+        Error::Gguf {
+            path: self.path.to_path_buf(),
+            reason: reason.into(),
+        }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len());
+        match end {
+            Some(end) => {
+                let s = &self.buf[self.pos..end];
+                self.pos = end;
+                Ok(s)
+            }
+            None => Err(self.err(format!(
+                "truncated: needed {n} bytes at offset {}",
+                self.pos
+            ))),
+        }
+    }
+
+    fn u32(&mut self) -> Result<u32> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn u64(&mut self) -> Result<u64> {
+        let b = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_le_bytes(a))
+    }
+
+    fn len(&mut self) -> Result<usize> {
+        let n = self.u64()?;
+        // Every element takes at least one byte, so a count beyond the file is corrupt, not a huge allocation.
+        if n > (self.buf.len() - self.pos) as u64 {
+            return Err(self.err(format!(
+                "length {n} at offset {} exceeds the file",
+                self.pos
+            )));
+        }
+        Ok(n as usize)
+    }
+
+    fn string(&mut self) -> Result<String> {
+        let n = self.len()?;
+        let b = self.take(n)?;
+        String::from_utf8(b.to_vec()).map_err(|_| self.err("string is not UTF-8"))
+    }
+
+    fn value(&mut self, ty: u32, depth: usize) -> Result<Value> {
+        Ok(match ty {
+            0 => Value::U64(self.take(1)?[0] as u64),
+            1 => Value::I64(self.take(1)?[0] as i8 as i64),
+            2 => {
+                let b = self.take(2)?;
+                Value::U64(u16::from_le_bytes([b[0], b[1]]) as u64)
+            }
+            3 => {
+                let b = self.take(2)?;
+                Value::I64(i16::from_le_bytes([b[0], b[1]]) as i64)
+            }
+            4 => Value::U64(self.u32()? as u64),
+            5 => Value::I64(self.u32()? as i32 as i64),
+            6 => Value::F64(f32::from_bits(self.u32()?) as f64),
+            7 => Value::Bool(self.take(1)?[0] != 0),
+            8 => Value::Str(self.string()?),
+            9 => {
+                if depth > 2 {
+                    return Err(self.err("arrays nested too deeply"));
+                }
+                let inner = self.u32()?;
+                let n = self.len()?;
+                let mut v = Vec::with_capacity(n.min(1 << 20));
+                for _ in 0..n {
+                    v.push(self.value(inner, depth + 1)?);
+                }
+                Value::Array(v)
+            }
+            10 => Value::U64(self.u64()?),
+            11 => Value::I64(self.u64()? as i64),
+            12 => Value::F64(f64::from_bits(self.u64()?)),
+            other => return Err(self.err(format!("unknown metadata value type {other}"))),
+        })
+    }
+}
+
+fn ggml_type(code: u32) -> std::result::Result<DType, String> {
+    Ok(match code {
+        0 => DType::F32,
+        1 => DType::F16,
+        2 => DType::Q4_0,
+        3 => DType::Q4_1,
+        8 => DType::Q8_0,
+        30 => DType::BF16,
+        6 => return Err("Q5_0".into()),
+        7 => return Err("Q5_1".into()),
+        9 => return Err("Q8_1".into()),
+        10..=15 => return Err(format!("K-quant type {code}")),
+        other => return Err(format!("ggml type {other}")),
+    })
+}
+
+impl GgufSource {
+    /// Opens and indexes a GGUF file; tensor data is not read.
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: model files are treated as read-only for the life of the process.
+        let map = Arc::new(unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?);
+        let mut r = Reader {
+            buf: &map,
+            pos: 0,
+            path,
+        };
+        if r.take(4)
+            .map_err(|_| r.err("file too short for a GGUF header"))?
+            != b"GGUF"
+        {
+            return Err(r.err("bad magic (not a GGUF file)"));
+        }
+        let version = r.u32()?;
+        if !(2..=3).contains(&version) {
+            return Err(r.err(format!("unsupported GGUF version {version}")));
+        }
+        let n_tensors = r.len()?;
+        let n_kv = r.len()?;
+        let mut metadata = HashMap::new();
+        for _ in 0..n_kv {
+            let key = r.string()?;
+            let ty = r.u32()?;
+            let v = r.value(ty, 0)?;
+            metadata.insert(key, v);
+        }
+        let mut raw = Vec::with_capacity(n_tensors);
+        for _ in 0..n_tensors {
+            let name = r.string()?;
+            let n_dims = r.u32()? as usize;
+            if n_dims > 4 {
+                return Err(r.err(format!("tensor {name:?} has {n_dims} dimensions")));
+            }
+            let mut dims = Vec::with_capacity(n_dims);
+            for _ in 0..n_dims {
+                dims.push(r.u64()? as usize);
+            }
+            let code = r.u32()?;
+            let offset = r.u64()? as usize;
+            raw.push((name, dims, code, offset));
+        }
+        let align = metadata
+            .get("general.alignment")
+            .and_then(Value::as_u64)
+            .unwrap_or(32) as usize;
+        if align == 0 || !align.is_power_of_two() {
+            return Err(r.err(format!("general.alignment {align} is not a power of two")));
+        }
+        let data_start = r.pos.div_ceil(align) * align;
+        let mut tensors = HashMap::new();
+        for (name, dims, code, offset) in raw {
+            let dtype = ggml_type(code).map_err(|t| Error::UnsupportedDType {
+                name: name.clone(),
+                dtype: t,
+            })?;
+            // GGUF lists the fastest-varying dimension first; Hugging Face order is the reverse.
+            let shape: Vec<usize> = dims.iter().rev().copied().collect();
+            let elems = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+            let len = elems
+                .filter(|_| dims.first().is_some_and(|c| c % dtype.block_elems() == 0))
+                .and_then(|n| dtype.bytes_for(n))
+                .ok_or_else(|| {
+                    r.err(format!(
+                        "tensor {name:?} has invalid shape {shape:?} for {dtype}"
+                    ))
+                })?;
+            let start = data_start
+                .checked_add(offset)
+                .filter(|s| s.checked_add(len).is_some_and(|e| e <= map.len()));
+            let Some(start) = start else {
+                return Err(r.err(format!(
+                    "tensor {name:?} lies beyond the end of the file (truncated?)"
+                )));
+            };
+            tensors.insert(
+                name,
+                TensorInfo {
+                    dtype,
+                    shape,
+                    offset: start,
+                    len,
+                },
+            );
+        }
+        let config = config_from_metadata(&metadata, &tensors, path)?;
+        Ok(GgufSource {
+            path: path.to_path_buf(),
+            map,
+            metadata,
+            tensors,
+            config,
+        })
+    }
+
+    /// The model's configuration, derived from metadata.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Whether a tensor (by Hugging Face name) exists.
+    pub fn contains(&self, hf_name: &str) -> bool {
+        gguf_name(hf_name).is_some_and(|(n, _)| self.tensors.contains_key(&n))
+    }
+
+    /// Reads a tensor by its Hugging Face name, undoing llama.cpp's Q/K row permutation.
+    pub fn tensor(&self, hf_name: &str) -> Result<HostTensor> {
+        let (name, unpermute) =
+            gguf_name(hf_name).ok_or_else(|| Error::MissingTensor(hf_name.to_string()))?;
+        let info = self
+            .tensors
+            .get(&name)
+            .ok_or_else(|| Error::MissingTensor(format!("{hf_name} ({name})")))?;
+        let bytes = Bytes::mapped(self.map.clone(), info.offset, info.len);
+        let t = HostTensor::new(&name, info.dtype, info.shape.clone(), bytes).map_err(|e| {
+            Error::Gguf {
+                path: self.path.clone(),
+                reason: e.to_string(),
+            }
+        })?;
+        let heads = match unpermute {
+            Permute::None => return Ok(t),
+            Permute::Q => self.config.num_heads,
+            Permute::K => self.config.num_kv_heads,
+        };
+        if t.shape.len() != 2 || t.shape[0] % heads != 0 || (t.shape[0] / heads) % 2 != 0 {
+            return Err(Error::ShapeMismatch {
+                name: hf_name.into(),
+                actual: t.shape.clone(),
+                expected: vec![heads * self.config.head_dim, self.config.hidden_size],
+            });
+        }
+        Ok(t.permute_rows(&unpermute_rows(t.shape[0], heads)))
+    }
+}
+
+/// llama.cpp stores each head's rows interleaved (pair-wise) for its RoPE; Hugging Face stores halves.
+/// HF row `(h, half, k)` is GGUF row `h*d + 2k + half`.
+fn unpermute_rows(rows: usize, heads: usize) -> Vec<usize> {
+    let d = rows / heads;
+    let mut src = Vec::with_capacity(rows);
+    for h in 0..heads {
+        for half in 0..2 {
+            for k in 0..d / 2 {
+                src.push(h * d + 2 * k + half);
+            }
+        }
+    }
+    src
+}
+
+#[derive(Clone, Copy)]
+enum Permute {
+    None,
+    Q,
+    K,
+}
+
+fn gguf_name(hf: &str) -> Option<(String, Permute)> {
+    let fixed = match hf {
+        "model.embed_tokens.weight" => Some("token_embd.weight"),
+        "model.norm.weight" => Some("output_norm.weight"),
+        "lm_head.weight" => Some("output.weight"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some((f.to_string(), Permute::None));
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, leaf) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (g, p) = match leaf {
+        "input_layernorm.weight" => ("attn_norm.weight", Permute::None),
+        "post_attention_layernorm.weight" => ("ffn_norm.weight", Permute::None),
+        "self_attn.q_proj.weight" => ("attn_q.weight", Permute::Q),
+        "self_attn.k_proj.weight" => ("attn_k.weight", Permute::K),
+        "self_attn.v_proj.weight" => ("attn_v.weight", Permute::None),
+        "self_attn.o_proj.weight" => ("attn_output.weight", Permute::None),
+        "mlp.gate_proj.weight" => ("ffn_gate.weight", Permute::None),
+        "mlp.up_proj.weight" => ("ffn_up.weight", Permute::None),
+        "mlp.down_proj.weight" => ("ffn_down.weight", Permute::None),
+        _ => return None,
+    };
+    Some((format!("blk.{layer}.{g}"), p))
+}
+
+fn config_from_metadata(
+    md: &HashMap<String, Value>,
+    tensors: &HashMap<String, TensorInfo>,
+    path: &Path,
+) -> Result<ModelConfig> {
+    let arch = md
+        .get("general.architecture")
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    if arch != "llama" {
+        return Err(Error::UnsupportedArchitecture(format!("gguf:{arch}")));
+    }
+    let get = |k: &str| -> Result<u64> {
+        md.get(&format!("llama.{k}"))
+            .and_then(Value::as_u64)
+            .ok_or_else(|| Error::Gguf {
+                path: path.to_path_buf(),
+                reason: format!("metadata llama.{k} missing"),
+            })
+    };
+    let hidden = get("embedding_length")? as usize;
+    let heads = get("attention.head_count")? as usize;
+    let vocab = match md.get("llama.vocab_size").and_then(Value::as_u64) {
+        Some(v) => v as usize,
+        None => md
+            .get("tokenizer.ggml.tokens")
+            .and_then(Value::as_array)
+            .map(|a| a.len())
+            .ok_or_else(|| Error::Gguf {
+                path: path.to_path_buf(),
+                reason: "no vocab size and no tokenizer.ggml.tokens".into(),
+            })?,
+    };
+    let head_dim = md
+        .get("llama.attention.key_length")
+        .or_else(|| md.get("llama.rope.dimension_count"))
+        .and_then(Value::as_u64)
+        .map(|d| d as usize)
+        .unwrap_or(hidden / heads.max(1));
+    let f = |k: &str, default: f64| {
+        md.get(&format!("llama.{k}"))
+            .and_then(Value::as_f64)
+            .unwrap_or(default)
+    };
+    let tok_id = |k: &str| {
+        md.get(&format!("tokenizer.ggml.{k}"))
+            .and_then(Value::as_u64)
+            .map(|v| v as u32)
+    };
+    let cfg = ModelConfig {
+        architecture: Architecture::Llama,
+        hidden_size: hidden,
+        intermediate_size: get("feed_forward_length")? as usize,
+        num_layers: get("block_count")? as usize,
+        num_heads: heads,
+        num_kv_heads: md
+            .get("llama.attention.head_count_kv")
+            .and_then(Value::as_u64)
+            .map(|v| v as usize)
+            .unwrap_or(heads),
+        head_dim,
+        vocab_size: vocab,
+        rms_norm_eps: f("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta: f("rope.freq_base", 10000.0),
+        rope_scaling: None,
+        tie_word_embeddings: !tensors.contains_key("output.weight"),
+        attention_bias: false,
+        max_position_embeddings: md
+            .get("llama.context_length")
+            .and_then(Value::as_u64)
+            .unwrap_or(2048) as usize,
+        bos_token_id: tok_id("bos_token_id"),
+        eos_token_ids: tok_id("eos_token_id").into_iter().collect(),
+    };
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unpermute_inverts_llama_cpp_permutation() {
+        // llama.cpp: gguf[h, k, half] = hf[h, half, k]; build that and check we map back.
+        let (heads, d) = (2, 8);
+        let hf: Vec<usize> = (0..heads * d).collect();
+        let mut gguf = vec![0; heads * d];
+        for h in 0..heads {
+            for half in 0..2 {
+                for k in 0..d / 2 {
+                    gguf[h * d + 2 * k + half] = hf[h * d + half * d / 2 + k];
+                }
+            }
+        }
+        let back: Vec<usize> = unpermute_rows(heads * d, heads)
+            .iter()
+            .map(|&r| gguf[r])
+            .collect();
+        assert_eq!(back, hf);
+    }
+
+    #[test]
+    fn maps_layer_names() {
+        let (n, _) = gguf_name("model.layers.12.mlp.down_proj.weight").expect("known");
+        assert_eq!(n, "blk.12.ffn_down.weight");
+        assert!(gguf_name("model.layers.x.mlp.down_proj.weight").is_none());
+    }
+}

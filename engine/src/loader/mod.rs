@@ -1,0 +1,78 @@
+//! Opening a model from disk: a Hugging Face directory or a GGUF file, behind one interface that hands out
+//! tensors by their Hugging Face names.
+
+pub mod gguf;
+pub mod hf;
+
+use std::path::{Path, PathBuf};
+
+use crate::config::ModelConfig;
+use crate::tensor::HostTensor;
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+
+/// An opened model: config, tensor index and tokenizer source. Tensor data is read on demand.
+pub enum ModelFiles {
+    /// A Hugging Face directory.
+    Hf {
+        /// The directory.
+        dir: PathBuf,
+        /// Its safetensors index.
+        source: hf::HfSource,
+    },
+    /// A GGUF file.
+    Gguf(gguf::GgufSource),
+}
+
+impl ModelFiles {
+    /// Opens `path`: a directory with `config.json`, or a `.gguf` file.
+    pub fn open(path: &Path) -> Result<Self> {
+        if path.is_dir() {
+            return Ok(ModelFiles::Hf {
+                dir: path.to_path_buf(),
+                source: hf::HfSource::open(path)?,
+            });
+        }
+        if !path.exists() {
+            return Err(Error::io(
+                path,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory"),
+            ));
+        }
+        Ok(ModelFiles::Gguf(gguf::GgufSource::open(path)?))
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        match self {
+            ModelFiles::Hf { source, .. } => source.config(),
+            ModelFiles::Gguf(g) => g.config(),
+        }
+    }
+
+    /// Reads a tensor by Hugging Face name.
+    pub fn tensor(&self, name: &str) -> Result<HostTensor> {
+        match self {
+            ModelFiles::Hf { source, .. } => source.tensor(name),
+            ModelFiles::Gguf(g) => g.tensor(name),
+        }
+    }
+
+    /// Whether a tensor exists.
+    pub fn contains(&self, name: &str) -> bool {
+        match self {
+            ModelFiles::Hf { source, .. } => source.contains(name),
+            ModelFiles::Gguf(g) => g.contains(name),
+        }
+    }
+
+    /// Builds the model's tokenizer.
+    pub fn tokenizer(&self) -> Result<Tokenizer> {
+        match self {
+            ModelFiles::Hf { dir, source } => {
+                Tokenizer::from_hf_dir(dir, source.config().bos_token_id)
+            }
+            ModelFiles::Gguf(g) => Tokenizer::from_gguf(&g.metadata),
+        }
+    }
+}

@@ -1,0 +1,384 @@
+//! A contiguous slice of a decoder: embeddings on the first stage, layers `[start, end)`, final norm and
+//! `lm_head` on the last. One stage holding every layer is the whole model.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::backend::{AttnSeq, AttnShape, Backend};
+use crate::config::ModelConfig;
+use crate::kv_cache::KvCache;
+use crate::loader::ModelFiles;
+use crate::tensor::{DType, HostTensor};
+use crate::{Error, Result};
+
+/// New tokens of one sequence in a batch. Chunks are laid out in order; a chunk's rows follow the previous.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqChunk {
+    /// Sequence id (shared by every stage).
+    pub seq_id: u64,
+    /// Position of the first new token.
+    pub start_pos: usize,
+    /// Number of new tokens.
+    pub len: usize,
+}
+
+/// What flows into a stage.
+pub enum StageInput<'a, B: Backend> {
+    /// Token ids (first stage).
+    Tokens(&'a [u32]),
+    /// Hidden states `[tokens, hidden]` from the previous stage.
+    Hidden(B::Act),
+}
+
+/// Which rows the last stage turns into logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitRows {
+    /// Only each sequence's last new token (generation).
+    Last,
+    /// Every token (scoring, tests).
+    All,
+}
+
+/// Options for loading a stage.
+#[derive(Default)]
+pub struct LoadOptions<'a> {
+    /// Store float weights in this type (quantized weights stay quantized).
+    pub dtype: Option<DType>,
+    /// Called after each tensor with (done, total).
+    pub progress: Option<&'a (dyn Fn(usize, usize) + Sync)>,
+}
+
+struct Layer<B: Backend> {
+    attn_norm: B::Vector,
+    q: B::Mat,
+    k: B::Mat,
+    v: B::Mat,
+    q_bias: Option<B::Vector>,
+    k_bias: Option<B::Vector>,
+    v_bias: Option<B::Vector>,
+    o: B::Mat,
+    mlp_norm: B::Vector,
+    gate: B::Mat,
+    up: B::Mat,
+    down: B::Mat,
+}
+
+/// The weights of one stage on one backend.
+pub struct StageModel<B: Backend> {
+    config: ModelConfig,
+    range: Range<usize>,
+    backend: Arc<B>,
+    embed: Option<Arc<B::Mat>>,
+    layers: Vec<Layer<B>>,
+    norm: Option<B::Vector>,
+    lm_head: Option<Arc<B::Mat>>,
+    inv_freq: Vec<f32>,
+    weight_bytes: usize,
+}
+
+struct Loader<'a, 'b, B: Backend> {
+    files: &'a ModelFiles,
+    backend: &'a B,
+    opts: &'a LoadOptions<'b>,
+    done: usize,
+    total: usize,
+    bytes: usize,
+}
+
+impl<B: Backend> Loader<'_, '_, B> {
+    fn tick(&mut self) {
+        self.done += 1;
+        if let Some(p) = self.opts.progress {
+            p(self.done, self.total);
+        }
+    }
+
+    fn matrix(&mut self, name: &str, shape: [usize; 2]) -> Result<B::Mat> {
+        let mut t = self.files.tensor(name)?;
+        t.expect_shape(name, &shape)?;
+        if let Some(d) = self.opts.dtype
+            && !t.dtype.is_quantized()
+        {
+            t = t.convert(d);
+        }
+        let m = self.backend.upload_matrix(&t)?;
+        self.bytes += self.backend.matrix_bytes(&m);
+        self.tick();
+        Ok(m)
+    }
+
+    fn vector(&mut self, name: &str, len: usize) -> Result<B::Vector> {
+        let t: HostTensor = self.files.tensor(name)?;
+        t.expect_shape(name, &[len])?;
+        self.bytes += len * 4;
+        self.tick();
+        self.backend.upload_vector(&t.to_f32())
+    }
+}
+
+impl<B: Backend> StageModel<B> {
+    /// Loads layers `range` (plus embeddings when it starts at 0, and the head when it ends at the last layer).
+    /// Only the tensors of this slice are read.
+    pub fn load(
+        files: &ModelFiles,
+        range: Range<usize>,
+        backend: Arc<B>,
+        opts: &LoadOptions<'_>,
+    ) -> Result<Self> {
+        let cfg = files.config().clone();
+        if range.start >= range.end || range.end > cfg.num_layers {
+            return Err(Error::LayerRange {
+                start: range.start,
+                end: range.end,
+                layers: cfg.num_layers,
+            });
+        }
+        let (first, last) = (range.start == 0, range.end == cfg.num_layers);
+        let per_layer = if cfg.attention_bias { 12 } else { 9 };
+        let total = range.len() * per_layer + usize::from(first) + 2 * usize::from(last);
+        let mut l = Loader {
+            files,
+            backend: &*backend,
+            opts,
+            done: 0,
+            total,
+            bytes: 0,
+        };
+        let (h, q_dim, kv_dim, inter) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.intermediate_size,
+        );
+        let embed_name = "model.embed_tokens.weight";
+        let embed = if first {
+            Some(Arc::new(l.matrix(embed_name, [cfg.vocab_size, h])?))
+        } else {
+            None
+        };
+        let mut layers = Vec::with_capacity(range.len());
+        for i in range.clone() {
+            let p = format!("model.layers.{i}");
+            let bias =
+                |l: &mut Loader<'_, '_, B>, name: &str, n: usize| -> Result<Option<B::Vector>> {
+                    if cfg.attention_bias {
+                        l.vector(&format!("{p}.self_attn.{name}.bias"), n).map(Some)
+                    } else {
+                        Ok(None)
+                    }
+                };
+            layers.push(Layer {
+                attn_norm: l.vector(&format!("{p}.input_layernorm.weight"), h)?,
+                q: l.matrix(&format!("{p}.self_attn.q_proj.weight"), [q_dim, h])?,
+                k: l.matrix(&format!("{p}.self_attn.k_proj.weight"), [kv_dim, h])?,
+                v: l.matrix(&format!("{p}.self_attn.v_proj.weight"), [kv_dim, h])?,
+                q_bias: bias(&mut l, "q_proj", q_dim)?,
+                k_bias: bias(&mut l, "k_proj", kv_dim)?,
+                v_bias: bias(&mut l, "v_proj", kv_dim)?,
+                o: l.matrix(&format!("{p}.self_attn.o_proj.weight"), [h, q_dim])?,
+                mlp_norm: l.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
+                gate: l.matrix(&format!("{p}.mlp.gate_proj.weight"), [inter, h])?,
+                up: l.matrix(&format!("{p}.mlp.up_proj.weight"), [inter, h])?,
+                down: l.matrix(&format!("{p}.mlp.down_proj.weight"), [h, inter])?,
+            });
+        }
+        let (norm, lm_head) = if last {
+            let norm = l.vector("model.norm.weight", h)?;
+            let head = if cfg.tie_word_embeddings || !files.contains("lm_head.weight") {
+                match &embed {
+                    Some(e) => {
+                        l.tick();
+                        e.clone()
+                    }
+                    None => Arc::new(l.matrix(embed_name, [cfg.vocab_size, h])?),
+                }
+            } else {
+                Arc::new(l.matrix("lm_head.weight", [cfg.vocab_size, h])?)
+            };
+            (Some(norm), Some(head))
+        } else {
+            (None, None)
+        };
+        let weight_bytes = l.bytes;
+        Ok(StageModel {
+            inv_freq: cfg.rope_inv_freq(),
+            config: cfg,
+            range,
+            backend,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            weight_bytes,
+        })
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The layers this stage holds.
+    pub fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<B> {
+        &self.backend
+    }
+
+    /// Whether this stage embeds tokens.
+    pub fn is_first(&self) -> bool {
+        self.embed.is_some()
+    }
+
+    /// Whether this stage produces logits.
+    pub fn is_last(&self) -> bool {
+        self.lm_head.is_some()
+    }
+
+    /// Bytes of weights held on the device.
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    /// A KV cache sized for this stage's layers.
+    pub fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache<B>> {
+        KvCache::new(
+            &*self.backend,
+            self.layers.len(),
+            num_blocks,
+            block_size,
+            self.config.kv_dim(),
+        )
+    }
+
+    /// KV bytes per cached token for this stage (keys and values, f32).
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.layers.len() * 2 * self.config.kv_dim() * 4
+    }
+
+    /// Runs the stage on a batch. Returns hidden states `[tokens, hidden]`, or on the last stage logits for
+    /// the rows `rows` selects. KV blocks are reserved for every chunk first (all or nothing).
+    pub fn forward(
+        &self,
+        kv: &mut KvCache<B>,
+        chunks: &[SeqChunk],
+        input: StageInput<'_, B>,
+        rows: LogitRows,
+    ) -> Result<B::Act> {
+        let be = &*self.backend;
+        let cfg = &self.config;
+        let n_tokens: usize = chunks.iter().map(|c| c.len).sum();
+        if n_tokens == 0 {
+            return Err(Error::InvalidRequest("empty batch".into()));
+        }
+        let mut x = match input {
+            StageInput::Tokens(ids) => {
+                let embed = self.embed.as_ref().ok_or_else(|| Error::Shape {
+                    op: "forward",
+                    reason: format!(
+                        "stage {:?} does not start at layer 0 and cannot take token ids",
+                        self.range
+                    ),
+                })?;
+                if ids.len() != n_tokens {
+                    return Err(Error::Shape {
+                        op: "forward",
+                        reason: format!("{} ids for {n_tokens} tokens", ids.len()),
+                    });
+                }
+                be.embed(embed, ids)?
+            }
+            StageInput::Hidden(h) => {
+                if be.act_shape(&h) != (n_tokens, cfg.hidden_size) {
+                    return Err(Error::Shape {
+                        op: "forward",
+                        reason: format!(
+                            "hidden states {:?}, expected ({n_tokens}, {})",
+                            be.act_shape(&h),
+                            cfg.hidden_size
+                        ),
+                    });
+                }
+                h
+            }
+        };
+        // Check capacity for the whole batch before touching any table.
+        let mut needed = 0;
+        for c in chunks {
+            let held = kv.table(c.seq_id).map_or(0, |t| t.blocks.len());
+            needed += kv.blocks_for(c.start_pos + c.len).saturating_sub(held);
+        }
+        if needed > kv.free_blocks() {
+            return Err(Error::KvExhausted {
+                needed,
+                free: kv.free_blocks(),
+            });
+        }
+        for c in chunks {
+            kv.reserve(c.seq_id, c.start_pos, c.len)?;
+        }
+        let mut positions = Vec::with_capacity(n_tokens);
+        for c in chunks {
+            positions.extend((c.start_pos..c.start_pos + c.len).map(|p| p as u32));
+        }
+        let tables: Vec<Vec<u32>> = chunks
+            .iter()
+            .map(|c| {
+                kv.table(c.seq_id)
+                    .map(|t| t.blocks.clone())
+                    .unwrap_or_default()
+            })
+            .collect();
+        let mut row = 0;
+        let seqs: Vec<AttnSeq<'_>> = chunks
+            .iter()
+            .zip(&tables)
+            .map(|(c, blocks)| {
+                let s = AttnSeq {
+                    row,
+                    len: c.len,
+                    start_pos: c.start_pos,
+                    blocks,
+                };
+                row += c.len;
+                s
+            })
+            .collect();
+        let shape = AttnShape {
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            block_size: kv.block_size(),
+        };
+        let eps = cfg.rms_norm_eps as f32;
+        for (layer, cache) in self.layers.iter().zip(kv.layers.iter_mut()) {
+            let h = be.rms_norm(&x, &layer.attn_norm, eps)?;
+            let mut q = be.linear(&h, &layer.q, layer.q_bias.as_ref())?;
+            let mut k = be.linear(&h, &layer.k, layer.k_bias.as_ref())?;
+            let v = be.linear(&h, &layer.v, layer.v_bias.as_ref())?;
+            be.rope(&mut q, &positions, &self.inv_freq, cfg.head_dim)?;
+            be.rope(&mut k, &positions, &self.inv_freq, cfg.head_dim)?;
+            let attn = be.attention(&q, &k, &v, cache, &seqs, shape)?;
+            be.add_assign(&mut x, &be.linear(&attn, &layer.o, None)?)?;
+            let h = be.rms_norm(&x, &layer.mlp_norm, eps)?;
+            let act = be.silu_mul(
+                &be.linear(&h, &layer.gate, None)?,
+                &be.linear(&h, &layer.up, None)?,
+            )?;
+            be.add_assign(&mut x, &be.linear(&act, &layer.down, None)?)?;
+        }
+        let (Some(norm), Some(head)) = (&self.norm, &self.lm_head) else {
+            return Ok(x);
+        };
+        if rows == LogitRows::Last {
+            let last: Vec<usize> = seqs.iter().map(|s| s.row + s.len - 1).collect();
+            if last.len() != n_tokens {
+                x = be.select_rows(&x, &last)?;
+            }
+        }
+        be.linear(&be.rms_norm(&x, norm, eps)?, head, None)
+    }
+}

@@ -1,0 +1,346 @@
+//! Host-side tensors as read from model files: an element type, a shape and bytes that are either
+//! borrowed from a memory map (zero-copy) or owned.
+
+use std::fmt;
+use std::sync::Arc;
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+
+use crate::{Error, Result};
+
+/// Elements per block of the GGML block-quantized types.
+pub const QK: usize = 32;
+
+/// Element types a weight can be stored in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// 32-bit float.
+    F32,
+    /// IEEE half.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// GGML Q8_0: blocks of 32 × i8 with an f16 scale.
+    Q8_0,
+    /// GGML Q4_0: blocks of 32 × 4-bit with an f16 scale, offset 8.
+    Q4_0,
+    /// GGML Q4_1: blocks of 32 × 4-bit with an f16 scale and an f16 minimum.
+    Q4_1,
+}
+
+impl DType {
+    /// Elements per storage block (1 for float types).
+    pub fn block_elems(self) -> usize {
+        match self {
+            DType::F32 | DType::F16 | DType::BF16 => 1,
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => QK,
+        }
+    }
+
+    /// Bytes per storage block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::Q8_0 => 34,
+            DType::Q4_0 => 18,
+            DType::Q4_1 => 20,
+        }
+    }
+
+    /// Bytes taken by `n` elements, or `None` when `n` is not a whole number of blocks.
+    pub fn bytes_for(self, n: usize) -> Option<usize> {
+        n.is_multiple_of(self.block_elems()).then(|| n / self.block_elems() * self.block_bytes())
+    }
+
+    /// Whether this is a block-quantized type.
+    pub fn is_quantized(self) -> bool {
+        self.block_elems() > 1
+    }
+
+    /// Parses the names used on the command line and in safetensors headers.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s.to_ascii_lowercase().as_str() {
+            "f32" | "float32" => DType::F32,
+            "f16" | "float16" | "fp16" => DType::F16,
+            "bf16" | "bfloat16" => DType::BF16,
+            "q8_0" => DType::Q8_0,
+            "q4_0" => DType::Q4_0,
+            "q4_1" => DType::Q4_1,
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::Q8_0 => "q8_0",
+            DType::Q4_0 => "q4_0",
+            DType::Q4_1 => "q4_1",
+        })
+    }
+}
+
+/// Bytes of a tensor: a window into a shared memory map, or an owned 4-byte-aligned buffer.
+#[derive(Clone)]
+pub enum Bytes {
+    /// Zero-copy view into a mapped file.
+    Mapped {
+        /// The map (kept alive by this reference).
+        map: Arc<Mmap>,
+        /// Start of the window.
+        offset: usize,
+        /// Length of the window.
+        len: usize,
+    },
+    /// Owned bytes, stored in `u32`s so float views are aligned.
+    Owned {
+        /// Backing words.
+        words: Arc<Vec<u32>>,
+        /// Length in bytes.
+        len: usize,
+    },
+}
+
+impl Bytes {
+    /// Copies `data` into an owned, aligned buffer.
+    pub fn owned(data: &[u8]) -> Self {
+        let mut words = vec![0u32; data.len().div_ceil(4)];
+        bytemuck::cast_slice_mut::<u32, u8>(&mut words)[..data.len()].copy_from_slice(data);
+        Bytes::Owned {
+            words: Arc::new(words),
+            len: data.len(),
+        }
+    }
+
+    /// Takes a window of a map, copying it when it is not 4-byte aligned.
+    pub fn mapped(map: Arc<Mmap>, offset: usize, len: usize) -> Self {
+        if (map.as_ptr() as usize + offset).is_multiple_of(4) {
+            Bytes::Mapped { map, offset, len }
+        } else {
+            Bytes::owned(&map[offset..offset + len])
+        }
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped { map, offset, len } => &map[*offset..*offset + *len],
+            Bytes::Owned { words, len } => &bytemuck::cast_slice::<u32, u8>(words)[..*len],
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            Bytes::Mapped { len, .. } | Bytes::Owned { len, .. } => *len,
+        }
+    }
+
+    /// Whether the window is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl fmt::Debug for Bytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Bytes::Mapped { len, .. } => write!(f, "Mapped({len} bytes)"),
+            Bytes::Owned { len, .. } => write!(f, "Owned({len} bytes)"),
+        }
+    }
+}
+
+/// A weight tensor on the host. Shapes use Hugging Face order: a matrix is `[out, in]`, row-major.
+#[derive(Debug, Clone)]
+pub struct HostTensor {
+    /// Element type.
+    pub dtype: DType,
+    /// Shape, outermost first.
+    pub shape: Vec<usize>,
+    /// Raw little-endian bytes.
+    pub bytes: Bytes,
+}
+
+impl HostTensor {
+    /// Builds a tensor, checking the byte length matches shape and type.
+    pub fn new(name: &str, dtype: DType, shape: Vec<usize>, bytes: Bytes) -> Result<Self> {
+        let n: usize = shape.iter().product();
+        let row = shape.last().copied().unwrap_or(1);
+        let expected = if dtype.is_quantized() && row % QK != 0 {
+            None
+        } else {
+            dtype.bytes_for(n)
+        };
+        match expected {
+            Some(b) if b == bytes.len() => Ok(HostTensor {
+                dtype,
+                shape,
+                bytes,
+            }),
+            _ => Err(Error::Shape {
+                op: "load",
+                reason: format!(
+                    "tensor {name:?}: {} bytes do not hold {shape:?} of {dtype}",
+                    bytes.len()
+                ),
+            }),
+        }
+    }
+
+    /// An owned f32 tensor.
+    pub fn from_f32(shape: Vec<usize>, data: &[f32]) -> Self {
+        HostTensor {
+            dtype: DType::F32,
+            shape,
+            bytes: Bytes::owned(bytemuck::cast_slice(data)),
+        }
+    }
+
+    /// Number of elements.
+    pub fn elems(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Checks the shape.
+    pub fn expect_shape(&self, name: &str, expected: &[usize]) -> Result<()> {
+        if self.shape == expected {
+            Ok(())
+        } else {
+            Err(Error::ShapeMismatch {
+                name: name.into(),
+                actual: self.shape.clone(),
+                expected: expected.to_vec(),
+            })
+        }
+    }
+
+    /// All elements as f32 (dequantizing or widening as needed).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let b = self.bytes.as_slice();
+        match self.dtype {
+            DType::F32 => bytemuck::cast_slice::<u8, f32>(b).to_vec(),
+            DType::F16 => bytemuck::cast_slice::<u8, f16>(b)
+                .iter()
+                .map(|x| x.to_f32())
+                .collect(),
+            DType::BF16 => bytemuck::cast_slice::<u8, bf16>(b)
+                .iter()
+                .map(|x| x.to_f32())
+                .collect(),
+            q => {
+                let mut out = vec![0f32; self.elems()];
+                for (blk, dst) in b
+                    .chunks_exact(q.block_bytes())
+                    .zip(out.chunks_exact_mut(QK))
+                {
+                    dequantize_block(q, blk, dst);
+                }
+                out
+            }
+        }
+    }
+
+    /// Converts to another float type (quantized targets are not produced here).
+    pub fn convert(&self, to: DType) -> Self {
+        if to == self.dtype || to.is_quantized() {
+            return self.clone();
+        }
+        let v = self.to_f32();
+        let bytes = match to {
+            DType::F32 => Bytes::owned(bytemuck::cast_slice(&v)),
+            DType::F16 => {
+                let h: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+                Bytes::owned(bytemuck::cast_slice(&h))
+            }
+            _ => {
+                let h: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
+                Bytes::owned(bytemuck::cast_slice(&h))
+            }
+        };
+        HostTensor {
+            dtype: to,
+            shape: self.shape.clone(),
+            bytes,
+        }
+    }
+
+    /// Reorders the rows of a 2-D tensor: output row `i` is input row `src[i]`.
+    pub fn permute_rows(&self, src: &[usize]) -> Self {
+        let b = self.bytes.as_slice();
+        let row_bytes = b.len() / self.shape[0].max(1);
+        let mut out = Vec::with_capacity(b.len());
+        for &r in src {
+            out.extend_from_slice(&b[r * row_bytes..(r + 1) * row_bytes]);
+        }
+        HostTensor {
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            bytes: Bytes::owned(&out),
+        }
+    }
+}
+
+/// Reads the f16 at `b[i..i+2]`.
+#[inline]
+pub fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// Dequantizes one GGML block into 32 floats.
+pub fn dequantize_block(dtype: DType, blk: &[u8], dst: &mut [f32]) {
+    match dtype {
+        DType::Q8_0 => {
+            let d = f16_at(blk, 0);
+            for (o, &q) in dst.iter_mut().zip(&blk[2..34]) {
+                *o = d * (q as i8) as f32;
+            }
+        }
+        DType::Q4_0 => {
+            let d = f16_at(blk, 0);
+            for j in 0..16 {
+                dst[j] = d * ((blk[2 + j] & 0x0f) as i32 - 8) as f32;
+                dst[j + 16] = d * ((blk[2 + j] >> 4) as i32 - 8) as f32;
+            }
+        }
+        DType::Q4_1 => {
+            let (d, m) = (f16_at(blk, 0), f16_at(blk, 2));
+            for j in 0..16 {
+                dst[j] = d * (blk[4 + j] & 0x0f) as f32 + m;
+                dst[j + 16] = d * (blk[4 + j] >> 4) as f32 + m;
+            }
+        }
+        _ => unreachable!("dequantize_block called with float type {dtype}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q4_1_block_dequantizes_low_then_high_nibbles() {
+        let mut blk = vec![0u8; 20];
+        blk[0..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        blk[2..4].copy_from_slice(&f16::from_f32(-1.0).to_le_bytes());
+        blk[4] = 0x3a; // low 10, high 3
+        let mut out = [0f32; 32];
+        dequantize_block(DType::Q4_1, &blk, &mut out);
+        assert_eq!(out[0], 0.5 * 10.0 - 1.0);
+        assert_eq!(out[16], 0.5 * 3.0 - 1.0);
+        assert_eq!(out[1], -1.0);
+    }
+
+    #[test]
+    fn rejects_wrong_byte_length() {
+        let err = HostTensor::new("w", DType::F32, vec![2, 3], Bytes::owned(&[0u8; 20]))
+            .expect_err("short");
+        assert!(err.to_string().contains("\"w\""));
+    }
+}

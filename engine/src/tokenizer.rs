@@ -1,0 +1,303 @@
+//! Text ↔ token ids: Hugging Face `tokenizer.json`, or a tokenizer rebuilt from GGUF metadata, plus the
+//! chat template and incremental detokenization.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use crate::loader::gguf::Value;
+use crate::{Error, Result};
+
+/// A tokenizer with the model's special-token conventions.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// Prepend this id when encoding a prompt, when the model wants a BOS token.
+    pub add_bos: Option<u32>,
+    /// Jinja chat template, when the model ships one.
+    pub chat_template: Option<String>,
+    /// BOS token text (for templates).
+    pub bos_token: String,
+    /// EOS token text (for templates).
+    pub eos_token: String,
+}
+
+/// One chat message.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct ChatMessage {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+fn tok_err(e: impl std::fmt::Display) -> Error {
+    Error::Tokenizer(e.to_string())
+}
+
+impl Tokenizer {
+    /// Loads `tokenizer.json` (and `tokenizer_config.json` when present) from a Hugging Face directory.
+    pub fn from_hf_dir(dir: &Path, bos_token_id: Option<u32>) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
+        let cfg_path = dir.join("tokenizer_config.json");
+        let cfg: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
+            Ok(t) => serde_json::from_str(&t)
+                .map_err(|e| Error::Tokenizer(format!("{}: {e}", cfg_path.display())))?,
+            Err(_) => serde_json::Value::Null,
+        };
+        let token_text = |key: &str| -> String {
+            match cfg.get(key) {
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(v) => v
+                    .get("content")
+                    .and_then(|c| c.as_str())
+                    .unwrap_or("")
+                    .to_string(),
+                None => String::new(),
+            }
+        };
+        let add_bos = cfg
+            .get("add_bos_token")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
+        Ok(Tokenizer {
+            add_bos: if add_bos { bos_token_id } else { None },
+            chat_template: cfg
+                .get("chat_template")
+                .and_then(|v| v.as_str())
+                .map(str::to_string),
+            bos_token: token_text("bos_token"),
+            eos_token: token_text("eos_token"),
+            inner,
+        })
+    }
+
+    /// Rebuilds a byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata.
+    pub fn from_gguf(md: &HashMap<String, Value>) -> Result<Self> {
+        let json = gguf_tokenizer_json(md)?;
+        let inner =
+            tokenizers::Tokenizer::from_bytes(json.to_string().as_bytes()).map_err(tok_err)?;
+        let tokens = md
+            .get("tokenizer.ggml.tokens")
+            .and_then(Value::as_array)
+            .unwrap_or(&[]);
+        let text_of = |key: &str| {
+            md.get(key)
+                .and_then(Value::as_u64)
+                .and_then(|i| tokens.get(i as usize))
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string()
+        };
+        let bos = md
+            .get("tokenizer.ggml.bos_token_id")
+            .and_then(Value::as_u64)
+            .map(|v| v as u32);
+        let add_bos = md
+            .get("tokenizer.ggml.add_bos_token")
+            .map(|v| *v == Value::Bool(true))
+            .unwrap_or(false);
+        Ok(Tokenizer {
+            inner,
+            add_bos: if add_bos { bos } else { None },
+            chat_template: md
+                .get("tokenizer.chat_template")
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            bos_token: text_of("tokenizer.ggml.bos_token_id"),
+            eos_token: text_of("tokenizer.ggml.eos_token_id"),
+        })
+    }
+
+    /// Encodes text into ids (special tokens in the text are recognised), adding BOS when the model wants it.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, false).map_err(tok_err)?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if let Some(b) = self.add_bos
+            && !text.starts_with(&self.bos_token)
+        {
+            ids.push(b);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Decodes ids into text, keeping special tokens out.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, true).map_err(tok_err)
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The id of a token string, when it exists.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Serializes the underlying tokenizer as `tokenizer.json` text.
+    pub fn to_json(&self) -> Result<String> {
+        self.inner.to_string(false).map_err(tok_err)
+    }
+
+    /// Renders a conversation through the model's chat template, ending with the assistant prompt.
+    pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String> {
+        let template = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| Error::ChatTemplate("the model ships no chat template".into()))?;
+        let mut env = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", template)
+            .map_err(|e| Error::ChatTemplate(e.to_string()))?;
+        let tmpl = env
+            .get_template("chat")
+            .map_err(|e| Error::ChatTemplate(e.to_string()))?;
+        tmpl.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => true,
+            bos_token => self.bos_token,
+            eos_token => self.eos_token,
+        })
+        .map_err(|e| Error::ChatTemplate(e.to_string()))
+    }
+}
+
+/// The pre-tokenizer a GGUF `tokenizer.ggml.pre` name stands for.
+fn pre_tokenizer(pre: &str) -> Result<serde_json::Value> {
+    let byte_level = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    Ok(match pre {
+        // SmolLM's tokenizer splits digits one by one before the GPT-2 byte-level split.
+        "smollm" => serde_json::json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": true},
+            byte_level,
+        ]}),
+        "gpt2" | "default" | "" => byte_level,
+        other => {
+            return Err(Error::Tokenizer(format!(
+                "GGUF pre-tokenizer {other:?} is not supported (gpt2, smollm)"
+            )));
+        }
+    })
+}
+
+/// Builds a `tokenizer.json` value from GGUF metadata (GPT-2 style byte-level BPE).
+fn gguf_tokenizer_json(md: &HashMap<String, Value>) -> Result<serde_json::Value> {
+    let model = md
+        .get("tokenizer.ggml.model")
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    if model != "gpt2" {
+        return Err(Error::Tokenizer(format!(
+            "GGUF tokenizer model {model:?} is not supported (gpt2 BPE only)"
+        )));
+    }
+    let tokens = md
+        .get("tokenizer.ggml.tokens")
+        .and_then(Value::as_array)
+        .ok_or_else(|| Error::Tokenizer("GGUF has no tokenizer.ggml.tokens".into()))?;
+    let merges = md
+        .get("tokenizer.ggml.merges")
+        .and_then(Value::as_array)
+        .ok_or_else(|| Error::Tokenizer("GGUF has no tokenizer.ggml.merges".into()))?;
+    let types = md
+        .get("tokenizer.ggml.token_type")
+        .and_then(Value::as_array);
+    let mut vocab = serde_json::Map::new();
+    let mut added = Vec::new();
+    for (i, t) in tokens.iter().enumerate() {
+        let t = t
+            .as_str()
+            .ok_or_else(|| Error::Tokenizer(format!("token {i} is not a string")))?;
+        vocab.insert(t.to_string(), serde_json::json!(i));
+        // Token type 3 is CONTROL, 4 USER_DEFINED: both are matched whole, before BPE.
+        let ty = types
+            .and_then(|ts| ts.get(i))
+            .and_then(Value::as_u64)
+            .unwrap_or(1);
+        if ty == 3 || ty == 4 {
+            added.push(serde_json::json!({
+                "id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
+                "normalized": false, "special": ty == 3,
+            }));
+        }
+    }
+    let merges: Vec<&str> = merges.iter().filter_map(Value::as_str).collect();
+    let pre = md
+        .get("tokenizer.ggml.pre")
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    Ok(serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer(pre)?,
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": merges,
+        },
+    }))
+}
+
+/// Turns a growing list of ids into text deltas, holding back incomplete UTF-8 sequences.
+#[derive(Debug, Default)]
+pub struct IncrementalDecoder {
+    ids: Vec<u32>,
+    emitted: usize,
+}
+
+impl IncrementalDecoder {
+    /// Adds one id; returns the new text, if any became complete.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let text = tok.decode(&self.ids)?;
+        if text.ends_with('\u{fffd}')
+            || text.len() < self.emitted
+            || !text.is_char_boundary(self.emitted)
+        {
+            return Ok(String::new());
+        }
+        let delta = text[self.emitted..].to_string();
+        self.emitted = text.len();
+        Ok(delta)
+    }
+}
+
+/// The GPT-2 byte-level alphabet: the printable character standing for each byte value.
+pub fn byte_level_alphabet() -> Vec<char> {
+    let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xa1..=0xac)
+        .chain(0xae..=0xff)
+        .collect();
+    let mut chars: Vec<(u32, u32)> = printable.iter().map(|&b| (b, b)).collect();
+    let mut n = 0;
+    for b in 0..256u32 {
+        if !printable.contains(&b) {
+            chars.push((b, 256 + n));
+            n += 1;
+        }
+    }
+    printable.clear();
+    chars.sort_unstable();
+    chars
+        .into_iter()
+        .map(|(_, c)| char::from_u32(c).unwrap_or('?'))
+        .collect()
+}

@@ -1,0 +1,259 @@
+{{/*
+Names, labels and small builders shared by every template.
+*/}}
+
+{{- define "strata.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "strata.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Component names: kept to 52 characters so StatefulSet pod names and controller-revision labels fit in 63. */}}
+{{- define "strata.coordinator.fullname" -}}
+{{- printf "%s-coordinator" (include "strata.fullname" .) | trunc 52 | trimSuffix "-" -}}
+{{- end -}}
+{{- define "strata.stageWorker.fullname" -}}
+{{- printf "%s-stage-worker" (include "strata.fullname" .) | trunc 52 | trimSuffix "-" -}}
+{{- end -}}
+{{- define "strata.stageWorker.headless" -}}
+{{- printf "%s-headless" (include "strata.stageWorker.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- define "strata.etcd.fullname" -}}
+{{- printf "%s-etcd" (include "strata.fullname" .) | trunc 52 | trimSuffix "-" -}}
+{{- end -}}
+{{- define "strata.etcd.headless" -}}
+{{- printf "%s-headless" (include "strata.etcd.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- define "strata.tls.secretName" -}}
+{{- default (printf "%s-tls" (include "strata.fullname" .)) .Values.tls.existingSecret -}}
+{{- end -}}
+{{- define "strata.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "strata.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "strata.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels on every object. */}}
+{{- define "strata.labels" -}}
+helm.sh/chart: {{ include "strata.chart" . }}
+{{ include "strata.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: strata
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "strata.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "strata.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* Usage: include "strata.componentLabels" (dict "ctx" $ "component" "coordinator") */}}
+{{- define "strata.componentLabels" -}}
+{{ include "strata.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+{{- define "strata.componentSelectorLabels" -}}
+{{ include "strata.selectorLabels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Emits "\n  annotations: ..." (metadata level) or nothing. Call as {{- include "strata.commonAnnotations" . }} */}}
+{{- define "strata.commonAnnotations" -}}
+{{- with .Values.commonAnnotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Image reference. Usage: include "strata.image" (dict "image" .Values.coordinator.image "ctx" $)
+An empty tag falls back to the chart's appVersion; a digest, when set, is appended and wins at pull time.
+*/}}
+{{- define "strata.image" -}}
+{{- $registry := .image.registry -}}
+{{- if .ctx.Values.global.imageRegistry -}}{{- $registry = .ctx.Values.global.imageRegistry -}}{{- end -}}
+{{- $tag := default .ctx.Chart.AppVersion .image.tag | toString -}}
+{{- $ref := .image.repository -}}
+{{- if $registry -}}{{- $ref = printf "%s/%s" $registry $ref -}}{{- end -}}
+{{- $ref = printf "%s:%s" $ref $tag -}}
+{{- if .image.digest -}}{{- $ref = printf "%s@%s" $ref .image.digest -}}{{- end -}}
+{{- $ref -}}
+{{- end -}}
+
+{{- define "strata.imagePullSecrets" -}}
+{{- $secrets := concat (.Values.global.imagePullSecrets | default list) (.Values.imagePullSecrets | default list) | uniq -}}
+{{- if $secrets }}
+imagePullSecrets:
+{{- range $secrets }}
+  - name: {{ . }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* etcd endpoints handed to coordinator and workers (comma separated when external). */}}
+{{- define "strata.etcd.endpoints" -}}
+{{- if .Values.etcd.external.endpoints -}}
+{{- join "," .Values.etcd.external.endpoints -}}
+{{- else -}}
+{{- printf "http://%s.%s.svc.%s:%d" (include "strata.etcd.fullname" .) .Release.Namespace .Values.clusterDomain (int .Values.etcd.service.clientPort) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "strata.scheme" -}}
+{{- if .Values.tls.enabled -}}https{{- else -}}http{{- end -}}
+{{- end -}}
+
+{{/* The coordinator's in-cluster addresses (used by the stage workers' preStop drain and by the helm test). */}}
+{{- define "strata.coordinator.host" -}}
+{{- printf "%s.%s.svc.%s" (include "strata.coordinator.fullname" .) .Release.Namespace .Values.clusterDomain -}}
+{{- end -}}
+{{- define "strata.coordinator.grpcUrl" -}}
+{{- printf "%s://%s:%d" (include "strata.scheme" .) (include "strata.coordinator.host" .) (int .Values.coordinator.service.ports.grpc) -}}
+{{- end -}}
+{{- define "strata.coordinator.httpUrl" -}}
+{{- printf "%s://%s:%d" (include "strata.scheme" .) (include "strata.coordinator.host" .) (int .Values.coordinator.service.ports.http) -}}
+{{- end -}}
+
+{{/* Name the API reports the model under; defaults to the last element of model.path. */}}
+{{- define "strata.model.name" -}}
+{{- default (base .Values.model.path) .Values.model.name -}}
+{{- end -}}
+
+{{/*
+Soft/hard pod anti-affinity presets, bitnami style.
+Usage: include "strata.antiAffinity" (dict "preset" "soft" "labels" (include ...selectorLabels...))
+*/}}
+{{- define "strata.antiAffinity" -}}
+{{- if eq .preset "soft" }}
+podAntiAffinity:
+  preferredDuringSchedulingIgnoredDuringExecution:
+    - weight: 100
+      podAffinityTerm:
+        topologyKey: kubernetes.io/hostname
+        labelSelector:
+          matchLabels:
+            {{- .labels | nindent 12 }}
+{{- else if eq .preset "hard" }}
+podAntiAffinity:
+  requiredDuringSchedulingIgnoredDuringExecution:
+    - topologyKey: kubernetes.io/hostname
+      labelSelector:
+        matchLabels:
+          {{- .labels | nindent 10 }}
+{{- end }}
+{{- end -}}
+
+{{/* TLS env vars and mounts shared by coordinator, workers and the test pod. */}}
+{{- define "strata.tls.env" -}}
+{{- if .Values.tls.enabled }}
+- name: STRATA_TLS_CERT
+  value: {{ printf "%s/tls.crt" .Values.tls.mountPath | quote }}
+- name: STRATA_TLS_KEY
+  value: {{ printf "%s/tls.key" .Values.tls.mountPath | quote }}
+- name: STRATA_TLS_CA
+  value: {{ printf "%s/ca.crt" .Values.tls.mountPath | quote }}
+{{- end }}
+{{- end -}}
+{{- define "strata.tls.volumeMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: {{ .Values.tls.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+{{- define "strata.tls.volume" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "strata.tls.secretName" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
+
+{{/*
+Model volume. mode=pvc mounts a claim (ReadOnlyMany recommended), hostPath mounts a directory on the node,
+initCopy copies from a source claim into an emptyDir before the worker starts.
+Usage: include "strata.model.volume" (dict "ctx" $ "forCoordinator" true)
+The coordinator only reads config and tokenizer files, so in initCopy mode it mounts the source claim directly.
+*/}}
+{{- define "strata.model.volume" -}}
+{{- $v := .ctx.Values.model.volume -}}
+- name: model
+{{- if eq $v.mode "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ required "model.volume.pvc.claimName is required when model.volume.mode=pvc" $v.pvc.claimName }}
+    readOnly: true
+{{- else if eq $v.mode "hostPath" }}
+  hostPath:
+    path: {{ required "model.volume.hostPath.path is required when model.volume.mode=hostPath" $v.hostPath.path }}
+    type: {{ $v.hostPath.type }}
+{{- else if eq $v.mode "initCopy" }}
+{{- if .forCoordinator }}
+  persistentVolumeClaim:
+    claimName: {{ required "model.volume.initCopy.sourceClaimName is required when model.volume.mode=initCopy" $v.initCopy.sourceClaimName }}
+    readOnly: true
+{{- else }}
+  emptyDir:
+    {{- if $v.initCopy.medium }}
+    medium: {{ $v.initCopy.medium }}
+    {{- end }}
+    {{- if $v.initCopy.sizeLimit }}
+    sizeLimit: {{ $v.initCopy.sizeLimit }}
+    {{- end }}
+- name: model-source
+  persistentVolumeClaim:
+    claimName: {{ required "model.volume.initCopy.sourceClaimName is required when model.volume.mode=initCopy" $v.initCopy.sourceClaimName }}
+    readOnly: true
+{{- end }}
+{{- else }}
+{{- fail (printf "model.volume.mode must be pvc, hostPath or initCopy (got %q)" $v.mode) }}
+{{- end }}
+{{- end -}}
+
+{{- define "strata.model.volumeMount" -}}
+{{- $v := .ctx.Values.model.volume -}}
+- name: model
+  mountPath: {{ .ctx.Values.model.mountPath }}
+  {{- if and (eq $v.mode "pvc") $v.pvc.subPath }}
+  subPath: {{ $v.pvc.subPath }}
+  {{- else if and (eq $v.mode "initCopy") .forCoordinator $v.initCopy.sourceSubPath }}
+  subPath: {{ $v.initCopy.sourceSubPath }}
+  {{- end }}
+  readOnly: true
+{{- end -}}
+
+{{/* Fail early on combinations the schema cannot express. */}}
+{{- define "strata.validate" -}}
+{{- if and .Values.tls.enabled (not .Values.tls.existingSecret) (not (and .Values.tls.cert .Values.tls.key)) -}}
+{{- fail "tls.enabled=true needs tls.existingSecret, or both tls.cert and tls.key" -}}
+{{- end -}}
+{{- if and (not .Values.etcd.external.endpoints) (not (has (int .Values.etcd.replicas) (list 1 3 5))) -}}
+{{- fail "etcd.replicas must be 1, 3 or 5" -}}
+{{- end -}}
+{{- if and .Values.stageWorker.gpu.enabled (hasPrefix "cpu" .Values.stageWorker.device) -}}
+{{- fail "stageWorker.device=cpu with stageWorker.gpu.enabled=true would reserve GPUs it never uses; set gpu.enabled=false" -}}
+{{- end -}}
+{{- if and (not .Values.stageWorker.gpu.enabled) (hasPrefix "cuda" .Values.stageWorker.device) -}}
+{{- fail "stageWorker.device=cuda:N needs stageWorker.gpu.enabled=true" -}}
+{{- end -}}
+{{- end -}}

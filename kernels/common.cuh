@@ -1,0 +1,202 @@
+// Shared device helpers for strata's kernels: fixed-width integer aliases, dtype conversions,
+// 128-bit vector loads/stores, warp/block reductions and GGML block-quant structs.
+// Included by every kernel family; NVRTC callers register it under the name "common.cuh".
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+// NVRTC has no <stdint.h>; spell the widths out.
+typedef signed char i8;
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+// bf16 kernels are compiled only for sm_80+ (native bf16 conversions); below that the symbols are
+// absent and the loader must not ask for them (see `requires_sm80` in the Rust crate).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define STRATA_HAS_BF16 1
+#else
+#define STRATA_HAS_BF16 0
+#endif
+
+#define STRATA_WARP 32
+#define STRATA_FULL_MASK 0xffffffffu
+#define STRATA_LOG2E 1.4426950408889634f
+#define STRATA_NEG_INF (__int_as_float(0xff800000))
+
+// ---------------------------------------------------------------------------------------------
+// dtype conversion
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+__device__ __forceinline__ float half_bits_to_f32(u16 bits) { return __half2float(__ushort_as_half(bits)); }
+
+// ---------------------------------------------------------------------------------------------
+// 8-element vector access (one 128-bit transaction for f16/bf16, two for f32).
+// Callers guarantee the pointer is 16-byte aligned (element index a multiple of 8 on a
+// 16-byte-aligned base, or of 4 for f32).
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void load8(const float* p, float (&o)[8]) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    const float4 b = *reinterpret_cast<const float4*>(p + 4);
+    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+    o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+}
+__device__ __forceinline__ void load8(const __half* p, float (&o)[8]) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __half22float2(h[i]);
+        o[2 * i] = f.x; o[2 * i + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&o)[8]) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        o[2 * i] = f.x; o[2 * i + 1] = f.y;
+    }
+}
+
+__device__ __forceinline__ void store8(float* p, const float (&v)[8]) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
+}
+__device__ __forceinline__ void store8(__half* p, const float (&v)[8]) {
+    uint4 u;
+    __half2* h = reinterpret_cast<__half2*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+    *reinterpret_cast<uint4*>(p) = u;
+}
+__device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&v)[8]) {
+    uint4 u;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    *reinterpret_cast<uint4*>(p) = u;
+}
+
+// True when every pointer is 16-byte aligned, so the vector paths above may be used.
+__device__ __forceinline__ bool aligned16(const void* a) { return (reinterpret_cast<u64>(a) & 15) == 0; }
+
+// ---------------------------------------------------------------------------------------------
+// reductions (fixed shuffle trees: results are deterministic run to run)
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(STRATA_FULL_MASK, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(STRATA_FULL_MASK, v, o));
+    return v;
+}
+
+// Block-wide sum; every thread gets the result. `scratch` holds >= 32 floats. blockDim.x must
+// be a multiple of 32.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? scratch[lane] : 0.0f;
+    return warp_sum(v);
+}
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? scratch[lane] : STRATA_NEG_INF;
+    return warp_max(v);
+}
+
+// ---------------------------------------------------------------------------------------------
+// GGML block-quant formats (byte-exact with GGUF; blocks are packed, only 2-byte aligned)
+// ---------------------------------------------------------------------------------------------
+#define QK 32  // elements per block for Q8_0 / Q4_0 / Q4_1
+
+struct block_q8_0 {
+    u16 d;        // f16 scale bits
+    i8 qs[QK];    // value = d * q
+};
+struct block_q4_0 {
+    u16 d;            // f16 scale bits
+    u8 qs[QK / 2];    // element j (j < 16) = low nibble of qs[j], element j + 16 = high nibble
+};                    // value = d * (q - 8)
+struct block_q4_1 {
+    u16 d;            // f16 scale bits
+    u16 m;            // f16 min bits
+    u8 qs[QK / 2];    // same nibble order as Q4_0; value = d * q + m
+};
+static_assert(sizeof(block_q8_0) == 34, "block_q8_0 must be 34 bytes");
+static_assert(sizeof(block_q4_0) == 18, "block_q4_0 must be 18 bytes");
+static_assert(sizeof(block_q4_1) == 20, "block_q4_1 must be 20 bytes");
+
+// Load 4 bytes from a 2-byte aligned address as two u16 pieces.
+__device__ __forceinline__ u32 ld_u32_a2(const void* p) {
+    const u16* q = reinterpret_cast<const u16*>(p);
+    return static_cast<u32>(q[0]) | (static_cast<u32>(q[1]) << 16);
+}
+
+// Dequantize elements [8*j8, 8*j8 + 8) of a row of blocks (j8 counts groups of 8 from the row
+// start). Loads are 2-byte aligned pieces since packed blocks are only 2-byte aligned.
+__device__ __forceinline__ void dequant8(const block_q8_0* __restrict__ row, int j8, float (&o)[8]) {
+    const block_q8_0* b = row + j8 / 4;
+    const int off = (j8 % 4) * 8;
+    const float d = half_bits_to_f32(b->d);
+    const u32 lo = ld_u32_a2(b->qs + off), hi = ld_u32_a2(b->qs + off + 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        o[i] = d * (float)(i8)(lo >> (8 * i));
+        o[4 + i] = d * (float)(i8)(hi >> (8 * i));
+    }
+}
+__device__ __forceinline__ void dequant8(const block_q4_0* __restrict__ row, int j8, float (&o)[8]) {
+    const block_q4_0* b = row + j8 / 4;
+    const int e0 = (j8 % 4) * 8;  // first element of this group of 8 within the block
+    const float d = half_bits_to_f32(b->d);
+    const int byte0 = e0 & 15, shift = e0 >= 16 ? 4 : 0;
+    const u32 lo = ld_u32_a2(b->qs + byte0), hi = ld_u32_a2(b->qs + byte0 + 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        o[i] = d * (float)((int)((lo >> (8 * i + shift)) & 15) - 8);
+        o[4 + i] = d * (float)((int)((hi >> (8 * i + shift)) & 15) - 8);
+    }
+}
+__device__ __forceinline__ void dequant8(const block_q4_1* __restrict__ row, int j8, float (&o)[8]) {
+    const block_q4_1* b = row + j8 / 4;
+    const int e0 = (j8 % 4) * 8;
+    const float d = half_bits_to_f32(b->d), m = half_bits_to_f32(b->m);
+    const int byte0 = e0 & 15, shift = e0 >= 16 ? 4 : 0;
+    const u32 lo = ld_u32_a2(b->qs + byte0), hi = ld_u32_a2(b->qs + byte0 + 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        o[i] = fmaf(d, (float)((lo >> (8 * i + shift)) & 15), m);
+        o[4 + i] = fmaf(d, (float)((hi >> (8 * i + shift)) & 15), m);
+    }
+}
+
+
+// std::conditional without the standard library (NVRTC compiles without host headers).
+template <bool B, typename A, typename C> struct select_type { typedef A type; };
+template <typename A, typename C> struct select_type<false, A, C> { typedef C type; };
