@@ -61,24 +61,14 @@ struct Report {
 fn peak_rss() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .map(str::to_string)
-        })
-        .and_then(|l| {
-            l.split_whitespace()
-                .nth(1)
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).map(str::to_string))
+        .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
         .map_or(0, |kb| kb * 1024)
 }
 
 /// Deterministic prompt ids spread over the vocabulary (no tokenizer needed).
 fn synthetic_prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
-    (0..len)
-        .map(|i| ((i * 7919 + salt * 104_729 + 13) % vocab) as u32)
-        .collect()
+    (0..len).map(|i| ((i * 7919 + salt * 104_729 + 13) % vocab) as u32).collect()
 }
 
 /// Runs `strata bench`.
@@ -96,39 +86,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
 
     // Warm up caches and page in the weights.
     let warm = synthetic_prompt(8, vocab, 99);
-    engine.step(
-        &[SeqChunk {
-            seq_id: 999,
-            start_pos: 0,
-            len: warm.len(),
-        }],
-        &warm,
-    )?;
+    engine.step(&[SeqChunk { seq_id: 999, start_pos: 0, len: warm.len() }], &warm)?;
     engine.release(999);
 
     // Prefill + batch-1 decode.
     let prompt = synthetic_prompt(a.prompt_tokens, vocab, 0);
     let t = Instant::now();
-    let logits = engine.step(
-        &[SeqChunk {
-            seq_id: 0,
-            start_pos: 0,
-            len: prompt.len(),
-        }],
-        &prompt,
-    )?;
+    let logits = engine.step(&[SeqChunk { seq_id: 0, start_pos: 0, len: prompt.len() }], &prompt)?;
     let prefill_s = t.elapsed().as_secs_f64();
     let mut next = argmax(&logits[0]);
     let t = Instant::now();
     for i in 0..a.decode_tokens {
-        let l = engine.step(
-            &[SeqChunk {
-                seq_id: 0,
-                start_pos: prompt.len() + i,
-                len: 1,
-            }],
-            &[next],
-        )?;
+        let l = engine.step(&[SeqChunk { seq_id: 0, start_pos: prompt.len() + i, len: 1 }], &[next])?;
         next = argmax(&l[0]);
     }
     let decode1_s = t.elapsed().as_secs_f64();
@@ -139,25 +108,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut nexts = Vec::new();
     for s in 0..a.batch {
         let p = synthetic_prompt(short, vocab, s + 1);
-        let l = engine.step(
-            &[SeqChunk {
-                seq_id: s as u64 + 1,
-                start_pos: 0,
-                len: short,
-            }],
-            &p,
-        )?;
+        let l = engine.step(&[SeqChunk { seq_id: s as u64 + 1, start_pos: 0, len: short }], &p)?;
         nexts.push(argmax(&l[0]));
     }
     let t = Instant::now();
     for i in 0..a.decode_tokens {
-        let chunks: Vec<SeqChunk> = (0..a.batch)
-            .map(|s| SeqChunk {
-                seq_id: s as u64 + 1,
-                start_pos: short + i,
-                len: 1,
-            })
-            .collect();
+        let chunks: Vec<SeqChunk> =
+            (0..a.batch).map(|s| SeqChunk { seq_id: s as u64 + 1, start_pos: short + i, len: 1 }).collect();
         let l = engine.step(&chunks, &nexts)?;
         nexts = l.iter().map(|r| argmax(r)).collect();
     }
@@ -190,11 +147,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         None => None,
     };
     let base = |k: &str| {
-        baseline
-            .as_ref()
-            .and_then(|b| b.get(k))
-            .and_then(|v| v.as_f64())
-            .map_or("-".to_string(), |v| format!("{v:.1}"))
+        baseline.as_ref().and_then(|b| b.get(k)).and_then(|v| v.as_f64()).map_or("-".to_string(), |v| format!("{v:.1}"))
     };
     println!(
         "model: {}  backend: {}  weights: {:.1} MiB",
@@ -210,21 +163,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
         report.prefill_tokens_per_s,
         base("prefill_tokens_per_s")
     );
-    println!(
-        "| decode tok/s (batch 1) | {:.1} | {} |",
-        report.decode_tokens_per_s_batch1,
-        base("decode_tokens_per_s")
-    );
+    println!("| decode tok/s (batch 1) | {:.1} | {} |", report.decode_tokens_per_s_batch1, base("decode_tokens_per_s"));
     println!(
         "| decode tok/s (batch {}) | {:.1} | {} |",
         a.batch,
         report.decode_tokens_per_s_batched,
         base("decode_tokens_per_s_batch8")
     );
-    println!(
-        "| peak RSS MiB | {:.1} | - |",
-        report.peak_rss_bytes as f64 / 1048576.0
-    );
+    println!("| peak RSS MiB | {:.1} | - |", report.peak_rss_bytes as f64 / 1048576.0);
     println!("| load s | {:.2} | - |", report.load_seconds);
     eprintln!("wrote {}", a.out.display());
     Ok(())

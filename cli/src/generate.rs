@@ -15,11 +15,7 @@ use crate::load::{load, parse_dtype};
 #[derive(clap::Args, Debug, Clone)]
 pub struct PromptArgs {
     /// Prompt text.
-    #[arg(
-        long,
-        conflicts_with = "prompt_ids",
-        required_unless_present = "prompt_ids"
-    )]
+    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
     pub prompt: Option<String>,
     /// Prompt as comma-separated token ids, fed as is.
     #[arg(long, value_delimiter = ',')]
@@ -85,10 +81,7 @@ impl PromptArgs {
         let text = self.prompt.as_deref().unwrap_or_default();
         let tok = tok.context("this model has no tokenizer; pass --prompt-ids")?;
         let text = if self.chat {
-            tok.apply_chat_template(&[ChatMessage {
-                role: "user".into(),
-                content: text.to_string(),
-            }])?
+            tok.apply_chat_template(&[ChatMessage { role: "user".into(), content: text.to_string() }])?
         } else {
             text.to_string()
         };
@@ -130,9 +123,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let output = engine.generate(&req, |delta| {
         if stream && !delta.is_empty() {
             // A closed stdout (e.g. piped to `head`) must not abort generation bookkeeping.
-            let _ = stdout
-                .write_all(delta.as_bytes())
-                .and_then(|_| stdout.flush());
+            let _ = stdout.write_all(delta.as_bytes()).and_then(|_| stdout.flush());
         }
     })?;
     if stream {

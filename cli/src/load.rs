@@ -28,14 +28,8 @@ pub struct Loaded {
 }
 
 /// Loads every layer of `path` on the CPU with `threads` threads.
-pub fn load(
-    path: &Path,
-    dtype: Option<DType>,
-    threads: usize,
-    need_tokenizer: bool,
-) -> Result<Loaded> {
-    let files =
-        ModelFiles::open(path).with_context(|| format!("opening model {}", path.display()))?;
+pub fn load(path: &Path, dtype: Option<DType>, threads: usize, need_tokenizer: bool) -> Result<Loaded> {
+    let files = ModelFiles::open(path).with_context(|| format!("opening model {}", path.display()))?;
     let tokenizer = match files.tokenizer() {
         Ok(t) => Some(Arc::new(t)),
         Err(e) if need_tokenizer => return Err(e).context("loading the tokenizer"),
@@ -57,10 +51,7 @@ pub fn load(
             b.set_position(done as u64);
         }
     };
-    let opts = LoadOptions {
-        dtype,
-        progress: Some(&progress),
-    };
+    let opts = LoadOptions { dtype, progress: Some(&progress) };
     let model = StageModel::load(&files, 0..n, backend, &opts)?;
     if let Some(b) = bar {
         b.finish_and_clear();
@@ -84,8 +75,7 @@ pub struct ConvertArgs {
 
 /// Runs `strata convert`.
 pub fn convert(a: ConvertArgs) -> Result<()> {
-    let files = ModelFiles::open(&a.model)
-        .with_context(|| format!("opening model {}", a.model.display()))?;
+    let files = ModelFiles::open(&a.model).with_context(|| format!("opening model {}", a.model.display()))?;
     if !matches!(files, ModelFiles::Gguf(_)) {
         bail!("{} is not a GGUF file", a.model.display());
     }

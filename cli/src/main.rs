@@ -7,11 +7,7 @@ mod load;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(
-    name = "strata",
-    version,
-    about = "Serve and run Llama-family models split across machines"
-)]
+#[command(name = "strata", version, about = "Serve and run Llama-family models split across machines")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -29,10 +25,7 @@ enum Command {
 
 fn main() {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG")
-                .unwrap_or_else(|_| "warn".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG").unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();

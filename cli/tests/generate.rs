@@ -34,8 +34,17 @@ fn ids(v: &serde_json::Value, key: &str) -> Vec<u64> {
 fn smollm2_knows_the_capital_of_france() -> Result<()> {
     let m = smollm2();
     let v = json(&strata(&[
-        "generate", "--model", m.to_str().unwrap_or_default(), "--prompt", "The capital of France is", "--max-tokens", "4",
-        "--format", "json", "--threads", "2",
+        "generate",
+        "--model",
+        m.to_str().unwrap_or_default(),
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "4",
+        "--format",
+        "json",
+        "--threads",
+        "2",
     ]))?;
     let text = v["text"].as_str().unwrap_or_default();
     assert!(text.starts_with(" Paris"), "got {text:?}");
@@ -54,8 +63,17 @@ fn smollm2_gguf_and_safetensors_conversion_agree() -> Result<()> {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let run = |model: &Path| {
         json(&strata(&[
-            "generate", "--model", model.to_str().unwrap_or_default(), "--prompt", "The capital of France is",
-            "--max-tokens", "5", "--format", "json", "--threads", "2",
+            "generate",
+            "--model",
+            model.to_str().unwrap_or_default(),
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "5",
+            "--format",
+            "json",
+            "--threads",
+            "2",
         ]))
     };
     // The GGUF path quantizes activations to 8 bits for its integer dot products (as llama.cpp does), the
@@ -66,8 +84,16 @@ fn smollm2_gguf_and_safetensors_conversion_agree() -> Result<()> {
     // The chat template survives conversion too.
     let chat = |model: &Path| {
         json(&strata(&[
-            "generate", "--model", model.to_str().unwrap_or_default(), "--prompt", "Hi", "--chat", "--max-tokens", "1",
-            "--format", "json",
+            "generate",
+            "--model",
+            model.to_str().unwrap_or_default(),
+            "--prompt",
+            "Hi",
+            "--chat",
+            "--max-tokens",
+            "1",
+            "--format",
+            "json",
         ]))
     };
     assert_eq!(ids(&chat(&m)?, "prompt_ids"), ids(&chat(&hf)?, "prompt_ids"));
@@ -99,7 +125,17 @@ fn tiny_hf(dir: &Path) -> Result<PathBuf> {
 fn tiny_model_generates_from_ids_without_tokenizer() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let m = tiny_hf(dir.path())?;
-    let v = json(&strata(&["generate", "--model", m.to_str().unwrap_or_default(), "--prompt-ids", "1,2,3", "--max-tokens", "5", "--format", "json"]))?;
+    let v = json(&strata(&[
+        "generate",
+        "--model",
+        m.to_str().unwrap_or_default(),
+        "--prompt-ids",
+        "1,2,3",
+        "--max-tokens",
+        "5",
+        "--format",
+        "json",
+    ]))?;
     assert_eq!(ids(&v, "token_ids").len(), 5);
     Ok(())
 }
@@ -158,7 +194,8 @@ fn malformed_inputs_fail_cleanly() -> Result<()> {
     // Request errors on a good model.
     expect_failure(&good, &["--prompt-ids", "1,99999"], "outside the vocabulary");
     expect_failure(&good, &["--prompt", ""], "");
-    let out = strata(&["generate", "--model", good.to_str().unwrap_or_default(), "--prompt-ids", "", "--max-tokens", "2"]);
+    let out =
+        strata(&["generate", "--model", good.to_str().unwrap_or_default(), "--prompt-ids", "", "--max-tokens", "2"]);
     assert!(!out.status.success());
     // Not a model at all.
     expect_failure(&dir.path().join("nope"), &[], "no such file");

@@ -110,14 +110,8 @@ struct HfConfig {
 
 fn ids(v: &Option<serde_json::Value>) -> Vec<u32> {
     match v {
-        Some(serde_json::Value::Number(n)) => {
-            n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
-        }
-        Some(serde_json::Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_u64())
-            .map(|x| x as u32)
-            .collect(),
+        Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
         _ => Vec::new(),
     }
 }
@@ -125,8 +119,7 @@ fn ids(v: &Option<serde_json::Value>) -> Vec<u32> {
 impl ModelConfig {
     /// Parses a Hugging Face `config.json`.
     pub fn from_hf_json(text: &str) -> Result<Self> {
-        let raw: HfConfig =
-            serde_json::from_str(text).map_err(|e| Error::Config(format!("config.json: {e}")))?;
+        let raw: HfConfig = serde_json::from_str(text).map_err(|e| Error::Config(format!("config.json: {e}")))?;
         let arch_name = match (&raw.architectures, &raw.model_type) {
             (Some(a), _) if !a.is_empty() => a[0].clone(),
             (_, Some(t)) => match t.as_str() {
@@ -141,18 +134,12 @@ impl ModelConfig {
         if let Some(act) = &raw.hidden_act
             && act != "silu"
         {
-            return Err(Error::Config(format!(
-                "hidden_act {act:?} is not supported (only silu)"
-            )));
+            return Err(Error::Config(format!("hidden_act {act:?} is not supported (only silu)")));
         }
         let rope_scaling = match &raw.rope_scaling {
             None | Some(serde_json::Value::Null) => None,
             Some(v) => {
-                let kind = v
-                    .get("rope_type")
-                    .or_else(|| v.get("type"))
-                    .and_then(|t| t.as_str())
-                    .unwrap_or("");
+                let kind = v.get("rope_type").or_else(|| v.get("type")).and_then(|t| t.as_str()).unwrap_or("");
                 match kind {
                     "llama3" => {
                         let num = |k: &str| {
@@ -164,24 +151,18 @@ impl ModelConfig {
                             factor: num("factor")?,
                             low_freq_factor: num("low_freq_factor")?,
                             high_freq_factor: num("high_freq_factor")?,
-                            original_max_position_embeddings: num(
-                                "original_max_position_embeddings",
-                            )?,
+                            original_max_position_embeddings: num("original_max_position_embeddings")?,
                         })
                     }
                     "default" => None,
                     other => {
-                        return Err(Error::Config(format!(
-                            "rope_scaling type {other:?} is not supported"
-                        )));
+                        return Err(Error::Config(format!("rope_scaling type {other:?} is not supported")));
                     }
                 }
             }
         };
         let num_kv_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
-        let head_dim = raw
-            .head_dim
-            .unwrap_or(raw.hidden_size / raw.num_attention_heads.max(1));
+        let head_dim = raw.head_dim.unwrap_or(raw.hidden_size / raw.num_attention_heads.max(1));
         let cfg = ModelConfig {
             architecture,
             hidden_size: raw.hidden_size,
@@ -195,9 +176,7 @@ impl ModelConfig {
             rope_theta: raw.rope_theta.unwrap_or(10000.0),
             rope_scaling,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
-            attention_bias: raw
-                .attention_bias
-                .unwrap_or(architecture == Architecture::Qwen2),
+            attention_bias: raw.attention_bias.unwrap_or(architecture == Architecture::Qwen2),
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
             bos_token_id: ids(&raw.bos_token_id).first().copied(),
             eos_token_ids: ids(&raw.eos_token_id),
@@ -209,11 +188,7 @@ impl ModelConfig {
     /// Checks the shape parameters are consistent.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(m));
-        if self.hidden_size == 0
-            || self.num_layers == 0
-            || self.num_heads == 0
-            || self.vocab_size == 0
-        {
+        if self.hidden_size == 0 || self.num_layers == 0 || self.num_heads == 0 || self.vocab_size == 0 {
             return bad("hidden_size, num_hidden_layers, num_attention_heads and vocab_size must be positive".into());
         }
         if self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
@@ -223,10 +198,7 @@ impl ModelConfig {
             ));
         }
         if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
-            return bad(format!(
-                "head_dim {} must be even and positive",
-                self.head_dim
-            ));
+            return bad(format!("head_dim {} must be even and positive", self.head_dim));
         }
         Ok(())
     }
@@ -246,9 +218,7 @@ impl ModelConfig {
         let half = self.head_dim / 2;
         (0..half)
             .map(|j| {
-                let base = self
-                    .rope_theta
-                    .powf(-(2.0 * j as f64) / self.head_dim as f64);
+                let base = self.rope_theta.powf(-(2.0 * j as f64) / self.head_dim as f64);
                 let f = match &self.rope_scaling {
                     None => base,
                     Some(s) => {
@@ -260,8 +230,7 @@ impl ModelConfig {
                         } else if wavelen > low_wavelen {
                             base / s.factor
                         } else {
-                            let smooth = (s.original_max_position_embeddings / wavelen
-                                - s.low_freq_factor)
+                            let smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor)
                                 / (s.high_freq_factor - s.low_freq_factor);
                             (1.0 - smooth) * base / s.factor + smooth * base
                         }

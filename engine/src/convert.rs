@@ -11,16 +11,11 @@ use crate::{Error, Result};
 /// Matrices are stored as `dtype` (f32, f16 or bf16); norms stay f32.
 pub fn to_hf_dir(files: &ModelFiles, out: &Path, dtype: DType) -> Result<()> {
     if dtype.is_quantized() {
-        return Err(Error::Config(format!(
-            "cannot write {dtype} into safetensors; use f32, f16 or bf16"
-        )));
+        return Err(Error::Config(format!("cannot write {dtype} into safetensors; use f32, f16 or bf16")));
     }
     let cfg = files.config();
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-    let mut names = vec![
-        "model.embed_tokens.weight".to_string(),
-        "model.norm.weight".to_string(),
-    ];
+    let mut names = vec!["model.embed_tokens.weight".to_string(), "model.norm.weight".to_string()];
     if !cfg.tie_word_embeddings {
         names.push("lm_head.weight".into());
     }
@@ -47,16 +42,9 @@ pub fn to_hf_dir(files: &ModelFiles, out: &Path, dtype: DType) -> Result<()> {
     let mut tensors = Vec::with_capacity(names.len());
     for name in names {
         let t = files.tensor(&name)?;
-        let target = if t.shape.len() == 2 {
-            dtype
-        } else {
-            DType::F32
-        };
-        let t = if t.dtype.is_quantized() {
-            crate::tensor::HostTensor::from_f32(t.shape.clone(), &t.to_f32())
-        } else {
-            t
-        };
+        let target = if t.shape.len() == 2 { dtype } else { DType::F32 };
+        let t =
+            if t.dtype.is_quantized() { crate::tensor::HostTensor::from_f32(t.shape.clone(), &t.to_f32()) } else { t };
         tensors.push((name, t.convert(target)));
     }
     let views = tensors
@@ -73,19 +61,13 @@ pub fn to_hf_dir(files: &ModelFiles, out: &Path, dtype: DType) -> Result<()> {
         })
         .collect::<Result<Vec<_>>>()?;
     let st = out.join("model.safetensors");
-    safetensors::serialize_to_file(views, None, &st).map_err(|e| Error::Safetensors {
-        path: st.clone(),
-        reason: e.to_string(),
-    })?;
+    safetensors::serialize_to_file(views, None, &st)
+        .map_err(|e| Error::Safetensors { path: st.clone(), reason: e.to_string() })?;
     let write = |name: &str, text: String| -> Result<()> {
         let p = out.join(name);
         std::fs::write(&p, text).map_err(|e| Error::io(&p, e))
     };
-    write(
-        "config.json",
-        serde_json::to_string_pretty(&cfg.to_hf_json())
-            .map_err(|e| Error::Config(e.to_string()))?,
-    )?;
+    write("config.json", serde_json::to_string_pretty(&cfg.to_hf_json()).map_err(|e| Error::Config(e.to_string()))?)?;
     let tok = files.tokenizer()?;
     write("tokenizer.json", tok.to_json()?)?;
     let tc = serde_json::json!({
@@ -94,8 +76,5 @@ pub fn to_hf_dir(files: &ModelFiles, out: &Path, dtype: DType) -> Result<()> {
         "eos_token": tok.eos_token,
         "chat_template": tok.chat_template,
     });
-    write(
-        "tokenizer_config.json",
-        serde_json::to_string_pretty(&tc).map_err(|e| Error::Config(e.to_string()))?,
-    )
+    write("tokenizer_config.json", serde_json::to_string_pretty(&tc).map_err(|e| Error::Config(e.to_string()))?)
 }

@@ -60,9 +60,7 @@ pub fn validate_request(req: &GenerateRequest, vocab_size: usize, context: usize
         )));
     }
     if req.max_tokens == 0 {
-        return Err(Error::InvalidRequest(
-            "max_tokens must be at least 1".into(),
-        ));
+        return Err(Error::InvalidRequest("max_tokens must be at least 1".into()));
     }
     if req.prompt_ids.len() + req.max_tokens > context {
         return Err(Error::InvalidRequest(format!(
@@ -85,34 +83,20 @@ pub struct StopState {
 impl StopState {
     /// Starts tracking with the given stop strings.
     pub fn new(stop: Vec<String>) -> Self {
-        StopState {
-            stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
-            text: String::new(),
-            sent: 0,
-        }
+        StopState { stop: stop.into_iter().filter(|s| !s.is_empty()).collect(), text: String::new(), sent: 0 }
     }
 
     /// Adds newly decoded text; returns the text safe to emit now and whether a stop string was hit.
     pub fn push(&mut self, piece: &str) -> (String, bool) {
         self.text.push_str(piece);
-        if let Some(cut) = self
-            .stop
-            .iter()
-            .filter_map(|s| self.text.find(s.as_str()))
-            .min()
-        {
+        if let Some(cut) = self.stop.iter().filter_map(|s| self.text.find(s.as_str())).min() {
             self.text.truncate(cut);
             let delta = self.text.get(self.sent..).unwrap_or("").to_string();
             self.sent = self.text.len();
             return (delta, true);
         }
         // Hold back a tail that could still grow into a stop string.
-        let hold = self
-            .stop
-            .iter()
-            .map(|s| s.len().saturating_sub(1))
-            .max()
-            .unwrap_or(0);
+        let hold = self.stop.iter().map(|s| s.len().saturating_sub(1)).max().unwrap_or(0);
         let mut upto = self.text.len().saturating_sub(hold).max(self.sent);
         while !self.text.is_char_boundary(upto) {
             upto -= 1;
@@ -144,23 +128,12 @@ pub const BLOCK_SIZE: usize = 16;
 impl<B: Backend> Engine<B> {
     /// Wraps a full model (all layers) with a KV cache for `kv_tokens` positions. Without a tokenizer the
     /// engine works in token space only (no text, no stop strings).
-    pub fn new(
-        model: StageModel<B>,
-        tokenizer: Option<Arc<Tokenizer>>,
-        kv_tokens: usize,
-    ) -> Result<Self> {
+    pub fn new(model: StageModel<B>, tokenizer: Option<Arc<Tokenizer>>, kv_tokens: usize) -> Result<Self> {
         if !(model.is_first() && model.is_last()) {
-            return Err(Error::Config(
-                "the single-process engine needs every layer".into(),
-            ));
+            return Err(Error::Config("the single-process engine needs every layer".into()));
         }
         let kv = model.new_kv_cache(kv_tokens.div_ceil(BLOCK_SIZE).max(1), BLOCK_SIZE)?;
-        Ok(Engine {
-            model,
-            kv,
-            tokenizer,
-            next_seq: 0,
-        })
+        Ok(Engine { model, kv, tokenizer, next_seq: 0 })
     }
 
     /// The model.
@@ -180,19 +153,10 @@ impl<B: Backend> Engine<B> {
 
     /// Runs one forward step for several sequences and returns each one's last-token logits, host-side.
     pub fn step(&mut self, chunks: &[SeqChunk], ids: &[u32]) -> Result<Vec<Vec<f32>>> {
-        let logits = self.model.forward(
-            &mut self.kv,
-            chunks,
-            StageInput::Tokens(ids),
-            LogitRows::Last,
-        )?;
+        let logits = self.model.forward(&mut self.kv, chunks, StageInput::Tokens(ids), LogitRows::Last)?;
         let be = self.model.backend();
         let vocab = be.act_shape(&logits).1;
-        Ok(be
-            .act_to_host(&logits)?
-            .chunks_exact(vocab)
-            .map(<[f32]>::to_vec)
-            .collect())
+        Ok(be.act_to_host(&logits)?.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
     }
 
     /// Frees a sequence's KV blocks.
@@ -201,11 +165,7 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Generates for one request, calling `on_text` with each new piece of text.
-    pub fn generate(
-        &mut self,
-        req: &GenerateRequest,
-        mut on_text: impl FnMut(&str),
-    ) -> Result<Generation> {
+    pub fn generate(&mut self, req: &GenerateRequest, mut on_text: impl FnMut(&str)) -> Result<Generation> {
         let cfg = self.model.config();
         validate_request(req, cfg.vocab_size, cfg.max_position_embeddings)?;
         let eos = cfg.eos_token_ids.clone();
@@ -227,11 +187,7 @@ impl<B: Backend> Engine<B> {
         let mut history = req.prompt_ids.clone();
         let mut stop = StopState::new(req.stop.clone());
         let mut out = Vec::new();
-        let mut chunk = SeqChunk {
-            seq_id: seq,
-            start_pos: 0,
-            len: req.prompt_ids.len(),
-        };
+        let mut chunk = SeqChunk { seq_id: seq, start_pos: 0, len: req.prompt_ids.len() };
         let mut input = req.prompt_ids.clone();
         let tok = self.tokenizer.clone();
         let mut decoder = IncrementalDecoder::default();
@@ -255,20 +211,11 @@ impl<B: Backend> Engine<B> {
             if out.len() >= req.max_tokens {
                 break FinishReason::Length;
             }
-            chunk = SeqChunk {
-                seq_id: seq,
-                start_pos: chunk.start_pos + chunk.len,
-                len: 1,
-            };
+            chunk = SeqChunk { seq_id: seq, start_pos: chunk.start_pos + chunk.len, len: 1 };
             input = vec![next];
         };
         let (rest, text) = stop.finish();
         on_text(&rest);
-        Ok(Generation {
-            prompt_ids: req.prompt_ids.clone(),
-            token_ids: out,
-            text,
-            finish_reason: finish,
-        })
+        Ok(Generation { prompt_ids: req.prompt_ids.clone(), token_ids: out, text, finish_reason: finish })
     }
 }

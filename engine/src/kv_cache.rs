@@ -27,21 +27,12 @@ pub struct KvCache<B: Backend> {
 
 impl<B: Backend> KvCache<B> {
     /// Allocates `num_blocks` blocks of `block_size` tokens for `layers` layers of width `kv_dim`.
-    pub fn new(
-        backend: &B,
-        layers: usize,
-        num_blocks: usize,
-        block_size: usize,
-        kv_dim: usize,
-    ) -> Result<Self> {
+    pub fn new(backend: &B, layers: usize, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<Self> {
         if block_size == 0 || num_blocks == 0 {
-            return Err(Error::Config(
-                "KV cache needs at least one block of at least one token".into(),
-            ));
+            return Err(Error::Config("KV cache needs at least one block of at least one token".into()));
         }
-        let layers = (0..layers)
-            .map(|_| backend.alloc_kv_layer(num_blocks, block_size, kv_dim))
-            .collect::<Result<_>>()?;
+        let layers =
+            (0..layers).map(|_| backend.alloc_kv_layer(num_blocks, block_size, kv_dim)).collect::<Result<_>>()?;
         Ok(KvCache {
             layers,
             block_size,
@@ -93,10 +84,7 @@ impl<B: Backend> KvCache<B> {
         let held = self.tables.get(&seq).map_or(0, |t| t.blocks.len());
         let needed = self.blocks_for(start_pos + new_tokens).saturating_sub(held);
         if needed > self.free.len() {
-            return Err(Error::KvExhausted {
-                needed,
-                free: self.free.len(),
-            });
+            return Err(Error::KvExhausted { needed, free: self.free.len() });
         }
         let t = self.tables.entry(seq).or_default();
         for _ in 0..needed {

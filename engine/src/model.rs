@@ -119,54 +119,24 @@ impl<B: Backend> Loader<'_, '_, B> {
 impl<B: Backend> StageModel<B> {
     /// Loads layers `range` (plus embeddings when it starts at 0, and the head when it ends at the last layer).
     /// Only the tensors of this slice are read.
-    pub fn load(
-        files: &ModelFiles,
-        range: Range<usize>,
-        backend: Arc<B>,
-        opts: &LoadOptions<'_>,
-    ) -> Result<Self> {
+    pub fn load(files: &ModelFiles, range: Range<usize>, backend: Arc<B>, opts: &LoadOptions<'_>) -> Result<Self> {
         let cfg = files.config().clone();
         if range.start >= range.end || range.end > cfg.num_layers {
-            return Err(Error::LayerRange {
-                start: range.start,
-                end: range.end,
-                layers: cfg.num_layers,
-            });
+            return Err(Error::LayerRange { start: range.start, end: range.end, layers: cfg.num_layers });
         }
         let (first, last) = (range.start == 0, range.end == cfg.num_layers);
         let per_layer = if cfg.attention_bias { 12 } else { 9 };
         let total = range.len() * per_layer + usize::from(first) + 2 * usize::from(last);
-        let mut l = Loader {
-            files,
-            backend: &*backend,
-            opts,
-            done: 0,
-            total,
-            bytes: 0,
-        };
-        let (h, q_dim, kv_dim, inter) = (
-            cfg.hidden_size,
-            cfg.q_dim(),
-            cfg.kv_dim(),
-            cfg.intermediate_size,
-        );
+        let mut l = Loader { files, backend: &*backend, opts, done: 0, total, bytes: 0 };
+        let (h, q_dim, kv_dim, inter) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size);
         let embed_name = "model.embed_tokens.weight";
-        let embed = if first {
-            Some(Arc::new(l.matrix(embed_name, [cfg.vocab_size, h])?))
-        } else {
-            None
-        };
+        let embed = if first { Some(Arc::new(l.matrix(embed_name, [cfg.vocab_size, h])?)) } else { None };
         let mut layers = Vec::with_capacity(range.len());
         for i in range.clone() {
             let p = format!("model.layers.{i}");
-            let bias =
-                |l: &mut Loader<'_, '_, B>, name: &str, n: usize| -> Result<Option<B::Vector>> {
-                    if cfg.attention_bias {
-                        l.vector(&format!("{p}.self_attn.{name}.bias"), n).map(Some)
-                    } else {
-                        Ok(None)
-                    }
-                };
+            let bias = |l: &mut Loader<'_, '_, B>, name: &str, n: usize| -> Result<Option<B::Vector>> {
+                if cfg.attention_bias { l.vector(&format!("{p}.self_attn.{name}.bias"), n).map(Some) } else { Ok(None) }
+            };
             layers.push(Layer {
                 attn_norm: l.vector(&format!("{p}.input_layernorm.weight"), h)?,
                 q: l.matrix(&format!("{p}.self_attn.q_proj.weight"), [q_dim, h])?,
@@ -245,13 +215,7 @@ impl<B: Backend> StageModel<B> {
 
     /// A KV cache sized for this stage's layers.
     pub fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache<B>> {
-        KvCache::new(
-            &*self.backend,
-            self.layers.len(),
-            num_blocks,
-            block_size,
-            self.config.kv_dim(),
-        )
+        KvCache::new(&*self.backend, self.layers.len(), num_blocks, block_size, self.config.kv_dim())
     }
 
     /// KV bytes per cached token for this stage (keys and values, f32).
@@ -268,6 +232,16 @@ impl<B: Backend> StageModel<B> {
         input: StageInput<'_, B>,
         rows: LogitRows,
     ) -> Result<B::Act> {
+        self.backend.scope(|| self.forward_inner(kv, chunks, input, rows))
+    }
+
+    fn forward_inner(
+        &self,
+        kv: &mut KvCache<B>,
+        chunks: &[SeqChunk],
+        input: StageInput<'_, B>,
+        rows: LogitRows,
+    ) -> Result<B::Act> {
         let be = &*self.backend;
         let cfg = &self.config;
         let n_tokens: usize = chunks.iter().map(|c| c.len).sum();
@@ -278,10 +252,7 @@ impl<B: Backend> StageModel<B> {
             StageInput::Tokens(ids) => {
                 let embed = self.embed.as_ref().ok_or_else(|| Error::Shape {
                     op: "forward",
-                    reason: format!(
-                        "stage {:?} does not start at layer 0 and cannot take token ids",
-                        self.range
-                    ),
+                    reason: format!("stage {:?} does not start at layer 0 and cannot take token ids", self.range),
                 })?;
                 if ids.len() != n_tokens {
                     return Err(Error::Shape {
@@ -312,10 +283,7 @@ impl<B: Backend> StageModel<B> {
             needed += kv.blocks_for(c.start_pos + c.len).saturating_sub(held);
         }
         if needed > kv.free_blocks() {
-            return Err(Error::KvExhausted {
-                needed,
-                free: kv.free_blocks(),
-            });
+            return Err(Error::KvExhausted { needed, free: kv.free_blocks() });
         }
         for c in chunks {
             kv.reserve(c.seq_id, c.start_pos, c.len)?;
@@ -324,25 +292,14 @@ impl<B: Backend> StageModel<B> {
         for c in chunks {
             positions.extend((c.start_pos..c.start_pos + c.len).map(|p| p as u32));
         }
-        let tables: Vec<Vec<u32>> = chunks
-            .iter()
-            .map(|c| {
-                kv.table(c.seq_id)
-                    .map(|t| t.blocks.clone())
-                    .unwrap_or_default()
-            })
-            .collect();
+        let tables: Vec<Vec<u32>> =
+            chunks.iter().map(|c| kv.table(c.seq_id).map(|t| t.blocks.clone()).unwrap_or_default()).collect();
         let mut row = 0;
         let seqs: Vec<AttnSeq<'_>> = chunks
             .iter()
             .zip(&tables)
             .map(|(c, blocks)| {
-                let s = AttnSeq {
-                    row,
-                    len: c.len,
-                    start_pos: c.start_pos,
-                    blocks,
-                };
+                let s = AttnSeq { row, len: c.len, start_pos: c.start_pos, blocks };
                 row += c.len;
                 s
             })
@@ -356,18 +313,23 @@ impl<B: Backend> StageModel<B> {
         let eps = cfg.rms_norm_eps as f32;
         for (layer, cache) in self.layers.iter().zip(kv.layers.iter_mut()) {
             let h = be.rms_norm(&x, &layer.attn_norm, eps)?;
-            let mut q = be.linear(&h, &layer.q, layer.q_bias.as_ref())?;
-            let mut k = be.linear(&h, &layer.k, layer.k_bias.as_ref())?;
-            let v = be.linear(&h, &layer.v, layer.v_bias.as_ref())?;
+            let qkv = be.linear_many(
+                &h,
+                &[
+                    (&layer.q, layer.q_bias.as_ref()),
+                    (&layer.k, layer.k_bias.as_ref()),
+                    (&layer.v, layer.v_bias.as_ref()),
+                ],
+            )?;
+            let [mut q, mut k, v]: [B::Act; 3] =
+                qkv.try_into().map_err(|_| Error::Shape { op: "linear_many", reason: "expected 3 outputs".into() })?;
             be.rope(&mut q, &positions, &self.inv_freq, cfg.head_dim)?;
             be.rope(&mut k, &positions, &self.inv_freq, cfg.head_dim)?;
             let attn = be.attention(&q, &k, &v, cache, &seqs, shape)?;
             be.add_assign(&mut x, &be.linear(&attn, &layer.o, None)?)?;
             let h = be.rms_norm(&x, &layer.mlp_norm, eps)?;
-            let act = be.silu_mul(
-                &be.linear(&h, &layer.gate, None)?,
-                &be.linear(&h, &layer.up, None)?,
-            )?;
+            let gu = be.linear_many(&h, &[(&layer.gate, None), (&layer.up, None)])?;
+            let act = be.silu_mul(&gu[0], &gu[1])?;
             be.add_assign(&mut x, &be.linear(&act, &layer.down, None)?)?;
         }
         let (Some(norm), Some(head)) = (&self.norm, &self.lm_head) else {

@@ -22,13 +22,7 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: None,
-            repetition_penalty: 1.0,
-        }
+        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, repetition_penalty: 1.0 }
     }
 }
 
@@ -36,16 +30,10 @@ impl SamplingParams {
     /// Rejects values that make no sense.
     pub fn validate(&self) -> Result<()> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(Error::InvalidRequest(format!(
-                "temperature must be >= 0, got {}",
-                self.temperature
-            )));
+            return Err(Error::InvalidRequest(format!("temperature must be >= 0, got {}", self.temperature)));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(Error::InvalidRequest(format!(
-                "top_p must be in (0, 1], got {}",
-                self.top_p
-            )));
+            return Err(Error::InvalidRequest(format!("top_p must be in (0, 1], got {}", self.top_p)));
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
             return Err(Error::InvalidRequest(format!(
@@ -93,22 +81,15 @@ impl Sampler {
             seen.dedup();
             for id in seen {
                 if let Some(l) = logits.get_mut(id as usize) {
-                    *l = if *l > 0.0 {
-                        *l / p.repetition_penalty
-                    } else {
-                        *l * p.repetition_penalty
-                    };
+                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
                 }
             }
         }
         if p.temperature == 0.0 {
             return argmax(logits);
         }
-        let mut cand: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, l / p.temperature))
-            .collect();
+        let mut cand: Vec<(u32, f32)> =
+            logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)).collect();
         cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if p.top_k > 0 {
             cand.truncate(p.top_k);
@@ -155,18 +136,11 @@ mod tests {
 
     #[test]
     fn seeded_sampling_is_reproducible_and_respects_top_k() {
-        let params = SamplingParams {
-            temperature: 1.0,
-            top_k: 2,
-            seed: Some(7),
-            ..Default::default()
-        };
+        let params = SamplingParams { temperature: 1.0, top_k: 2, seed: Some(7), ..Default::default() };
         let logits = vec![1.0, 3.0, 2.9, 0.5, 2.8];
         let run = || {
             let mut s = Sampler::new(params.clone());
-            (0..50)
-                .map(|_| s.sample(&mut logits.clone(), &[]))
-                .collect::<Vec<_>>()
+            (0..50).map(|_| s.sample(&mut logits.clone(), &[])).collect::<Vec<_>>()
         };
         let a = run();
         assert_eq!(a, run());
@@ -176,12 +150,7 @@ mod tests {
 
     #[test]
     fn top_p_keeps_only_the_head() {
-        let params = SamplingParams {
-            temperature: 1.0,
-            top_p: 0.5,
-            seed: Some(1),
-            ..Default::default()
-        };
+        let params = SamplingParams { temperature: 1.0, top_p: 0.5, seed: Some(1), ..Default::default() };
         let mut s = Sampler::new(params);
         for _ in 0..20 {
             assert_eq!(s.sample(&mut [0.0, 10.0, 0.0], &[]), 1);
@@ -190,30 +159,13 @@ mod tests {
 
     #[test]
     fn repetition_penalty_demotes_seen_tokens() {
-        let mut s = Sampler::new(SamplingParams {
-            repetition_penalty: 2.0,
-            ..Default::default()
-        });
+        let mut s = Sampler::new(SamplingParams { repetition_penalty: 2.0, ..Default::default() });
         assert_eq!(s.sample(&mut [3.0, 2.0], &[0]), 1);
     }
 
     #[test]
     fn rejects_bad_params() {
-        assert!(
-            SamplingParams {
-                top_p: 0.0,
-                ..Default::default()
-            }
-            .validate()
-            .is_err()
-        );
-        assert!(
-            SamplingParams {
-                temperature: -1.0,
-                ..Default::default()
-            }
-            .validate()
-            .is_err()
-        );
+        assert!(SamplingParams { top_p: 0.0, ..Default::default() }.validate().is_err());
+        assert!(SamplingParams { temperature: -1.0, ..Default::default() }.validate().is_err());
     }
 }

@@ -112,10 +112,7 @@ impl Bytes {
     pub fn owned(data: &[u8]) -> Self {
         let mut words = vec![0u32; data.len().div_ceil(4)];
         bytemuck::cast_slice_mut::<u32, u8>(&mut words)[..data.len()].copy_from_slice(data);
-        Bytes::Owned {
-            words: Arc::new(words),
-            len: data.len(),
-        }
+        Bytes::Owned { words: Arc::new(words), len: data.len() }
     }
 
     /// Takes a window of a map, copying it when it is not 4-byte aligned.
@@ -173,34 +170,19 @@ impl HostTensor {
     pub fn new(name: &str, dtype: DType, shape: Vec<usize>, bytes: Bytes) -> Result<Self> {
         let n: usize = shape.iter().product();
         let row = shape.last().copied().unwrap_or(1);
-        let expected = if dtype.is_quantized() && row % QK != 0 {
-            None
-        } else {
-            dtype.bytes_for(n)
-        };
+        let expected = if dtype.is_quantized() && row % QK != 0 { None } else { dtype.bytes_for(n) };
         match expected {
-            Some(b) if b == bytes.len() => Ok(HostTensor {
-                dtype,
-                shape,
-                bytes,
-            }),
+            Some(b) if b == bytes.len() => Ok(HostTensor { dtype, shape, bytes }),
             _ => Err(Error::Shape {
                 op: "load",
-                reason: format!(
-                    "tensor {name:?}: {} bytes do not hold {shape:?} of {dtype}",
-                    bytes.len()
-                ),
+                reason: format!("tensor {name:?}: {} bytes do not hold {shape:?} of {dtype}", bytes.len()),
             }),
         }
     }
 
     /// An owned f32 tensor.
     pub fn from_f32(shape: Vec<usize>, data: &[f32]) -> Self {
-        HostTensor {
-            dtype: DType::F32,
-            shape,
-            bytes: Bytes::owned(bytemuck::cast_slice(data)),
-        }
+        HostTensor { dtype: DType::F32, shape, bytes: Bytes::owned(bytemuck::cast_slice(data)) }
     }
 
     /// Number of elements.
@@ -213,11 +195,7 @@ impl HostTensor {
         if self.shape == expected {
             Ok(())
         } else {
-            Err(Error::ShapeMismatch {
-                name: name.into(),
-                actual: self.shape.clone(),
-                expected: expected.to_vec(),
-            })
+            Err(Error::ShapeMismatch { name: name.into(), actual: self.shape.clone(), expected: expected.to_vec() })
         }
     }
 
@@ -226,20 +204,11 @@ impl HostTensor {
         let b = self.bytes.as_slice();
         match self.dtype {
             DType::F32 => bytemuck::cast_slice::<u8, f32>(b).to_vec(),
-            DType::F16 => bytemuck::cast_slice::<u8, f16>(b)
-                .iter()
-                .map(|x| x.to_f32())
-                .collect(),
-            DType::BF16 => bytemuck::cast_slice::<u8, bf16>(b)
-                .iter()
-                .map(|x| x.to_f32())
-                .collect(),
+            DType::F16 => bytemuck::cast_slice::<u8, f16>(b).iter().map(|x| x.to_f32()).collect(),
+            DType::BF16 => bytemuck::cast_slice::<u8, bf16>(b).iter().map(|x| x.to_f32()).collect(),
             q => {
                 let mut out = vec![0f32; self.elems()];
-                for (blk, dst) in b
-                    .chunks_exact(q.block_bytes())
-                    .zip(out.chunks_exact_mut(QK))
-                {
+                for (blk, dst) in b.chunks_exact(q.block_bytes()).zip(out.chunks_exact_mut(QK)) {
                     dequantize_block(q, blk, dst);
                 }
                 out
@@ -264,11 +233,7 @@ impl HostTensor {
                 Bytes::owned(bytemuck::cast_slice(&h))
             }
         };
-        HostTensor {
-            dtype: to,
-            shape: self.shape.clone(),
-            bytes,
-        }
+        HostTensor { dtype: to, shape: self.shape.clone(), bytes }
     }
 
     /// Reorders the rows of a 2-D tensor: output row `i` is input row `src[i]`.
@@ -279,11 +244,7 @@ impl HostTensor {
         for &r in src {
             out.extend_from_slice(&b[r * row_bytes..(r + 1) * row_bytes]);
         }
-        HostTensor {
-            dtype: self.dtype,
-            shape: self.shape.clone(),
-            bytes: Bytes::owned(&out),
-        }
+        HostTensor { dtype: self.dtype, shape: self.shape.clone(), bytes: Bytes::owned(&out) }
     }
 }
 
@@ -339,8 +300,7 @@ mod tests {
 
     #[test]
     fn rejects_wrong_byte_length() {
-        let err = HostTensor::new("w", DType::F32, vec![2, 3], Bytes::owned(&[0u8; 20]))
-            .expect_err("short");
+        let err = HostTensor::new("w", DType::F32, vec![2, 3], Bytes::owned(&[0u8; 20])).expect_err("short");
         assert!(err.to_string().contains("\"w\""));
     }
 }

@@ -32,18 +32,11 @@ pub fn random_weights(spec: &TinySpec) -> Weights {
     let mut rng = StdRng::seed_from_u64(spec.seed);
     let mut w = Weights::new();
     let mut mat = |rng: &mut StdRng, name: String, rows: usize, cols: usize| {
-        let v = (0..rows * cols)
-            .map(|_| rng.random_range(-0.17f32..0.17))
-            .collect();
+        let v = (0..rows * cols).map(|_| rng.random_range(-0.17f32..0.17)).collect();
         w.insert(name, (vec![rows, cols], v));
     };
     let (h, q, kv, i) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-    mat(
-        &mut rng,
-        "model.embed_tokens.weight".into(),
-        c.vocab_size,
-        h,
-    );
+    mat(&mut rng, "model.embed_tokens.weight".into(), c.vocab_size, h);
     if !c.tie_word_embeddings {
         mat(&mut rng, "lm_head.weight".into(), c.vocab_size, h);
     }
@@ -58,9 +51,7 @@ pub fn random_weights(spec: &TinySpec) -> Weights {
         mat(&mut rng, format!("{p}.mlp.down_proj.weight"), h, i);
     }
     let mut vec_ = |name: String, n: usize, around: f32| {
-        let v = (0..n)
-            .map(|_| around + rng.random_range(-0.1f32..0.1))
-            .collect();
+        let v = (0..n).map(|_| around + rng.random_range(-0.1f32..0.1)).collect();
         w.insert(name, (vec![n], v));
     };
     for l in 0..c.num_layers {
@@ -110,10 +101,8 @@ pub fn write_hf(dir: &Path, spec: &TinySpec, weights: &Weights) -> Result<()> {
         })
         .collect::<Result<Vec<_>>>()?;
     let path = dir.join("model.safetensors");
-    safetensors::serialize_to_file(views, None, &path).map_err(|e| Error::Safetensors {
-        path: path.clone(),
-        reason: e.to_string(),
-    })
+    safetensors::serialize_to_file(views, None, &path)
+        .map_err(|e| Error::Safetensors { path: path.clone(), reason: e.to_string() })
 }
 
 /// Quantizes a row-major matrix into GGML blocks of `dtype` (Q8_0, Q4_0 or Q4_1), the way llama.cpp does.
@@ -129,9 +118,7 @@ pub fn quantize(dtype: DType, v: &[f32]) -> Vec<u8> {
                 out.extend(b.iter().map(|x| ((x * id).round() as i8) as u8));
             }
             DType::Q4_0 => {
-                let max = b
-                    .iter()
-                    .fold(0f32, |m, &x| if x.abs() > m.abs() { x } else { m });
+                let max = b.iter().fold(0f32, |m, &x| if x.abs() > m.abs() { x } else { m });
                 let d = max / -8.0;
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
                 out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
@@ -139,9 +126,7 @@ pub fn quantize(dtype: DType, v: &[f32]) -> Vec<u8> {
                 out.extend((0..16).map(|j| q(b[j]) | (q(b[j + 16]) << 4)));
             }
             DType::Q4_1 => {
-                let (min, max) = b
-                    .iter()
-                    .fold((f32::MAX, f32::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+                let (min, max) = b.iter().fold((f32::MAX, f32::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
                 let d = (max - min) / 15.0;
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
                 out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
@@ -167,9 +152,7 @@ fn ggml_code(d: DType) -> u32 {
 }
 
 fn gguf_name(hf: &str) -> String {
-    
-    hf
-        .replace("model.embed_tokens", "token_embd")
+    hf.replace("model.embed_tokens", "token_embd")
         .replace("model.norm", "output_norm")
         .replace("lm_head", "output")
         .replace("model.layers.", "blk.")
@@ -207,12 +190,7 @@ pub struct GgufOverrides {
 }
 
 /// Writes a llama-architecture GGUF with a byte-level BPE tokenizer over single bytes.
-pub fn write_gguf(
-    path: &Path,
-    spec: &TinySpec,
-    weights: &Weights,
-    ov: &GgufOverrides,
-) -> Result<()> {
+pub fn write_gguf(path: &Path, spec: &TinySpec, weights: &Weights, ov: &GgufOverrides) -> Result<()> {
     let c = &spec.config;
     let mut kv: Vec<(String, Vec<u8>)> = Vec::new();
     let s = |x: &str| -> Vec<u8> {
@@ -237,28 +215,13 @@ pub fn write_gguf(
     };
     kv.push(("general.architecture".into(), strv("llama")));
     kv.push(("llama.block_count".into(), u32v(c.num_layers as u32)));
-    kv.push((
-        "llama.context_length".into(),
-        u32v(c.max_position_embeddings as u32),
-    ));
+    kv.push(("llama.context_length".into(), u32v(c.max_position_embeddings as u32)));
     kv.push(("llama.embedding_length".into(), u32v(c.hidden_size as u32)));
-    kv.push((
-        "llama.feed_forward_length".into(),
-        u32v(c.intermediate_size as u32),
-    ));
-    kv.push((
-        "llama.attention.head_count".into(),
-        u32v(c.num_heads as u32),
-    ));
-    kv.push((
-        "llama.attention.head_count_kv".into(),
-        u32v(c.num_kv_heads as u32),
-    ));
+    kv.push(("llama.feed_forward_length".into(), u32v(c.intermediate_size as u32)));
+    kv.push(("llama.attention.head_count".into(), u32v(c.num_heads as u32)));
+    kv.push(("llama.attention.head_count_kv".into(), u32v(c.num_kv_heads as u32)));
     kv.push(("llama.rope.freq_base".into(), f32v(c.rope_theta as f32)));
-    kv.push((
-        "llama.attention.layer_norm_rms_epsilon".into(),
-        f32v(c.rms_norm_eps as f32),
-    ));
+    kv.push(("llama.attention.layer_norm_rms_epsilon".into(), f32v(c.rms_norm_eps as f32)));
     kv.push(("llama.rope.dimension_count".into(), u32v(c.head_dim as u32)));
     kv.push(("tokenizer.ggml.model".into(), strv("gpt2")));
     kv.push(("tokenizer.ggml.pre".into(), strv("smollm")));
@@ -292,21 +255,11 @@ pub fn write_gguf(
         } else if name.ends_with("k_proj.weight") {
             v = permute_rows(&v, shape[0], shape[1], c.num_kv_heads);
         }
-        let dtype = if shape.len() == 2 {
-            spec.dtype
-        } else {
-            DType::F32
-        };
+        let dtype = if shape.len() == 2 { spec.dtype } else { DType::F32 };
         let bytes = match dtype {
             DType::F32 => bytemuck::cast_slice(&v).to_vec(),
-            DType::F16 => v
-                .iter()
-                .flat_map(|&x| f16::from_f32(x).to_le_bytes())
-                .collect(),
-            DType::BF16 => v
-                .iter()
-                .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
-                .collect(),
+            DType::F16 => v.iter().flat_map(|&x| f16::from_f32(x).to_le_bytes()).collect(),
+            DType::BF16 => v.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes()).collect(),
             q => quantize(q, &v),
         };
         let mut code = ggml_code(dtype);

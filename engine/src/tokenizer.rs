@@ -41,31 +41,20 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
         let cfg_path = dir.join("tokenizer_config.json");
         let cfg: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
-            Ok(t) => serde_json::from_str(&t)
-                .map_err(|e| Error::Tokenizer(format!("{}: {e}", cfg_path.display())))?,
+            Ok(t) => serde_json::from_str(&t).map_err(|e| Error::Tokenizer(format!("{}: {e}", cfg_path.display())))?,
             Err(_) => serde_json::Value::Null,
         };
         let token_text = |key: &str| -> String {
             match cfg.get(key) {
                 Some(serde_json::Value::String(s)) => s.clone(),
-                Some(v) => v
-                    .get("content")
-                    .and_then(|c| c.as_str())
-                    .unwrap_or("")
-                    .to_string(),
+                Some(v) => v.get("content").and_then(|c| c.as_str()).unwrap_or("").to_string(),
                 None => String::new(),
             }
         };
-        let add_bos = cfg
-            .get("add_bos_token")
-            .and_then(|v| v.as_bool())
-            .unwrap_or(false);
+        let add_bos = cfg.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
         Ok(Tokenizer {
             add_bos: if add_bos { bos_token_id } else { None },
-            chat_template: cfg
-                .get("chat_template")
-                .and_then(|v| v.as_str())
-                .map(str::to_string),
+            chat_template: cfg.get("chat_template").and_then(|v| v.as_str()).map(str::to_string),
             bos_token: token_text("bos_token"),
             eos_token: token_text("eos_token"),
             inner,
@@ -75,12 +64,8 @@ impl Tokenizer {
     /// Rebuilds a byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata.
     pub fn from_gguf(md: &HashMap<String, Value>) -> Result<Self> {
         let json = gguf_tokenizer_json(md)?;
-        let inner =
-            tokenizers::Tokenizer::from_bytes(json.to_string().as_bytes()).map_err(tok_err)?;
-        let tokens = md
-            .get("tokenizer.ggml.tokens")
-            .and_then(Value::as_array)
-            .unwrap_or(&[]);
+        let inner = tokenizers::Tokenizer::from_bytes(json.to_string().as_bytes()).map_err(tok_err)?;
+        let tokens = md.get("tokenizer.ggml.tokens").and_then(Value::as_array).unwrap_or(&[]);
         let text_of = |key: &str| {
             md.get(key)
                 .and_then(Value::as_u64)
@@ -89,21 +74,12 @@ impl Tokenizer {
                 .unwrap_or("")
                 .to_string()
         };
-        let bos = md
-            .get("tokenizer.ggml.bos_token_id")
-            .and_then(Value::as_u64)
-            .map(|v| v as u32);
-        let add_bos = md
-            .get("tokenizer.ggml.add_bos_token")
-            .map(|v| *v == Value::Bool(true))
-            .unwrap_or(false);
+        let bos = md.get("tokenizer.ggml.bos_token_id").and_then(Value::as_u64).map(|v| v as u32);
+        let add_bos = md.get("tokenizer.ggml.add_bos_token").map(|v| *v == Value::Bool(true)).unwrap_or(false);
         Ok(Tokenizer {
             inner,
             add_bos: if add_bos { bos } else { None },
-            chat_template: md
-                .get("tokenizer.chat_template")
-                .and_then(Value::as_str)
-                .map(str::to_string),
+            chat_template: md.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_string),
             bos_token: text_of("tokenizer.ggml.bos_token_id"),
             eos_token: text_of("tokenizer.ggml.eos_token_id"),
         })
@@ -151,20 +127,11 @@ impl Tokenizer {
         let mut env = minijinja::Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> std::result::Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        env.add_template("chat", template)
-            .map_err(|e| Error::ChatTemplate(e.to_string()))?;
-        let tmpl = env
-            .get_template("chat")
-            .map_err(|e| Error::ChatTemplate(e.to_string()))?;
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
+        env.add_template("chat", template).map_err(|e| Error::ChatTemplate(e.to_string()))?;
+        let tmpl = env.get_template("chat").map_err(|e| Error::ChatTemplate(e.to_string()))?;
         tmpl.render(minijinja::context! {
             messages => messages,
             add_generation_prompt => true,
@@ -177,7 +144,8 @@ impl Tokenizer {
 
 /// The pre-tokenizer a GGUF `tokenizer.ggml.pre` name stands for.
 fn pre_tokenizer(pre: &str) -> Result<serde_json::Value> {
-    let byte_level = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    let byte_level =
+        serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
     Ok(match pre {
         // SmolLM's tokenizer splits digits one by one before the GPT-2 byte-level split.
         "smollm" => serde_json::json!({"type": "Sequence", "pretokenizers": [
@@ -186,23 +154,16 @@ fn pre_tokenizer(pre: &str) -> Result<serde_json::Value> {
         ]}),
         "gpt2" | "default" | "" => byte_level,
         other => {
-            return Err(Error::Tokenizer(format!(
-                "GGUF pre-tokenizer {other:?} is not supported (gpt2, smollm)"
-            )));
+            return Err(Error::Tokenizer(format!("GGUF pre-tokenizer {other:?} is not supported (gpt2, smollm)")));
         }
     })
 }
 
 /// Builds a `tokenizer.json` value from GGUF metadata (GPT-2 style byte-level BPE).
 fn gguf_tokenizer_json(md: &HashMap<String, Value>) -> Result<serde_json::Value> {
-    let model = md
-        .get("tokenizer.ggml.model")
-        .and_then(Value::as_str)
-        .unwrap_or("");
+    let model = md.get("tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("");
     if model != "gpt2" {
-        return Err(Error::Tokenizer(format!(
-            "GGUF tokenizer model {model:?} is not supported (gpt2 BPE only)"
-        )));
+        return Err(Error::Tokenizer(format!("GGUF tokenizer model {model:?} is not supported (gpt2 BPE only)")));
     }
     let tokens = md
         .get("tokenizer.ggml.tokens")
@@ -212,21 +173,14 @@ fn gguf_tokenizer_json(md: &HashMap<String, Value>) -> Result<serde_json::Value>
         .get("tokenizer.ggml.merges")
         .and_then(Value::as_array)
         .ok_or_else(|| Error::Tokenizer("GGUF has no tokenizer.ggml.merges".into()))?;
-    let types = md
-        .get("tokenizer.ggml.token_type")
-        .and_then(Value::as_array);
+    let types = md.get("tokenizer.ggml.token_type").and_then(Value::as_array);
     let mut vocab = serde_json::Map::new();
     let mut added = Vec::new();
     for (i, t) in tokens.iter().enumerate() {
-        let t = t
-            .as_str()
-            .ok_or_else(|| Error::Tokenizer(format!("token {i} is not a string")))?;
+        let t = t.as_str().ok_or_else(|| Error::Tokenizer(format!("token {i} is not a string")))?;
         vocab.insert(t.to_string(), serde_json::json!(i));
         // Token type 3 is CONTROL, 4 USER_DEFINED: both are matched whole, before BPE.
-        let ty = types
-            .and_then(|ts| ts.get(i))
-            .and_then(Value::as_u64)
-            .unwrap_or(1);
+        let ty = types.and_then(|ts| ts.get(i)).and_then(Value::as_u64).unwrap_or(1);
         if ty == 3 || ty == 4 {
             added.push(serde_json::json!({
                 "id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
@@ -235,10 +189,7 @@ fn gguf_tokenizer_json(md: &HashMap<String, Value>) -> Result<serde_json::Value>
         }
     }
     let merges: Vec<&str> = merges.iter().filter_map(Value::as_str).collect();
-    let pre = md
-        .get("tokenizer.ggml.pre")
-        .and_then(Value::as_str)
-        .unwrap_or("default");
+    let pre = md.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
     Ok(serde_json::json!({
         "version": "1.0",
         "truncation": null,
@@ -268,10 +219,7 @@ impl IncrementalDecoder {
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
         self.ids.push(id);
         let text = tok.decode(&self.ids)?;
-        if text.ends_with('\u{fffd}')
-            || text.len() < self.emitted
-            || !text.is_char_boundary(self.emitted)
-        {
+        if text.ends_with('\u{fffd}') || text.len() < self.emitted || !text.is_char_boundary(self.emitted) {
             return Ok(String::new());
         }
         let delta = text[self.emitted..].to_string();
@@ -282,10 +230,7 @@ impl IncrementalDecoder {
 
 /// The GPT-2 byte-level alphabet: the printable character standing for each byte value.
 pub fn byte_level_alphabet() -> Vec<char> {
-    let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32)
-        .chain(0xa1..=0xac)
-        .chain(0xae..=0xff)
-        .collect();
+    let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xa1..=0xac).chain(0xae..=0xff).collect();
     let mut chars: Vec<(u32, u32)> = printable.iter().map(|&b| (b, b)).collect();
     let mut n = 0;
     for b in 0..256u32 {
@@ -296,8 +241,5 @@ pub fn byte_level_alphabet() -> Vec<char> {
     }
     printable.clear();
     chars.sort_unstable();
-    chars
-        .into_iter()
-        .map(|(_, c)| char::from_u32(c).unwrap_or('?'))
-        .collect()
+    chars.into_iter().map(|(_, c)| char::from_u32(c).unwrap_or('?')).collect()
 }

@@ -13,64 +13,35 @@ fn fixtures() -> PathBuf {
 }
 
 fn rows(v: &serde_json::Value, key: &str) -> Result<Vec<Vec<f32>>> {
-    let arr = v[key]
-        .as_array()
-        .with_context(|| format!("{key} missing"))?;
+    let arr = v[key].as_array().with_context(|| format!("{key} missing"))?;
     Ok(arr
         .iter()
         .map(|r| {
-            r.as_array()
-                .map(|r| {
-                    r.iter()
-                        .map(|x| x.as_f64().unwrap_or(f64::NAN) as f32)
-                        .collect()
-                })
-                .unwrap_or_default()
+            r.as_array().map(|r| r.iter().map(|x| x.as_f64().unwrap_or(f64::NAN) as f32).collect()).unwrap_or_default()
         })
         .collect())
 }
 
 fn ids(v: &serde_json::Value, key: &str) -> Vec<u32> {
-    v[key]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|x| x.as_u64())
-                .map(|x| x as u32)
-                .collect()
-        })
-        .unwrap_or_default()
+    v[key].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect()).unwrap_or_default()
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 fn check(name: &str, backend: Arc<CpuBackend>) -> Result<()> {
     let dir = fixtures().join(name);
-    let expected: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json"))?)?;
+    let expected: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json"))?)?;
     let files = ModelFiles::open(&dir)?;
     let n = files.config().num_layers;
     let model = StageModel::load(&files, 0..n, backend, &LoadOptions::default())?;
     let mut kv = model.new_kv_cache(8, 4)?;
     let prompt = ids(&expected, "prompt_ids");
     let want = rows(&expected, "logits")?;
-    let chunk = SeqChunk {
-        seq_id: 1,
-        start_pos: 0,
-        len: prompt.len(),
-    };
-    let got = model.forward(
-        &mut kv,
-        &[chunk],
-        StageInput::Tokens(&prompt),
-        LogitRows::All,
-    )?;
+    let chunk = SeqChunk { seq_id: 1, start_pos: 0, len: prompt.len() };
+    let got = model.forward(&mut kv, &[chunk], StageInput::Tokens(&prompt), LogitRows::All)?;
     let vocab = got.cols;
     for (t, w) in want.iter().enumerate() {
         let d = max_diff(&got.data[t * vocab..(t + 1) * vocab], w);
@@ -79,17 +50,8 @@ fn check(name: &str, backend: Arc<CpuBackend>) -> Result<()> {
     let decode_ids = ids(&expected, "decode_ids");
     let decode_want = rows(&expected, "decode_logits")?;
     for (i, (&id, w)) in decode_ids.iter().zip(&decode_want).enumerate() {
-        let chunk = SeqChunk {
-            seq_id: 1,
-            start_pos: prompt.len() + i,
-            len: 1,
-        };
-        let got = model.forward(
-            &mut kv,
-            &[chunk],
-            StageInput::Tokens(&[id]),
-            LogitRows::Last,
-        )?;
+        let chunk = SeqChunk { seq_id: 1, start_pos: prompt.len() + i, len: 1 };
+        let got = model.forward(&mut kv, &[chunk], StageInput::Tokens(&[id]), LogitRows::Last)?;
         let d = max_diff(&got.data, w);
         assert!(d < 1e-4, "{name}: decode step {i} differs by {d}");
     }

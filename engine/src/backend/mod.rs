@@ -46,6 +46,11 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Human-readable device name.
     fn name(&self) -> String;
+    /// Runs `f` in the backend's execution context (the CPU backend's thread pool), so the ops inside do not
+    /// each hand work across threads.
+    fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        f()
+    }
     /// Uploads a weight matrix (2-D host tensor), keeping its storage type.
     fn upload_matrix(&self, t: &HostTensor) -> Result<Self::Mat>;
     /// Uploads an f32 vector.
@@ -53,12 +58,7 @@ pub trait Backend: Send + Sync + 'static {
     /// Bytes a matrix occupies on the device.
     fn matrix_bytes(&self, m: &Self::Mat) -> usize;
     /// Allocates KV storage for one layer: `num_blocks × block_size` slots of `kv_dim` keys and values.
-    fn alloc_kv_layer(
-        &self,
-        num_blocks: usize,
-        block_size: usize,
-        kv_dim: usize,
-    ) -> Result<Self::KvLayer>;
+    fn alloc_kv_layer(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<Self::KvLayer>;
     /// Copies host f32 data (`rows × cols`) into an activation.
     fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Act>;
     /// Copies an activation back to the host as f32, row-major.
@@ -70,20 +70,13 @@ pub trait Backend: Send + Sync + 'static {
     /// RMSNorm of each row, scaled by `w`.
     fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Result<Self::Act>;
     /// `x · wᵀ (+ bias)`.
-    fn linear(
-        &self,
-        x: &Self::Act,
-        w: &Self::Mat,
-        bias: Option<&Self::Vector>,
-    ) -> Result<Self::Act>;
+    fn linear(&self, x: &Self::Act, w: &Self::Mat, bias: Option<&Self::Vector>) -> Result<Self::Act>;
+    /// `x · wᵢᵀ (+ biasᵢ)` for several matrices sharing one input (q/k/v, gate/up); backends may fuse them.
+    fn linear_many(&self, x: &Self::Act, ws: &[(&Self::Mat, Option<&Self::Vector>)]) -> Result<Vec<Self::Act>> {
+        ws.iter().map(|(w, b)| self.linear(x, w, *b)).collect()
+    }
     /// Rotary embedding (Hugging Face rotate-half layout) on each head of each row, in place.
-    fn rope(
-        &self,
-        x: &mut Self::Act,
-        positions: &[u32],
-        inv_freq: &[f32],
-        head_dim: usize,
-    ) -> Result<()>;
+    fn rope(&self, x: &mut Self::Act, positions: &[u32], inv_freq: &[f32], head_dim: usize) -> Result<()>;
     /// Writes the new keys/values into the cache, then runs causal GQA attention for every sequence.
     fn attention(
         &self,

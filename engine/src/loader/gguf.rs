@@ -89,10 +89,7 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn err(&self, reason: impl Into<String>) -> Error {
-        Error::Gguf {
-            path: self.path.to_path_buf(),
-            reason: reason.into(),
-        }
+        Error::Gguf { path: self.path.to_path_buf(), reason: reason.into() }
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {
@@ -103,10 +100,7 @@ impl<'a> Reader<'a> {
                 self.pos = end;
                 Ok(s)
             }
-            None => Err(self.err(format!(
-                "truncated: needed {n} bytes at offset {}",
-                self.pos
-            ))),
+            None => Err(self.err(format!("truncated: needed {n} bytes at offset {}", self.pos))),
         }
     }
 
@@ -126,10 +120,7 @@ impl<'a> Reader<'a> {
         let n = self.u64()?;
         // Every element takes at least one byte, so a count beyond the file is corrupt, not a huge allocation.
         if n > (self.buf.len() - self.pos) as u64 {
-            return Err(self.err(format!(
-                "length {n} at offset {} exceeds the file",
-                self.pos
-            )));
+            return Err(self.err(format!("length {n} at offset {} exceeds the file", self.pos)));
         }
         Ok(n as usize)
     }
@@ -199,15 +190,8 @@ impl GgufSource {
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         // SAFETY: model files are treated as read-only for the life of the process.
         let map = Arc::new(unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?);
-        let mut r = Reader {
-            buf: &map,
-            pos: 0,
-            path,
-        };
-        if r.take(4)
-            .map_err(|_| r.err("file too short for a GGUF header"))?
-            != b"GGUF"
-        {
+        let mut r = Reader { buf: &map, pos: 0, path };
+        if r.take(4).map_err(|_| r.err("file too short for a GGUF header"))? != b"GGUF" {
             return Err(r.err("bad magic (not a GGUF file)"));
         }
         let version = r.u32()?;
@@ -238,57 +222,29 @@ impl GgufSource {
             let offset = r.u64()? as usize;
             raw.push((name, dims, code, offset));
         }
-        let align = metadata
-            .get("general.alignment")
-            .and_then(Value::as_u64)
-            .unwrap_or(32) as usize;
+        let align = metadata.get("general.alignment").and_then(Value::as_u64).unwrap_or(32) as usize;
         if align == 0 || !align.is_power_of_two() {
             return Err(r.err(format!("general.alignment {align} is not a power of two")));
         }
         let data_start = r.pos.div_ceil(align) * align;
         let mut tensors = HashMap::new();
         for (name, dims, code, offset) in raw {
-            let dtype = ggml_type(code).map_err(|t| Error::UnsupportedDType {
-                name: name.clone(),
-                dtype: t,
-            })?;
+            let dtype = ggml_type(code).map_err(|t| Error::UnsupportedDType { name: name.clone(), dtype: t })?;
             // GGUF lists the fastest-varying dimension first; Hugging Face order is the reverse.
             let shape: Vec<usize> = dims.iter().rev().copied().collect();
             let elems = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
             let len = elems
                 .filter(|_| dims.first().is_some_and(|c| c % dtype.block_elems() == 0))
                 .and_then(|n| dtype.bytes_for(n))
-                .ok_or_else(|| {
-                    r.err(format!(
-                        "tensor {name:?} has invalid shape {shape:?} for {dtype}"
-                    ))
-                })?;
-            let start = data_start
-                .checked_add(offset)
-                .filter(|s| s.checked_add(len).is_some_and(|e| e <= map.len()));
+                .ok_or_else(|| r.err(format!("tensor {name:?} has invalid shape {shape:?} for {dtype}")))?;
+            let start = data_start.checked_add(offset).filter(|s| s.checked_add(len).is_some_and(|e| e <= map.len()));
             let Some(start) = start else {
-                return Err(r.err(format!(
-                    "tensor {name:?} lies beyond the end of the file (truncated?)"
-                )));
+                return Err(r.err(format!("tensor {name:?} lies beyond the end of the file (truncated?)")));
             };
-            tensors.insert(
-                name,
-                TensorInfo {
-                    dtype,
-                    shape,
-                    offset: start,
-                    len,
-                },
-            );
+            tensors.insert(name, TensorInfo { dtype, shape, offset: start, len });
         }
         let config = config_from_metadata(&metadata, &tensors, path)?;
-        Ok(GgufSource {
-            path: path.to_path_buf(),
-            map,
-            metadata,
-            tensors,
-            config,
-        })
+        Ok(GgufSource { path: path.to_path_buf(), map, metadata, tensors, config })
     }
 
     /// The model's configuration, derived from metadata.
@@ -303,19 +259,11 @@ impl GgufSource {
 
     /// Reads a tensor by its Hugging Face name, undoing llama.cpp's Q/K row permutation.
     pub fn tensor(&self, hf_name: &str) -> Result<HostTensor> {
-        let (name, unpermute) =
-            gguf_name(hf_name).ok_or_else(|| Error::MissingTensor(hf_name.to_string()))?;
-        let info = self
-            .tensors
-            .get(&name)
-            .ok_or_else(|| Error::MissingTensor(format!("{hf_name} ({name})")))?;
+        let (name, unpermute) = gguf_name(hf_name).ok_or_else(|| Error::MissingTensor(hf_name.to_string()))?;
+        let info = self.tensors.get(&name).ok_or_else(|| Error::MissingTensor(format!("{hf_name} ({name})")))?;
         let bytes = Bytes::mapped(self.map.clone(), info.offset, info.len);
-        let t = HostTensor::new(&name, info.dtype, info.shape.clone(), bytes).map_err(|e| {
-            Error::Gguf {
-                path: self.path.clone(),
-                reason: e.to_string(),
-            }
-        })?;
+        let t = HostTensor::new(&name, info.dtype, info.shape.clone(), bytes)
+            .map_err(|e| Error::Gguf { path: self.path.clone(), reason: e.to_string() })?;
         let heads = match unpermute {
             Permute::None => return Ok(t),
             Permute::Q => self.config.num_heads,
@@ -387,33 +335,22 @@ fn config_from_metadata(
     tensors: &HashMap<String, TensorInfo>,
     path: &Path,
 ) -> Result<ModelConfig> {
-    let arch = md
-        .get("general.architecture")
-        .and_then(Value::as_str)
-        .unwrap_or("");
+    let arch = md.get("general.architecture").and_then(Value::as_str).unwrap_or("");
     if arch != "llama" {
         return Err(Error::UnsupportedArchitecture(format!("gguf:{arch}")));
     }
     let get = |k: &str| -> Result<u64> {
         md.get(&format!("llama.{k}"))
             .and_then(Value::as_u64)
-            .ok_or_else(|| Error::Gguf {
-                path: path.to_path_buf(),
-                reason: format!("metadata llama.{k} missing"),
-            })
+            .ok_or_else(|| Error::Gguf { path: path.to_path_buf(), reason: format!("metadata llama.{k} missing") })
     };
     let hidden = get("embedding_length")? as usize;
     let heads = get("attention.head_count")? as usize;
     let vocab = match md.get("llama.vocab_size").and_then(Value::as_u64) {
         Some(v) => v as usize,
-        None => md
-            .get("tokenizer.ggml.tokens")
-            .and_then(Value::as_array)
-            .map(|a| a.len())
-            .ok_or_else(|| Error::Gguf {
-                path: path.to_path_buf(),
-                reason: "no vocab size and no tokenizer.ggml.tokens".into(),
-            })?,
+        None => md.get("tokenizer.ggml.tokens").and_then(Value::as_array).map(|a| a.len()).ok_or_else(|| {
+            Error::Gguf { path: path.to_path_buf(), reason: "no vocab size and no tokenizer.ggml.tokens".into() }
+        })?,
     };
     let head_dim = md
         .get("llama.attention.key_length")
@@ -421,16 +358,8 @@ fn config_from_metadata(
         .and_then(Value::as_u64)
         .map(|d| d as usize)
         .unwrap_or(hidden / heads.max(1));
-    let f = |k: &str, default: f64| {
-        md.get(&format!("llama.{k}"))
-            .and_then(Value::as_f64)
-            .unwrap_or(default)
-    };
-    let tok_id = |k: &str| {
-        md.get(&format!("tokenizer.ggml.{k}"))
-            .and_then(Value::as_u64)
-            .map(|v| v as u32)
-    };
+    let f = |k: &str, default: f64| md.get(&format!("llama.{k}")).and_then(Value::as_f64).unwrap_or(default);
+    let tok_id = |k: &str| md.get(&format!("tokenizer.ggml.{k}")).and_then(Value::as_u64).map(|v| v as u32);
     let cfg = ModelConfig {
         architecture: Architecture::Llama,
         hidden_size: hidden,
@@ -449,10 +378,7 @@ fn config_from_metadata(
         rope_scaling: None,
         tie_word_embeddings: !tensors.contains_key("output.weight"),
         attention_bias: false,
-        max_position_embeddings: md
-            .get("llama.context_length")
-            .and_then(Value::as_u64)
-            .unwrap_or(2048) as usize,
+        max_position_embeddings: md.get("llama.context_length").and_then(Value::as_u64).unwrap_or(2048) as usize,
         bos_token_id: tok_id("bos_token_id"),
         eos_token_ids: tok_id("eos_token_id").into_iter().collect(),
     };
@@ -477,10 +403,7 @@ mod tests {
                 }
             }
         }
-        let back: Vec<usize> = unpermute_rows(heads * d, heads)
-            .iter()
-            .map(|&r| gguf[r])
-            .collect();
+        let back: Vec<usize> = unpermute_rows(heads * d, heads).iter().map(|&r| gguf[r]).collect();
         assert_eq!(back, hf);
     }
 

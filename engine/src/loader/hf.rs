@@ -43,42 +43,26 @@ impl HfSource {
         let mut entries = HashMap::new();
         for (i, path) in files.iter().enumerate() {
             let map = map_file(path)?;
-            let st =
-                safetensors::SafeTensors::deserialize(&map).map_err(|e| Error::Safetensors {
-                    path: path.clone(),
-                    reason: e.to_string(),
-                })?;
+            let st = safetensors::SafeTensors::deserialize(&map)
+                .map_err(|e| Error::Safetensors { path: path.clone(), reason: e.to_string() })?;
             for (name, view) in st.tensors() {
                 let dtype = match view.dtype() {
                     safetensors::Dtype::F32 => DType::F32,
                     safetensors::Dtype::F16 => DType::F16,
                     safetensors::Dtype::BF16 => DType::BF16,
                     other => {
-                        return Err(Error::UnsupportedDType {
-                            name,
-                            dtype: format!("{other:?}"),
-                        });
+                        return Err(Error::UnsupportedDType { name, dtype: format!("{other:?}") });
                     }
                 };
                 let offset = view.data().as_ptr() as usize - map.as_ptr() as usize;
                 entries.insert(
                     name,
-                    Entry {
-                        file: i,
-                        dtype,
-                        shape: view.shape().to_vec(),
-                        offset,
-                        len: view.data().len(),
-                    },
+                    Entry { file: i, dtype, shape: view.shape().to_vec(), offset, len: view.data().len() },
                 );
             }
             maps.push(map);
         }
-        Ok(HfSource {
-            config,
-            maps,
-            entries,
-        })
+        Ok(HfSource { config, maps, entries })
     }
 
     /// The model's configuration.
@@ -93,10 +77,7 @@ impl HfSource {
 
     /// Reads one tensor (zero-copy where aligned).
     pub fn tensor(&self, name: &str) -> Result<HostTensor> {
-        let e = self
-            .entries
-            .get(name)
-            .ok_or_else(|| Error::MissingTensor(name.to_string()))?;
+        let e = self.entries.get(name).ok_or_else(|| Error::MissingTensor(name.to_string()))?;
         let bytes = Bytes::mapped(self.maps[e.file].clone(), e.offset, e.len);
         HostTensor::new(name, e.dtype, e.shape.clone(), bytes)
     }
@@ -110,21 +91,13 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Safetensors {
-            path: index.clone(),
-            reason: e.to_string(),
-        })?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::Safetensors { path: index.clone(), reason: e.to_string() })?;
         let map = v
             .get("weight_map")
             .and_then(|m| m.as_object())
-            .ok_or_else(|| Error::Safetensors {
-                path: index.clone(),
-                reason: "no weight_map object".into(),
-            })?;
-        let mut files: Vec<String> = map
-            .values()
-            .filter_map(|f| f.as_str().map(str::to_string))
-            .collect();
+            .ok_or_else(|| Error::Safetensors { path: index.clone(), reason: "no weight_map object".into() })?;
+        let mut files: Vec<String> = map.values().filter_map(|f| f.as_str().map(str::to_string)).collect();
         files.sort();
         files.dedup();
         if files.iter().any(|f| f.contains('/') || f.contains("..")) {
@@ -135,8 +108,5 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
         }
         return Ok(files.into_iter().map(|f| dir.join(f)).collect());
     }
-    Err(Error::Config(format!(
-        "{} has neither model.safetensors nor model.safetensors.index.json",
-        dir.display()
-    )))
+    Err(Error::Config(format!("{} has neither model.safetensors nor model.safetensors.index.json", dir.display())))
 }

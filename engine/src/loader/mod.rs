@@ -28,10 +28,7 @@ impl ModelFiles {
     /// Opens `path`: a directory with `config.json`, or a `.gguf` file.
     pub fn open(path: &Path) -> Result<Self> {
         if path.is_dir() {
-            return Ok(ModelFiles::Hf {
-                dir: path.to_path_buf(),
-                source: hf::HfSource::open(path)?,
-            });
+            return Ok(ModelFiles::Hf { dir: path.to_path_buf(), source: hf::HfSource::open(path)? });
         }
         if !path.exists() {
             return Err(Error::io(
@@ -69,9 +66,7 @@ impl ModelFiles {
     /// Builds the model's tokenizer.
     pub fn tokenizer(&self) -> Result<Tokenizer> {
         match self {
-            ModelFiles::Hf { dir, source } => {
-                Tokenizer::from_hf_dir(dir, source.config().bos_token_id)
-            }
+            ModelFiles::Hf { dir, source } => Tokenizer::from_hf_dir(dir, source.config().bos_token_id),
             ModelFiles::Gguf(g) => Tokenizer::from_gguf(&g.metadata),
         }
     }

@@ -13,101 +13,100 @@ fn rows_per_task(n: usize, threads: usize) -> usize {
     (n / (threads * 4)).clamp(8, 512)
 }
 
-/// Computes `x · wᵀ + bias`.
-pub fn linear(
-    isa: Isa,
-    threads: usize,
-    x: &CpuTensor,
-    w: &CpuMatrix,
-    bias: Option<&[f32]>,
-) -> Result<CpuTensor> {
-    let (m, k, n) = (x.rows, x.cols, w.rows);
-    if k != w.cols {
-        return Err(Error::Shape {
-            op: "linear",
-            reason: format!("x has {k} columns, weight has {} inputs", w.cols),
-        });
-    }
-    let mut out_t = vec![0f32; m * n]; // [n, m]: one weight row's outputs for all tokens are contiguous
-    let chunk_rows = rows_per_task(n, threads);
-    let bytes = w.bytes.as_slice();
-    let row_bytes = w.row_bytes();
-    match w.dtype {
-        DType::F32 if m >= 4 => return Ok(gemm_f32(x, bytemuck::cast_slice(bytes), n, bias)),
-        DType::F32 | DType::F16 | DType::BF16 => {
-            out_t
-                .par_chunks_mut(chunk_rows * m)
-                .enumerate()
-                .for_each(|(c, dst)| {
-                    for (i, out) in dst.chunks_exact_mut(m).enumerate() {
-                        let r = c * chunk_rows + i;
-                        let wr = &bytes[r * row_bytes..(r + 1) * row_bytes];
-                        for (t, o) in out.iter_mut().enumerate() {
-                            let xr = &x.data[t * k..(t + 1) * k];
-                            *o = match w.dtype {
-                                DType::F32 => simd::dot_f32(isa, xr, bytemuck::cast_slice(wr)),
-                                DType::F16 => simd::dot_f16(isa, xr, bytemuck::cast_slice(wr)),
-                                _ => simd::dot_bf16(isa, xr, bytemuck::cast_slice(wr)),
-                            };
-                        }
-                    }
-                });
-        }
-        q => {
-            let blocks = k / QK;
-            let mut xq = vec![
-                Q8Block {
-                    d: 0.0,
-                    s: 0.0,
-                    qs: [0; QK]
-                };
-                m * blocks
-            ];
-            xq.par_chunks_mut(blocks)
-                .zip(x.data.par_chunks(k))
-                .for_each(|(dst, src)| quantize_row(src, dst));
-            let dot = match q {
-                DType::Q8_0 => simd::dot_q8_0,
-                DType::Q4_0 => simd::dot_q4_0,
-                _ => simd::dot_q4_1,
-            };
-            out_t
-                .par_chunks_mut(chunk_rows * m)
-                .enumerate()
-                .for_each(|(c, dst)| {
-                    for (i, out) in dst.chunks_exact_mut(m).enumerate() {
-                        let r = c * chunk_rows + i;
-                        let wr = &bytes[r * row_bytes..(r + 1) * row_bytes];
-                        for (t, o) in out.iter_mut().enumerate() {
-                            *o = dot(isa, wr, &xq[t * blocks..(t + 1) * blocks]);
-                        }
-                    }
-                });
+/// One matrix of a fused product and its optional bias.
+pub type Job<'a> = (&'a CpuMatrix, Option<&'a [f32]>);
+
+/// Computes `x · wᵢᵀ + biasᵢ` for every job. Matrices sharing an input (q/k/v, gate/up) run in one parallel
+/// region and share one quantization of `x`.
+pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) -> Result<Vec<CpuTensor>> {
+    let (m, k) = (x.rows, x.cols);
+    for (w, bias) in jobs {
+        if k != w.cols || bias.is_some_and(|b| b.len() != w.rows) {
+            return Err(Error::Shape {
+                op: "linear",
+                reason: format!("x has {k} columns, weight is {}x{}", w.rows, w.cols),
+            });
         }
     }
-    let mut out = if m == 1 {
-        out_t
+    // f32 weights with several tokens go to the blocked GEMM; the rest share the row-wise path.
+    if m >= 4 && jobs.iter().any(|(w, _)| w.dtype == DType::F32) {
+        return jobs
+            .iter()
+            .map(|job| match job.0.dtype {
+                DType::F32 => Ok(gemm_f32(x, bytemuck::cast_slice(job.0.bytes.as_slice()), job.0.rows, job.1)),
+                _ => linear_many(isa, threads, x, std::slice::from_ref(job)).map(|mut v| v.remove(0)),
+            })
+            .collect();
+    }
+    let blocks = k / QK;
+    let xq = if jobs.iter().any(|(w, _)| w.dtype.is_quantized()) {
+        let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; QK] }; m * blocks];
+        xq.par_chunks_mut(blocks).zip(x.data.par_chunks(k)).for_each(|(dst, src)| quantize_row(src, dst));
+        xq
     } else {
-        let mut o = vec![0f32; m * n];
-        for r in 0..n {
-            for t in 0..m {
-                o[t * n + r] = out_t[r * m + t];
-            }
-        }
-        o
+        Vec::new()
     };
-    if let Some(b) = bias {
-        for row in out.chunks_exact_mut(n) {
-            for (o, b) in row.iter_mut().zip(b) {
-                *o += b;
-            }
+    // [rows, m] per job: one weight row's outputs for all tokens are contiguous.
+    let mut outs: Vec<Vec<f32>> = jobs.iter().map(|(w, _)| vec![0f32; m * w.rows]).collect();
+    let total_rows: usize = jobs.iter().map(|(w, _)| w.rows).sum();
+    let chunk_rows = rows_per_task(total_rows, threads);
+    let mut tasks = Vec::new();
+    for ((w, _), out) in jobs.iter().zip(outs.iter_mut()) {
+        for (c, dst) in out.chunks_mut(chunk_rows * m).enumerate() {
+            tasks.push((*w, c * chunk_rows, dst));
         }
     }
-    Ok(CpuTensor {
-        data: out,
-        rows: m,
-        cols: n,
-    })
+    tasks.into_par_iter().for_each(|(w, first_row, dst)| {
+        let bytes = w.bytes.as_slice();
+        let row_bytes = w.row_bytes();
+        for (i, out) in dst.chunks_exact_mut(m).enumerate() {
+            let r = first_row + i;
+            let wr = &bytes[r * row_bytes..(r + 1) * row_bytes];
+            match w.dtype {
+                DType::F32 | DType::F16 | DType::BF16 => {
+                    for (t, o) in out.iter_mut().enumerate() {
+                        let xr = &x.data[t * k..(t + 1) * k];
+                        *o = match w.dtype {
+                            DType::F32 => simd::dot_f32(isa, xr, bytemuck::cast_slice(wr)),
+                            DType::F16 => simd::dot_f16(isa, xr, bytemuck::cast_slice(wr)),
+                            _ => simd::dot_bf16(isa, xr, bytemuck::cast_slice(wr)),
+                        };
+                    }
+                }
+                q => simd::dot_quant(isa, q, wr, &xq, blocks, out),
+            }
+        }
+    });
+    Ok(jobs
+        .iter()
+        .zip(outs)
+        .map(|((w, bias), out_t)| {
+            let n = w.rows;
+            let mut out = if m == 1 {
+                out_t
+            } else {
+                let mut o = vec![0f32; m * n];
+                for r in 0..n {
+                    for t in 0..m {
+                        o[t * n + r] = out_t[r * m + t];
+                    }
+                }
+                o
+            };
+            if let Some(b) = bias {
+                add_bias(&mut out, b);
+            }
+            CpuTensor { data: out, rows: m, cols: n }
+        })
+        .collect())
+}
+
+fn add_bias(out: &mut [f32], bias: &[f32]) {
+    for row in out.chunks_exact_mut(bias.len()) {
+        for (o, b) in row.iter_mut().zip(bias) {
+            *o += b;
+        }
+    }
 }
 
 /// Prefill path for f32 weights: the `gemm` crate's blocked kernel beats row-wise dots here.
@@ -140,17 +139,9 @@ fn gemm_f32(x: &CpuTensor, w: &[f32], n: usize, bias: Option<&[f32]>) -> CpuTens
         );
     }
     if let Some(b) = bias {
-        for row in out.chunks_exact_mut(n) {
-            for (o, b) in row.iter_mut().zip(b) {
-                *o += b;
-            }
-        }
+        add_bias(&mut out, b);
     }
-    CpuTensor {
-        data: out,
-        rows: m,
-        cols: n,
-    }
+    CpuTensor { data: out, rows: m, cols: n }
 }
 
 /// Gathers embedding rows (dequantizing quantized tables).
@@ -162,43 +153,27 @@ pub fn embed(w: &CpuMatrix, ids: &[u32]) -> Result<CpuTensor> {
     for (&id, dst) in ids.iter().zip(out.chunks_exact_mut(k)) {
         let id = id as usize;
         if id >= w.rows {
-            return Err(Error::InvalidRequest(format!(
-                "token id {id} is outside the vocabulary of {}",
-                w.rows
-            )));
+            return Err(Error::InvalidRequest(format!("token id {id} is outside the vocabulary of {}", w.rows)));
         }
         let src = &bytes[id * row_bytes..(id + 1) * row_bytes];
         match w.dtype {
             DType::F32 => dst.copy_from_slice(bytemuck::cast_slice(src)),
             DType::F16 => {
-                for (d, h) in dst
-                    .iter_mut()
-                    .zip(bytemuck::cast_slice::<u8, half::f16>(src))
-                {
+                for (d, h) in dst.iter_mut().zip(bytemuck::cast_slice::<u8, half::f16>(src)) {
                     *d = h.to_f32();
                 }
             }
             DType::BF16 => {
-                for (d, h) in dst
-                    .iter_mut()
-                    .zip(bytemuck::cast_slice::<u8, half::bf16>(src))
-                {
+                for (d, h) in dst.iter_mut().zip(bytemuck::cast_slice::<u8, half::bf16>(src)) {
                     *d = h.to_f32();
                 }
             }
             q => {
-                for (blk, d) in src
-                    .chunks_exact(q.block_bytes())
-                    .zip(dst.chunks_exact_mut(QK))
-                {
+                for (blk, d) in src.chunks_exact(q.block_bytes()).zip(dst.chunks_exact_mut(QK)) {
                     crate::tensor::dequantize_block(q, blk, d);
                 }
             }
         }
     }
-    Ok(CpuTensor {
-        data: out,
-        rows: ids.len(),
-        cols: k,
-    })
+    Ok(CpuTensor { data: out, rows: ids.len(), cols: k })
 }

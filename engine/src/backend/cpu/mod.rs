@@ -60,31 +60,19 @@ pub struct CpuBackend {
 impl CpuBackend {
     /// A backend using `threads` worker threads (0: one per core).
     pub fn new(threads: usize) -> Result<Self> {
-        let threads = if threads == 0 {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
-        } else {
-            threads
-        };
+        let threads =
+            if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("strata-cpu-{i}"))
             .build()
             .map_err(|e| Error::Device(format!("cannot start CPU thread pool: {e}")))?;
-        Ok(CpuBackend {
-            pool,
-            threads,
-            isa: Isa::detect(),
-        })
+        Ok(CpuBackend { pool, threads, isa: Isa::detect() })
     }
 
     /// The same backend restricted to portable scalar kernels (for testing the SIMD ones).
     pub fn scalar(threads: usize) -> Result<Self> {
-        Ok(CpuBackend {
-            isa: Isa::Scalar,
-            ..Self::new(threads)?
-        })
+        Ok(CpuBackend { isa: Isa::Scalar, ..Self::new(threads)? })
     }
 
     /// Worker threads.
@@ -97,10 +85,7 @@ fn same_shape(op: &'static str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
     if a.rows == b.rows && a.cols == b.cols {
         Ok(())
     } else {
-        Err(Error::Shape {
-            op,
-            reason: format!("{}x{} vs {}x{}", a.rows, a.cols, b.rows, b.cols),
-        })
+        Err(Error::Shape { op, reason: format!("{}x{} vs {}x{}", a.rows, a.cols, b.rows, b.cols) })
     }
 }
 
@@ -114,19 +99,15 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads, {:?})", self.threads, self.isa)
     }
 
+    fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+
     fn upload_matrix(&self, t: &HostTensor) -> Result<CpuMatrix> {
         if t.shape.len() != 2 {
-            return Err(Error::Shape {
-                op: "upload_matrix",
-                reason: format!("expected 2-D, got {:?}", t.shape),
-            });
+            return Err(Error::Shape { op: "upload_matrix", reason: format!("expected 2-D, got {:?}", t.shape) });
         }
-        Ok(CpuMatrix {
-            rows: t.shape[0],
-            cols: t.shape[1],
-            dtype: t.dtype,
-            bytes: t.bytes.clone(),
-        })
+        Ok(CpuMatrix { rows: t.shape[0], cols: t.shape[1], dtype: t.dtype, bytes: t.bytes.clone() })
     }
 
     fn upload_vector(&self, v: &[f32]) -> Result<Vec<f32>> {
@@ -137,19 +118,9 @@ impl Backend for CpuBackend {
         m.bytes.len()
     }
 
-    fn alloc_kv_layer(
-        &self,
-        num_blocks: usize,
-        block_size: usize,
-        kv_dim: usize,
-    ) -> Result<CpuKvLayer> {
+    fn alloc_kv_layer(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<CpuKvLayer> {
         let n = num_blocks * block_size * kv_dim;
-        Ok(CpuKvLayer {
-            k: vec![0.0; n],
-            v: vec![0.0; n],
-            kv_dim,
-            block_size,
-        })
+        Ok(CpuKvLayer { k: vec![0.0; n], v: vec![0.0; n], kv_dim, block_size })
     }
 
     fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<CpuTensor> {
@@ -159,11 +130,7 @@ impl Backend for CpuBackend {
                 reason: format!("{} values for {rows}x{cols}", data.len()),
             });
         }
-        Ok(CpuTensor {
-            data: data.to_vec(),
-            rows,
-            cols,
-        })
+        Ok(CpuTensor { data: data.to_vec(), rows, cols })
     }
 
     fn act_to_host(&self, a: &CpuTensor) -> Result<Vec<f32>> {
@@ -180,41 +147,31 @@ impl Backend for CpuBackend {
 
     fn rms_norm(&self, x: &CpuTensor, w: &Vec<f32>, eps: f32) -> Result<CpuTensor> {
         if w.len() != x.cols {
-            return Err(Error::Shape {
-                op: "rms_norm",
-                reason: format!("weight {} for {} columns", w.len(), x.cols),
-            });
+            return Err(Error::Shape { op: "rms_norm", reason: format!("weight {} for {} columns", w.len(), x.cols) });
         }
         let mut out = vec![0f32; x.data.len()];
-        for (dst, src) in out
-            .chunks_exact_mut(x.cols)
-            .zip(x.data.chunks_exact(x.cols))
-        {
+        for (dst, src) in out.chunks_exact_mut(x.cols).zip(x.data.chunks_exact(x.cols)) {
             let ss: f32 = src.iter().map(|v| v * v).sum::<f32>() / x.cols as f32;
             let inv = 1.0 / (ss + eps).sqrt();
             for ((d, s), w) in dst.iter_mut().zip(src).zip(w) {
                 *d = s * inv * w;
             }
         }
-        Ok(CpuTensor {
-            data: out,
-            rows: x.rows,
-            cols: x.cols,
-        })
+        Ok(CpuTensor { data: out, rows: x.rows, cols: x.cols })
     }
 
     fn linear(&self, x: &CpuTensor, w: &CpuMatrix, bias: Option<&Vec<f32>>) -> Result<CpuTensor> {
-        self.pool
-            .install(|| matmul::linear(self.isa, self.threads, x, w, bias.map(|b| b.as_slice())))
+        let mut out =
+            self.pool.install(|| matmul::linear_many(self.isa, self.threads, x, &[(w, bias.map(Vec::as_slice))]))?;
+        Ok(out.remove(0))
     }
 
-    fn rope(
-        &self,
-        x: &mut CpuTensor,
-        positions: &[u32],
-        inv_freq: &[f32],
-        head_dim: usize,
-    ) -> Result<()> {
+    fn linear_many(&self, x: &CpuTensor, ws: &[(&CpuMatrix, Option<&Vec<f32>>)]) -> Result<Vec<CpuTensor>> {
+        let jobs: Vec<matmul::Job<'_>> = ws.iter().map(|(w, b)| (*w, b.map(Vec::as_slice))).collect();
+        self.pool.install(|| matmul::linear_many(self.isa, self.threads, x, &jobs))
+    }
+
+    fn rope(&self, x: &mut CpuTensor, positions: &[u32], inv_freq: &[f32], head_dim: usize) -> Result<()> {
         if positions.len() != x.rows || !x.cols.is_multiple_of(head_dim) || inv_freq.len() * 2 != head_dim {
             return Err(Error::Shape {
                 op: "rope",
@@ -250,34 +207,17 @@ impl Backend for CpuBackend {
         seqs: &[AttnSeq<'_>],
         shape: AttnShape,
     ) -> Result<CpuTensor> {
-        if k.cols != cache.kv_dim
-            || v.cols != cache.kv_dim
-            || q.cols != shape.num_heads * shape.head_dim
-        {
-            return Err(Error::Shape {
-                op: "attention",
-                reason: "q/k/v widths do not match the cache".into(),
-            });
+        if k.cols != cache.kv_dim || v.cols != cache.kv_dim || q.cols != shape.num_heads * shape.head_dim {
+            return Err(Error::Shape { op: "attention", reason: "q/k/v widths do not match the cache".into() });
         }
         attention::write_kv(cache, k, v, seqs)?;
-        Ok(self
-            .pool
-            .install(|| attention::attend(self.isa, q, cache, seqs, shape)))
+        Ok(self.pool.install(|| attention::attend(self.isa, q, cache, seqs, shape)))
     }
 
     fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
         same_shape("silu_mul", gate, up)?;
-        let data = gate
-            .data
-            .iter()
-            .zip(&up.data)
-            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
-            .collect();
-        Ok(CpuTensor {
-            data,
-            rows: gate.rows,
-            cols: gate.cols,
-        })
+        let data = gate.data.iter().zip(&up.data).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
+        Ok(CpuTensor { data, rows: gate.rows, cols: gate.cols })
     }
 
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
@@ -290,17 +230,10 @@ impl Backend for CpuBackend {
         let mut data = Vec::with_capacity(rows.len() * x.cols);
         for &r in rows {
             if r >= x.rows {
-                return Err(Error::Shape {
-                    op: "select_rows",
-                    reason: format!("row {r} of {}", x.rows),
-                });
+                return Err(Error::Shape { op: "select_rows", reason: format!("row {r} of {}", x.rows) });
             }
             data.extend_from_slice(&x.data[r * x.cols..(r + 1) * x.cols]);
         }
-        Ok(CpuTensor {
-            data,
-            rows: rows.len(),
-            cols: x.cols,
-        })
+        Ok(CpuTensor { data, rows: rows.len(), cols: x.cols })
     }
 }

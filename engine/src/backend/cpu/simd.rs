@@ -1,7 +1,7 @@
 //! Dot-product kernels: a portable scalar version of each (the oracle) and AVX2/FMA/F16C versions picked
 //! at runtime.
 
-use crate::tensor::{QK, f16_at};
+use crate::tensor::{DType, QK, f16_at};
 
 /// An activation block quantized to 8 bits for integer dot products with quantized weights.
 #[derive(Debug, Clone, Copy)]
@@ -46,10 +46,7 @@ impl Isa {
     pub fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
                 return Isa::Avx2;
             }
         }
@@ -76,10 +73,7 @@ pub fn dot_f16(isa: Isa, x: &[f32], w: &[u16]) -> f32 {
         return unsafe { x86::dot_f16(x, w) };
     }
     let _ = isa;
-    x.iter()
-        .zip(w)
-        .map(|(a, &b)| a * half::f16::from_bits(b).to_f32())
-        .sum()
+    x.iter().zip(w).map(|(a, &b)| a * half::f16::from_bits(b).to_f32()).sum()
 }
 
 /// Σ x·w with `w` as bf16 bits.
@@ -90,60 +84,52 @@ pub fn dot_bf16(isa: Isa, x: &[f32], w: &[u16]) -> f32 {
         return unsafe { x86::dot_bf16(x, w) };
     }
     let _ = isa;
-    x.iter()
-        .zip(w)
-        .map(|(a, &b)| a * f32::from_bits((b as u32) << 16))
-        .sum()
+    x.iter().zip(w).map(|(a, &b)| a * f32::from_bits((b as u32) << 16)).sum()
 }
 
-/// Dot product of one Q8_0 weight row (raw blocks) with quantized activations.
-pub fn dot_q8_0(isa: Isa, w: &[u8], a: &[Q8Block]) -> f32 {
+/// Dot products of one quantized weight row (raw GGML blocks of `dtype`) with `out.len()` activation rows.
+/// `xq` holds the rows' blocks back to back, `blocks` per row. Each output is computed the same way whatever
+/// the number of rows, so batching never changes a result.
+pub fn dot_quant(isa: Isa, dtype: DType, w: &[u8], xq: &[Q8Block], blocks: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 {
-        // SAFETY: see dot_f32; `w` holds `a.len()` blocks (checked by the caller's shapes).
-        return unsafe { x86::dot_q8_0(w, a) };
+        let mut t = 0;
+        while t < out.len() {
+            let n = (out.len() - t).min(4);
+            let a = &xq[t * blocks..];
+            let o = &mut out[t..t + n];
+            // SAFETY: Avx2 is only chosen after runtime detection; `w` holds `blocks` blocks of `dtype` and `a`
+            // holds `n` rows of `blocks` blocks (checked by the caller's shapes).
+            unsafe {
+                match n {
+                    4 => x86::dot_quant_n::<4>(dtype, w, a, blocks, o),
+                    3 => x86::dot_quant_n::<3>(dtype, w, a, blocks, o),
+                    2 => x86::dot_quant_n::<2>(dtype, w, a, blocks, o),
+                    _ => x86::dot_quant_n::<1>(dtype, w, a, blocks, o),
+                }
+            }
+            t += n;
+        }
+        return;
     }
     let _ = isa;
-    let mut sum = 0f32;
-    for (blk, ab) in w.chunks_exact(34).zip(a) {
-        let isum: i32 = blk[2..]
-            .iter()
-            .zip(&ab.qs)
-            .map(|(&q, &x)| (q as i8) as i32 * x as i32)
-            .sum();
-        sum += f16_at(blk, 0) * ab.d * isum as f32;
+    for (t, o) in out.iter_mut().enumerate() {
+        *o = dot_quant_scalar(dtype, w, &xq[t * blocks..(t + 1) * blocks]);
     }
-    sum
 }
 
-/// Dot product of one Q4_0 weight row with quantized activations.
-pub fn dot_q4_0(isa: Isa, w: &[u8], a: &[Q8Block]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
-        // SAFETY: see dot_q8_0.
-        return unsafe { x86::dot_q4(w, a, 18, 2, false) };
-    }
-    let _ = isa;
+/// The portable reference for [`dot_quant`], one activation row.
+pub fn dot_quant_scalar(dtype: DType, w: &[u8], a: &[Q8Block]) -> f32 {
     let mut sum = 0f32;
-    for (blk, ab) in w.chunks_exact(18).zip(a) {
-        let isum = nibble_dot(&blk[2..18], &ab.qs);
-        sum += f16_at(blk, 0) * (ab.d * isum as f32 - 8.0 * ab.s);
-    }
-    sum
-}
-
-/// Dot product of one Q4_1 weight row with quantized activations.
-pub fn dot_q4_1(isa: Isa, w: &[u8], a: &[Q8Block]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
-        // SAFETY: see dot_q8_0.
-        return unsafe { x86::dot_q4(w, a, 20, 4, true) };
-    }
-    let _ = isa;
-    let mut sum = 0f32;
-    for (blk, ab) in w.chunks_exact(20).zip(a) {
-        let isum = nibble_dot(&blk[4..20], &ab.qs);
-        sum += f16_at(blk, 0) * ab.d * isum as f32 + f16_at(blk, 2) * ab.s;
+    for (blk, ab) in w.chunks_exact(dtype.block_bytes()).zip(a) {
+        sum += match dtype {
+            DType::Q8_0 => {
+                let isum: i32 = blk[2..].iter().zip(&ab.qs).map(|(&q, &x)| (q as i8) as i32 * x as i32).sum();
+                f16_at(blk, 0) * ab.d * isum as f32
+            }
+            DType::Q4_0 => f16_at(blk, 0) * (ab.d * nibble_dot(&blk[2..18], &ab.qs) as f32 - 8.0 * ab.s),
+            _ => f16_at(blk, 0) * ab.d * nibble_dot(&blk[4..20], &ab.qs) as f32 + f16_at(blk, 2) * ab.s,
+        };
     }
     sum
 }
@@ -159,6 +145,7 @@ fn nibble_dot(qs: &[u8], a: &[i8; QK]) -> i32 {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::Q8Block;
+    use crate::tensor::DType;
     use std::arch::x86_64::*;
 
     #[inline]
@@ -188,27 +175,17 @@ mod x86 {
         unsafe {
             while i + 32 <= n {
                 for (j, acc) in acc.iter_mut().enumerate() {
-                    *acc = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(pa.add(i + 8 * j)),
-                        _mm256_loadu_ps(pb.add(i + 8 * j)),
-                        *acc,
-                    );
+                    *acc =
+                        _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8 * j)), _mm256_loadu_ps(pb.add(i + 8 * j)), *acc);
                 }
                 i += 32;
             }
             while i + 8 <= n {
-                acc[0] = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(pa.add(i)),
-                    _mm256_loadu_ps(pb.add(i)),
-                    acc[0],
-                );
+                acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc[0]);
                 i += 8;
             }
         }
-        let mut s = hsum(_mm256_add_ps(
-            _mm256_add_ps(acc[0], acc[1]),
-            _mm256_add_ps(acc[2], acc[3]),
-        ));
+        let mut s = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
         for k in i..n {
             s += a[k] * b[k];
         }
@@ -224,9 +201,7 @@ mod x86 {
         unsafe {
             while i + 16 <= n {
                 for (j, acc) in acc.iter_mut().enumerate() {
-                    let wv = _mm256_cvtph_ps(_mm_loadu_si128(
-                        w.as_ptr().add(i + 8 * j) as *const __m128i
-                    ));
+                    let wv = _mm256_cvtph_ps(_mm_loadu_si128(w.as_ptr().add(i + 8 * j) as *const __m128i));
                     *acc = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i + 8 * j)), wv, *acc);
                 }
                 i += 16;
@@ -262,60 +237,47 @@ mod x86 {
         s
     }
 
+    /// `N` activation rows against one weight row: the weight block is unpacked once per block.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q8_0(w: &[u8], a: &[Q8Block]) -> f32 {
-        let mut acc = _mm256_setzero_ps();
-        let ones = _mm256_set1_epi16(1);
-        for (blk, ab) in w.chunks_exact(34).zip(a) {
-            // SAFETY: each block is 34 bytes (2 scale + 32 quants); each activation block holds 32 i8.
-            let (wq, av) = unsafe {
-                (
-                    _mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i),
-                    _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i),
-                )
-            };
-            // maddubs needs an unsigned operand: move w's sign onto a.
-            let p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(av, wq));
-            let p32 = _mm256_madd_epi16(p16, ones);
-            let scale = half(u16::from_le_bytes([blk[0], blk[1]])) * ab.d;
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(scale), acc);
-        }
-        hsum(acc)
-    }
-
-    /// Q4_0 (`has_min == false`: values are q-8) and Q4_1 (`has_min`: values are d*q+m).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q4(
-        w: &[u8],
-        a: &[Q8Block],
-        block_bytes: usize,
-        qs_off: usize,
-        has_min: bool,
-    ) -> f32 {
-        let mut acc = _mm256_setzero_ps();
-        let mut offset_sum = 0f32;
+    pub unsafe fn dot_quant_n<const N: usize>(dtype: DType, w: &[u8], a: &[Q8Block], blocks: usize, out: &mut [f32]) {
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut offset = [0f32; N];
         let ones = _mm256_set1_epi16(1);
         let mask = _mm256_set1_epi8(0x0f);
-        for (blk, ab) in w.chunks_exact(block_bytes).zip(a) {
-            // SAFETY: a block holds 16 bytes of nibbles at `qs_off`; activation blocks hold 32 i8.
-            let (q, av) = unsafe {
-                (
-                    _mm_loadu_si128(blk.as_ptr().add(qs_off) as *const __m128i),
-                    _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i),
-                )
-            };
-            // Low nibbles are elements 0..16, high nibbles 16..32.
-            let wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), mask);
-            let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, av), ones);
+        let bb = dtype.block_bytes();
+        for (b, blk) in w.chunks_exact(bb).take(blocks).enumerate() {
             let d = half(u16::from_le_bytes([blk[0], blk[1]]));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(d * ab.d), acc);
-            offset_sum += if has_min {
-                half(u16::from_le_bytes([blk[2], blk[3]])) * ab.s
-            } else {
-                -8.0 * d * ab.s
+            // Per dtype: the unsigned weight operand for maddubs, and the per-block offset multiplier.
+            // SAFETY: a block holds its quants at the offsets read here (34/18/20-byte GGML layouts).
+            let (wq, min, signed) = unsafe {
+                match dtype {
+                    DType::Q8_0 => (_mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i), 0.0, true),
+                    DType::Q4_0 => {
+                        let q = _mm_loadu_si128(blk.as_ptr().add(2) as *const __m128i);
+                        (_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), mask), -8.0 * d, false)
+                    }
+                    _ => {
+                        let q = _mm_loadu_si128(blk.as_ptr().add(4) as *const __m128i);
+                        let m = half(u16::from_le_bytes([blk[2], blk[3]]));
+                        (_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), mask), m, false)
+                    }
+                }
             };
+            let wabs = if signed { _mm256_sign_epi8(wq, wq) } else { wq };
+            for t in 0..N {
+                let ab = &a[t * blocks + b];
+                // SAFETY: activation blocks hold 32 i8.
+                let av = unsafe { _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i) };
+                // maddubs needs an unsigned operand: for signed Q8_0 weights, move their sign onto a.
+                let av = if signed { _mm256_sign_epi8(av, wq) } else { av };
+                let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, av), ones);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(d * ab.d), acc[t]);
+                offset[t] += min * ab.s;
+            }
         }
-        hsum(acc) + offset_sum
+        for t in 0..N {
+            out[t] = hsum(acc[t]) + offset[t];
+        }
     }
 }
 
@@ -334,18 +296,34 @@ mod tests {
         let isa = Isa::detect();
         for n in [1, 7, 8, 33, 100, 576] {
             let (a, b) = (rand_vec(&mut rng, n), rand_vec(&mut rng, n));
-            let h: Vec<u16> = b
-                .iter()
-                .map(|&x| half::f16::from_f32(x).to_bits())
-                .collect();
-            let bf: Vec<u16> = b
-                .iter()
-                .map(|&x| half::bf16::from_f32(x).to_bits())
-                .collect();
+            let h: Vec<u16> = b.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect();
+            let bf: Vec<u16> = b.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
             let tol = 1e-4 * n as f32;
             assert!((dot_f32(isa, &a, &b) - dot_f32(Isa::Scalar, &a, &b)).abs() < tol);
             assert!((dot_f16(isa, &a, &h) - dot_f16(Isa::Scalar, &a, &h)).abs() < tol);
             assert!((dot_bf16(isa, &a, &bf) - dot_bf16(Isa::Scalar, &a, &bf)).abs() < tol);
+        }
+    }
+
+    #[test]
+    fn batched_quant_dots_equal_single_row_dots_bit_for_bit() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let isa = Isa::detect();
+        let (blocks, rows) = (6, 7);
+        let x = rand_vec(&mut rng, rows * blocks * 32);
+        let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; 32] }; rows * blocks];
+        for (src, dst) in x.chunks(blocks * 32).zip(xq.chunks_mut(blocks)) {
+            quantize_row(src, dst);
+        }
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            let w = crate::testing::quantize(dtype, &rand_vec(&mut rng, blocks * 32));
+            let mut batched = vec![0f32; rows];
+            dot_quant(isa, dtype, &w, &xq, blocks, &mut batched);
+            for t in 0..rows {
+                let mut one = [0f32];
+                dot_quant(isa, dtype, &w, &xq[t * blocks..(t + 1) * blocks], blocks, &mut one);
+                assert_eq!(one[0].to_bits(), batched[t].to_bits(), "{dtype} row {t}");
+            }
         }
     }
 
@@ -355,53 +333,28 @@ mod tests {
         let isa = Isa::detect();
         let n = 128;
         let x = rand_vec(&mut rng, n);
-        let mut xq = vec![
-            Q8Block {
-                d: 0.0,
-                s: 0.0,
-                qs: [0; 32]
-            };
-            n / 32
-        ];
+        let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; 32] }; n / 32];
         quantize_row(&x, &mut xq);
-        for (dtype, bb) in [
-            (crate::tensor::DType::Q8_0, 34),
-            (crate::tensor::DType::Q4_0, 18),
-            (crate::tensor::DType::Q4_1, 20),
-        ] {
+        for (dtype, bb) in
+            [(crate::tensor::DType::Q8_0, 34), (crate::tensor::DType::Q4_0, 18), (crate::tensor::DType::Q4_1, 20)]
+        {
             let mut w: Vec<u8> = (0..n / 32 * bb).map(|_| rng.random()).collect();
             for blk in w.chunks_exact_mut(bb) {
-                blk[0..2].copy_from_slice(
-                    &half::f16::from_f32(rng.random_range(0.01..0.1)).to_le_bytes(),
-                );
-                if dtype == crate::tensor::DType::Q4_1 {
-                    blk[2..4].copy_from_slice(
-                        &half::f16::from_f32(rng.random_range(-0.5..0.5)).to_le_bytes(),
-                    );
+                blk[0..2].copy_from_slice(&half::f16::from_f32(rng.random_range(0.01..0.1)).to_le_bytes());
+                if dtype == DType::Q4_1 {
+                    blk[2..4].copy_from_slice(&half::f16::from_f32(rng.random_range(-0.5..0.5)).to_le_bytes());
                 }
             }
-            let (fast, slow) = match dtype {
-                crate::tensor::DType::Q8_0 => {
-                    (dot_q8_0(isa, &w, &xq), dot_q8_0(Isa::Scalar, &w, &xq))
-                }
-                crate::tensor::DType::Q4_0 => {
-                    (dot_q4_0(isa, &w, &xq), dot_q4_0(Isa::Scalar, &w, &xq))
-                }
-                _ => (dot_q4_1(isa, &w, &xq), dot_q4_1(Isa::Scalar, &w, &xq)),
-            };
+            let mut fast = [0f32; 1];
+            dot_quant(isa, dtype, &w, &xq, n / 32, &mut fast);
+            let (fast, slow) = (fast[0], dot_quant_scalar(dtype, &w, &xq));
             let mut wf = vec![0f32; n];
             for (blk, dst) in w.chunks_exact(bb).zip(wf.chunks_exact_mut(32)) {
                 crate::tensor::dequantize_block(dtype, blk, dst);
             }
             let exact: f32 = wf.iter().zip(&x).map(|(a, b)| a * b).sum();
-            assert!(
-                (fast - slow).abs() < 1e-3,
-                "{dtype}: simd {fast} vs scalar {slow}"
-            );
-            assert!(
-                (slow - exact).abs() < 0.02 * exact.abs().max(1.0),
-                "{dtype}: {slow} vs f32 {exact}"
-            );
+            assert!((fast - slow).abs() < 1e-3, "{dtype}: simd {fast} vs scalar {slow}");
+            assert!((slow - exact).abs() < 0.02 * exact.abs().max(1.0), "{dtype}: {slow} vs f32 {exact}");
         }
     }
 }
