@@ -53,6 +53,8 @@ N_PROMPT=128
 N_GEN=128
 BATCHED=1
 BATCHED_NPL="1,8"
+# strata's `bench` decodes its batch of 8 after 16-token prompts; also run that shape.
+BATCHED_NPP="16,${N_PROMPT}"
 WAIT_IDLE=0
 
 usage() {
@@ -130,8 +132,9 @@ if [ ! -f "${SRC_ROOT}/.strata-extracted" ]; then
     touch "${SRC_ROOT}/.strata-extracted"
 fi
 
-# The sdist has no .git, so llama.cpp's build-info would say "unknown". The
-# llama-cpp-python changelog names the vendored commit for each release.
+# Which llama.cpp commit is vendored: llama-cpp-python's changelog names it for
+# each release. It is passed to cmake as LLAMA_BUILD_COMMIT so that llama-bench
+# reports it even when the source carries no git metadata.
 LLAMA_COMMIT="$(python3 - "${SRC_ROOT}/CHANGELOG.md" "${LCP_VERSION}" <<'PY'
 import re, sys
 path, ver = sys.argv[1], sys.argv[2]
@@ -277,8 +280,10 @@ log "running: ${BENCH_CMD[*]}"
 BATCHED_CMD=()
 if [ "${BATCHED}" = 1 ]; then
     # 8 sequences x (128 prompt + 128 generated) = 2048 KV cells; -c leaves headroom.
+    # Rows: each npp x npl; pp=128,pl=1 decodes at the same KV depth (128..256)
+    # as strata's batch-1 decode, pp=16,pl=8 matches strata's batched decode.
     BATCHED_CMD=("${BATCHED_BENCH}" -m "${MODEL}" -t "${THREADS}" -tb "${THREADS}" -c 4096 -b 2048 -ub 512
-                 -npp "${N_PROMPT}" -ntg "${N_GEN}" -npl "${BATCHED_NPL}" --output-format jsonl)
+                 -npp "${BATCHED_NPP}" -ntg "${N_GEN}" -npl "${BATCHED_NPL}" --output-format jsonl)
     wait_idle
     log "running: ${BATCHED_CMD[*]}"
     if ! "${BATCHED_CMD[@]}" >"${RUN_DIR}/batched.jsonl" 2>"${RUN_DIR}/batched.err"; then

@@ -176,14 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     summary["warnings"] = warnings
 
     if batched:
-        by_pl = {int(r["pl"]): r for r in batched}
+        by_shape = {(int(r["pp"]), int(r["pl"])): r for r in batched}
+        n_prompt = int(pp.get("n_prompt") or 128)
         summary["batched"] = {
             "tool": "llama-batched-bench",
             "command": args.batched_cmd,
             "note": (
                 "single run (no repetitions); each sequence decodes after its own "
-                "n_prompt-token prefill, so decode runs at KV depth 128..256, unlike "
-                "llama-bench tg which starts at depth 0. decode_tokens_per_s is the "
+                "n_prompt-token prefill, so decode runs at KV depth n_prompt..n_prompt+n_gen, "
+                "unlike llama-bench tg which starts at depth 0. decode_tokens_per_s is the "
                 "aggregate over all parallel sequences."
             ),
             "runs": [
@@ -200,8 +201,16 @@ def main(argv: list[str] | None = None) -> int:
                 for r in batched
             ],
         }
-        if 8 in by_pl:
-            summary["decode_tokens_per_s_batch8"] = _r(by_pl[8]["speed_tg"])
+        # 8 sequences, each after its own n_prompt-token prefill (the headline batch-8 number).
+        if (n_prompt, 8) in by_shape:
+            summary["decode_tokens_per_s_batch8"] = _r(by_shape[(n_prompt, 8)]["speed_tg"])
+        # Same shape as strata's `bench` batched decode (8 sequences after 16-token prompts).
+        if (16, 8) in by_shape:
+            summary["decode_tokens_per_s_batch8_prompt16"] = _r(by_shape[(16, 8)]["speed_tg"])
+        # Batch-1 decode after an n_prompt prefill, i.e. at the KV depth strata's
+        # batch-1 decode runs at (llama-bench tg starts from an empty cache).
+        if (n_prompt, 1) in by_shape:
+            summary["decode_tokens_per_s_after_prefill"] = _r(by_shape[(n_prompt, 1)]["speed_tg"])
     else:
         summary["batched"] = None
 
@@ -219,19 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     out.write(f"model    {summary['model']}  ({summary['model_info']['type']})\n")
     out.write(f"cpu      {summary['cpu_info']}  threads={args.threads}  "
               f"busy-before {args.cpu_busy_before or '?'}%  loadavg {args.loadavg_before} -> {args.loadavg_after}\n\n")
-    hdr = f"| {'tool':<20} | {'test':<18} | {'batch':>5} | {'tokens/s':>10} | {'± stddev':>8} |"
+    hdr = f"| {'tool':<20} | {'test':<20} | {'batch':>5} | {'tokens/s':>10} | {'± stddev':>8} |"
     sep = "|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|"
     out.write(hdr + "\n" + sep + "\n")
 
     def row(tool: str, test: str, b: int, ts: Any, sd: Any = None) -> None:
         sd_s = f"{sd:8.2f}" if sd is not None else f"{'':>8}"
-        out.write(f"| {tool:<20} | {test:<18} | {b:>5} | {ts:>10.2f} | {sd_s} |\n")
+        out.write(f"| {tool:<20} | {test:<20} | {b:>5} | {ts:>10.2f} | {sd_s} |\n")
 
     row("llama-bench", f"prefill pp{pp['n_prompt']}", 1, pp["avg_ts"], pp.get("stddev_ts"))
     row("llama-bench", f"decode tg{tg['n_gen']}", 1, tg["avg_ts"], tg.get("stddev_ts"))
     for r in batched:
         row("llama-batched-bench", f"prefill pp{r['pp']}", int(r["pl"]), float(r["speed_pp"]))
-        row("llama-batched-bench", f"decode tg{r['tg']}", int(r["pl"]), float(r["speed_tg"]))
+        row("llama-batched-bench", f"decode tg{r['tg']} @pp{r['pp']}", int(r["pl"]), float(r["speed_tg"]))
     if warnings:
         out.write("\nWARNING: numbers look contended (other load on the CPUs): "
                   + "; ".join(warnings)

@@ -148,14 +148,7 @@ pub const ROPE: KernelModule = KernelModule {
 pub const ACTIVATION: KernelModule = KernelModule {
     name: "activation",
     source: include_str!("../activation.cu"),
-    functions: &[
-        "silu_mul_f32",
-        "silu_mul_f16",
-        "silu_mul_bf16",
-        "add_f32",
-        "add_f16",
-        "add_bf16",
-    ],
+    functions: &["silu_mul_f32", "silu_mul_f16", "silu_mul_bf16", "add_f32", "add_f16", "add_bf16"],
 };
 
 /// Prefill attention, paged-KV decode attention (+ reduce) and the KV-cache write.
@@ -223,30 +216,18 @@ pub const QUANT: KernelModule = KernelModule {
 };
 
 /// Argmax and temperature / top-k / top-p sampling over f32 logits.
-pub const SAMPLING: KernelModule = KernelModule {
-    name: "sampling",
-    source: include_str!("../sampling.cu"),
-    functions: &["argmax_f32", "sample_f32"],
-};
+pub const SAMPLING: KernelModule =
+    KernelModule { name: "sampling", source: include_str!("../sampling.cu"), functions: &["argmax_f32", "sample_f32"] };
 
 /// dtype conversions between f32, f16 and bf16.
 pub const CAST: KernelModule = KernelModule {
     name: "cast",
     source: include_str!("../cast.cu"),
-    functions: &[
-        "cast_f32_f16",
-        "cast_f16_f32",
-        "cast_f32_bf16",
-        "cast_bf16_f32",
-        "cast_f16_bf16",
-        "cast_bf16_f16",
-    ],
+    functions: &["cast_f32_f16", "cast_f16_f32", "cast_f32_bf16", "cast_bf16_f32", "cast_f16_bf16", "cast_bf16_f16"],
 };
 
 /// Every kernel module, in the order the worker compiles them.
-pub const MODULES: &[KernelModule] = &[
-    EMBEDDING, NORM, ROPE, ACTIVATION, ATTENTION, QUANT, SAMPLING, CAST,
-];
+pub const MODULES: &[KernelModule] = &[EMBEDDING, NORM, ROPE, ACTIVATION, ATTENTION, QUANT, SAMPLING, CAST];
 
 /// Finds the module that defines `function`, if any.
 pub fn module_of(function: &str) -> Option<&'static KernelModule> {
@@ -291,11 +272,7 @@ mod tests {
         for m in MODULES {
             for f in m.functions {
                 let needle = format!("extern \"C\" __global__ void {f}(");
-                assert!(
-                    m.source.contains(&needle),
-                    "{}.cu does not define `{needle}`",
-                    m.name
-                );
+                assert!(m.source.contains(&needle), "{}.cu does not define `{needle}`", m.name);
             }
         }
     }
@@ -307,11 +284,7 @@ mod tests {
             let found = globals_in(m.source);
             assert!(!found.is_empty(), "{}.cu defines no kernels", m.name);
             for name in &found {
-                assert!(
-                    listed.contains(name.as_str()),
-                    "{}.cu defines `{name}` but it is not listed",
-                    m.name
-                );
+                assert!(listed.contains(name.as_str()), "{}.cu defines `{name}` but it is not listed", m.name);
             }
         }
     }
@@ -323,10 +296,7 @@ mod tests {
             for f in m.functions {
                 assert!(seen.insert(*f), "`{f}` listed twice");
                 let last = f.rsplit('_').next().unwrap_or_default();
-                assert!(
-                    matches!(last, "f32" | "f16" | "bf16"),
-                    "`{f}` does not end in a dtype"
-                );
+                assert!(matches!(last, "f32" | "f16" | "bf16"), "`{f}` does not end in a dtype");
             }
         }
     }
@@ -351,11 +321,7 @@ mod tests {
     #[test]
     fn sources_include_the_common_header() {
         for m in MODULES {
-            assert!(
-                m.source.contains("#include \"common.cuh\""),
-                "{}.cu",
-                m.name
-            );
+            assert!(m.source.contains("#include \"common.cuh\""), "{}.cu", m.name);
         }
         assert!(COMMON_HEADER.contains("#pragma once"));
     }
@@ -381,10 +347,7 @@ mod tests {
 
     #[test]
     fn module_lookup_and_arch_requirements() {
-        assert_eq!(
-            module_of("paged_attention_decode_f16").map(|m| m.name),
-            Some("attention")
-        );
+        assert_eq!(module_of("paged_attention_decode_f16").map(|m| m.name), Some("attention"));
         assert!(module_of("nope_f32").is_none());
         assert!(requires_sm80("gemv_q8_0_bf16"));
         assert!(requires_sm80("cast_bf16_f32"));

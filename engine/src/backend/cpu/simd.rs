@@ -87,6 +87,14 @@ pub fn dot_bf16(isa: Isa, x: &[f32], w: &[u16]) -> f32 {
     x.iter().zip(w).map(|(a, &b)| a * f32::from_bits((b as u32) << 16)).sum()
 }
 
+// Block formats as const-generic tags, so each kernel instance is specialized to one layout.
+#[cfg(target_arch = "x86_64")]
+const Q8_0: u8 = 0;
+#[cfg(target_arch = "x86_64")]
+const Q4_0: u8 = 1;
+#[cfg(target_arch = "x86_64")]
+const Q4_1: u8 = 2;
+
 /// Dot products of one quantized weight row (raw GGML blocks of `dtype`) with `out.len()` activation rows.
 /// `xq` holds the rows' blocks back to back, `blocks` per row. Each output is computed the same way whatever
 /// the number of rows, so batching never changes a result.
@@ -101,11 +109,19 @@ pub fn dot_quant(isa: Isa, dtype: DType, w: &[u8], xq: &[Q8Block], blocks: usize
             // SAFETY: Avx2 is only chosen after runtime detection; `w` holds `blocks` blocks of `dtype` and `a`
             // holds `n` rows of `blocks` blocks (checked by the caller's shapes).
             unsafe {
-                match n {
-                    4 => x86::dot_quant_n::<4>(dtype, w, a, blocks, o),
-                    3 => x86::dot_quant_n::<3>(dtype, w, a, blocks, o),
-                    2 => x86::dot_quant_n::<2>(dtype, w, a, blocks, o),
-                    _ => x86::dot_quant_n::<1>(dtype, w, a, blocks, o),
+                match (dtype, n) {
+                    (DType::Q8_0, 4) => x86::dot_quant_n::<4, Q8_0>(w, a, blocks, o),
+                    (DType::Q8_0, 3) => x86::dot_quant_n::<3, Q8_0>(w, a, blocks, o),
+                    (DType::Q8_0, 2) => x86::dot_quant_n::<2, Q8_0>(w, a, blocks, o),
+                    (DType::Q8_0, _) => x86::dot_quant_n::<1, Q8_0>(w, a, blocks, o),
+                    (DType::Q4_0, 4) => x86::dot_quant_n::<4, Q4_0>(w, a, blocks, o),
+                    (DType::Q4_0, 3) => x86::dot_quant_n::<3, Q4_0>(w, a, blocks, o),
+                    (DType::Q4_0, 2) => x86::dot_quant_n::<2, Q4_0>(w, a, blocks, o),
+                    (DType::Q4_0, _) => x86::dot_quant_n::<1, Q4_0>(w, a, blocks, o),
+                    (_, 4) => x86::dot_quant_n::<4, Q4_1>(w, a, blocks, o),
+                    (_, 3) => x86::dot_quant_n::<3, Q4_1>(w, a, blocks, o),
+                    (_, 2) => x86::dot_quant_n::<2, Q4_1>(w, a, blocks, o),
+                    (_, _) => x86::dot_quant_n::<1, Q4_1>(w, a, blocks, o),
                 }
             }
             t += n;
@@ -145,7 +161,6 @@ fn nibble_dot(qs: &[u8], a: &[i8; QK]) -> i32 {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::Q8Block;
-    use crate::tensor::DType;
     use std::arch::x86_64::*;
 
     #[inline]
@@ -237,22 +252,31 @@ mod x86 {
         s
     }
 
+    const PREFETCH_BYTES: usize = 1024;
+
     /// `N` activation rows against one weight row: the weight block is unpacked once per block.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_quant_n<const N: usize>(dtype: DType, w: &[u8], a: &[Q8Block], blocks: usize, out: &mut [f32]) {
+    pub unsafe fn dot_quant_n<const N: usize, const Q: u8>(w: &[u8], a: &[Q8Block], blocks: usize, out: &mut [f32]) {
         let mut acc = [_mm256_setzero_ps(); N];
         let mut offset = [0f32; N];
         let ones = _mm256_set1_epi16(1);
         let mask = _mm256_set1_epi8(0x0f);
-        let bb = dtype.block_bytes();
+        let bb = match Q {
+            super::Q8_0 => 34,
+            super::Q4_0 => 18,
+            _ => 20,
+        };
         for (b, blk) in w.chunks_exact(bb).take(blocks).enumerate() {
+            // The weight stream is the bottleneck; ask for it well before it is needed. Prefetching past the end
+            // of a slice is harmless (it never faults).
+            _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(PREFETCH_BYTES) as *const i8);
             let d = half(u16::from_le_bytes([blk[0], blk[1]]));
             // Per dtype: the unsigned weight operand for maddubs, and the per-block offset multiplier.
             // SAFETY: a block holds its quants at the offsets read here (34/18/20-byte GGML layouts).
             let (wq, min, signed) = unsafe {
-                match dtype {
-                    DType::Q8_0 => (_mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i), 0.0, true),
-                    DType::Q4_0 => {
+                match Q {
+                    super::Q8_0 => (_mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i), 0.0, true),
+                    super::Q4_0 => {
                         let q = _mm_loadu_si128(blk.as_ptr().add(2) as *const __m128i);
                         (_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), mask), -8.0 * d, false)
                     }

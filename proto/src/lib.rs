@@ -1,0 +1,27 @@
+//! strata's cluster contract: the `strata.v1` gRPC services (public `Coordinator`, internal `Stage`), wire id
+//! newtypes, the closed set of error codes and their mapping to gRPC status, the hidden-state codec, and W3C trace
+//! context propagation through gRPC metadata. See `docs/protocol.md`.
+
+pub mod codec;
+pub mod error;
+pub mod ids;
+pub mod introspection;
+pub mod status;
+pub mod trace;
+
+/// Generated `strata.v1` messages, clients (`*_client`) and servers (`*_server`).
+#[allow(missing_docs, clippy::all, clippy::pedantic, clippy::unwrap_used)]
+pub mod pb {
+    tonic::include_proto!("strata.v1");
+
+    /// Encoded `FileDescriptorSet` of every `strata.v1` file, served by the reflection service.
+    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("strata_descriptor");
+}
+
+pub use codec::{decode_to_f32, dtype_size, encode_f32, validate_hidden};
+pub use error::{ProtoError, Result};
+pub use ids::{NodeId, PlanEpoch, SeqId};
+pub use introspection::{COORDINATOR_SERVICE, STAGE_SERVICE, health_service, reflection_service, set_serving};
+pub use status::{ErrorCode, ServiceError};
+pub use trace::{extract_context, inject_context, inject_current_span, set_parent_from_metadata, trace_interceptor};
+pub use {tonic_health, tonic_reflection};
