@@ -59,6 +59,11 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
     tasks.into_par_iter().for_each(|(w, first_row, dst)| {
         let bytes = w.bytes.as_slice();
         let row_bytes = w.row_bytes();
+        if m == 1 && w.dtype.is_quantized() {
+            let rows = &bytes[first_row * row_bytes..(first_row + dst.len()) * row_bytes];
+            simd::dot_quant_rows(isa, w.dtype, rows, row_bytes, &xq, blocks, dst);
+            return;
+        }
         for (i, out) in dst.chunks_exact_mut(m).enumerate() {
             let r = first_row + i;
             let wr = &bytes[r * row_bytes..(r + 1) * row_bytes];

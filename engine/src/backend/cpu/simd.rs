@@ -134,6 +134,45 @@ pub fn dot_quant(isa: Isa, dtype: DType, w: &[u8], xq: &[Q8Block], blocks: usize
     }
 }
 
+/// Dot products of `out.len()` consecutive quantized weight rows (`row_bytes` apart) with ONE activation row.
+/// The decode path: the activation block is loaded once for several rows, and each row's result is computed
+/// exactly as [`dot_quant`] computes it.
+pub fn dot_quant_rows(
+    isa: Isa,
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    xq: &[Q8Block],
+    blocks: usize,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        let mut r = 0;
+        while r < out.len() {
+            let n = if out.len() - r >= 4 { 4 } else { 1 };
+            let rows = &w[r * row_bytes..(r + n) * row_bytes];
+            let o = &mut out[r..r + n];
+            // SAFETY: Avx2 is only chosen after runtime detection; `rows` holds `n` rows of `blocks` blocks.
+            unsafe {
+                match (dtype, n) {
+                    (DType::Q8_0, 4) => x86::dot_rows_n::<4, Q8_0>(rows, row_bytes, xq, blocks, o),
+                    (DType::Q4_0, 4) => x86::dot_rows_n::<4, Q4_0>(rows, row_bytes, xq, blocks, o),
+                    (_, 4) => x86::dot_rows_n::<4, Q4_1>(rows, row_bytes, xq, blocks, o),
+                    (DType::Q8_0, _) => x86::dot_quant_n::<1, Q8_0>(rows, xq, blocks, o),
+                    (DType::Q4_0, _) => x86::dot_quant_n::<1, Q4_0>(rows, xq, blocks, o),
+                    (_, _) => x86::dot_quant_n::<1, Q4_1>(rows, xq, blocks, o),
+                }
+            }
+            r += n;
+        }
+        return;
+    }
+    for (r, o) in out.iter_mut().enumerate() {
+        dot_quant(isa, dtype, &w[r * row_bytes..(r + 1) * row_bytes], xq, blocks, std::slice::from_mut(o));
+    }
+}
+
 /// The portable reference for [`dot_quant`], one activation row.
 pub fn dot_quant_scalar(dtype: DType, w: &[u8], a: &[Q8Block]) -> f32 {
     let mut sum = 0f32;
@@ -254,53 +293,103 @@ mod x86 {
 
     const PREFETCH_BYTES: usize = 1024;
 
+    /// Unpacks one weight block: the operand for maddubs (unsigned), the block scale, the per-block offset
+    /// multiplier (applied to the activation sum) and whether the weights were signed (Q8_0).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn unpack<const Q: u8>(blk: *const u8, mask: __m256i) -> (__m256i, __m256i, f32, f32) {
+        // SAFETY: the caller passes a pointer to a whole block of layout Q (34/18/20-byte GGML layouts).
+        unsafe {
+            let d = half(u16::from_le_bytes([*blk, *blk.add(1)]));
+            match Q {
+                super::Q8_0 => {
+                    let wq = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                    (_mm256_sign_epi8(wq, wq), wq, d, 0.0)
+                }
+                super::Q4_0 => {
+                    let q = _mm_loadu_si128(blk.add(2) as *const __m128i);
+                    let wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), mask);
+                    (wq, wq, d, -8.0 * d)
+                }
+                _ => {
+                    let q = _mm_loadu_si128(blk.add(4) as *const __m128i);
+                    let m = half(u16::from_le_bytes([*blk.add(2), *blk.add(3)]));
+                    let wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), mask);
+                    (wq, wq, d, m)
+                }
+            }
+        }
+    }
+
+    const fn block_bytes<const Q: u8>() -> usize {
+        match Q {
+            super::Q8_0 => 34,
+            super::Q4_0 => 18,
+            _ => 20,
+        }
+    }
+
+    /// One block's contribution: `acc += d·da·Σ(w·a)`, returning the offset term `min·s`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn block_dot<const Q: u8>(wabs: __m256i, wq: __m256i, d: f32, min: f32, ab: &Q8Block, acc: &mut __m256) -> f32 {
+        let ones = _mm256_set1_epi16(1);
+        // SAFETY: activation blocks hold 32 i8.
+        let av = unsafe { _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i) };
+        // maddubs needs an unsigned operand: for signed Q8_0 weights, move their sign onto a.
+        let av = if Q == super::Q8_0 { _mm256_sign_epi8(av, wq) } else { av };
+        let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, av), ones);
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(d * ab.d), *acc);
+        min * ab.s
+    }
+
     /// `N` activation rows against one weight row: the weight block is unpacked once per block.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_quant_n<const N: usize, const Q: u8>(w: &[u8], a: &[Q8Block], blocks: usize, out: &mut [f32]) {
         let mut acc = [_mm256_setzero_ps(); N];
         let mut offset = [0f32; N];
-        let ones = _mm256_set1_epi16(1);
         let mask = _mm256_set1_epi8(0x0f);
-        let bb = match Q {
-            super::Q8_0 => 34,
-            super::Q4_0 => 18,
-            _ => 20,
-        };
-        for (b, blk) in w.chunks_exact(bb).take(blocks).enumerate() {
+        for (b, blk) in w.chunks_exact(block_bytes::<Q>()).take(blocks).enumerate() {
             // The weight stream is the bottleneck; ask for it well before it is needed. Prefetching past the end
             // of a slice is harmless (it never faults).
             _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(PREFETCH_BYTES) as *const i8);
-            let d = half(u16::from_le_bytes([blk[0], blk[1]]));
-            // Per dtype: the unsigned weight operand for maddubs, and the per-block offset multiplier.
-            // SAFETY: a block holds its quants at the offsets read here (34/18/20-byte GGML layouts).
-            let (wq, min, signed) = unsafe {
-                match Q {
-                    super::Q8_0 => (_mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i), 0.0, true),
-                    super::Q4_0 => {
-                        let q = _mm_loadu_si128(blk.as_ptr().add(2) as *const __m128i);
-                        (_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), mask), -8.0 * d, false)
-                    }
-                    _ => {
-                        let q = _mm_loadu_si128(blk.as_ptr().add(4) as *const __m128i);
-                        let m = half(u16::from_le_bytes([blk[2], blk[3]]));
-                        (_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), mask), m, false)
-                    }
-                }
-            };
-            let wabs = if signed { _mm256_sign_epi8(wq, wq) } else { wq };
+            // SAFETY: `blk` is a whole block.
+            let (wabs, wq, d, min) = unsafe { unpack::<Q>(blk.as_ptr(), mask) };
             for t in 0..N {
-                let ab = &a[t * blocks + b];
-                // SAFETY: activation blocks hold 32 i8.
-                let av = unsafe { _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i) };
-                // maddubs needs an unsigned operand: for signed Q8_0 weights, move their sign onto a.
-                let av = if signed { _mm256_sign_epi8(av, wq) } else { av };
-                let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, av), ones);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(d * ab.d), acc[t]);
-                offset[t] += min * ab.s;
+                offset[t] += block_dot::<Q>(wabs, wq, d, min, &a[t * blocks + b], &mut acc[t]);
             }
         }
         for t in 0..N {
             out[t] = hsum(acc[t]) + offset[t];
+        }
+    }
+
+    /// `R` consecutive weight rows against one activation row; per row the arithmetic is that of
+    /// [`dot_quant_n`] with `N = 1`, so results are identical.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_rows_n<const R: usize, const Q: u8>(
+        w: &[u8],
+        row_bytes: usize,
+        a: &[Q8Block],
+        blocks: usize,
+        out: &mut [f32],
+    ) {
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut offset = [0f32; R];
+        let mask = _mm256_set1_epi8(0x0f);
+        let bb = block_bytes::<Q>();
+        assert!(w.len() >= R * row_bytes && row_bytes >= blocks * bb && a.len() >= blocks && out.len() >= R);
+        for (b, ab) in a.iter().take(blocks).enumerate() {
+            for r in 0..R {
+                let p = w.as_ptr().wrapping_add(r * row_bytes + b * bb);
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
+                // SAFETY: the assert above keeps block `b` of row `r` inside `w`.
+                let (wabs, wq, d, min) = unsafe { unpack::<Q>(p, mask) };
+                offset[r] += block_dot::<Q>(wabs, wq, d, min, ab, &mut acc[r]);
+            }
+        }
+        for r in 0..R {
+            out[r] = hsum(acc[r]) + offset[r];
         }
     }
 }
@@ -347,6 +436,27 @@ mod tests {
                 let mut one = [0f32];
                 dot_quant(isa, dtype, &w, &xq[t * blocks..(t + 1) * blocks], blocks, &mut one);
                 assert_eq!(one[0].to_bits(), batched[t].to_bits(), "{dtype} row {t}");
+            }
+        }
+    }
+
+    #[test]
+    fn multi_row_decode_kernel_equals_single_row_kernel() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+        let isa = Isa::detect();
+        let (blocks, rows) = (5, 9);
+        let x = rand_vec(&mut rng, blocks * 32);
+        let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; 32] }; blocks];
+        quantize_row(&x, &mut xq);
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            let w = crate::testing::quantize(dtype, &rand_vec(&mut rng, rows * blocks * 32));
+            let row_bytes = w.len() / rows;
+            let mut many = vec![0f32; rows];
+            dot_quant_rows(isa, dtype, &w, row_bytes, &xq, blocks, &mut many);
+            for r in 0..rows {
+                let mut one = [0f32];
+                dot_quant(isa, dtype, &w[r * row_bytes..(r + 1) * row_bytes], &xq, blocks, &mut one);
+                assert_eq!(one[0].to_bits(), many[r].to_bits(), "{dtype} row {r}");
             }
         }
     }
