@@ -150,12 +150,21 @@ pub fn dot_quant_rows(
     if isa == Isa::Avx2 {
         let mut r = 0;
         while r < out.len() {
-            let n = if out.len() - r >= 4 { 4 } else { 1 };
+            let n = if out.len() - r >= 8 {
+                8
+            } else if out.len() - r >= 4 {
+                4
+            } else {
+                1
+            };
             let rows = &w[r * row_bytes..(r + n) * row_bytes];
             let o = &mut out[r..r + n];
             // SAFETY: Avx2 is only chosen after runtime detection; `rows` holds `n` rows of `blocks` blocks.
             unsafe {
                 match (dtype, n) {
+                    (DType::Q8_0, 8) => x86::dot_rows_n::<8, Q8_0>(rows, row_bytes, xq, blocks, o),
+                    (DType::Q4_0, 8) => x86::dot_rows_n::<8, Q4_0>(rows, row_bytes, xq, blocks, o),
+                    (_, 8) => x86::dot_rows_n::<8, Q4_1>(rows, row_bytes, xq, blocks, o),
                     (DType::Q8_0, 4) => x86::dot_rows_n::<4, Q8_0>(rows, row_bytes, xq, blocks, o),
                     (DType::Q4_0, 4) => x86::dot_rows_n::<4, Q4_0>(rows, row_bytes, xq, blocks, o),
                     (_, 4) => x86::dot_rows_n::<4, Q4_1>(rows, row_bytes, xq, blocks, o),
