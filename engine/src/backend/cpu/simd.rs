@@ -391,7 +391,8 @@ mod x86 {
         for (b, ab) in a.iter().take(blocks).enumerate() {
             for r in 0..R {
                 let p = w.as_ptr().wrapping_add(r * row_bytes + b * bb);
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
+                // Rows are contiguous: fetch the same block of the next group of R rows.
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(R * row_bytes) as *const i8);
                 // SAFETY: the assert above keeps block `b` of row `r` inside `w`.
                 let (wabs, wq, d, min) = unsafe { unpack::<Q>(p, mask) };
                 offset[r] += block_dot::<Q>(wabs, wq, d, min, ab, &mut acc[r]);
