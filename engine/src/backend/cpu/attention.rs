@@ -64,10 +64,7 @@ pub fn attend(isa: Isa, q: &CpuTensor, cache: &CpuKvLayer, seqs: &[AttnSeq<'_>],
                 for (j, &p) in scores.iter().enumerate() {
                     let slot = (s.blocks[j / block_size] as usize * block_size + j % block_size) * kv_dim;
                     let vrow = &cache.v[slot + kvh * head_dim..][..head_dim];
-                    let w = p / denom;
-                    for (o, v) in o.iter_mut().zip(vrow) {
-                        *o += w * v;
-                    }
+                    simd::axpy(isa, p / denom, vrow, o);
                 }
             }
             out

@@ -65,6 +65,19 @@ pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
+/// `y += a·x`.
+pub fn axpy(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: see dot_f32.
+        return unsafe { x86::axpy(a, x, y) };
+    }
+    let _ = isa;
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
 /// Σ x·w with `w` as f16 bits.
 pub fn dot_f16(isa: Isa, x: &[f32], w: &[u16]) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -253,6 +266,24 @@ mod x86 {
             s += a[k] * b[k];
         }
         s
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+        let n = x.len().min(y.len());
+        let av = _mm256_set1_ps(a);
+        let mut i = 0;
+        // SAFETY: every access is within 0..n of both slices.
+        unsafe {
+            while i + 8 <= n {
+                let yv = _mm256_loadu_ps(y.as_ptr().add(i));
+                _mm256_storeu_ps(y.as_mut_ptr().add(i), _mm256_fmadd_ps(av, _mm256_loadu_ps(x.as_ptr().add(i)), yv));
+                i += 8;
+            }
+        }
+        for k in i..n {
+            y[k] += a * x[k];
+        }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
