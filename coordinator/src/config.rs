@@ -1,0 +1,175 @@
+//! The coordinator's configuration: one struct, unknown fields rejected, validated before anything starts.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// Everything the coordinator needs to start.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CoordinatorConfig {
+    /// etcd endpoints (`http://host:2379`); `None` runs an embedded in-process registry.
+    #[serde(default)]
+    pub etcd: Option<Vec<String>>,
+    /// Cluster name: every key lives under `/strata/<cluster>/`.
+    #[serde(default = "default_cluster")]
+    pub cluster: String,
+    /// The model: a Hugging Face directory or a `.gguf` file.
+    pub model: PathBuf,
+    /// Address of the public gRPC API (served by a later issue; validated now).
+    pub grpc_addr: SocketAddr,
+    /// Address of the HTTP API (served by a later issue; validated now).
+    pub http_addr: SocketAddr,
+    /// READY nodes to wait for before the cluster's first plan; later plans use whatever nodes are usable.
+    #[serde(default = "default_min_stages")]
+    pub min_stages: usize,
+    /// Name this coordinator campaigns under; defaults to `coordinator-<pid>`.
+    #[serde(default)]
+    pub candidate: Option<String>,
+    /// TTL of the leader lease, in seconds.
+    #[serde(default = "default_lease_ttl")]
+    pub lease_ttl_secs: u64,
+    /// How long to keep trying to reach etcd at start, in milliseconds.
+    #[serde(default = "default_connect_timeout")]
+    pub connect_timeout_ms: u64,
+    /// Tokens of KV cache each stage must be able to hold (placement reserves memory for them).
+    #[serde(default = "default_kv_reserve")]
+    pub kv_reserve_tokens: u64,
+}
+
+fn default_cluster() -> String {
+    "default".into()
+}
+fn default_min_stages() -> usize {
+    1
+}
+fn default_lease_ttl() -> u64 {
+    5
+}
+fn default_connect_timeout() -> u64 {
+    10_000
+}
+fn default_kv_reserve() -> u64 {
+    2048
+}
+
+impl CoordinatorConfig {
+    /// A config with defaults for everything but the model and the API addresses.
+    pub fn new(model: impl Into<PathBuf>, grpc_addr: SocketAddr, http_addr: SocketAddr) -> Self {
+        Self {
+            etcd: None,
+            cluster: default_cluster(),
+            model: model.into(),
+            grpc_addr,
+            http_addr,
+            min_stages: default_min_stages(),
+            candidate: None,
+            lease_ttl_secs: default_lease_ttl(),
+            connect_timeout_ms: default_connect_timeout(),
+            kv_reserve_tokens: default_kv_reserve(),
+        }
+    }
+
+    /// Parses a comma-separated endpoint list (`a:2379,b:2379`), adding `http://` where no scheme is given.
+    pub fn parse_endpoints(list: &str) -> Vec<String> {
+        list.split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(|s| if s.contains("://") { s.to_owned() } else { format!("http://{s}") })
+            .collect()
+    }
+
+    /// Checks the values make sense together.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(m));
+        if self.min_stages == 0 {
+            return bad("min_stages must be at least 1".into());
+        }
+        let name_ok = |c: char| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.';
+        if self.cluster.is_empty() || !self.cluster.chars().all(name_ok) {
+            return bad(format!("cluster {:?} must be non-empty and use only [A-Za-z0-9._-]", self.cluster));
+        }
+        if let Some(eps) = &self.etcd {
+            if eps.is_empty() {
+                return bad("etcd endpoint list is empty (omit it to use the embedded registry)".into());
+            }
+            if let Some(e) = eps.iter().find(|e| !(e.starts_with("http://") || e.starts_with("https://"))) {
+                return bad(format!("etcd endpoint {e:?} must start with http:// or https://"));
+            }
+        }
+        if self.grpc_addr == self.http_addr && self.grpc_addr.port() != 0 {
+            return bad(format!("grpc_addr and http_addr are both {}", self.grpc_addr));
+        }
+        if self.lease_ttl_secs == 0 {
+            return bad("lease_ttl_secs must be at least 1".into());
+        }
+        if self.connect_timeout_ms == 0 {
+            return bad("connect_timeout_ms must be positive".into());
+        }
+        if self.model.as_os_str().is_empty() {
+            return bad("model path is empty".into());
+        }
+        Ok(())
+    }
+
+    /// The leader lease TTL.
+    pub fn lease_ttl(&self) -> Duration {
+        Duration::from_secs(self.lease_ttl_secs)
+    }
+
+    /// How long to try reaching etcd at start.
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms)
+    }
+
+    /// The name used in the leader election.
+    pub fn candidate_name(&self) -> String {
+        self.candidate.clone().unwrap_or_else(|| format!("coordinator-{}", std::process::id()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> CoordinatorConfig {
+        let addr = |p| SocketAddr::from(([127, 0, 0, 1], p));
+        CoordinatorConfig::new("/models/m", addr(50051), addr(8080))
+    }
+
+    #[test]
+    fn defaults_validate_and_bad_values_are_named() {
+        assert!(base().validate().is_ok());
+        let mut c = base();
+        c.min_stages = 0;
+        assert!(c.validate().is_err_and(|e| e.to_string().contains("min_stages")));
+        let mut c = base();
+        c.http_addr = c.grpc_addr;
+        assert!(c.validate().is_err_and(|e| e.to_string().contains("grpc_addr")));
+        let mut c = base();
+        c.cluster = "a/b".into();
+        assert!(c.validate().is_err_and(|e| e.to_string().contains("cluster")));
+        let mut c = base();
+        c.etcd = Some(vec![]);
+        assert!(c.validate().is_err_and(|e| e.to_string().contains("etcd")));
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected() {
+        let json = r#"{"model":"m","grpc_addr":"127.0.0.1:1","http_addr":"127.0.0.1:2","min_stage":2}"#;
+        let err = serde_json::from_str::<CoordinatorConfig>(json).expect_err("typo must be rejected");
+        assert!(err.to_string().contains("min_stage"), "{err}");
+    }
+
+    #[test]
+    fn endpoints_get_a_scheme() {
+        assert_eq!(
+            CoordinatorConfig::parse_endpoints("a:2379, https://b:2379,"),
+            vec!["http://a:2379".to_string(), "https://b:2379".to_string()]
+        );
+    }
+}

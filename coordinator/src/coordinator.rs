@@ -1,0 +1,405 @@
+//! The coordinator's control loop: campaign for leadership, watch the nodes, place the model and write each new
+//! plan with the next epoch; finish drains once the stages have loaded the plan that excludes the drained node.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use strata_proto::{NodeId, PlanEpoch, pb};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::membership::{
+    Backoff, EmbeddedRegistry, EtcdRegistry, Leadership, NodeEvent, NodeRecord, NodeState, Plan, PlanStage, Registry,
+};
+use crate::placement::{self, ModelShape, NodeCapacity};
+use crate::{CoordinatorConfig, Error, Result};
+
+/// What the coordinator currently knows, as the future `ClusterStatus` RPC will serve it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ClusterSnapshot {
+    /// Every registered node, sorted by id.
+    pub nodes: Vec<NodeRecord>,
+    /// The plan in effect, if one was written.
+    pub plan: Option<Plan>,
+    /// Whether this coordinator is the leader.
+    pub leader: bool,
+    /// Why the last placement attempt failed, if it did.
+    pub placement_error: Option<String>,
+}
+
+impl ClusterSnapshot {
+    /// The `ClusterStatusResponse` for this snapshot.
+    pub fn to_proto(&self) -> pb::ClusterStatusResponse {
+        let plan = self.plan.as_ref();
+        let nodes = self
+            .nodes
+            .iter()
+            .map(|n| {
+                let stage = plan.and_then(|p| p.stage_of(&n.node_id));
+                pb::NodeInfo {
+                    node_id: n.node_id.to_string(),
+                    address: n.address.clone(),
+                    state: pb::NodeState::from(n.state) as i32,
+                    device: n.device.clone(),
+                    memory_bytes: n.memory_bytes,
+                    layer_seconds: n.layer_seconds,
+                    layer_start: stage.map_or(0, |s| s.layer_start),
+                    layer_end: stage.map_or(0, |s| s.layer_end),
+                    ..Default::default()
+                }
+            })
+            .collect();
+        let stages = plan
+            .map(|p| {
+                p.stages
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| pb::StageInfo {
+                        index: u32::try_from(i).unwrap_or(u32::MAX),
+                        node_id: s.node_id.to_string(),
+                        address: s.address.clone(),
+                        layer_start: s.layer_start,
+                        layer_end: s.layer_end,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        pb::ClusterStatusResponse {
+            nodes,
+            plan_epoch: plan.map_or(0, |p| p.epoch.0),
+            stages,
+            model: plan.map(|p| p.model.clone()).unwrap_or_default(),
+            num_layers: plan.map_or(0, |p| p.num_layers),
+        }
+    }
+}
+
+/// A shared, observable [`ClusterSnapshot`]: the control loop publishes, readers take snapshots or wait.
+#[derive(Clone, Debug)]
+pub struct ClusterView {
+    tx: Arc<watch::Sender<ClusterSnapshot>>,
+}
+
+impl Default for ClusterView {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ClusterView {
+    /// An empty view.
+    pub fn new() -> Self {
+        Self { tx: Arc::new(watch::Sender::new(ClusterSnapshot::default())) }
+    }
+
+    /// The current snapshot.
+    pub fn snapshot(&self) -> ClusterSnapshot {
+        self.tx.borrow().clone()
+    }
+
+    /// A receiver notified on every change.
+    pub fn subscribe(&self) -> watch::Receiver<ClusterSnapshot> {
+        self.tx.subscribe()
+    }
+
+    /// Waits until `ready` holds for the snapshot and returns it.
+    pub async fn wait_for(&self, mut ready: impl FnMut(&ClusterSnapshot) -> bool) -> ClusterSnapshot {
+        let mut rx = self.tx.subscribe();
+        match rx.wait_for(|s| ready(s)).await {
+            Ok(s) => s.clone(),
+            // The sender lives in `self`, so the channel cannot close while we wait.
+            Err(_) => self.snapshot(),
+        }
+    }
+
+    fn update(&self, change: impl FnOnce(&mut ClusterSnapshot)) {
+        self.tx.send_modify(change);
+    }
+}
+
+/// Starts a coordinator from its config and runs it until `shutdown`: opens the model, connects to etcd (or
+/// starts the embedded registry), then leads or waits to lead. Fails only at start (bad config, unreadable
+/// model, etcd unreachable within `connect_timeout_ms`); later registry trouble is retried.
+pub async fn run(config: CoordinatorConfig, shutdown: CancellationToken) -> Result<()> {
+    config.validate()?;
+    let shape = ModelShape::from_model_path(&config.model, config.kv_reserve_tokens)?;
+    let model_name = model_name(&config);
+    tracing::info!(model = %model_name, layers = shape.num_layers, layer_bytes = shape.layer_bytes, "model sized");
+    match &config.etcd {
+        Some(endpoints) => {
+            let registry = EtcdRegistry::connect(endpoints, &config.cluster, config.connect_timeout()).await?;
+            Coordinator::new(registry, config, shape, model_name).run(shutdown).await
+        }
+        None => {
+            tracing::info!("no etcd configured; using the embedded registry");
+            let registry = EmbeddedRegistry::new(&config.cluster);
+            Coordinator::new(registry, config, shape, model_name).run(shutdown).await
+        }
+    }
+}
+
+fn model_name(config: &CoordinatorConfig) -> String {
+    let path = &config.model;
+    path.file_stem()
+        .or_else(|| path.file_name())
+        .map_or_else(|| path.display().to_string(), |s| s.to_string_lossy().into_owned())
+}
+
+/// Marks a node DRAINING (`strata nodes drain ID`): the leader replans without it and, once every stage of the
+/// new plan reports that epoch loaded, marks it CORDONED (safe to remove).
+pub async fn drain_node<R: Registry>(registry: &R, id: &NodeId) -> Result<NodeRecord> {
+    registry.set_node_state(id, NodeState::Draining).await
+}
+
+/// Marks a node CORDONED: excluded from the next plan.
+pub async fn cordon_node<R: Registry>(registry: &R, id: &NodeId) -> Result<NodeRecord> {
+    registry.set_node_state(id, NodeState::Cordoned).await
+}
+
+/// Makes a cordoned or drained node schedulable again.
+pub async fn uncordon_node<R: Registry>(registry: &R, id: &NodeId) -> Result<NodeRecord> {
+    registry.set_node_state(id, NodeState::Ready).await
+}
+
+/// How a leadership term ended.
+enum Term {
+    Shutdown,
+    Lost,
+}
+
+/// The control loop over one registry.
+pub struct Coordinator<R: Registry> {
+    registry: R,
+    config: CoordinatorConfig,
+    shape: ModelShape,
+    model_name: String,
+    view: ClusterView,
+}
+
+/// State of one leadership term.
+struct LeaderState {
+    nodes: BTreeMap<NodeId, NodeRecord>,
+    plan: Option<Plan>,
+    /// Draining nodes and the epoch whose loading completes their drain.
+    pending_drains: BTreeMap<NodeId, PlanEpoch>,
+}
+
+impl<R: Registry> Coordinator<R> {
+    /// A coordinator over `registry` for a model of `shape`.
+    pub fn new(registry: R, config: CoordinatorConfig, shape: ModelShape, model_name: String) -> Self {
+        Self { registry, config, shape, model_name, view: ClusterView::new() }
+    }
+
+    /// The view this coordinator publishes.
+    pub fn view(&self) -> ClusterView {
+        self.view.clone()
+    }
+
+    /// Campaigns, leads while elected, campaigns again when leadership is lost; returns on `shutdown`
+    /// (resigning, so a standby takes over at once).
+    pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
+        let candidate = self.config.candidate_name();
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        loop {
+            let campaign = tokio::select! {
+                () = shutdown.cancelled() => return Ok(()),
+                c = self.registry.campaign(&candidate, self.config.lease_ttl()) => c,
+            };
+            let leadership = match campaign {
+                Ok(l) => l,
+                Err(e) => {
+                    let delay = backoff.next_delay();
+                    tracing::warn!(error = %e, retry_in = ?delay, "campaign failed");
+                    if sleep_or_shutdown(delay, &shutdown).await {
+                        return Ok(());
+                    }
+                    continue;
+                }
+            };
+            self.view.update(|s| s.leader = true);
+            let outcome = self.lead(&leadership, &shutdown).await;
+            self.view.update(|s| s.leader = false);
+            match outcome {
+                Ok(Term::Shutdown) => {
+                    if let Err(e) = leadership.resign().await {
+                        tracing::warn!(error = %e, "resigning failed; the lease will expire instead");
+                    }
+                    return Ok(());
+                }
+                Ok(Term::Lost) => tracing::warn!(candidate, "lost leadership; campaigning again"),
+                Err(e) => {
+                    let delay = backoff.next_delay();
+                    tracing::warn!(error = %e, retry_in = ?delay, "leading failed; stepping down");
+                    let _ = leadership.resign().await;
+                    if sleep_or_shutdown(delay, &shutdown).await {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+
+    async fn lead(&self, leadership: &Leadership<R>, shutdown: &CancellationToken) -> Result<Term> {
+        let mut watch = self.registry.watch_nodes().await?;
+        let mut term = LeaderState {
+            nodes: watch.initial().iter().map(|n| (n.node_id.clone(), n.clone())).collect(),
+            plan: self.registry.get_plan().await?,
+            pending_drains: BTreeMap::new(),
+        };
+        self.publish(&term);
+        self.reconcile(&mut term).await?;
+        loop {
+            let event = tokio::select! {
+                () = shutdown.cancelled() => return Ok(Term::Shutdown),
+                () = leadership.lost() => return Ok(Term::Lost),
+                e = watch.next() => e,
+            };
+            let Some(event) = event else { return Ok(Term::Lost) };
+            let replan = match event {
+                NodeEvent::Added(rec) => {
+                    let ready = rec.state == NodeState::Ready;
+                    term.nodes.insert(rec.node_id.clone(), rec);
+                    ready
+                }
+                NodeEvent::Updated(rec) => {
+                    let prev = term.nodes.insert(rec.node_id.clone(), rec.clone());
+                    // Speed re-measurements alone do not move layers; membership and capacity changes do.
+                    prev.is_none_or(|p| {
+                        p.state != rec.state || p.address != rec.address || p.memory_bytes != rec.memory_bytes
+                    })
+                }
+                NodeEvent::Removed(id) => term.nodes.remove(&id).is_some(),
+            };
+            self.publish(&term);
+            if replan {
+                self.reconcile(&mut term).await?;
+            } else {
+                self.finish_drains(&mut term).await?;
+            }
+        }
+    }
+
+    fn publish(&self, term: &LeaderState) {
+        let nodes = term.nodes.values().cloned().collect();
+        let plan = term.plan.clone();
+        self.view.update(|s| {
+            s.nodes = nodes;
+            s.plan = plan;
+        });
+    }
+
+    /// Places the model on the usable nodes and writes a new plan if it differs from the current one.
+    async fn reconcile(&self, term: &mut LeaderState) -> Result<()> {
+        // min_stages gates the first plan only: once a plan exists, a plan through a dead or drained node
+        // serves nothing, so later changes replan with whatever is usable.
+        let ready = term.nodes.values().filter(|n| n.state == NodeState::Ready).count();
+        if term.plan.is_none() && ready < self.config.min_stages {
+            tracing::info!(ready, min_stages = self.config.min_stages, "waiting for READY nodes");
+            return self.finish_drains(term).await;
+        }
+        let capacities: Vec<NodeCapacity> = term
+            .nodes
+            .values()
+            .map(|n| NodeCapacity {
+                node_id: n.node_id.clone(),
+                address: n.address.clone(),
+                memory_bytes: n.memory_bytes,
+                seconds_per_layer: n.layer_seconds,
+                state: n.state,
+            })
+            .collect();
+        let stages: Vec<PlanStage> = match placement::plan(&self.shape, &capacities) {
+            Ok(s) => s.iter().map(PlanStage::from).collect(),
+            Err(e) => {
+                tracing::error!(error = %e, "no placement; keeping the current plan");
+                self.view.update(|s| s.placement_error = Some(e.to_string()));
+                return self.finish_drains(term).await;
+            }
+        };
+        self.view.update(|s| s.placement_error = None);
+        for _ in 0..3 {
+            if term.plan.as_ref().is_some_and(|p| p.stages == stages) {
+                break;
+            }
+            let expected = term.plan.as_ref().map_or(PlanEpoch(0), |p| p.epoch);
+            let next = Plan {
+                epoch: expected.next(),
+                stages: stages.clone(),
+                model: self.model_name.clone(),
+                num_layers: u32::try_from(self.shape.num_layers).unwrap_or(u32::MAX),
+            };
+            // SAFE POINT. No traffic is served yet, so the plan is switched at once. Once the data path exists it
+            // must quiesce here: stop admitting batches under `expected`, wait for (or fail) the batches in
+            // flight, then write; sequences are re-prefilled under the new epoch (docs/protocol.md, plan epochs).
+            match self.registry.write_plan(&next, expected).await {
+                Ok(()) => {
+                    tracing::info!(epoch = %next.epoch, stages = next.stages.len(), "plan written");
+                    term.plan = Some(next);
+                    break;
+                }
+                Err(Error::StaleEpoch { found, .. }) => {
+                    tracing::warn!(expected = %expected, found = %found, "plan changed under us; re-reading");
+                    term.plan = self.registry.get_plan().await?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.publish(term);
+        self.finish_drains(term).await
+    }
+
+    /// Tracks draining nodes that the current plan excludes, and marks them CORDONED once every stage of the
+    /// plan reports its epoch loaded.
+    async fn finish_drains(&self, term: &mut LeaderState) -> Result<()> {
+        let epoch = term.plan.as_ref().map_or(PlanEpoch(0), |p| p.epoch);
+        for n in term.nodes.values() {
+            let placed = term.plan.as_ref().is_some_and(|p| p.stage_of(&n.node_id).is_some());
+            if n.state == NodeState::Draining && !placed {
+                term.pending_drains.entry(n.node_id.clone()).or_insert(epoch);
+            }
+        }
+        let pending: Vec<(NodeId, PlanEpoch)> = term.pending_drains.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        for (id, needed) in pending {
+            if term.nodes.get(&id).is_none_or(|n| n.state != NodeState::Draining) {
+                term.pending_drains.remove(&id);
+                continue;
+            }
+            let loaded = term.plan.as_ref().is_some_and(|p| {
+                p.stages.iter().all(|s| term.nodes.get(&s.node_id).is_some_and(|n| n.plan_epoch_loaded >= needed))
+            });
+            if !loaded {
+                continue;
+            }
+            match self
+                .registry
+                .update_node(&id, |r| {
+                    if r.state == NodeState::Draining {
+                        r.state = NodeState::Cordoned;
+                    }
+                })
+                .await
+            {
+                Ok(rec) => {
+                    tracing::info!(node = %id, epoch = %needed, "drain complete; node cordoned and removable");
+                    term.nodes.insert(id.clone(), rec);
+                }
+                Err(Error::NodeNotFound(_)) => {
+                    term.nodes.remove(&id);
+                }
+                Err(e) => return Err(e),
+            }
+            term.pending_drains.remove(&id);
+        }
+        self.publish(term);
+        Ok(())
+    }
+}
+
+/// Sleeps for `delay`; returns true if `shutdown` fired first.
+async fn sleep_or_shutdown(delay: Duration, shutdown: &CancellationToken) -> bool {
+    tokio::select! {
+        () = shutdown.cancelled() => true,
+        () = tokio::time::sleep(delay) => false,
+    }
+}

@@ -1,0 +1,15 @@
+//! strata's coordinator (control plane): reads the model, tracks stage workers registered in etcd (or an
+//! embedded registry), elects one active coordinator, places the model's layers on the READY nodes and publishes
+//! the plan with an epoch. The data path (Generate API, batching) is a later issue. See `docs/architecture.md`.
+
+pub mod config;
+pub mod coordinator;
+mod error;
+pub mod membership;
+pub mod placement;
+
+pub use config::CoordinatorConfig;
+pub use coordinator::{ClusterSnapshot, ClusterView, Coordinator, cordon_node, drain_node, run, uncordon_node};
+pub use error::{Error, Result};
+pub use membership::{EmbeddedRegistry, EtcdRegistry, NodeEvent, NodeRecord, NodeState, Plan, PlanStage, Registry};
+pub use placement::{ModelShape, NodeCapacity, PlacementError, StageAssignment};

@@ -1,0 +1,70 @@
+//! The `coordinator` binary: parses flags (with env fallbacks), then runs the library until SIGINT/SIGTERM.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+use strata_coordinator::CoordinatorConfig;
+use tokio_util::sync::CancellationToken;
+
+/// strata coordinator: places the model on the stage workers registered in etcd.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// etcd endpoints, comma-separated (`http://10.0.0.1:2379,...`); omitted: embedded registry.
+    #[arg(long, env = "STRATA_ETCD")]
+    etcd: Option<String>,
+    /// Model: a Hugging Face directory or a `.gguf` file.
+    #[arg(long, env = "STRATA_MODEL")]
+    model: PathBuf,
+    /// Address of the public gRPC API.
+    #[arg(long, env = "STRATA_GRPC", default_value = "0.0.0.0:50051")]
+    grpc: SocketAddr,
+    /// Address of the HTTP API.
+    #[arg(long, env = "STRATA_HTTP", default_value = "0.0.0.0:8080")]
+    http: SocketAddr,
+    /// READY nodes to wait for before the first plan.
+    #[arg(long, env = "STRATA_MIN_STAGES", default_value_t = 1)]
+    min_stages: usize,
+    /// Cluster name (etcd prefix `/strata/<cluster>/`).
+    #[arg(long, env = "STRATA_CLUSTER", default_value = "default")]
+    cluster: String,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
+    let args = Args::parse();
+    let mut config = CoordinatorConfig::new(args.model, args.grpc, args.http);
+    config.etcd = args.etcd.as_deref().map(CoordinatorConfig::parse_endpoints);
+    config.min_stages = args.min_stages;
+    config.cluster = args.cluster;
+    let shutdown = CancellationToken::new();
+    tokio::spawn(cancel_on_signal(shutdown.clone()));
+    strata_coordinator::run(config, shutdown).await?;
+    Ok(())
+}
+
+async fn cancel_on_signal(shutdown: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                let _ = ctrl_c.await;
+                shutdown.cancel();
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("shutting down");
+    shutdown.cancel();
+}

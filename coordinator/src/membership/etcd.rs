@@ -1,0 +1,200 @@
+//! The [`Registry`] primitives on etcd (v3 API, etcd 3.4+).
+
+use std::time::{Duration, Instant};
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
+};
+use tokio::sync::mpsc;
+
+use super::{Backoff, Condition, KeyValue, Keys, LeaseId, LeaseMode, Registry, WATCH_CHANNEL, WatchEvent};
+use crate::{Error, Result};
+
+/// A registry stored in etcd. Cheap to clone (one shared connection pool).
+#[derive(Clone)]
+pub struct EtcdRegistry {
+    client: Client,
+    keys: Keys,
+}
+
+impl std::fmt::Debug for EtcdRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdRegistry").field("keys", &self.keys).finish_non_exhaustive()
+    }
+}
+
+fn kv_of(kv: &etcd_client::KeyValue) -> KeyValue {
+    KeyValue {
+        key: String::from_utf8_lossy(kv.key()).into_owned(),
+        value: kv.value().to_vec(),
+        create_revision: kv.create_revision(),
+        mod_revision: kv.mod_revision(),
+    }
+}
+
+impl EtcdRegistry {
+    /// Connects to `endpoints` (e.g. `http://10.0.0.1:2379`) and checks that etcd answers, retrying with backoff
+    /// for up to `wait`; after that fails with [`Error::EtcdUnreachable`].
+    pub async fn connect(endpoints: &[String], cluster: &str, wait: Duration) -> Result<Self> {
+        let joined = endpoints.join(",");
+        if endpoints.is_empty() {
+            return Err(Error::Config("no etcd endpoint given".into()));
+        }
+        let options = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(1))
+            .with_timeout(Duration::from_secs(5))
+            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(2));
+        let start = Instant::now();
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(1));
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let attempt = async {
+                let mut client = Client::connect(endpoints, Some(options.clone())).await?;
+                client.get("/strata/", Some(GetOptions::new().with_count_only())).await?;
+                Ok::<_, etcd_client::Error>(client)
+            };
+            let budget = wait.saturating_sub(start.elapsed()).clamp(Duration::from_millis(100), Duration::from_secs(2));
+            let last_error = match tokio::time::timeout(budget, attempt).await {
+                Ok(Ok(client)) => {
+                    tracing::info!(endpoints = %joined, attempts, "connected to etcd");
+                    return Ok(Self { client, keys: Keys::new(cluster) });
+                }
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => format!("no answer within {budget:?}"),
+            };
+            let remaining = wait.saturating_sub(start.elapsed());
+            if remaining.is_zero() {
+                return Err(Error::EtcdUnreachable {
+                    endpoints: joined,
+                    waited: start.elapsed(),
+                    attempts,
+                    last_error,
+                });
+            }
+            let delay = backoff.next_delay().min(remaining);
+            tracing::warn!(endpoints = %joined, error = %last_error, retry_in = ?delay, "etcd not reachable yet");
+            tokio::time::sleep(delay).await;
+        }
+    }
+}
+
+impl Registry for EtcdRegistry {
+    fn keys(&self) -> &Keys {
+        &self.keys
+    }
+
+    async fn grant_lease(&self, ttl: Duration) -> Result<LeaseId> {
+        let secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        let resp = self.client.clone().lease_grant(secs, None).await.map_err(Error::etcd("lease grant"))?;
+        Ok(resp.id())
+    }
+
+    async fn refresh_lease(&self, lease: LeaseId) -> Result<bool> {
+        match self.client.clone().lease_keep_alive(lease).await {
+            Ok(_) => Ok(true),
+            // etcd-client reports a keep-alive answered with TTL 0 this way.
+            Err(etcd_client::Error::LeaseKeepAliveError(m)) if m.contains("not found") => Ok(false),
+            Err(e) => Err(Error::etcd(format!("lease keep-alive {lease:x}"))(e)),
+        }
+    }
+
+    async fn revoke_lease(&self, lease: LeaseId) -> Result<()> {
+        match self.client.clone().lease_revoke(lease).await {
+            Ok(_) => Ok(()),
+            Err(etcd_client::Error::GRpcStatus(s)) if s.message().contains("not found") => Ok(()),
+            Err(e) => Err(Error::etcd(format!("lease revoke {lease:x}"))(e)),
+        }
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>> {
+        let resp = self.client.clone().get(key, None).await.map_err(Error::etcd(format!("get {key}")))?;
+        Ok(resp.kvs().first().map(kv_of))
+    }
+
+    async fn list(&self, prefix: &str) -> Result<(Vec<KeyValue>, i64)> {
+        let resp = self
+            .client
+            .clone()
+            .get(prefix, Some(GetOptions::new().with_prefix()))
+            .await
+            .map_err(Error::etcd(format!("list {prefix}")))?;
+        let revision = resp.header().map_or(0, |h| h.revision());
+        Ok((resp.kvs().iter().map(kv_of).collect(), revision))
+    }
+
+    async fn put(&self, key: &str, value: Vec<u8>, condition: Option<Condition>, lease: LeaseMode) -> Result<bool> {
+        let options = match lease {
+            LeaseMode::None => None,
+            LeaseMode::Attach(id) => Some(PutOptions::new().with_lease(id)),
+            LeaseMode::Keep => Some(PutOptions::new().with_ignore_lease()),
+        };
+        let mut client = self.client.clone();
+        let op = || format!("put {key}");
+        let Some(condition) = condition else {
+            client.put(key, value, options).await.map_err(Error::etcd(op()))?;
+            return Ok(true);
+        };
+        let compare = match condition {
+            Condition::Absent => Compare::version(key, CompareOp::Equal, 0),
+            Condition::ModRevision(rev) => Compare::mod_revision(key, CompareOp::Equal, rev),
+        };
+        let txn = Txn::new().when(vec![compare]).and_then(vec![TxnOp::put(key, value, options)]);
+        let resp = client.txn(txn).await.map_err(Error::etcd(op()))?;
+        Ok(resp.succeeded())
+    }
+
+    async fn delete(&self, key: &str) -> Result<()> {
+        self.client.clone().delete(key, None).await.map_err(Error::etcd(format!("delete {key}")))?;
+        Ok(())
+    }
+
+    async fn watch(&self, prefix: &str, from_revision: i64) -> Result<mpsc::Receiver<WatchEvent>> {
+        let options = WatchOptions::new().with_prefix().with_start_revision(from_revision);
+        let mut stream =
+            self.client.clone().watch(prefix, Some(options)).await.map_err(Error::etcd(format!("watch {prefix}")))?;
+        let (tx, rx) = mpsc::channel(WATCH_CHANNEL);
+        let prefix = prefix.to_owned();
+        tokio::spawn(async move {
+            loop {
+                let msg = tokio::select! {
+                    () = tx.closed() => return,
+                    m = stream.message() => m,
+                };
+                let resp = match msg {
+                    Ok(Some(resp)) => resp,
+                    Ok(None) => return,
+                    Err(e) => {
+                        tracing::warn!(prefix, error = %e, "etcd watch broke");
+                        return;
+                    }
+                };
+                if resp.canceled() {
+                    tracing::warn!(
+                        prefix,
+                        compact_revision = resp.compact_revision(),
+                        reason = resp.cancel_reason(),
+                        "etcd watch cancelled"
+                    );
+                    return;
+                }
+                for event in resp.events() {
+                    let Some(kv) = event.kv() else { continue };
+                    let ev = match event.event_type() {
+                        EventType::Put => WatchEvent::Put(kv_of(kv)),
+                        EventType::Delete => WatchEvent::Delete {
+                            key: String::from_utf8_lossy(kv.key()).into_owned(),
+                            mod_revision: kv.mod_revision(),
+                        },
+                    };
+                    // A full channel means the consumer is stuck: drop the watch so it re-lists.
+                    if tx.try_send(ev).is_err() {
+                        tracing::warn!(prefix, "watch consumer too slow or gone; closing the watch");
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(rx)
+    }
+}

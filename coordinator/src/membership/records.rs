@@ -1,0 +1,196 @@
+//! The records stored in the registry and the key layout they live under (see `docs/architecture.md`).
+
+use serde::{Deserialize, Serialize};
+use strata_proto::{NodeId, PlanEpoch, pb};
+
+use crate::placement::StageAssignment;
+
+/// The registry's key layout for one cluster: everything lives under `/strata/<cluster>/`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Keys {
+    root: String,
+}
+
+impl Keys {
+    /// The layout for `cluster`.
+    pub fn new(cluster: &str) -> Self {
+        Self { root: format!("/strata/{cluster}/") }
+    }
+
+    /// Prefix of every node record: `/strata/<cluster>/nodes/`.
+    pub fn nodes_prefix(&self) -> String {
+        format!("{}nodes/", self.root)
+    }
+
+    /// One node's record: `/strata/<cluster>/nodes/<node_id>`.
+    pub fn node(&self, id: &NodeId) -> String {
+        format!("{}nodes/{id}", self.root)
+    }
+
+    /// The current plan: `/strata/<cluster>/plan`.
+    pub fn plan(&self) -> String {
+        format!("{}plan", self.root)
+    }
+
+    /// The coordinator leader's key: `/strata/<cluster>/leader`.
+    pub fn leader(&self) -> String {
+        format!("{}leader", self.root)
+    }
+}
+
+/// A node's membership state, as stored (`"JOINING"`, `"READY"`, ...).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum NodeState {
+    /// Registered, loading or being measured; not placed.
+    Joining,
+    /// Schedulable.
+    Ready,
+    /// Being taken out of the plan.
+    Draining,
+    /// Excluded from planning (also the end state of a drain: safe to remove).
+    Cordoned,
+}
+
+impl From<NodeState> for pb::NodeState {
+    fn from(s: NodeState) -> Self {
+        match s {
+            NodeState::Joining => pb::NodeState::Joining,
+            NodeState::Ready => pb::NodeState::Ready,
+            NodeState::Draining => pb::NodeState::Draining,
+            NodeState::Cordoned => pb::NodeState::Cordoned,
+        }
+    }
+}
+
+/// A stage worker's record at `/strata/<cluster>/nodes/<node_id>`, attached to the worker's lease.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeRecord {
+    /// Stable node id (also the last key segment).
+    pub node_id: NodeId,
+    /// gRPC address (`host:port`) of the worker.
+    pub address: String,
+    /// Compute device, e.g. `cpu` or `cuda:0`.
+    pub device: String,
+    /// Memory available for weights and KV cache.
+    pub memory_bytes: u64,
+    /// Measured seconds to run one layer.
+    pub layer_seconds: f64,
+    /// Membership state.
+    pub state: NodeState,
+    /// Epoch of the plan the worker has loaded (0: none).
+    #[serde(default)]
+    pub plan_epoch_loaded: PlanEpoch,
+}
+
+/// One stage of a stored plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanStage {
+    /// The node holding the stage.
+    pub node_id: NodeId,
+    /// Its gRPC address.
+    pub address: String,
+    /// First layer (inclusive).
+    pub layer_start: u32,
+    /// One past the last layer.
+    pub layer_end: u32,
+}
+
+impl From<&StageAssignment> for PlanStage {
+    fn from(s: &StageAssignment) -> Self {
+        PlanStage {
+            node_id: s.node_id.clone(),
+            address: s.address.clone(),
+            layer_start: u32::try_from(s.layer_start).unwrap_or(u32::MAX),
+            layer_end: u32::try_from(s.layer_end).unwrap_or(u32::MAX),
+        }
+    }
+}
+
+/// The plan at `/strata/<cluster>/plan`: which node holds which layers, under which epoch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Plan {
+    /// Generation of the plan; each new plan is exactly one more than the stored one.
+    pub epoch: PlanEpoch,
+    /// Stages in pipeline order; contiguous layer ranges covering `[0, num_layers)`.
+    pub stages: Vec<PlanStage>,
+    /// Name of the model served.
+    pub model: String,
+    /// Number of layers of the model.
+    pub num_layers: u32,
+}
+
+impl Plan {
+    /// The stage held by `node`, if any.
+    pub fn stage_of(&self, node: &NodeId) -> Option<&PlanStage> {
+        self.stages.iter().find(|s| &s.node_id == node)
+    }
+
+    /// Whether the layer ranges are contiguous and cover `[0, num_layers)` exactly once.
+    pub fn covers_all_layers(&self) -> bool {
+        let mut next = 0;
+        for s in &self.stages {
+            if s.layer_start != next || s.layer_end <= s.layer_start {
+                return false;
+            }
+            next = s.layer_end;
+        }
+        next == self.num_layers
+    }
+}
+
+/// A change in the set of registered nodes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum NodeEvent {
+    /// A node registered.
+    Added(NodeRecord),
+    /// A registered node's record changed.
+    Updated(NodeRecord),
+    /// A node's record disappeared (deregistered, or its lease expired).
+    Removed(NodeId),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip_as_documented_json() -> Result<(), serde_json::Error> {
+        let rec = NodeRecord {
+            node_id: NodeId::new("gpu-a"),
+            address: "10.0.0.1:7000".into(),
+            device: "cuda:0".into(),
+            memory_bytes: 80 << 30,
+            layer_seconds: 0.002,
+            state: NodeState::Ready,
+            plan_epoch_loaded: PlanEpoch(3),
+        };
+        let text = serde_json::to_string(&rec)?;
+        assert!(text.contains(r#""state":"READY""#) && text.contains(r#""plan_epoch_loaded":3"#), "{text}");
+        assert_eq!(serde_json::from_str::<NodeRecord>(&text)?, rec);
+        assert!(serde_json::from_str::<NodeRecord>(&text.replace("READY", "SLEEPY")).is_err());
+
+        let plan = Plan {
+            epoch: PlanEpoch(2),
+            stages: vec![PlanStage { node_id: "a".into(), address: "a:1".into(), layer_start: 0, layer_end: 4 }],
+            model: "m".into(),
+            num_layers: 4,
+        };
+        let text = serde_json::to_string(&plan)?;
+        assert_eq!(serde_json::from_str::<Plan>(&text)?, plan);
+        assert!(plan.covers_all_layers());
+        Ok(())
+    }
+
+    #[test]
+    fn key_layout() {
+        let k = Keys::new("prod");
+        assert_eq!(k.node(&NodeId::new("a")), "/strata/prod/nodes/a");
+        assert_eq!(k.nodes_prefix(), "/strata/prod/nodes/");
+        assert_eq!(k.plan(), "/strata/prod/plan");
+        assert_eq!(k.leader(), "/strata/prod/leader");
+    }
+}

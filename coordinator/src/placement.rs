@@ -1,0 +1,429 @@
+//! Placement: a pure function from the model's shape and the nodes' capacities to contiguous layer ranges.
+//!
+//! Usable nodes (READY, in `node_id` order) get layers in proportion to their speed (`1 / seconds_per_layer`),
+//! capped by what fits in their memory: weights of the layers, a KV reservation per layer, plus the embeddings
+//! on the first stage and the head on the last. A node whose share rounds to zero gets no stage.
+
+use std::path::Path;
+
+use strata_engine::loader::ModelFiles;
+use strata_proto::NodeId;
+
+use crate::membership::NodeState;
+
+/// What placement needs to know about the model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelShape {
+    /// Number of transformer layers.
+    pub num_layers: usize,
+    /// Weight bytes of one layer (the largest, if they differ).
+    pub layer_bytes: u64,
+    /// Bytes held only by the first stage (token embeddings).
+    pub embed_bytes: u64,
+    /// Bytes held only by the last stage (final norm and LM head).
+    pub head_bytes: u64,
+    /// KV cache bytes one token takes in one layer.
+    pub kv_bytes_per_token_layer: u64,
+    /// Tokens of KV cache every stage must be able to hold.
+    pub kv_reserve_tokens: u64,
+}
+
+impl ModelShape {
+    /// Sizes a model from its files: real tensor byte sizes (quantized types included), f32 KV cache.
+    pub fn from_model_path(path: &Path, kv_reserve_tokens: u64) -> crate::Result<Self> {
+        let files = ModelFiles::open(path)?;
+        let cfg = files.config().clone();
+        let bytes = |name: &str| -> crate::Result<u64> { Ok(files.tensor(name)?.bytes.len() as u64) };
+        let mut layer_bytes = 0u64;
+        for i in 0..cfg.num_layers {
+            let p = format!("model.layers.{i}");
+            let mut sum = 0u64;
+            for t in ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"] {
+                sum += bytes(&format!("{p}.{t}.weight"))?;
+            }
+            for t in ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"] {
+                sum += bytes(&format!("{p}.{t}.weight"))?;
+            }
+            // Norms and biases are held as f32 vectors.
+            let vectors = 2 * cfg.hidden_size + if cfg.attention_bias { cfg.q_dim() + 2 * cfg.kv_dim() } else { 0 };
+            sum += 4 * vectors as u64;
+            layer_bytes = layer_bytes.max(sum);
+        }
+        let embed_bytes = bytes("model.embed_tokens.weight")?;
+        let untied = !cfg.tie_word_embeddings && files.contains("lm_head.weight");
+        let head_bytes = 4 * cfg.hidden_size as u64 + if untied { bytes("lm_head.weight")? } else { embed_bytes };
+        Ok(ModelShape {
+            num_layers: cfg.num_layers,
+            layer_bytes,
+            embed_bytes,
+            head_bytes,
+            kv_bytes_per_token_layer: 2 * cfg.kv_dim() as u64 * 4,
+            kv_reserve_tokens,
+        })
+    }
+
+    /// Memory one layer costs on a node: weights plus its KV reservation.
+    pub fn layer_cost(&self) -> u64 {
+        self.layer_bytes.saturating_add(self.kv_bytes_per_token_layer.saturating_mul(self.kv_reserve_tokens))
+    }
+}
+
+/// What placement needs to know about one node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeCapacity {
+    /// The node.
+    pub node_id: NodeId,
+    /// Its gRPC address.
+    pub address: String,
+    /// Memory available for weights and KV cache.
+    pub memory_bytes: u64,
+    /// Measured seconds to run one layer (smaller is faster).
+    pub seconds_per_layer: f64,
+    /// Membership state; only READY nodes are placed.
+    pub state: NodeState,
+}
+
+/// One stage of a placement: a node and its half-open layer range.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StageAssignment {
+    /// The node holding the stage.
+    pub node_id: NodeId,
+    /// Its gRPC address.
+    pub address: String,
+    /// First layer (inclusive).
+    pub layer_start: usize,
+    /// One past the last layer.
+    pub layer_end: usize,
+}
+
+/// Why no placement exists.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PlacementError {
+    /// No node is READY.
+    #[error("no READY node to place {num_layers} layers on")]
+    NoUsableNodes {
+        /// Layers to place.
+        num_layers: usize,
+    },
+    /// The model has no layers.
+    #[error("the model has no layers")]
+    EmptyModel,
+    /// A READY node reports a speed that cannot be used to balance.
+    #[error("node {node_id} reports seconds_per_layer {seconds}, which must be finite and positive")]
+    InvalidSpeed {
+        /// The node.
+        node_id: NodeId,
+        /// What it reported.
+        seconds: f64,
+    },
+    /// The usable nodes together cannot hold the model.
+    #[error(
+        "the model does not fit: {num_layers} layers needed, {fit} fit on {nodes} node(s); short by about {shortfall_bytes} bytes ({layer_cost} bytes per layer incl. KV reservation)"
+    )]
+    InsufficientMemory {
+        /// Layers to place.
+        num_layers: usize,
+        /// Layers the nodes can hold.
+        fit: usize,
+        /// Usable nodes considered.
+        nodes: usize,
+        /// Memory missing, in bytes.
+        shortfall_bytes: u64,
+        /// Bytes one layer costs.
+        layer_cost: u64,
+    },
+}
+
+/// Computes contiguous stages over the usable nodes, or says why the model does not fit.
+pub fn plan(model: &ModelShape, nodes: &[NodeCapacity]) -> Result<Vec<StageAssignment>, PlacementError> {
+    let n = model.num_layers;
+    if n == 0 {
+        return Err(PlacementError::EmptyModel);
+    }
+    let mut usable: Vec<&NodeCapacity> = nodes.iter().filter(|c| c.state == NodeState::Ready).collect();
+    usable.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+    if usable.is_empty() {
+        return Err(PlacementError::NoUsableNodes { num_layers: n });
+    }
+    if let Some(bad) = usable.iter().find(|c| !(c.seconds_per_layer.is_finite() && c.seconds_per_layer > 0.0)) {
+        return Err(PlacementError::InvalidSpeed { node_id: bad.node_id.clone(), seconds: bad.seconds_per_layer });
+    }
+    // The first and last nodes carry extras; if either ends up with no layers the extras move on, so drop
+    // it and place again. Every round removes a node, so this terminates.
+    loop {
+        let k = usable.len();
+        let caps: Vec<usize> = usable
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let extras = if i == 0 { model.embed_bytes } else { 0 }.saturating_add(if i == k - 1 {
+                    model.head_bytes
+                } else {
+                    0
+                });
+                layers_fitting(c.memory_bytes, extras, model.layer_cost()).min(n)
+            })
+            .collect();
+        let fit: usize = caps.iter().sum();
+        if fit < n {
+            let missing = (n - fit) as u64;
+            return Err(PlacementError::InsufficientMemory {
+                num_layers: n,
+                fit,
+                nodes: k,
+                shortfall_bytes: missing.saturating_mul(model.layer_cost()),
+                layer_cost: model.layer_cost(),
+            });
+        }
+        let weights: Vec<f64> = usable.iter().map(|c| 1.0 / c.seconds_per_layer).collect();
+        let counts = apportion(n, &weights, &caps);
+        let first_empty = counts.first().is_some_and(|&c| c == 0);
+        let last_empty = counts.last().is_some_and(|&c| c == 0);
+        if k > 1 && (first_empty || last_empty) {
+            if first_empty {
+                usable.remove(0);
+            } else {
+                usable.pop();
+            }
+            continue;
+        }
+        let mut start = 0;
+        let mut stages = Vec::with_capacity(k);
+        for (node, count) in usable.iter().zip(counts) {
+            if count == 0 {
+                continue;
+            }
+            stages.push(StageAssignment {
+                node_id: node.node_id.clone(),
+                address: node.address.clone(),
+                layer_start: start,
+                layer_end: start + count,
+            });
+            start += count;
+        }
+        return Ok(stages);
+    }
+}
+
+fn layers_fitting(memory: u64, extras: u64, layer_cost: u64) -> usize {
+    let room = memory.saturating_sub(extras);
+    if memory < extras {
+        return 0;
+    }
+    if layer_cost == 0 {
+        return usize::MAX;
+    }
+    usize::try_from(room / layer_cost).unwrap_or(usize::MAX)
+}
+
+/// Splits `n` items proportionally to `weights` without exceeding `caps` (largest remainder, water-filling
+/// over the capped ones). Requires `sum(caps) >= n`.
+fn apportion(n: usize, weights: &[f64], caps: &[usize]) -> Vec<usize> {
+    let k = weights.len();
+    let mut counts = vec![0usize; k];
+    let mut fixed = vec![false; k];
+    let mut left = n;
+    loop {
+        let open: Vec<usize> = (0..k).filter(|&i| !fixed[i]).collect();
+        let total: f64 = open.iter().map(|&i| weights[i]).sum();
+        if open.is_empty() || left == 0 || total <= 0.0 {
+            break;
+        }
+        let ideal: Vec<(usize, f64)> = open.iter().map(|&i| (i, left as f64 * weights[i] / total)).collect();
+        let over: Vec<usize> = ideal.iter().filter(|(i, x)| *x >= caps[*i] as f64).map(|(i, _)| *i).collect();
+        if !over.is_empty() {
+            for i in over {
+                counts[i] = caps[i];
+                fixed[i] = true;
+                left -= caps[i];
+            }
+            continue;
+        }
+        let mut given = 0;
+        for &(i, x) in &ideal {
+            counts[i] = x.floor() as usize;
+            given += counts[i];
+        }
+        let mut order: Vec<(usize, f64)> = ideal.iter().map(|&(i, x)| (i, x - x.floor())).collect();
+        // Largest remainder first; ties go to the earlier node so equal nodes stay in a stable order.
+        order.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut rest = left.saturating_sub(given);
+        for (i, _) in order {
+            if rest == 0 {
+                break;
+            }
+            if counts[i] < caps[i] {
+                counts[i] += 1;
+                rest -= 1;
+            }
+        }
+        left = rest;
+        break;
+    }
+    // Floating-point slack: hand any remainder to whoever has room, in order.
+    for i in 0..k {
+        let room = caps[i] - counts[i];
+        let give = room.min(left);
+        counts[i] += give;
+        left -= give;
+    }
+    counts
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn shape(n: usize) -> ModelShape {
+        ModelShape {
+            num_layers: n,
+            layer_bytes: 100,
+            embed_bytes: 50,
+            head_bytes: 70,
+            kv_bytes_per_token_layer: 1,
+            kv_reserve_tokens: 10,
+        }
+    }
+
+    fn node(id: &str, memory: u64, secs: f64) -> NodeCapacity {
+        NodeCapacity {
+            node_id: NodeId::new(id),
+            address: format!("{id}:1"),
+            memory_bytes: memory,
+            seconds_per_layer: secs,
+            state: NodeState::Ready,
+        }
+    }
+
+    fn check_invariants(m: &ModelShape, nodes: &[NodeCapacity], stages: &[StageAssignment]) {
+        assert!(!stages.is_empty());
+        assert_eq!(stages[0].layer_start, 0);
+        assert_eq!(stages[stages.len() - 1].layer_end, m.num_layers);
+        for w in stages.windows(2) {
+            assert_eq!(w[0].layer_end, w[1].layer_start, "contiguous");
+            assert!(w[0].node_id < w[1].node_id, "stable node order");
+        }
+        for s in stages {
+            assert!(s.layer_start < s.layer_end, "no empty stage");
+            let node = nodes.iter().find(|c| c.node_id == s.node_id).expect("stage on a known node");
+            assert_eq!(node.state, NodeState::Ready);
+            let extras = if s.layer_start == 0 { m.embed_bytes } else { 0 }
+                + if s.layer_end == m.num_layers { m.head_bytes } else { 0 };
+            let used = extras + (s.layer_end - s.layer_start) as u64 * m.layer_cost();
+            assert!(used <= node.memory_bytes, "{s:?} needs {used} > {}", node.memory_bytes);
+        }
+    }
+
+    #[test]
+    fn faster_node_gets_more_layers() {
+        let m = shape(12);
+        let nodes = [node("a", 1 << 30, 1.0), node("b", 1 << 30, 0.5)];
+        let stages = plan(&m, &nodes).expect("fits");
+        assert_eq!(stages.len(), 2);
+        assert_eq!((stages[0].layer_end, stages[1].layer_end), (4, 12));
+    }
+
+    #[test]
+    fn memory_caps_the_fast_node_and_the_rest_spills_over() {
+        let m = shape(10);
+        // "a" is fast but holds 2 layers besides the embeddings: 50 + 2 * 110 = 270.
+        let nodes = [node("a", 270, 0.01), node("b", 1 << 30, 1.0)];
+        let stages = plan(&m, &nodes).expect("fits");
+        assert_eq!(stages[0].layer_end, 2);
+        check_invariants(&m, &nodes, &stages);
+    }
+
+    #[test]
+    fn not_ready_nodes_are_skipped_and_input_order_does_not_matter() {
+        let m = shape(6);
+        let mut draining = node("a", 1 << 30, 1.0);
+        draining.state = NodeState::Draining;
+        let mut cordoned = node("d", 1 << 30, 1.0);
+        cordoned.state = NodeState::Cordoned;
+        let nodes = [node("c", 1 << 30, 1.0), draining, node("b", 1 << 30, 1.0), cordoned];
+        let stages = plan(&m, &nodes).expect("fits");
+        let ids: Vec<&str> = stages.iter().map(|s| s.node_id.as_str()).collect();
+        assert_eq!(ids, ["b", "c"]);
+    }
+
+    #[test]
+    fn model_too_big_names_the_shortfall() {
+        let m = shape(10);
+        let nodes = [node("a", 500, 1.0), node("b", 500, 1.0)];
+        let err = plan(&m, &nodes).expect_err("cannot fit");
+        match &err {
+            PlacementError::InsufficientMemory { fit, shortfall_bytes, .. } => {
+                // (500 - 50) / 110 = 4 layers beside the embeddings, (500 - 70) / 110 = 3 beside the head.
+                assert_eq!(*fit, 7);
+                assert!(*shortfall_bytes > 0);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(err.to_string().contains("short by"), "{err}");
+    }
+
+    #[test]
+    fn slow_tiny_node_gets_nothing_and_extras_move_on() {
+        let m = shape(4);
+        // "a" cannot even hold the embeddings plus one layer; "b" and "c" take over.
+        let nodes = [node("a", 100, 1.0), node("b", 1 << 30, 1.0), node("c", 1 << 30, 1.0)];
+        let stages = plan(&m, &nodes).expect("fits");
+        let ids: Vec<&str> = stages.iter().map(|s| s.node_id.as_str()).collect();
+        assert_eq!(ids, ["b", "c"]);
+        check_invariants(&m, &nodes, &stages);
+    }
+
+    #[test]
+    fn errors_on_no_nodes_and_bad_speed() {
+        let m = shape(4);
+        assert!(matches!(plan(&m, &[]), Err(PlacementError::NoUsableNodes { .. })));
+        assert!(matches!(plan(&m, &[node("a", 1 << 30, 0.0)]), Err(PlacementError::InvalidSpeed { .. })));
+        assert!(matches!(plan(&shape(0), &[node("a", 1 << 30, 1.0)]), Err(PlacementError::EmptyModel)));
+    }
+
+    fn arb_nodes() -> impl Strategy<Value = Vec<NodeCapacity>> {
+        prop::collection::vec((0u64..4000, 0.01f64..10.0, 0u8..5), 1..8).prop_map(|v| {
+            v.into_iter()
+                .enumerate()
+                .map(|(i, (mem, secs, st))| {
+                    let mut c = node(&format!("n{:02}", (i * 7) % 11), mem, secs);
+                    c.state = if st == 0 { NodeState::Draining } else { NodeState::Ready };
+                    c
+                })
+                .collect::<Vec<_>>()
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn ranges_are_contiguous_cover_every_layer_and_fit(n in 1usize..64, nodes in arb_nodes()) {
+            let m = shape(n);
+            let mut ids: Vec<_> = nodes.iter().map(|c| c.node_id.clone()).collect();
+            ids.sort();
+            ids.dedup();
+            prop_assume!(ids.len() == nodes.len());
+            match plan(&m, &nodes) {
+                Ok(stages) => check_invariants(&m, &nodes, &stages),
+                Err(PlacementError::InsufficientMemory { fit, .. }) => prop_assert!(fit < n),
+                Err(PlacementError::NoUsableNodes { .. }) => {
+                    prop_assert!(nodes.iter().all(|c| c.state != NodeState::Ready));
+                }
+                Err(e) => prop_assert!(false, "unexpected {e}"),
+            }
+        }
+
+        #[test]
+        fn equal_nodes_differ_by_at_most_one_layer(n in 1usize..200, k in 1usize..12) {
+            let m = shape(n);
+            let nodes: Vec<_> = (0..k).map(|i| node(&format!("n{i:02}"), 1 << 40, 0.5)).collect();
+            let stages = plan(&m, &nodes).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            check_invariants(&m, &nodes, &stages);
+            prop_assert_eq!(stages.len(), n.min(k));
+            let lens: Vec<usize> = stages.iter().map(|s| s.layer_end - s.layer_start).collect();
+            let (lo, hi) = (lens.iter().min().copied().unwrap_or(0), lens.iter().max().copied().unwrap_or(0));
+            prop_assert!(hi - lo <= 1, "{:?}", lens);
+        }
+    }
+}

@@ -1,0 +1,152 @@
+//! Registry semantics, one test body run against a real etcd and against the embedded registry.
+
+mod common;
+
+use std::time::Duration;
+
+use anyhow::{Context, bail, ensure};
+use strata_coordinator::membership::{NodeEvent, NodeRecord, NodeState, Plan, PlanStage, Registry};
+use strata_coordinator::{EmbeddedRegistry, Error};
+use strata_proto::{NodeId, PlanEpoch};
+
+const TTL: Duration = Duration::from_secs(1);
+const WAIT: Duration = Duration::from_secs(5);
+
+fn node(id: &str, state: NodeState) -> NodeRecord {
+    NodeRecord {
+        node_id: NodeId::new(id),
+        address: format!("{id}.local:7000"),
+        device: "cpu".into(),
+        memory_bytes: 1 << 30,
+        layer_seconds: 0.01,
+        state,
+        plan_epoch_loaded: PlanEpoch(0),
+    }
+}
+
+fn plan(epoch: u64, ids: &[&str]) -> Plan {
+    let stages = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| PlanStage {
+            node_id: NodeId::new(*id),
+            address: format!("{id}:1"),
+            layer_start: i as u32,
+            layer_end: i as u32 + 1,
+        })
+        .collect();
+    Plan { epoch: PlanEpoch(epoch), stages, model: "m".into(), num_layers: ids.len() as u32 }
+}
+
+async fn next_event(watch: &mut strata_coordinator::membership::NodeWatch) -> anyhow::Result<NodeEvent> {
+    tokio::time::timeout(WAIT, watch.next()).await.context("no node event in time")?.context("watch ended")
+}
+
+async fn register_list_and_watch_events<R: Registry>(reg: R) -> anyhow::Result<()> {
+    let a = reg.register_node(node("a", NodeState::Joining), Duration::from_secs(5)).await?;
+    let mut watch = reg.watch_nodes().await?;
+    ensure!(watch.initial() == [node("a", NodeState::Joining)], "initial {:?}", watch.initial());
+
+    let b = reg.register_node(node("b", NodeState::Ready), Duration::from_secs(5)).await?;
+    ensure!(next_event(&mut watch).await? == NodeEvent::Added(node("b", NodeState::Ready)));
+
+    a.update(|r| r.state = NodeState::Ready).await?;
+    ensure!(next_event(&mut watch).await? == NodeEvent::Updated(node("a", NodeState::Ready)));
+
+    let listed = reg.list_nodes().await?;
+    ensure!(listed == [node("a", NodeState::Ready), node("b", NodeState::Ready)], "listed {listed:?}");
+
+    b.deregister().await?;
+    ensure!(next_event(&mut watch).await? == NodeEvent::Removed(NodeId::new("b")));
+    ensure!(reg.get_node(&NodeId::new("b")).await?.is_none());
+
+    let missing = reg.set_node_state(&NodeId::new("zz"), NodeState::Draining).await;
+    ensure!(matches!(missing, Err(Error::NodeNotFound(_))), "{missing:?}");
+    a.deregister().await?;
+    Ok(())
+}
+
+async fn lease_expiry_removes_node<R: Registry>(reg: R) -> anyhow::Result<()> {
+    let kept = reg.register_node(node("kept", NodeState::Ready), TTL).await?;
+    let gone = reg.register_node(node("gone", NodeState::Ready), TTL).await?;
+    let mut watch = reg.watch_nodes().await?;
+    gone.abandon(); // stops the keep-alive, as a crash would
+    ensure!(next_event(&mut watch).await? == NodeEvent::Removed(NodeId::new("gone")));
+    // The other registration's keep-alive held its 1 s lease through all of that.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    ensure!(reg.list_nodes().await? == [node("kept", NodeState::Ready)]);
+    kept.deregister().await?;
+    Ok(())
+}
+
+async fn plan_cas_rejects_stale_epoch_and_watch_sees_newest<R: Registry>(reg: R) -> anyhow::Result<()> {
+    ensure!(reg.get_plan().await?.is_none());
+    let mut plans = reg.watch_plan().await?;
+    reg.write_plan(&plan(1, &["a", "b"]), PlanEpoch(0)).await?;
+    // A second writer that also read "no plan" loses.
+    match reg.write_plan(&plan(1, &["c"]), PlanEpoch(0)).await {
+        Err(Error::StaleEpoch { expected: PlanEpoch(0), found: PlanEpoch(1) }) => {}
+        other => bail!("expected a stale-epoch rejection, got {other:?}"),
+    }
+    ensure!(matches!(reg.write_plan(&plan(3, &["a"]), PlanEpoch(1)).await, Err(Error::EpochNotNext { .. })));
+    reg.write_plan(&plan(2, &["a", "b", "c"]), PlanEpoch(1)).await?;
+    ensure!(matches!(reg.write_plan(&plan(2, &["a"]), PlanEpoch(1)).await, Err(Error::StaleEpoch { .. })));
+    ensure!(reg.get_plan().await? == Some(plan(2, &["a", "b", "c"])));
+
+    tokio::time::timeout(WAIT, plans.wait_for(|p| p.as_ref().is_some_and(|p| p.epoch == PlanEpoch(2))))
+        .await
+        .context("plan watch did not reach epoch 2")??;
+    Ok(())
+}
+
+async fn one_leader_and_failover<R: Registry>(reg: R) -> anyhow::Result<()> {
+    let first = reg.campaign("c1", TTL).await?;
+    ensure!(reg.leader().await?.as_deref() == Some("c1"));
+    let second = tokio::spawn({
+        let reg = reg.clone();
+        async move { reg.campaign("c2", TTL).await }
+    });
+    // c1's lease is kept alive, so c2 keeps waiting well past the TTL.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    ensure!(!second.is_finished(), "two leaders at once");
+    ensure!(!first.is_lost());
+    first.resign().await?;
+    let second = tokio::time::timeout(WAIT, second).await.context("c2 not elected after resign")???;
+    ensure!(reg.leader().await?.as_deref() == Some("c2"));
+
+    // A leader that dies without resigning is replaced once its lease expires.
+    drop(second);
+    let third = tokio::time::timeout(WAIT, reg.campaign("c3", TTL)).await.context("c3 not elected")??;
+    ensure!(reg.leader().await?.as_deref() == Some("c3"));
+    third.resign().await?;
+    Ok(())
+}
+
+macro_rules! on_both_registries {
+    ($($name:ident),* $(,)?) => {
+        mod etcd {
+            $(
+                #[tokio::test]
+                async fn $name() -> anyhow::Result<()> {
+                    let server = crate::common::EtcdServer::start()?;
+                    super::$name(server.registry("t").await?).await
+                }
+            )*
+        }
+        mod embedded {
+            $(
+                #[tokio::test]
+                async fn $name() -> anyhow::Result<()> {
+                    super::$name(super::EmbeddedRegistry::new("t")).await
+                }
+            )*
+        }
+    };
+}
+
+on_both_registries!(
+    register_list_and_watch_events,
+    lease_expiry_removes_node,
+    plan_cas_rejects_stale_epoch_and_watch_sees_newest,
+    one_leader_and_failover,
+);

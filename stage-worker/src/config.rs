@@ -1,0 +1,324 @@
+//! The worker's configuration: one struct, deserializable, validated before anything is loaded.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use strata_proto::pb::Dtype;
+
+use crate::error::{Error, Result};
+
+/// Half-open range of transformer layers `start..end`, written `"START..END"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct LayerRange {
+    /// First layer (inclusive).
+    pub start: usize,
+    /// One past the last layer.
+    pub end: usize,
+}
+
+impl LayerRange {
+    /// The range as `start..end`.
+    pub fn to_range(self) -> std::ops::Range<usize> {
+        self.start..self.end
+    }
+}
+
+impl FromStr for LayerRange {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || Error::Config(format!("layer range {s:?} must look like START..END (e.g. 0..12)"));
+        let (a, b) = s.trim().split_once("..").ok_or_else(bad)?;
+        let start = a.trim().parse().map_err(|_| bad())?;
+        let end = b.trim().parse().map_err(|_| bad())?;
+        if start >= end {
+            return Err(Error::Config(format!("layer range {start}..{end} is empty")));
+        }
+        Ok(LayerRange { start, end })
+    }
+}
+
+impl TryFrom<String> for LayerRange {
+    type Error = Error;
+
+    fn try_from(s: String) -> Result<Self> {
+        s.parse()
+    }
+}
+
+impl From<LayerRange> for String {
+    fn from(r: LayerRange) -> Self {
+        r.to_string()
+    }
+}
+
+impl fmt::Display for LayerRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}..{}", self.start, self.end)
+    }
+}
+
+/// Element type of the hidden states this stage sends downstream.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HiddenDtype {
+    /// 32-bit floats: exact, the default.
+    #[default]
+    F32,
+    /// IEEE half precision: half the traffic.
+    F16,
+    /// bfloat16: half the traffic, f32's range.
+    Bf16,
+}
+
+impl HiddenDtype {
+    /// The wire dtype.
+    pub fn to_pb(self) -> Dtype {
+        match self {
+            HiddenDtype::F32 => Dtype::F32,
+            HiddenDtype::F16 => Dtype::F16,
+            HiddenDtype::Bf16 => Dtype::Bf16,
+        }
+    }
+}
+
+impl FromStr for HiddenDtype {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" => Ok(HiddenDtype::F32),
+            "f16" => Ok(HiddenDtype::F16),
+            "bf16" => Ok(HiddenDtype::Bf16),
+            _ => Err(Error::Config(format!("hidden dtype {s:?} must be f32, f16 or bf16"))),
+        }
+    }
+}
+
+/// The compute device, written `cpu` or `cuda:N`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum Device {
+    /// The CPU backend.
+    #[default]
+    Cpu,
+    /// A CUDA GPU by ordinal.
+    Cuda(u32),
+}
+
+impl FromStr for Device {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let s = s.trim().to_ascii_lowercase();
+        if s == "cpu" {
+            return Ok(Device::Cpu);
+        }
+        let ordinal = if s == "cuda" { Some("0") } else { s.strip_prefix("cuda:") };
+        match ordinal.map(str::parse) {
+            Some(Ok(n)) => Ok(Device::Cuda(n)),
+            _ => Err(Error::Config(format!("device {s:?} must be cpu or cuda:N"))),
+        }
+    }
+}
+
+impl TryFrom<String> for Device {
+    type Error = Error;
+
+    fn try_from(s: String) -> Result<Self> {
+        s.parse()
+    }
+}
+
+impl From<Device> for String {
+    fn from(d: Device) -> Self {
+        d.to_string()
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+fn default_kv_blocks() -> usize {
+    256
+}
+
+fn default_block_size() -> usize {
+    16
+}
+
+/// Everything a stage worker needs to serve.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// Unique, stable node id.
+    pub node_id: String,
+    /// Model path: a Hugging Face directory or a `.gguf` file.
+    pub model: PathBuf,
+    /// The layers to load. Required for now: placement from etcd is not implemented yet.
+    #[serde(default)]
+    pub layers: Option<LayerRange>,
+    /// Address (`host:port` or `http://host:port`) of the next stage; `None` makes this the last stage.
+    #[serde(default)]
+    pub next: Option<String>,
+    /// This stage's position in the pipeline, reported in `StageTiming`; defaults to 0 for the first stage
+    /// and is required for the others.
+    #[serde(default)]
+    pub stage_index: Option<u32>,
+    /// When set, batches scheduled under another plan epoch are refused with `FAILED_PRECONDITION`.
+    #[serde(default)]
+    pub plan_epoch: Option<u64>,
+    /// CPU threads for compute (0: one per core).
+    #[serde(default)]
+    pub threads: usize,
+    /// KV cache capacity in blocks.
+    #[serde(default = "default_kv_blocks")]
+    pub kv_blocks: usize,
+    /// Tokens per KV block.
+    #[serde(default = "default_block_size")]
+    pub block_size: usize,
+    /// Element type of hidden states sent downstream.
+    #[serde(default)]
+    pub hidden_dtype: HiddenDtype,
+    /// Compute device.
+    #[serde(default)]
+    pub device: Device,
+}
+
+impl WorkerConfig {
+    /// A config with defaults for everything but the node id, model and layer range.
+    pub fn new(node_id: impl Into<String>, model: impl Into<PathBuf>, layers: Option<LayerRange>) -> Self {
+        WorkerConfig {
+            node_id: node_id.into(),
+            model: model.into(),
+            layers,
+            next: None,
+            stage_index: None,
+            plan_epoch: None,
+            threads: 0,
+            kv_blocks: default_kv_blocks(),
+            block_size: default_block_size(),
+            hidden_dtype: HiddenDtype::default(),
+            device: Device::default(),
+        }
+    }
+
+    /// Checks what can be checked without opening the model; returns the layer range to load.
+    pub fn validate(&self) -> Result<LayerRange> {
+        if self.node_id.trim().is_empty() {
+            return Err(Error::Config("node_id must not be empty".into()));
+        }
+        if let Device::Cuda(n) = self.device {
+            return Err(Error::CudaNotCompiled { device: format!("cuda:{n}") });
+        }
+        if self.kv_blocks == 0 {
+            return Err(Error::Config("kv_blocks must be at least 1".into()));
+        }
+        if self.block_size == 0 {
+            return Err(Error::Config("block_size must be at least 1".into()));
+        }
+        if let Some(next) = &self.next
+            && next.trim().is_empty()
+        {
+            return Err(Error::Config("next must be an address, or absent on the last stage".into()));
+        }
+        let layers = self.layers.ok_or(Error::PlacementNotImplemented)?;
+        if layers.start >= layers.end {
+            return Err(Error::Config(format!("layer range {layers} is empty")));
+        }
+        if layers.start > 0 && self.stage_index.is_none() {
+            return Err(Error::Config(format!(
+                "stage_index is required for a stage that does not start at layer 0 (layers {layers})"
+            )));
+        }
+        Ok(layers)
+    }
+
+    /// Checks the config against the model's layer count.
+    pub fn validate_against_model(&self, layers: LayerRange, num_layers: usize) -> Result<()> {
+        if layers.end > num_layers {
+            return Err(Error::Config(format!("layer range {layers} is outside the model's {num_layers} layers")));
+        }
+        match (&self.next, layers.end == num_layers) {
+            (Some(next), true) => Err(Error::Config(format!(
+                "layers {layers} end at the model's last layer, so this is the last stage, but next = {next:?}"
+            ))),
+            (None, false) => Err(Error::Config(format!(
+                "layers {layers} stop before the model's {num_layers} layers, so next (the next stage's address) is required"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// The next stage's address as a URI.
+    pub fn next_uri(&self) -> Option<String> {
+        self.next.as_ref().map(|n| {
+            let n = n.trim();
+            if n.starts_with("http://") || n.starts_with("https://") { n.to_owned() } else { format!("http://{n}") }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layer_ranges_parse_and_print() -> Result<()> {
+        let r: LayerRange = "2..5".parse()?;
+        assert_eq!((r.start, r.end), (2, 5));
+        assert_eq!(r.to_string(), "2..5");
+        assert!("5..2".parse::<LayerRange>().is_err());
+        assert!("3".parse::<LayerRange>().is_err());
+        assert!("a..b".parse::<LayerRange>().is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn devices_parse() -> Result<()> {
+        assert_eq!("cpu".parse::<Device>()?, Device::Cpu);
+        assert_eq!("cuda:1".parse::<Device>()?, Device::Cuda(1));
+        assert!("tpu".parse::<Device>().is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn config_deserializes_with_defaults_and_rejects_unknown_fields() -> std::result::Result<(), serde_json::Error> {
+        let cfg: WorkerConfig =
+            serde_json::from_str(r#"{"node_id":"a","model":"/m","layers":"0..4","hidden_dtype":"bf16"}"#)?;
+        assert_eq!(cfg.layers, Some(LayerRange { start: 0, end: 4 }));
+        assert_eq!((cfg.block_size, cfg.hidden_dtype, cfg.device), (16, HiddenDtype::Bf16, Device::Cpu));
+        assert!(serde_json::from_str::<WorkerConfig>(r#"{"node_id":"a","model":"/m","colour":1}"#).is_err());
+        assert!(serde_json::from_str::<WorkerConfig>(r#"{"node_id":"a","model":"/m","layers":"4..1"}"#).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn validation_catches_bad_configs() {
+        let ok = WorkerConfig::new("n", "/m", Some(LayerRange { start: 0, end: 2 }));
+        assert!(ok.validate().is_ok());
+        assert!(matches!(
+            WorkerConfig { device: Device::Cuda(0), ..ok.clone() }.validate(),
+            Err(Error::CudaNotCompiled { .. })
+        ));
+        assert!(matches!(WorkerConfig { layers: None, ..ok.clone() }.validate(), Err(Error::PlacementNotImplemented)));
+        assert!(WorkerConfig { node_id: " ".into(), ..ok.clone() }.validate().is_err());
+        assert!(WorkerConfig { kv_blocks: 0, ..ok.clone() }.validate().is_err());
+        let middle = WorkerConfig { layers: Some(LayerRange { start: 1, end: 2 }), ..ok.clone() };
+        assert!(middle.validate().is_err(), "stage_index required");
+        assert!(ok.validate_against_model(LayerRange { start: 0, end: 2 }, 4).is_err(), "next missing");
+        let with_next = WorkerConfig { next: Some("h:1".into()), ..ok };
+        assert!(with_next.validate_against_model(LayerRange { start: 0, end: 4 }, 4).is_err(), "next on last");
+        assert!(with_next.validate_against_model(LayerRange { start: 0, end: 2 }, 4).is_ok());
+        assert_eq!(with_next.next_uri().as_deref(), Some("http://h:1"));
+    }
+}

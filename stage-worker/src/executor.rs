@@ -1,0 +1,306 @@
+//! The compute actor: one OS thread owns the stage's model, its KV cache and (on the last stage) the
+//! per-sequence samplers, and runs commands in the order they arrive over a bounded channel.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use strata_engine::backend::Backend;
+use strata_engine::kv_cache::KvCache;
+use strata_engine::model::{LogitRows, SeqChunk, StageInput, StageModel};
+use strata_engine::sampling::SamplingParams;
+use strata_proto::pb;
+use strata_proto::{ServiceError, decode_to_f32, encode_f32};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::config::HiddenDtype;
+use crate::error::{Error, Result, engine_to_service};
+use crate::sampler::{SeqSamplers, engine_params};
+
+/// Commands queued before the executor blocks the sender (backpressure on the `Forward` readers).
+const QUEUE_DEPTH: usize = 16;
+
+/// What a batch produced on this stage.
+#[derive(Debug)]
+pub enum Output {
+    /// Hidden states to send to the next stage, already encoded in the wire dtype.
+    Hidden(pb::HiddenStates),
+    /// Tokens sampled by the last stage, one per chunk without `skip_sampling`.
+    Tokens(Vec<pb::SampledToken>),
+}
+
+/// A batch's output and the time spent computing it.
+#[derive(Debug)]
+pub struct BatchOutput {
+    /// What the stage produced.
+    pub output: Output,
+    /// Microseconds spent in the executor on this batch.
+    pub compute_micros: u64,
+}
+
+/// The outcome of one batch: its output, or the error to answer it with.
+pub type BatchResult = Result<BatchOutput, ServiceError>;
+
+enum Command {
+    Forward { batch: pb::ForwardRequest, reply: oneshot::Sender<BatchResult> },
+    Release { seq_ids: Vec<u64>, reply: oneshot::Sender<u32> },
+}
+
+/// Fixed facts about the loaded stage.
+#[derive(Debug, Clone)]
+pub struct StageFacts {
+    /// Layers held.
+    pub layers: std::ops::Range<usize>,
+    /// Whether the stage embeds token ids.
+    pub is_first: bool,
+    /// Whether the stage samples.
+    pub is_last: bool,
+    /// KV cache capacity in blocks.
+    pub kv_total_blocks: u64,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// Bytes of weights loaded.
+    pub weight_bytes: u64,
+    /// Backend device name.
+    pub device: String,
+}
+
+/// A cheap, cloneable handle to the executor thread.
+#[derive(Clone)]
+pub struct ExecutorHandle {
+    tx: mpsc::Sender<Command>,
+    kv_free: Arc<AtomicU64>,
+    facts: Arc<StageFacts>,
+}
+
+impl ExecutorHandle {
+    /// Starts the executor thread, which owns `model` and a KV cache of `kv_blocks` × `block_size` tokens.
+    /// It stops when every handle is dropped.
+    pub fn spawn<B: Backend>(
+        model: StageModel<B>,
+        kv_blocks: usize,
+        block_size: usize,
+        hidden_dtype: HiddenDtype,
+        plan_epoch: Option<u64>,
+    ) -> Result<Self> {
+        let kv = model.new_kv_cache(kv_blocks, block_size)?;
+        let facts = Arc::new(StageFacts {
+            layers: model.range(),
+            is_first: model.is_first(),
+            is_last: model.is_last(),
+            kv_total_blocks: kv.num_blocks() as u64,
+            block_size: u32::try_from(block_size).map_err(|_| Error::Config("block_size is too large".into()))?,
+            weight_bytes: model.weight_bytes() as u64,
+            device: model.backend().name(),
+        });
+        let kv_free = Arc::new(AtomicU64::new(kv.free_blocks() as u64));
+        let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
+        let mut exec = Executor {
+            model,
+            kv,
+            samplers: SeqSamplers::default(),
+            hidden_dtype: hidden_dtype.to_pb(),
+            plan_epoch,
+            kv_free: kv_free.clone(),
+        };
+        std::thread::Builder::new()
+            .name("strata-executor".into())
+            .spawn(move || exec.run(rx))
+            .map_err(|e| Error::Executor(format!("cannot start the executor thread: {e}")))?;
+        Ok(ExecutorHandle { tx, kv_free, facts })
+    }
+
+    /// Queues a batch (waiting while the queue is full) and returns where its result will arrive.
+    pub async fn submit(&self, batch: pb::ForwardRequest) -> Result<oneshot::Receiver<BatchResult>, ServiceError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Command::Forward { batch, reply }).await.map_err(|_| gone())?;
+        Ok(rx)
+    }
+
+    /// Frees the sequences' KV blocks and sampling state, after every batch queued before; returns how
+    /// many were known.
+    pub async fn release(&self, seq_ids: Vec<u64>) -> Result<u32, ServiceError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Command::Release { seq_ids, reply }).await.map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())
+    }
+
+    /// KV blocks free after the last command.
+    pub fn kv_free_blocks(&self) -> u64 {
+        self.kv_free.load(Ordering::Relaxed)
+    }
+
+    /// Fixed facts about the stage.
+    pub fn facts(&self) -> &StageFacts {
+        &self.facts
+    }
+}
+
+fn gone() -> ServiceError {
+    ServiceError::internal("the stage's executor has stopped")
+}
+
+struct Executor<B: Backend> {
+    model: StageModel<B>,
+    kv: KvCache<B>,
+    samplers: SeqSamplers,
+    hidden_dtype: pb::Dtype,
+    plan_epoch: Option<u64>,
+    kv_free: Arc<AtomicU64>,
+}
+
+impl<B: Backend> Executor<B> {
+    fn run(&mut self, mut rx: mpsc::Receiver<Command>) {
+        while let Some(cmd) = rx.blocking_recv() {
+            match cmd {
+                Command::Forward { batch, reply } => {
+                    let span = tracing::debug_span!("compute", batch_id = batch.batch_id, chunks = batch.chunks.len());
+                    let _enter = span.enter();
+                    let started = Instant::now();
+                    let result = self.forward(&batch).map(|output| BatchOutput {
+                        output,
+                        compute_micros: u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+                    });
+                    if let Err(e) = &result {
+                        tracing::debug!(batch_id = batch.batch_id, error = %e, "batch failed");
+                    }
+                    let _ = reply.send(result);
+                }
+                Command::Release { seq_ids, reply } => {
+                    let mut released = 0;
+                    for seq in seq_ids {
+                        if self.kv.table(seq).is_some() {
+                            released += 1;
+                        }
+                        self.kv.release(seq);
+                        self.samplers.release(seq);
+                    }
+                    let _ = reply.send(released);
+                }
+            }
+            self.kv_free.store(self.kv.free_blocks() as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Checks a batch against the KV cache before anything is reserved, so a bad batch changes nothing.
+    fn check_chunks(&self, batch: &pb::ForwardRequest) -> Result<(Vec<SeqChunk>, usize), ServiceError> {
+        if batch.chunks.is_empty() {
+            return Err(ServiceError::invalid_argument("batch has no chunks"));
+        }
+        let context = self.model.config().max_position_embeddings;
+        let mut seen = HashSet::with_capacity(batch.chunks.len());
+        let mut chunks = Vec::with_capacity(batch.chunks.len());
+        let mut n_tokens = 0usize;
+        for c in &batch.chunks {
+            let (seq, start, len) = (c.seq_id, c.start_pos as usize, c.len as usize);
+            if len == 0 {
+                return Err(ServiceError::invalid_argument(format!("sequence {seq}: chunk has no tokens")));
+            }
+            if !seen.insert(seq) {
+                return Err(ServiceError::invalid_argument(format!("sequence {seq} appears twice in the batch")));
+            }
+            if start + len > context {
+                return Err(ServiceError::invalid_argument(format!(
+                    "sequence {seq}: positions up to {} exceed the context length {context}",
+                    start + len
+                )));
+            }
+            let cached = self.kv.seq_len(seq);
+            if start > 0 && self.kv.table(seq).is_none() {
+                return Err(ServiceError::not_found(format!(
+                    "unknown sequence {seq}: chunk starts at position {start} but the sequence has no KV cache here"
+                )));
+            }
+            if start != cached {
+                return Err(ServiceError::invalid_argument(format!(
+                    "sequence {seq}: chunk starts at position {start} but {cached} positions are cached"
+                )));
+            }
+            n_tokens += len;
+            chunks.push(SeqChunk { seq_id: seq, start_pos: start, len });
+        }
+        let needs_ids = self.model.is_first() || self.model.is_last();
+        if needs_ids && batch.token_ids.len() != n_tokens {
+            return Err(ServiceError::invalid_argument(format!(
+                "{} token ids for {n_tokens} tokens in the chunks",
+                batch.token_ids.len()
+            )));
+        }
+        Ok((chunks, n_tokens))
+    }
+
+    fn forward(&mut self, batch: &pb::ForwardRequest) -> Result<Output, ServiceError> {
+        if let Some(epoch) = self.plan_epoch
+            && batch.plan_epoch != epoch
+        {
+            return Err(ServiceError::failed_precondition(format!(
+                "batch {} was scheduled under plan epoch {}, this stage serves epoch {epoch}",
+                batch.batch_id, batch.plan_epoch
+            )));
+        }
+        let (chunks, n_tokens) = self.check_chunks(batch)?;
+        let params = if self.model.is_last() {
+            batch.chunks.iter().map(|c| engine_params(c.sampling.as_ref())).collect::<Result<Vec<_>, _>>()?
+        } else {
+            Vec::new()
+        };
+        let backend = self.model.backend().clone();
+        let cfg = self.model.config();
+        let input = if self.model.is_first() {
+            let vocab = cfg.vocab_size;
+            if let Some(bad) = batch.token_ids.iter().find(|&&id| id as usize >= vocab) {
+                return Err(ServiceError::invalid_argument(format!(
+                    "token id {bad} is outside the vocabulary (size {vocab})"
+                )));
+            }
+            StageInput::Tokens(&batch.token_ids)
+        } else {
+            let hidden = batch.hidden.as_ref().ok_or_else(|| {
+                ServiceError::invalid_argument("this stage needs hidden states and the batch has none")
+            })?;
+            let (values, rows, cols) = decode_to_f32(hidden)?;
+            if (rows, cols) != (n_tokens, cfg.hidden_size) {
+                return Err(ServiceError::invalid_argument(format!(
+                    "hidden states are {rows}x{cols}, expected {n_tokens}x{} ({n_tokens} tokens in the chunks)",
+                    cfg.hidden_size
+                )));
+            }
+            StageInput::Hidden(backend.act_from_host(&values, rows, cols).map_err(|e| engine_to_service(&e))?)
+        };
+        let out =
+            self.model.forward(&mut self.kv, &chunks, input, LogitRows::Last).map_err(|e| engine_to_service(&e))?;
+        let host = backend.act_to_host(&out).map_err(|e| engine_to_service(&e))?;
+        let (rows, cols) = backend.act_shape(&out);
+        if !self.model.is_last() {
+            return Ok(Output::Hidden(encode_f32(&host, rows, cols, self.hidden_dtype)?));
+        }
+        if rows != chunks.len() {
+            return Err(ServiceError::internal(format!("{rows} logit rows for {} chunks", chunks.len())));
+        }
+        Ok(Output::Tokens(self.sample(batch, &params, host, cols)?))
+    }
+
+    fn sample(
+        &mut self,
+        batch: &pb::ForwardRequest,
+        params: &[SamplingParams],
+        mut logits: Vec<f32>,
+        vocab: usize,
+    ) -> Result<Vec<pb::SampledToken>, ServiceError> {
+        let mut tokens = Vec::new();
+        let mut offset = 0;
+        for ((chunk, params), row) in batch.chunks.iter().zip(params).zip(logits.chunks_exact_mut(vocab)) {
+            let len = chunk.len as usize;
+            let ids = batch.token_ids.get(offset..offset + len).unwrap_or_default();
+            offset += len;
+            self.samplers.observe(chunk.seq_id, chunk.start_pos as usize, ids, params);
+            if chunk.skip_sampling {
+                continue;
+            }
+            let (token_id, logprob) = self.samplers.sample(chunk.seq_id, row, chunk.want_logprobs)?;
+            tokens.push(pb::SampledToken { seq_id: chunk.seq_id, token_id, logprob });
+        }
+        Ok(tokens)
+    }
+}

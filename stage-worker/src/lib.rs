@@ -1,0 +1,24 @@
+//! A strata stage worker: holds one contiguous range of a model's layers and serves it over the `Stage`
+//! gRPC service. Micro-batches run on a single executor thread that owns the weights and the KV cache;
+//! outputs stream to the next stage over one long-lived `Forward` stream, and the last stage samples.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), strata_stage_worker::Error> {
+//! use strata_stage_worker::{LayerRange, WorkerConfig};
+//! let config = WorkerConfig::new("node-a", "/models/m.gguf", Some("0..30".parse::<LayerRange>()?));
+//! let listener = tokio::net::TcpListener::bind("0.0.0.0:7000").await?;
+//! strata_stage_worker::run(config, listener, tokio_util::sync::CancellationToken::new()).await
+//! # }
+//! ```
+
+pub mod config;
+pub mod downstream;
+mod error;
+pub mod executor;
+pub mod sampler;
+pub mod server;
+mod worker;
+
+pub use config::{Device, HiddenDtype, LayerRange, WorkerConfig};
+pub use error::{Error, Result, engine_to_service};
+pub use worker::{LoadedStage, Worker, run};

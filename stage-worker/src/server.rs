@@ -1,0 +1,240 @@
+//! The `Stage` gRPC service: a thin layer that feeds micro-batches to the executor in arrival order, hands
+//! their outputs to the next stage (or answers with sampled tokens), and relays responses upstream.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use strata_proto::pb;
+use strata_proto::pb::stage_server::Stage;
+use strata_proto::{ServiceError, set_parent_from_metadata};
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::downstream::Downstream;
+use crate::executor::{BatchResult, ExecutorHandle, Output};
+
+/// Responses buffered per upstream stream, and batches between its reader and dispatcher.
+const STREAM_DEPTH: usize = 64;
+
+/// The `Stage` service of one worker.
+pub struct StageService {
+    node_id: String,
+    stage_index: u32,
+    plan_epoch: u64,
+    executor: ExecutorHandle,
+    downstream: Option<Downstream>,
+    inflight: Arc<AtomicU32>,
+    shutdown: CancellationToken,
+}
+
+impl StageService {
+    /// A service running batches on `executor` and passing them to `downstream` (absent on the last stage).
+    /// Open `Forward` streams stop taking batches when `shutdown` is cancelled.
+    pub fn new(
+        node_id: String,
+        stage_index: u32,
+        plan_epoch: u64,
+        executor: ExecutorHandle,
+        downstream: Option<Downstream>,
+        shutdown: CancellationToken,
+    ) -> Self {
+        StageService { node_id, stage_index, plan_epoch, executor, downstream, inflight: Arc::default(), shutdown }
+    }
+}
+
+/// Decrements the in-flight count when a batch's answer has been sent (or dropped).
+struct InflightGuard(Arc<AtomicU32>);
+
+impl InflightGuard {
+    fn new(counter: &Arc<AtomicU32>) -> Self {
+        counter.fetch_add(1, Ordering::Relaxed);
+        InflightGuard(counter.clone())
+    }
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A batch handed to the executor, waiting (in arrival order) for its output.
+struct Queued {
+    meta: pb::ForwardRequest,
+    result: oneshot::Receiver<BatchResult>,
+    guard: InflightGuard,
+}
+
+type Responses = mpsc::Sender<Result<pb::ForwardResponse, Status>>;
+
+fn error_response(batch_id: u64, err: ServiceError) -> pb::ForwardResponse {
+    pb::ForwardResponse { batch_id, error: Some(err.into()), ..Default::default() }
+}
+
+#[tonic::async_trait]
+impl Stage for StageService {
+    type ForwardStream = ReceiverStream<Result<pb::ForwardResponse, Status>>;
+
+    async fn forward(
+        &self,
+        request: Request<Streaming<pb::ForwardRequest>>,
+    ) -> Result<Response<Self::ForwardStream>, Status> {
+        let span = tracing::info_span!("forward_stream", node = %self.node_id);
+        if let Err(e) = set_parent_from_metadata(&span, request.metadata()) {
+            tracing::debug!(error = %e, "no usable trace context on the Forward stream");
+        }
+        let inbound = request.into_inner();
+        let (out_tx, out_rx) = mpsc::channel(STREAM_DEPTH);
+        let (queue_tx, queue_rx) = mpsc::channel(STREAM_DEPTH);
+        let reader = read_batches(
+            inbound,
+            self.executor.clone(),
+            queue_tx,
+            out_tx.clone(),
+            self.inflight.clone(),
+            self.shutdown.clone(),
+        );
+        let dispatcher = Dispatcher { stage_index: self.stage_index, downstream: self.downstream.clone(), out: out_tx };
+        tokio::spawn(tracing::Instrument::instrument(reader, span.clone()));
+        tokio::spawn(tracing::Instrument::instrument(dispatcher.run(queue_rx), span));
+        Ok(Response::new(ReceiverStream::new(out_rx)))
+    }
+
+    async fn release(&self, request: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
+        let req = request.into_inner();
+        let released = self.executor.release(req.seq_ids.clone()).await?;
+        if req.propagate
+            && let Some(down) = &self.downstream
+        {
+            down.release(req).await?;
+        }
+        Ok(Response::new(pb::ReleaseResponse { released }))
+    }
+
+    async fn status(&self, _request: Request<pb::StageStatusRequest>) -> Result<Response<pb::StageStatus>, Status> {
+        let facts = self.executor.facts();
+        let layer = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        Ok(Response::new(pb::StageStatus {
+            node_id: self.node_id.clone(),
+            layer_start: layer(facts.layers.start),
+            layer_end: layer(facts.layers.end),
+            plan_epoch: self.plan_epoch,
+            kv_total_blocks: facts.kv_total_blocks,
+            kv_free_blocks: self.executor.kv_free_blocks(),
+            block_size: facts.block_size,
+            inflight_batches: self.inflight.load(Ordering::Relaxed),
+            device: facts.device.clone(),
+            weight_bytes: facts.weight_bytes,
+        }))
+    }
+}
+
+/// Takes batches off an upstream stream and queues them on the executor without waiting for results, so
+/// batch N+1 computes while batch N is downstream.
+async fn read_batches(
+    mut inbound: Streaming<pb::ForwardRequest>,
+    executor: ExecutorHandle,
+    queue: mpsc::Sender<Queued>,
+    out: Responses,
+    inflight: Arc<AtomicU32>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let next = tokio::select! {
+            () = shutdown.cancelled() => break,
+            next = inbound.message() => next,
+        };
+        let mut batch = match next {
+            Ok(Some(batch)) => batch,
+            Ok(None) => break,
+            Err(status) => {
+                tracing::debug!(%status, "upstream Forward stream ended with an error");
+                break;
+            }
+        };
+        let guard = InflightGuard::new(&inflight);
+        let batch_id = batch.batch_id;
+        // The executor takes the hidden states; the rest travels on to the next stage.
+        let hidden = batch.hidden.take();
+        let meta = batch.clone();
+        batch.hidden = hidden;
+        match executor.submit(batch).await {
+            Ok(result) => {
+                if queue.send(Queued { meta, result, guard }).await.is_err() {
+                    break;
+                }
+            }
+            Err(err) => {
+                let _ = out.send(Ok(error_response(batch_id, err))).await;
+                drop(guard);
+            }
+        }
+    }
+}
+
+/// Waits for executor outputs in arrival order: sends hidden states down (in that same order) and answers
+/// sampled tokens and errors directly.
+struct Dispatcher {
+    stage_index: u32,
+    downstream: Option<Downstream>,
+    out: Responses,
+}
+
+impl Dispatcher {
+    async fn run(self, mut queue: mpsc::Receiver<Queued>) {
+        while let Some(Queued { mut meta, result, guard }) = queue.recv().await {
+            let batch_id = meta.batch_id;
+            let output = match result.await {
+                Ok(Ok(output)) => output,
+                Ok(Err(err)) => {
+                    let _ = self.out.send(Ok(error_response(batch_id, err))).await;
+                    continue;
+                }
+                Err(_) => {
+                    let err = ServiceError::internal("the executor dropped the batch");
+                    let _ = self.out.send(Ok(error_response(batch_id, err))).await;
+                    continue;
+                }
+            };
+            let timing = pb::StageTiming { stage_index: self.stage_index, compute_micros: output.compute_micros };
+            match (output.output, &self.downstream) {
+                (Output::Tokens(tokens), _) => {
+                    let resp = pb::ForwardResponse {
+                        batch_id,
+                        tokens,
+                        stage_compute_micros: timing.compute_micros,
+                        timings: vec![timing],
+                        error: None,
+                    };
+                    let _ = self.out.send(Ok(resp)).await;
+                    drop(guard);
+                }
+                (Output::Hidden(hidden), Some(down)) => {
+                    meta.hidden = Some(hidden);
+                    let answer = down.send(meta).await;
+                    let out = self.out.clone();
+                    tokio::spawn(async move {
+                        let mut resp = match answer.await {
+                            Ok(Ok(resp)) => resp,
+                            Ok(Err(err)) => error_response(batch_id, err),
+                            Err(_) => error_response(
+                                batch_id,
+                                ServiceError::unavailable("the link to the next stage stopped"),
+                            ),
+                        };
+                        resp.stage_compute_micros = resp.stage_compute_micros.saturating_add(timing.compute_micros);
+                        resp.timings.push(timing);
+                        let _ = out.send(Ok(resp)).await;
+                        drop(guard);
+                    });
+                }
+                (Output::Hidden(_), None) => {
+                    let err = ServiceError::internal("this stage produced hidden states but has no next stage");
+                    let _ = self.out.send(Ok(error_response(batch_id, err))).await;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,137 @@
+//! Starting and stopping a worker: load the stage, serve `Stage` + health + reflection on a bound listener
+//! until the shutdown token is cancelled.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::loader::ModelFiles;
+use strata_engine::model::{LoadOptions, StageModel};
+use strata_proto::pb::stage_server::StageServer;
+use strata_proto::{STAGE_SERVICE, health_service, reflection_service, set_serving};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Server;
+use tonic::transport::server::TcpIncoming;
+
+use crate::config::WorkerConfig;
+use crate::downstream::{Downstream, MAX_MESSAGE_BYTES};
+use crate::error::{Error, Result};
+use crate::executor::ExecutorHandle;
+use crate::server::StageService;
+
+/// A stage whose weights are loaded and whose executor is running, ready to serve.
+pub struct LoadedStage {
+    config: WorkerConfig,
+    executor: ExecutorHandle,
+}
+
+impl LoadedStage {
+    /// Validates `config`, opens the model and loads its layer range onto the device (on a blocking thread).
+    pub async fn load(config: WorkerConfig) -> Result<Self> {
+        let layers = config.validate()?;
+        let cfg = config.clone();
+        let executor = tokio::task::spawn_blocking(move || -> Result<ExecutorHandle> {
+            let files = ModelFiles::open(&cfg.model)?;
+            cfg.validate_against_model(layers, files.config().num_layers)?;
+            let backend = Arc::new(CpuBackend::new(cfg.threads)?);
+            let model = StageModel::load(&files, layers.to_range(), backend, &LoadOptions::default())?;
+            ExecutorHandle::spawn(model, cfg.kv_blocks, cfg.block_size, cfg.hidden_dtype, cfg.plan_epoch)
+        })
+        .await
+        .map_err(|e| Error::Executor(format!("model loading panicked or was cancelled: {e}")))??;
+        let facts = executor.facts();
+        tracing::info!(
+            node = %config.node_id,
+            layers = ?facts.layers,
+            weight_bytes = facts.weight_bytes,
+            kv_blocks = facts.kv_total_blocks,
+            device = %facts.device,
+            "stage loaded"
+        );
+        Ok(LoadedStage { config, executor })
+    }
+
+    /// Serves the stage on `listener` until `shutdown` is cancelled, then drains open streams.
+    pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
+        let LoadedStage { config, executor } = self;
+        let downstream = config.next_uri().map(|uri| Downstream::spawn(&uri)).transpose()?;
+        let stage_index = config.stage_index.unwrap_or(0);
+        let service = StageService::new(
+            config.node_id.clone(),
+            stage_index,
+            config.plan_epoch.unwrap_or(0),
+            executor,
+            downstream,
+            shutdown.clone(),
+        );
+        let (health_reporter, health) = health_service();
+        set_serving(&health_reporter, STAGE_SERVICE, true).await;
+        let stage = StageServer::new(service)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        let addr = listener.local_addr()?;
+        tracing::info!(node = %config.node_id, %addr, next = ?config.next, "serving");
+        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+        let stopping = shutdown.clone();
+        let reporter = health_reporter.clone();
+        Server::builder()
+            .add_service(health)
+            .add_service(reflection_service()?)
+            .add_service(stage)
+            .serve_with_incoming_shutdown(incoming, async move {
+                stopping.cancelled().await;
+                set_serving(&reporter, STAGE_SERVICE, false).await;
+            })
+            .await?;
+        tracing::info!(node = %config.node_id, "stopped");
+        Ok(())
+    }
+}
+
+/// Loads the stage described by `config` and serves it on `listener` until `shutdown` is cancelled.
+pub async fn run(config: WorkerConfig, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
+    LoadedStage::load(config).await?.serve(listener, shutdown).await
+}
+
+/// A worker running in this process (tests, `strata local`): loaded, listening, stoppable.
+pub struct Worker {
+    addr: SocketAddr,
+    shutdown: CancellationToken,
+    task: JoinHandle<Result<()>>,
+}
+
+impl Worker {
+    /// Binds `addr` (port 0 picks a free port), loads the stage and starts serving. When this returns the
+    /// weights are loaded and connections are accepted.
+    pub async fn start(config: WorkerConfig, addr: &str) -> Result<Self> {
+        let listener = TcpListener::bind(addr).await?;
+        Self::start_on(config, listener).await
+    }
+
+    /// Like [`Worker::start`], on an already-bound listener.
+    pub async fn start_on(config: WorkerConfig, listener: TcpListener) -> Result<Self> {
+        let addr = listener.local_addr()?;
+        let stage = LoadedStage::load(config).await?;
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(stage.serve(listener, shutdown.clone()));
+        Ok(Worker { addr, shutdown, task })
+    }
+
+    /// The address the worker listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// A token that stops the worker when cancelled.
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shutdown.clone()
+    }
+
+    /// Stops the worker and waits for it to finish.
+    pub async fn shutdown(self) -> Result<()> {
+        self.shutdown.cancel();
+        self.task.await.map_err(|e| Error::Executor(format!("server task failed: {e}")))?
+    }
+}
