@@ -41,18 +41,25 @@ def llama_once():
     rows = json.loads(p.stdout)
     res = {}
     for r in rows:
-        key = "prefill" if r["n_prompt"] > 0 else "decode1"
+        key = "prefill" if r["n_prompt"] > 0 else "decode1_depth0"
         res[key] = r["avg_ts"]
-    # 8 sequences decoding together after 16-token prompts, like strata's batched measurement.
-    p = subprocess.run([batched, "-m", a.model, "-t", str(a.threads), "-tb", str(a.threads), "-c", "2048",
-                        "-npp", "16", "-ntg", "128", "-npl", "8", "--output-format", "jsonl"],
+    # Like strata's bench: one sequence decoding 128 tokens after its 128-token prompt (KV depth 128-256) ...
+    res["decode1"] = batched_tg(128, 1)
+    # ... and 8 sequences decoding together after 16-token prompts.
+    res["decode8"] = batched_tg(16, 8)
+    return res
+
+
+def batched_tg(npp, npl):
+    p = subprocess.run([batched, "-m", a.model, "-t", str(a.threads), "-tb", str(a.threads), "-c", "4096",
+                        "-npp", str(npp), "-ntg", "128", "-npl", str(npl), "--output-format", "jsonl"],
                        capture_output=True, text=True)
     for line in p.stdout.splitlines():
         if line.startswith("{"):
             j = json.loads(line)
-            if j.get("pl") == 8:
-                res["decode8"] = j.get("speed_tg")
-    return res
+            if j.get("pl") == npl:
+                return j.get("speed_tg")
+    return None
 
 
 runs = {"strata": [], "llama.cpp": []}
@@ -69,15 +76,16 @@ def med(engine, key):
 
 report = {"model": a.model, "threads": a.threads, "reps": a.reps, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
           "loadavg": open("/proc/loadavg").read().split()[:3], "runs": runs,
-          "median": {e: {k: med(e, k) for k in ("prefill", "decode1", "decode8")} for e in runs}}
+          "median": {e: {k: med(e, k) for k in ("prefill", "decode1", "decode8", "decode1_depth0")} for e in runs}}
 os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
 json.dump(report, open(a.out, "w"), indent=2)
 fmt = lambda v: "-" if v is None else f"{v:.1f}"
 print(f"| metric ({a.threads} threads, median of {a.reps}) | strata | llama.cpp | strata / llama.cpp |")
 print("|---|---:|---:|---:|")
-for key, name in (("prefill", "prefill tok/s (128-token prompt)"), ("decode1", "decode tok/s, batch 1"),
+for key, name in (("prefill", "prefill tok/s (128-token prompt)"), ("decode1", "decode tok/s, batch 1, after a 128-token prompt"),
                   ("decode8", "decode tok/s, 8 sequences")):
     s, l = report["median"]["strata"][key], report["median"]["llama.cpp"][key]
     print(f"| {name} | {fmt(s)} | {fmt(l)} | {fmt(s / l if s and l else None)}x |")
+print(f"| llama.cpp decode tok/s from an empty cache (llama-bench -n 128) | - | {fmt(med('llama.cpp', 'decode1_depth0'))} | |")
 print(f"| peak RSS MiB | {fmt(med('strata', 'rss_mib'))} | - | |")
 print(f"load average at the end: {' '.join(report['loadavg'])}")
