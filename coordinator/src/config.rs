@@ -20,7 +20,7 @@ pub struct CoordinatorConfig {
     pub cluster: String,
     /// The model: a Hugging Face directory or a `.gguf` file.
     pub model: PathBuf,
-    /// Address of the public gRPC API (served by a later issue; validated now).
+    /// Address of the public gRPC API (`Coordinator`, health, reflection).
     pub grpc_addr: SocketAddr,
     /// Address of the HTTP API (served by a later issue; validated now).
     pub http_addr: SocketAddr,

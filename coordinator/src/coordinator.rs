@@ -12,10 +12,12 @@ use tokio_util::sync::CancellationToken;
 use crate::membership::{
     Backoff, EmbeddedRegistry, EtcdRegistry, Leadership, NodeEvent, NodeRecord, NodeState, Plan, PlanStage, Registry,
 };
+use crate::pipeline::ModelInfo;
 use crate::placement::{self, ModelShape, NodeCapacity};
+use crate::serving::lead_and_serve;
 use crate::{CoordinatorConfig, Error, Result};
 
-/// What the coordinator currently knows, as the future `ClusterStatus` RPC will serve it.
+/// What the coordinator currently knows, as the `ClusterStatus` RPC serves it.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ClusterSnapshot {
     /// Every registered node, sorted by id.
@@ -93,6 +95,11 @@ impl ClusterView {
         Self { tx: Arc::new(watch::Sender::new(ClusterSnapshot::default())) }
     }
 
+    /// A view that starts at `snapshot` (e.g. a static plan, without a control loop).
+    pub fn from_snapshot(snapshot: ClusterSnapshot) -> Self {
+        Self { tx: Arc::new(watch::Sender::new(snapshot)) }
+    }
+
     /// The current snapshot.
     pub fn snapshot(&self) -> ClusterSnapshot {
         self.tx.borrow().clone()
@@ -119,22 +126,30 @@ impl ClusterView {
 }
 
 /// Starts a coordinator from its config and runs it until `shutdown`: opens the model, connects to etcd (or
-/// starts the embedded registry), then leads or waits to lead. Fails only at start (bad config, unreadable
-/// model, etcd unreachable within `connect_timeout_ms`); later registry trouble is retried.
+/// starts the embedded registry), then leads or waits to lead, serving the public API on `grpc_addr` meanwhile
+/// (`Generate` goes through the current plan once all its stages are READY). Fails only at start (bad config,
+/// unreadable model, `grpc_addr` taken, etcd unreachable within `connect_timeout_ms`); later registry trouble is
+/// retried.
 pub async fn run(config: CoordinatorConfig, shutdown: CancellationToken) -> Result<()> {
     config.validate()?;
     let shape = ModelShape::from_model_path(&config.model, config.kv_reserve_tokens)?;
     let model_name = model_name(&config);
     tracing::info!(model = %model_name, layers = shape.num_layers, layer_bytes = shape.layer_bytes, "model sized");
+    let model = ModelInfo::open(&config.model)?;
+    let listener = tokio::net::TcpListener::bind(config.grpc_addr)
+        .await
+        .map_err(|source| Error::Bind { addr: config.grpc_addr, source })?;
     match &config.etcd {
         Some(endpoints) => {
             let registry = EtcdRegistry::connect(endpoints, &config.cluster, config.connect_timeout()).await?;
-            Coordinator::new(registry, config, shape, model_name).run(shutdown).await
+            let coordinator = Coordinator::new(registry.clone(), config, shape, model_name);
+            lead_and_serve(coordinator, registry, model, listener, shutdown).await
         }
         None => {
             tracing::info!("no etcd configured; using the embedded registry");
             let registry = EmbeddedRegistry::new(&config.cluster);
-            Coordinator::new(registry, config, shape, model_name).run(shutdown).await
+            let coordinator = Coordinator::new(registry.clone(), config, shape, model_name);
+            lead_and_serve(coordinator, registry, model, listener, shutdown).await
         }
     }
 }

@@ -82,6 +82,14 @@ pub enum Error {
     /// The lease backing a registration or leadership no longer exists.
     #[error("lease {0:x} expired")]
     LeaseExpired(i64),
+    /// The public API's address could not be bound.
+    #[error("cannot bind the gRPC API on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// The socket error.
+        source: std::io::Error,
+    },
     /// Placement failed.
     #[error(transparent)]
     Placement(#[from] PlacementError),

@@ -1,15 +1,21 @@
 //! strata's coordinator (control plane): reads the model, tracks stage workers registered in etcd (or an
 //! embedded registry), elects one active coordinator, places the model's layers on the READY nodes and publishes
-//! the plan with an epoch. The data path (Generate API, batching) is a later issue. See `docs/architecture.md`.
+//! the plan with an epoch. The data path is `pipeline` (continuous batching over one `Forward` stream to stage 0)
+//! behind the `api` service. See `docs/architecture.md`.
 
+pub mod api;
 pub mod config;
 pub mod coordinator;
 mod error;
 pub mod membership;
+pub mod pipeline;
 pub mod placement;
+mod serving;
+pub mod stage_client;
 
 pub use config::CoordinatorConfig;
 pub use coordinator::{ClusterSnapshot, ClusterView, Coordinator, cordon_node, drain_node, run, uncordon_node};
 pub use error::{Error, Result};
 pub use membership::{EmbeddedRegistry, EtcdRegistry, NodeEvent, NodeRecord, NodeState, Plan, PlanStage, Registry};
+pub use pipeline::{ModelInfo, Pipeline, SeqEvent, SeqRequest};
 pub use placement::{ModelShape, NodeCapacity, PlacementError, StageAssignment};

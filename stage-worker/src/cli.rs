@@ -1,10 +1,11 @@
 //! Command-line flags of the `stage-worker` binary; every flag has an env fallback.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use strata_stage_worker::{Device, HiddenDtype, LayerRange, WorkerConfig};
+use strata_stage_worker::{Device, HiddenDtype, LayerRange, RegistrationOptions, WorkerConfig};
 use tokio_util::sync::CancellationToken;
 
 /// Serve one contiguous layer range of a model over strata's Stage gRPC service.
@@ -20,8 +21,8 @@ pub struct Args {
     /// Model: a Hugging Face directory or a .gguf file.
     #[arg(long, env = "STRATA_MODEL")]
     model: PathBuf,
-    /// Layers to serve, START..END (half-open). Without it the worker would wait for placement from etcd,
-    /// which is not implemented yet.
+    /// Layers to serve, START..END (half-open). Without it the worker registers with --etcd and serves what
+    /// the coordinator's plan assigns it.
     #[arg(long, env = "STRATA_LAYERS")]
     layers: Option<LayerRange>,
     /// Address of the next stage (host:port); absent on the last stage.
@@ -48,9 +49,16 @@ pub struct Args {
     /// Element type of hidden states sent downstream: f32, f16 or bf16.
     #[arg(long, env = "STRATA_HIDDEN_DTYPE", default_value = "f32")]
     hidden_dtype: HiddenDtype,
-    /// etcd endpoint (http://host:port) for registration and placement.
+    /// etcd endpoints (http://host:port, comma-separated) for registration and placement; used when no
+    /// --layers are given.
     #[arg(long, env = "STRATA_ETCD")]
     etcd: Option<String>,
+    /// Cluster name: the worker registers under /strata/<cluster>/ in etcd.
+    #[arg(long, env = "STRATA_CLUSTER", default_value = "default")]
+    cluster: String,
+    /// How long to keep trying to reach etcd at start, in milliseconds.
+    #[arg(long, env = "STRATA_CONNECT_TIMEOUT_MS", default_value_t = 10_000)]
+    connect_timeout_ms: u64,
     /// Address other nodes reach this worker at (host:port); defaults to --listen.
     #[arg(long, env = "STRATA_ADVERTISE")]
     advertise: Option<String>,
@@ -60,27 +68,49 @@ pub struct Args {
 }
 
 impl Args {
-    /// Validates the flags and builds the worker config and the listen address.
-    pub fn into_config(self) -> anyhow::Result<(WorkerConfig, String)> {
-        if let Some(etcd) = &self.etcd {
-            let rest = etcd.strip_prefix("http://").or_else(|| etcd.strip_prefix("https://"));
-            if rest.is_none_or(|r| r.trim_matches('/').is_empty()) {
-                bail!("--etcd {etcd:?} must be an http:// or https:// URL");
-            }
-        }
+    /// Validates the flags and builds the worker config, the listen address and, without --layers, how to
+    /// register with etcd.
+    pub fn into_config(self) -> anyhow::Result<Launch> {
+        let endpoints = match &self.etcd {
+            Some(etcd) => etcd_endpoints(etcd)?,
+            None => Vec::new(),
+        };
         if let Some(adv) = &self.advertise {
             host_port(adv).with_context(|| format!("--advertise {adv:?}"))?;
         }
         host_port(&self.listen).with_context(|| format!("--listen {:?}", self.listen))?;
-        if let Some(limit) = &self.memory_limit {
-            parse_bytes(limit).with_context(|| format!("--memory-limit {limit:?}"))?;
-        }
-        if self.layers.is_none() {
-            bail!(
-                "--layers is required: etcd-driven placement (--etcd) is not implemented yet, so the worker cannot \
-                 learn its layer range; pass --layers START..END"
-            );
-        }
+        let memory_limit = self
+            .memory_limit
+            .as_deref()
+            .map(|l| parse_bytes(l).with_context(|| format!("--memory-limit {l:?}")))
+            .transpose()?;
+        let registry = match (&self.layers, endpoints.is_empty()) {
+            (Some(_), true) => None,
+            (Some(_), false) => {
+                bail!("--layers and --etcd exclude each other: with --etcd the plan assigns the layers")
+            }
+            (None, true) => bail!("pass --layers START..END, or --etcd URL to take the layers from the plan"),
+            (None, false) => {
+                if self.next.is_some() || self.stage_index.is_some() || self.plan_epoch.is_some() {
+                    bail!("--next, --stage-index and --plan-epoch come from the plan when --etcd is used");
+                }
+                if !self.cluster.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+                    || self.cluster.is_empty()
+                {
+                    bail!("--cluster {:?} must be non-empty and use only [A-Za-z0-9._-]", self.cluster);
+                }
+                Some(EtcdOptions {
+                    endpoints,
+                    cluster: self.cluster.clone(),
+                    connect_timeout: Duration::from_millis(self.connect_timeout_ms),
+                    registration: RegistrationOptions {
+                        advertise: self.advertise.clone(),
+                        memory_limit,
+                        ..RegistrationOptions::default()
+                    },
+                })
+            }
+        };
         let config = WorkerConfig {
             next: self.next,
             stage_index: self.stage_index,
@@ -92,9 +122,54 @@ impl Args {
             device: self.device,
             ..WorkerConfig::new(self.node_id, self.model, self.layers)
         };
-        config.validate()?;
-        Ok((config, self.listen))
+        match registry {
+            None => {
+                config.validate()?;
+            }
+            Some(_) => config.validate_common()?,
+        }
+        Ok(Launch { config, listen: self.listen, registry })
     }
+}
+
+/// What `main` starts.
+#[derive(Debug)]
+pub struct Launch {
+    /// The worker's config.
+    pub config: WorkerConfig,
+    /// Address to listen on.
+    pub listen: String,
+    /// Registration with etcd, when the plan assigns the layers.
+    pub registry: Option<EtcdOptions>,
+}
+
+/// Where and how to register.
+#[derive(Debug)]
+pub struct EtcdOptions {
+    /// etcd endpoints.
+    pub endpoints: Vec<String>,
+    /// Cluster name.
+    pub cluster: String,
+    /// How long to keep trying to reach etcd at start.
+    pub connect_timeout: Duration,
+    /// How the worker presents itself.
+    pub registration: RegistrationOptions,
+}
+
+/// Splits a comma-separated endpoint list; a bare `host:port` means `http://host:port` (as for the coordinator).
+fn etcd_endpoints(list: &str) -> anyhow::Result<Vec<String>> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let url = if e.contains("://") { e.to_owned() } else { format!("http://{e}") };
+            let rest = url.strip_prefix("http://").or_else(|| url.strip_prefix("https://"));
+            if rest.is_none_or(|r| r.trim_matches('/').is_empty()) {
+                bail!("--etcd {e:?} must be host:port or an http:// or https:// URL");
+            }
+            Ok(url)
+        })
+        .collect()
 }
 
 fn host_port(addr: &str) -> anyhow::Result<()> {
@@ -165,15 +240,30 @@ mod tests {
     }
 
     #[test]
-    fn layers_are_required_until_etcd_placement_exists() {
-        let err = args(&["--etcd", "http://etcd:2379"]).into_config().err().map(|e| e.to_string());
-        assert!(err.is_some_and(|e| e.contains("not implemented")));
-        assert!(args(&["--layers", "0..4"]).into_config().is_ok());
+    fn layers_come_from_the_flag_or_from_etcd() -> anyhow::Result<()> {
+        let launch = args(&["--layers", "0..4"]).into_config()?;
+        assert!(launch.registry.is_none());
+        let launch =
+            args(&["--etcd", "http://a:2379, http://b:2379", "--advertise", "w:7000", "--memory-limit", "1Gi"])
+                .into_config()?;
+        let etcd = launch.registry.context("registry expected")?;
+        assert_eq!(etcd.endpoints, ["http://a:2379", "http://b:2379"]);
+        assert_eq!(etcd.cluster, "default");
+        assert_eq!(etcd.registration.advertise.as_deref(), Some("w:7000"));
+        assert_eq!(etcd.registration.memory_limit, Some(1 << 30));
+        assert!(args(&[]).into_config().is_err(), "neither layers nor etcd");
+        assert!(args(&["--layers", "0..4", "--etcd", "http://a:2379"]).into_config().is_err());
+        assert!(args(&["--etcd", "http://a:2379", "--next", "h:1"]).into_config().is_err());
+        assert!(args(&["--etcd", "http://a:2379", "--cluster", "a/b"]).into_config().is_err());
+        assert!(args(&["--etcd", "ftp://a:2379"]).into_config().is_err());
+        let bare = args(&["--etcd", "etcd:2379"]).into_config()?.registry.map(|r| r.endpoints);
+        assert_eq!(bare, Some(vec!["http://etcd:2379".to_owned()]));
+        Ok(())
     }
 
     #[test]
     fn bad_flags_are_rejected() {
-        assert!(args(&["--layers", "0..4", "--etcd", "etcd:2379"]).into_config().is_err());
+        assert!(args(&["--etcd", "http://"]).into_config().is_err());
         assert!(args(&["--layers", "0..4", "--advertise", "nohost"]).into_config().is_err());
         assert!(args(&["--layers", "0..4", "--memory-limit", "12X"]).into_config().is_err());
         assert!(args(&["--layers", "0..4", "--device", "cuda:0"]).into_config().is_err());

@@ -164,7 +164,7 @@ pub struct WorkerConfig {
     pub node_id: String,
     /// Model path: a Hugging Face directory or a `.gguf` file.
     pub model: PathBuf,
-    /// The layers to load. Required for now: placement from etcd is not implemented yet.
+    /// The layers to load; `None` when a registry's plan assigns them (see `registration`).
     #[serde(default)]
     pub layers: Option<LayerRange>,
     /// Address (`host:port` or `http://host:port`) of the next stage; `None` makes this the last stage.
@@ -214,6 +214,21 @@ impl WorkerConfig {
 
     /// Checks what can be checked without opening the model; returns the layer range to load.
     pub fn validate(&self) -> Result<LayerRange> {
+        self.validate_common()?;
+        let layers = self.layers.ok_or(Error::NoLayers)?;
+        if layers.start >= layers.end {
+            return Err(Error::Config(format!("layer range {layers} is empty")));
+        }
+        if layers.start > 0 && self.stage_index.is_none() {
+            return Err(Error::Config(format!(
+                "stage_index is required for a stage that does not start at layer 0 (layers {layers})"
+            )));
+        }
+        Ok(layers)
+    }
+
+    /// Checks everything but the layer range (which a plan may supply later).
+    pub fn validate_common(&self) -> Result<()> {
         if self.node_id.trim().is_empty() {
             return Err(Error::Config("node_id must not be empty".into()));
         }
@@ -231,16 +246,7 @@ impl WorkerConfig {
         {
             return Err(Error::Config("next must be an address, or absent on the last stage".into()));
         }
-        let layers = self.layers.ok_or(Error::PlacementNotImplemented)?;
-        if layers.start >= layers.end {
-            return Err(Error::Config(format!("layer range {layers} is empty")));
-        }
-        if layers.start > 0 && self.stage_index.is_none() {
-            return Err(Error::Config(format!(
-                "stage_index is required for a stage that does not start at layer 0 (layers {layers})"
-            )));
-        }
-        Ok(layers)
+        Ok(())
     }
 
     /// Checks the config against the model's layer count.
@@ -310,7 +316,7 @@ mod tests {
             WorkerConfig { device: Device::Cuda(0), ..ok.clone() }.validate(),
             Err(Error::CudaNotCompiled { .. })
         ));
-        assert!(matches!(WorkerConfig { layers: None, ..ok.clone() }.validate(), Err(Error::PlacementNotImplemented)));
+        assert!(matches!(WorkerConfig { layers: None, ..ok.clone() }.validate(), Err(Error::NoLayers)));
         assert!(WorkerConfig { node_id: " ".into(), ..ok.clone() }.validate().is_err());
         assert!(WorkerConfig { kv_blocks: 0, ..ok.clone() }.validate().is_err());
         let middle = WorkerConfig { layers: Some(LayerRange { start: 1, end: 2 }), ..ok.clone() };

@@ -8,11 +8,14 @@ pub enum Error {
     /// The configuration is invalid.
     #[error("invalid worker config: {0}")]
     Config(String),
-    /// No layer range was given; placement from etcd is a follow-up.
+    /// No layer range was given and no registry supplies one.
     #[error(
-        "no layer range given: etcd-driven placement is not implemented yet, pass the layers to serve (--layers START..END)"
+        "no layer range given: pass the layers to serve (--layers START..END), or --etcd to take them from the plan"
     )]
-    PlacementNotImplemented,
+    NoLayers,
+    /// The membership registry (etcd or embedded) failed.
+    #[error("registry: {0}")]
+    Registry(#[from] strata_coordinator::Error),
     /// A CUDA device was asked for, but this build has only the CPU backend.
     #[error("device {device}: strata-stage-worker was not compiled with CUDA support (use --device cpu)")]
     CudaNotCompiled {

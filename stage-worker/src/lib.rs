@@ -1,6 +1,8 @@
 //! A strata stage worker: holds one contiguous range of a model's layers and serves it over the `Stage`
 //! gRPC service. Micro-batches run on a single executor thread that owns the weights and the KV cache;
 //! outputs stream to the next stage over one long-lived `Forward` stream, and the last stage samples.
+//! Without a layer range, a worker registers with etcd (or the embedded registry) and serves what the
+//! coordinator's plan assigns it ([`registration`]).
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), strata_stage_worker::Error> {
@@ -15,10 +17,12 @@ pub mod config;
 pub mod downstream;
 mod error;
 pub mod executor;
+pub mod registration;
 pub mod sampler;
 pub mod server;
 mod worker;
 
 pub use config::{Device, HiddenDtype, LayerRange, WorkerConfig};
 pub use error::{Error, Result, engine_to_service};
-pub use worker::{LoadedStage, Worker, run};
+pub use registration::{RegistrationOptions, run_registered};
+pub use worker::{LoadedStage, Worker, run, serve_slot};

@@ -3,16 +3,23 @@
 mod cli;
 
 use clap::Parser;
+use strata_coordinator::EtcdRegistry;
 use tokio_util::sync::CancellationToken;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
     let args = cli::Args::parse();
-    let (config, listen) = args.into_config()?;
+    let cli::Launch { config, listen, registry } = args.into_config()?;
     let listener = tokio::net::TcpListener::bind(&listen).await?;
     let shutdown = CancellationToken::new();
     tokio::spawn(cli::cancel_on_signal(shutdown.clone()));
-    strata_stage_worker::run(config, listener, shutdown).await?;
+    match registry {
+        None => strata_stage_worker::run(config, listener, shutdown).await?,
+        Some(etcd) => {
+            let registry = EtcdRegistry::connect(&etcd.endpoints, &etcd.cluster, etcd.connect_timeout).await?;
+            strata_stage_worker::run_registered(config, registry, etcd.registration, listener, shutdown).await?;
+        }
+    }
     Ok(())
 }

@@ -1,8 +1,8 @@
 //! The `Stage` gRPC service: a thin layer that feeds micro-batches to the executor in arrival order, hands
 //! their outputs to the next stage (or answers with sampled tokens), and relays responses upstream.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, RwLock};
 
 use strata_proto::pb;
 use strata_proto::pb::stage_server::Stage;
@@ -18,30 +18,66 @@ use crate::executor::{BatchResult, ExecutorHandle, Output};
 /// Responses buffered per upstream stream, and batches between its reader and dispatcher.
 const STREAM_DEPTH: usize = 64;
 
+/// A loaded stage as the service runs it: its executor, its link to the next stage and its place in the plan.
+pub struct ActiveStage {
+    /// Runs the stage's layers.
+    pub executor: ExecutorHandle,
+    /// The next stage; `None` on the last stage.
+    pub downstream: Option<Downstream>,
+    /// Position in the pipeline, reported in `StageTiming`.
+    pub stage_index: u32,
+    /// Plan epoch reported by `Status` (0: none).
+    pub plan_epoch: u64,
+}
+
+/// The stage a service serves now, replaceable while it serves: a batch runs on the stage current when it
+/// arrives and keeps it (and its weights) alive until answered, so a swap never cuts a batch in half.
+#[derive(Clone, Default)]
+pub struct StageSlot(Arc<RwLock<Option<Arc<ActiveStage>>>>);
+
+impl StageSlot {
+    /// A slot serving `stage`.
+    pub fn new(stage: ActiveStage) -> Self {
+        StageSlot(Arc::new(RwLock::new(Some(Arc::new(stage)))))
+    }
+
+    /// The stage served now, if any.
+    pub fn current(&self) -> Option<Arc<ActiveStage>> {
+        match self.0.read() {
+            Ok(g) => g.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    /// Serves `stage` from the next batch on (`None`: no layers; batches are refused). Returns the old stage,
+    /// which stops once its in-flight batches are answered and the returned handle is dropped.
+    pub fn replace(&self, stage: Option<ActiveStage>) -> Option<Arc<ActiveStage>> {
+        let stage = stage.map(Arc::new);
+        match self.0.write() {
+            Ok(mut g) => std::mem::replace(&mut *g, stage),
+            Err(p) => std::mem::replace(&mut *p.into_inner(), stage),
+        }
+    }
+}
+
 /// The `Stage` service of one worker.
 pub struct StageService {
     node_id: String,
-    stage_index: u32,
-    plan_epoch: u64,
-    executor: ExecutorHandle,
-    downstream: Option<Downstream>,
+    slot: StageSlot,
     inflight: Arc<AtomicU32>,
     shutdown: CancellationToken,
 }
 
 impl StageService {
-    /// A service running batches on `executor` and passing them to `downstream` (absent on the last stage).
+    /// A service running batches on whatever stage `slot` holds when they arrive.
     /// Open `Forward` streams stop taking batches when `shutdown` is cancelled.
-    pub fn new(
-        node_id: String,
-        stage_index: u32,
-        plan_epoch: u64,
-        executor: ExecutorHandle,
-        downstream: Option<Downstream>,
-        shutdown: CancellationToken,
-    ) -> Self {
-        StageService { node_id, stage_index, plan_epoch, executor, downstream, inflight: Arc::default(), shutdown }
+    pub fn new(node_id: String, slot: StageSlot, shutdown: CancellationToken) -> Self {
+        StageService { node_id, slot, inflight: Arc::default(), shutdown }
     }
+}
+
+fn no_stage() -> ServiceError {
+    ServiceError::unavailable("no layers loaded: this worker is waiting for a plan that names it")
 }
 
 /// Decrements the in-flight count when a batch's answer has been sent (or dropped).
@@ -62,6 +98,7 @@ impl Drop for InflightGuard {
 
 /// A batch handed to the executor, waiting (in arrival order) for its output.
 struct Queued {
+    stage: Arc<ActiveStage>,
     meta: pb::ForwardRequest,
     result: oneshot::Receiver<BatchResult>,
     guard: InflightGuard,
@@ -90,13 +127,13 @@ impl Stage for StageService {
         let (queue_tx, queue_rx) = mpsc::channel(STREAM_DEPTH);
         let reader = read_batches(
             inbound,
-            self.executor.clone(),
+            self.slot.clone(),
             queue_tx,
             out_tx.clone(),
             self.inflight.clone(),
             self.shutdown.clone(),
         );
-        let dispatcher = Dispatcher { stage_index: self.stage_index, downstream: self.downstream.clone(), out: out_tx };
+        let dispatcher = Dispatcher { out: out_tx };
         tokio::spawn(tracing::Instrument::instrument(reader, span.clone()));
         tokio::spawn(tracing::Instrument::instrument(dispatcher.run(queue_rx), span));
         Ok(Response::new(ReceiverStream::new(out_rx)))
@@ -104,9 +141,10 @@ impl Stage for StageService {
 
     async fn release(&self, request: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
         let req = request.into_inner();
-        let released = self.executor.release(req.seq_ids.clone()).await?;
+        let stage = self.slot.current().ok_or_else(no_stage)?;
+        let released = stage.executor.release(req.seq_ids.clone()).await?;
         if req.propagate
-            && let Some(down) = &self.downstream
+            && let Some(down) = &stage.downstream
         {
             down.release(req).await?;
         }
@@ -114,17 +152,25 @@ impl Stage for StageService {
     }
 
     async fn status(&self, _request: Request<pb::StageStatusRequest>) -> Result<Response<pb::StageStatus>, Status> {
-        let facts = self.executor.facts();
+        let inflight_batches = self.inflight.load(Ordering::Relaxed);
+        let Some(stage) = self.slot.current() else {
+            return Ok(Response::new(pb::StageStatus {
+                node_id: self.node_id.clone(),
+                inflight_batches,
+                ..Default::default()
+            }));
+        };
+        let facts = stage.executor.facts();
         let layer = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
         Ok(Response::new(pb::StageStatus {
             node_id: self.node_id.clone(),
             layer_start: layer(facts.layers.start),
             layer_end: layer(facts.layers.end),
-            plan_epoch: self.plan_epoch,
+            plan_epoch: stage.plan_epoch,
             kv_total_blocks: facts.kv_total_blocks,
-            kv_free_blocks: self.executor.kv_free_blocks(),
+            kv_free_blocks: stage.executor.kv_free_blocks(),
             block_size: facts.block_size,
-            inflight_batches: self.inflight.load(Ordering::Relaxed),
+            inflight_batches,
             device: facts.device.clone(),
             weight_bytes: facts.weight_bytes,
         }))
@@ -135,7 +181,7 @@ impl Stage for StageService {
 /// batch N+1 computes while batch N is downstream.
 async fn read_batches(
     mut inbound: Streaming<pb::ForwardRequest>,
-    executor: ExecutorHandle,
+    slot: StageSlot,
     queue: mpsc::Sender<Queued>,
     out: Responses,
     inflight: Arc<AtomicU32>,
@@ -156,13 +202,17 @@ async fn read_batches(
         };
         let guard = InflightGuard::new(&inflight);
         let batch_id = batch.batch_id;
+        let Some(stage) = slot.current() else {
+            let _ = out.send(Ok(error_response(batch_id, no_stage()))).await;
+            continue;
+        };
         // The executor takes the hidden states; the rest travels on to the next stage.
         let hidden = batch.hidden.take();
         let meta = batch.clone();
         batch.hidden = hidden;
-        match executor.submit(batch).await {
+        match stage.executor.submit(batch).await {
             Ok(result) => {
-                if queue.send(Queued { meta, result, guard }).await.is_err() {
+                if queue.send(Queued { stage, meta, result, guard }).await.is_err() {
                     break;
                 }
             }
@@ -177,14 +227,12 @@ async fn read_batches(
 /// Waits for executor outputs in arrival order: sends hidden states down (in that same order) and answers
 /// sampled tokens and errors directly.
 struct Dispatcher {
-    stage_index: u32,
-    downstream: Option<Downstream>,
     out: Responses,
 }
 
 impl Dispatcher {
     async fn run(self, mut queue: mpsc::Receiver<Queued>) {
-        while let Some(Queued { mut meta, result, guard }) = queue.recv().await {
+        while let Some(Queued { stage, mut meta, result, guard }) = queue.recv().await {
             let batch_id = meta.batch_id;
             let output = match result.await {
                 Ok(Ok(output)) => output,
@@ -198,8 +246,8 @@ impl Dispatcher {
                     continue;
                 }
             };
-            let timing = pb::StageTiming { stage_index: self.stage_index, compute_micros: output.compute_micros };
-            match (output.output, &self.downstream) {
+            let timing = pb::StageTiming { stage_index: stage.stage_index, compute_micros: output.compute_micros };
+            match (output.output, &stage.downstream) {
                 (Output::Tokens(tokens), _) => {
                     let resp = pb::ForwardResponse {
                         batch_id,

@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use strata_coordinator::membership::Registry;
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::loader::ModelFiles;
 use strata_engine::model::{LoadOptions, StageModel};
@@ -19,7 +20,8 @@ use crate::config::WorkerConfig;
 use crate::downstream::{Downstream, MAX_MESSAGE_BYTES};
 use crate::error::{Error, Result};
 use crate::executor::ExecutorHandle;
-use crate::server::StageService;
+use crate::registration::{RegistrationOptions, run_registered};
+use crate::server::{ActiveStage, StageService, StageSlot};
 
 /// A stage whose weights are loaded and whose executor is running, ready to serve.
 pub struct LoadedStage {
@@ -53,41 +55,57 @@ impl LoadedStage {
         Ok(LoadedStage { config, executor })
     }
 
-    /// Serves the stage on `listener` until `shutdown` is cancelled, then drains open streams.
-    pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
+    /// The stage as the service runs it, connected to its next stage.
+    pub fn into_active(self) -> Result<ActiveStage> {
         let LoadedStage { config, executor } = self;
         let downstream = config.next_uri().map(|uri| Downstream::spawn(&uri)).transpose()?;
-        let stage_index = config.stage_index.unwrap_or(0);
-        let service = StageService::new(
-            config.node_id.clone(),
-            stage_index,
-            config.plan_epoch.unwrap_or(0),
+        Ok(ActiveStage {
             executor,
             downstream,
-            shutdown.clone(),
-        );
-        let (health_reporter, health) = health_service();
-        set_serving(&health_reporter, STAGE_SERVICE, true).await;
-        let stage = StageServer::new(service)
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES);
-        let addr = listener.local_addr()?;
-        tracing::info!(node = %config.node_id, %addr, next = ?config.next, "serving");
-        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-        let stopping = shutdown.clone();
-        let reporter = health_reporter.clone();
-        Server::builder()
-            .add_service(health)
-            .add_service(reflection_service()?)
-            .add_service(stage)
-            .serve_with_incoming_shutdown(incoming, async move {
-                stopping.cancelled().await;
-                set_serving(&reporter, STAGE_SERVICE, false).await;
-            })
-            .await?;
-        tracing::info!(node = %config.node_id, "stopped");
-        Ok(())
+            stage_index: config.stage_index.unwrap_or(0),
+            plan_epoch: config.plan_epoch.unwrap_or(0),
+        })
     }
+
+    /// Serves the stage on `listener` until `shutdown` is cancelled, then drains open streams.
+    pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
+        let node_id = self.config.node_id.clone();
+        let next = self.config.next.clone();
+        tracing::info!(node = %node_id, next = ?next, "stage ready");
+        let slot = StageSlot::new(self.into_active()?);
+        serve_slot(node_id, slot, listener, shutdown).await
+    }
+}
+
+/// Serves whatever stage `slot` holds (possibly none yet) on `listener` until `shutdown` is cancelled.
+pub async fn serve_slot(
+    node_id: String,
+    slot: StageSlot,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    let service = StageService::new(node_id.clone(), slot, shutdown.clone());
+    let (health_reporter, health) = health_service();
+    set_serving(&health_reporter, STAGE_SERVICE, true).await;
+    let stage = StageServer::new(service)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let addr = listener.local_addr()?;
+    tracing::info!(node = %node_id, %addr, "serving");
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let stopping = shutdown.clone();
+    let reporter = health_reporter.clone();
+    Server::builder()
+        .add_service(health)
+        .add_service(reflection_service()?)
+        .add_service(stage)
+        .serve_with_incoming_shutdown(incoming, async move {
+            stopping.cancelled().await;
+            set_serving(&reporter, STAGE_SERVICE, false).await;
+        })
+        .await?;
+    tracing::info!(node = %node_id, "stopped");
+    Ok(())
 }
 
 /// Loads the stage described by `config` and serves it on `listener` until `shutdown` is cancelled.
@@ -116,6 +134,22 @@ impl Worker {
         let stage = LoadedStage::load(config).await?;
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(stage.serve(listener, shutdown.clone()));
+        Ok(Worker { addr, shutdown, task })
+    }
+
+    /// Binds `addr`, registers with `registry` and serves whatever its plan assigns (see [`run_registered`]).
+    /// When this returns connections are accepted; the node turns READY shortly after.
+    pub async fn start_registered<R: Registry>(
+        config: WorkerConfig,
+        registry: R,
+        options: RegistrationOptions,
+        addr: &str,
+    ) -> Result<Self> {
+        config.validate_common()?;
+        let listener = TcpListener::bind(addr).await?;
+        let addr = listener.local_addr()?;
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(run_registered(config, registry, options, listener, shutdown.clone()));
         Ok(Worker { addr, shutdown, task })
     }
 

@@ -1,0 +1,281 @@
+//! The public `Coordinator` gRPC service (plus health and reflection): `Generate` through the [`Pipeline`],
+//! `ClusterStatus` from the [`ClusterView`], and the node administration calls through a [`NodeAdmin`].
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use strata_engine::generate::{GenerateRequest as EngineRequest, validate_request};
+use strata_engine::tokenizer::ChatMessage;
+use strata_proto::pb::coordinator_server::{Coordinator as CoordinatorRpc, CoordinatorServer};
+use strata_proto::{COORDINATOR_SERVICE, NodeId, ServiceError, health_service, pb, reflection_service, set_serving};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Server;
+use tonic::transport::server::TcpIncoming;
+use tonic::{Request, Response, Status};
+
+use crate::coordinator::{ClusterView, cordon_node, drain_node, uncordon_node};
+use crate::membership::{NodeRecord, Registry};
+use crate::pipeline::{Pipeline, SeqEvent, SeqRequest};
+use crate::{Error, Result};
+
+/// `max_tokens` used when a request leaves it 0 (capped by the context left after the prompt).
+pub const DEFAULT_MAX_TOKENS: usize = 256;
+
+/// A boxed future returned by [`NodeAdmin`].
+pub type AdminFuture<'a> = Pin<Box<dyn Future<Output = Result<NodeRecord>> + Send + 'a>>;
+
+/// The administrative node operations, object-safe so the API does not depend on the registry type.
+pub trait NodeAdmin: Send + Sync {
+    /// Marks the node DRAINING.
+    fn drain<'a>(&'a self, id: &'a NodeId) -> AdminFuture<'a>;
+    /// Marks the node CORDONED.
+    fn cordon<'a>(&'a self, id: &'a NodeId) -> AdminFuture<'a>;
+    /// Makes the node READY again.
+    fn uncordon<'a>(&'a self, id: &'a NodeId) -> AdminFuture<'a>;
+}
+
+impl<R: Registry> NodeAdmin for R {
+    fn drain<'a>(&'a self, id: &'a NodeId) -> AdminFuture<'a> {
+        Box::pin(drain_node(self, id))
+    }
+    fn cordon<'a>(&'a self, id: &'a NodeId) -> AdminFuture<'a> {
+        Box::pin(cordon_node(self, id))
+    }
+    fn uncordon<'a>(&'a self, id: &'a NodeId) -> AdminFuture<'a> {
+        Box::pin(uncordon_node(self, id))
+    }
+}
+
+/// The one place where the coordinator's errors become service errors (and so gRPC statuses).
+pub fn service_error(err: &Error) -> ServiceError {
+    match err {
+        Error::NodeNotFound(_) => ServiceError::not_found(err.to_string()),
+        Error::Config(_) | Error::Model(_) => ServiceError::invalid_argument(err.to_string()),
+        Error::StaleEpoch { .. } | Error::EpochNotNext { .. } | Error::Placement(_) => {
+            ServiceError::failed_precondition(err.to_string())
+        }
+        Error::EtcdUnreachable { .. } | Error::Etcd { .. } | Error::LeaseExpired(_) | Error::Contention { .. } => {
+            ServiceError::unavailable(err.to_string())
+        }
+        Error::Decode { .. } | Error::Encode { .. } | Error::Compacted { .. } | Error::Bind { .. } => {
+            ServiceError::internal(err.to_string())
+        }
+    }
+}
+
+/// The `Coordinator` service.
+pub struct CoordinatorApi {
+    pipeline: Arc<Pipeline>,
+    view: ClusterView,
+    admin: Option<Arc<dyn NodeAdmin>>,
+}
+
+impl CoordinatorApi {
+    /// A service generating through `pipeline`, reporting `view`; without `admin` (a static plan) the node calls
+    /// answer `FAILED_PRECONDITION`.
+    pub fn new(pipeline: Arc<Pipeline>, view: ClusterView, admin: Option<Arc<dyn NodeAdmin>>) -> Self {
+        Self { pipeline, view, admin }
+    }
+
+    /// Turns a wire request into a validated token-space request.
+    fn prepare(&self, req: pb::GenerateRequest) -> Result<SeqRequest, ServiceError> {
+        let model = self.pipeline.model();
+        if !req.model.is_empty() && req.model != model.name {
+            return Err(ServiceError::invalid_argument(format!(
+                "model {:?} is not served (this cluster serves {:?})",
+                req.model, model.name
+            )));
+        }
+        let prompt_ids = match req.prompt {
+            None => return Err(ServiceError::invalid_argument("empty prompt")),
+            Some(pb::generate_request::Prompt::Ids(ids)) => ids.ids,
+            Some(pb::generate_request::Prompt::Text(text)) => {
+                let tok = model
+                    .tokenizer
+                    .as_ref()
+                    .ok_or_else(|| ServiceError::invalid_argument("the model has no tokenizer; send token ids"))?;
+                let text = if req.chat {
+                    tok.apply_chat_template(&[ChatMessage { role: "user".into(), content: text }])
+                        .map_err(|e| ServiceError::invalid_argument(format!("chat template: {e}")))?
+                } else {
+                    text
+                };
+                tok.encode(&text).map_err(|e| ServiceError::invalid_argument(format!("tokenizing: {e}")))?
+            }
+        };
+        let max_tokens = match req.max_tokens {
+            0 => DEFAULT_MAX_TOKENS.min(model.context.saturating_sub(prompt_ids.len())).max(1),
+            n => n as usize,
+        };
+        let sampling = req.sampling.unwrap_or_default();
+        let engine_req =
+            EngineRequest { prompt_ids, max_tokens, sampling: engine_sampling(&sampling), stop: req.stop.clone() };
+        validate_request(&engine_req, model.vocab_size, model.context)
+            .map_err(|e| ServiceError::invalid_argument(e.to_string()))?;
+        Ok(SeqRequest {
+            prompt_ids: engine_req.prompt_ids,
+            max_tokens,
+            sampling,
+            stop: req.stop,
+            logprobs: req.logprobs,
+        })
+    }
+
+    async fn admin_call(
+        &self,
+        request: Request<pb::NodeRequest>,
+        op: for<'a> fn(&'a dyn NodeAdmin, &'a NodeId) -> AdminFuture<'a>,
+    ) -> Result<Response<pb::NodeResponse>, Status> {
+        let admin = self.admin.as_ref().ok_or_else(|| {
+            ServiceError::failed_precondition("this coordinator serves a static plan without a registry")
+        })?;
+        let id = NodeId::new(request.into_inner().node_id);
+        let record = op(admin.as_ref(), &id).await.map_err(|e| service_error(&e))?;
+        let epoch = self.view.snapshot().plan.map_or(0, |p| p.epoch.0);
+        Ok(Response::new(pb::NodeResponse { state: pb::NodeState::from(record.state) as i32, plan_epoch: epoch }))
+    }
+}
+
+/// Wire sampling params (zeros mean "off") as the engine's.
+fn engine_sampling(p: &pb::SamplingParams) -> strata_engine::sampling::SamplingParams {
+    strata_engine::sampling::SamplingParams {
+        temperature: p.temperature,
+        top_k: p.top_k as usize,
+        top_p: if p.top_p == 0.0 { 1.0 } else { p.top_p },
+        seed: p.seed,
+        repetition_penalty: if p.repetition_penalty == 0.0 { 1.0 } else { p.repetition_penalty },
+    }
+}
+
+type GenerateStream = ReceiverStream<Result<pb::GenerateResponse, Status>>;
+
+#[tonic::async_trait]
+impl CoordinatorRpc for CoordinatorApi {
+    type GenerateStream = GenerateStream;
+
+    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
+        let span = tracing::info_span!("generate", request_id = tracing::field::Empty);
+        let _ = strata_proto::set_parent_from_metadata(&span, request.metadata());
+        let req = request.into_inner();
+        let request_id =
+            if req.request_id.is_empty() { format!("req-{:016x}", rand_id()) } else { req.request_id.clone() };
+        span.record("request_id", request_id.as_str());
+        let seq = span.in_scope(|| self.prepare(req))?;
+        let prompt_ids = seq.prompt_ids.clone();
+        let events = {
+            let _enter = span.enter();
+            self.pipeline.submit(seq)
+        }
+        .await?;
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(forward_events(prompt_ids, events, tx));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn cluster_status(
+        &self,
+        _request: Request<pb::ClusterStatusRequest>,
+    ) -> Result<Response<pb::ClusterStatusResponse>, Status> {
+        Ok(Response::new(self.view.snapshot().to_proto()))
+    }
+
+    async fn drain_node(&self, request: Request<pb::NodeRequest>) -> Result<Response<pb::NodeResponse>, Status> {
+        self.admin_call(request, |a, id| a.drain(id)).await
+    }
+
+    async fn cordon_node(&self, request: Request<pb::NodeRequest>) -> Result<Response<pb::NodeResponse>, Status> {
+        self.admin_call(request, |a, id| a.cordon(id)).await
+    }
+
+    async fn uncordon_node(&self, request: Request<pb::NodeRequest>) -> Result<Response<pb::NodeResponse>, Status> {
+        self.admin_call(request, |a, id| a.uncordon(id)).await
+    }
+}
+
+fn rand_id() -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(std::time::SystemTime::now())
+}
+
+/// Turns pipeline events into the `Generate` stream; stops (cancelling the sequence) when the client goes away.
+async fn forward_events(
+    prompt_ids: Vec<u32>,
+    mut events: mpsc::Receiver<SeqEvent>,
+    tx: mpsc::Sender<Result<pb::GenerateResponse, Status>>,
+) {
+    let prompt_tokens = u32::try_from(prompt_ids.len()).unwrap_or(u32::MAX);
+    let usage = |completion: usize| pb::Usage {
+        prompt_tokens,
+        completion_tokens: u32::try_from(completion).unwrap_or(u32::MAX),
+    };
+    if tx.send(Ok(pb::GenerateResponse { prompt_ids, ..Default::default() })).await.is_err() {
+        return;
+    }
+    loop {
+        let event = tokio::select! {
+            () = tx.closed() => return,
+            e = events.recv() => e,
+        };
+        let messages = match event {
+            Some(SeqEvent::Token { id, logprob, text }) => vec![Ok(pb::GenerateResponse {
+                token_ids: vec![id],
+                text,
+                logprobs: logprob.into_iter().collect(),
+                ..Default::default()
+            })],
+            Some(SeqEvent::Done { finish, text, completion_tokens }) => vec![Ok(pb::GenerateResponse {
+                text,
+                finish_reason: finish.to_pb() as i32,
+                usage: Some(usage(completion_tokens)),
+                ..Default::default()
+            })],
+            Some(SeqEvent::Failed { error, completion_tokens }) => vec![
+                Ok(pb::GenerateResponse {
+                    finish_reason: pb::FinishReason::Error as i32,
+                    usage: Some(usage(completion_tokens)),
+                    ..Default::default()
+                }),
+                Err(Status::from(error)),
+            ],
+            None => vec![Err(Status::from(ServiceError::internal("the pipeline dropped the sequence")))],
+        };
+        let last = messages.last().is_some_and(|m| m.as_ref().map_or(true, |r| r.finish_reason != 0));
+        for m in messages {
+            if tx.send(m).await.is_err() {
+                return;
+            }
+        }
+        if last {
+            return;
+        }
+    }
+}
+
+/// Serves the `Coordinator` service (with health and reflection) on `listener` until `shutdown` is cancelled.
+pub async fn serve(
+    listener: TcpListener,
+    api: CoordinatorApi,
+    shutdown: CancellationToken,
+) -> Result<(), ServiceError> {
+    let (reporter, health) = health_service();
+    set_serving(&reporter, COORDINATOR_SERVICE, true).await;
+    let reflection = reflection_service().map_err(|e| ServiceError::internal(e.to_string()))?;
+    let addr = listener.local_addr().map_err(|e| ServiceError::internal(e.to_string()))?;
+    tracing::info!(%addr, "coordinator API serving");
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let stopping = reporter.clone();
+    Server::builder()
+        .add_service(health)
+        .add_service(reflection)
+        .add_service(CoordinatorServer::new(api))
+        .serve_with_incoming_shutdown(incoming, async move {
+            shutdown.cancelled().await;
+            set_serving(&stopping, COORDINATOR_SERVICE, false).await;
+        })
+        .await
+        .map_err(|e| ServiceError::internal(format!("coordinator API: {e}")))
+}

@@ -1,0 +1,120 @@
+//! Runs the control loop and the public API together: the API is served from the start, and the data path
+//! switches to each plan once every stage of it is READY and has loaded that plan's epoch.
+
+use std::sync::Arc;
+
+use strata_proto::PlanEpoch;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::Result;
+use crate::api::{self, CoordinatorApi, NodeAdmin};
+use crate::coordinator::{ClusterSnapshot, ClusterView, Coordinator};
+use crate::membership::{NodeState, Plan, Registry};
+use crate::pipeline::{ModelInfo, Pipeline};
+
+/// Leads (or stands by) with `coordinator` until `shutdown`, serving the API on `listener` meanwhile.
+pub(crate) async fn lead_and_serve<R: Registry>(
+    coordinator: Coordinator<R>,
+    registry: R,
+    model: ModelInfo,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    let stop = shutdown.child_token();
+    let view = coordinator.view();
+    let empty = Plan { epoch: PlanEpoch(0), stages: Vec::new(), model: model.name.clone(), num_layers: 0 };
+    let pipeline = Arc::new(Pipeline::start(model, empty, stop.clone()));
+    tokio::spawn(follow_ready_plans(view.clone(), pipeline.clone(), stop.clone()));
+    let admin: Arc<dyn NodeAdmin> = Arc::new(registry);
+    let server = tokio::spawn(api::serve(listener, CoordinatorApi::new(pipeline, view, Some(admin)), stop.clone()));
+    let result = coordinator.run(stop.clone()).await;
+    stop.cancel();
+    match server.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "the API server failed"),
+        Err(e) => tracing::warn!(error = %e, "the API server task failed"),
+    }
+    result
+}
+
+/// Hands the pipeline every new plan that is ready to serve.
+async fn follow_ready_plans(view: ClusterView, pipeline: Arc<Pipeline>, stop: CancellationToken) {
+    let mut rx = view.subscribe();
+    let mut served = PlanEpoch(0);
+    loop {
+        let ready = ready_plan(&rx.borrow_and_update());
+        if let Some(plan) = ready.filter(|p| p.epoch != served) {
+            served = plan.epoch;
+            tracing::info!(epoch = %served, stages = plan.stages.len(), "serving through the new plan");
+            if pipeline.set_plan(plan).await.is_err() {
+                return;
+            }
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            changed = rx.changed() => if changed.is_err() { return },
+        }
+    }
+}
+
+/// The plan to serve through: this coordinator leads, and every stage's node is READY with the plan loaded.
+pub(crate) fn ready_plan(s: &ClusterSnapshot) -> Option<Plan> {
+    let plan = s.plan.as_ref()?;
+    let stage_ready = |node_id| {
+        s.nodes
+            .iter()
+            .any(|n| &n.node_id == node_id && n.state == NodeState::Ready && n.plan_epoch_loaded >= plan.epoch)
+    };
+    (s.leader && !plan.stages.is_empty() && plan.stages.iter().all(|st| stage_ready(&st.node_id))).then(|| plan.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use strata_proto::NodeId;
+
+    use super::*;
+    use crate::membership::{NodeRecord, PlanStage};
+
+    fn node(id: &str, state: NodeState, loaded: u64) -> NodeRecord {
+        NodeRecord {
+            node_id: NodeId::new(id),
+            address: format!("{id}:7000"),
+            device: "cpu".into(),
+            memory_bytes: 1 << 30,
+            layer_seconds: 0.001,
+            state,
+            plan_epoch_loaded: PlanEpoch(loaded),
+        }
+    }
+
+    #[test]
+    fn a_plan_is_served_once_every_stage_is_ready_and_loaded() {
+        let stage = |id: &str, r: (u32, u32)| PlanStage {
+            node_id: NodeId::new(id),
+            address: format!("{id}:7000"),
+            layer_start: r.0,
+            layer_end: r.1,
+        };
+        let plan = Plan {
+            epoch: PlanEpoch(2),
+            stages: vec![stage("a", (0, 2)), stage("b", (2, 4))],
+            model: "m".into(),
+            num_layers: 4,
+        };
+        let mut s = ClusterSnapshot {
+            nodes: vec![node("a", NodeState::Ready, 2), node("b", NodeState::Ready, 1)],
+            plan: Some(plan.clone()),
+            leader: true,
+            placement_error: None,
+        };
+        assert_eq!(ready_plan(&s), None, "b has not loaded epoch 2");
+        s.nodes[1].plan_epoch_loaded = PlanEpoch(2);
+        assert_eq!(ready_plan(&s), Some(plan));
+        s.nodes[1].state = NodeState::Joining;
+        assert_eq!(ready_plan(&s), None, "b is not READY");
+        s.nodes[1].state = NodeState::Ready;
+        s.leader = false;
+        assert_eq!(ready_plan(&s), None, "only the leader serves");
+    }
+}

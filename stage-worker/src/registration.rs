@@ -1,0 +1,296 @@
+//! Registry-driven placement: a worker started without a layer range measures its speed, registers itself
+//! (JOINING, then READY) under a kept-alive lease, and serves whatever the coordinator's plan assigns it. A new
+//! plan naming the worker loads exactly its layer range and swaps the served stage between batches; a plan
+//! that leaves it out drops the weights while the worker stays registered. Registry outages are ridden out:
+//! the lease keep-alive and the plan watch retry on their own, and the current stage keeps serving.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use strata_coordinator::membership::{NodeRecord, NodeRegistration, NodeState, Plan, Registry};
+use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::loader::ModelFiles;
+use strata_engine::model::{LoadOptions, LogitRows, SeqChunk, StageInput, StageModel};
+use strata_proto::{NodeId, PlanEpoch};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{LayerRange, WorkerConfig};
+use crate::error::{Error, Result};
+use crate::server::StageSlot;
+use crate::worker::{LoadedStage, serve_slot};
+
+/// Default TTL of the worker's lease.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(5);
+
+/// How the worker presents itself to the registry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RegistrationOptions {
+    /// Address other nodes reach this worker at; defaults to the bound address.
+    pub advertise: Option<String>,
+    /// Memory for weights and KV cache in bytes; defaults to the machine's total RAM.
+    pub memory_limit: Option<u64>,
+    /// TTL of the worker's lease.
+    pub lease_ttl: Duration,
+}
+
+impl Default for RegistrationOptions {
+    fn default() -> Self {
+        RegistrationOptions { advertise: None, memory_limit: None, lease_ttl: DEFAULT_LEASE_TTL }
+    }
+}
+
+/// The part of a plan that concerns one node: what to load and where to send its outputs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assignment {
+    /// Epoch of the plan.
+    pub epoch: PlanEpoch,
+    /// Position of the stage in the pipeline.
+    pub stage_index: u32,
+    /// Layers to load.
+    pub layers: LayerRange,
+    /// The next stage's address; `None` on the last stage.
+    pub next: Option<String>,
+}
+
+impl Assignment {
+    /// What `plan` asks of `node`, or `None` if it holds no stage.
+    pub fn of(plan: &Plan, node: &NodeId) -> Option<Self> {
+        let index = plan.stages.iter().position(|s| &s.node_id == node)?;
+        let stage = &plan.stages[index];
+        Some(Assignment {
+            epoch: plan.epoch,
+            stage_index: u32::try_from(index).ok()?,
+            layers: LayerRange { start: stage.layer_start as usize, end: stage.layer_end as usize },
+            next: plan.stages.get(index + 1).map(|s| s.address.clone()),
+        })
+    }
+
+    /// The worker config that serves this assignment.
+    pub fn config(&self, base: &WorkerConfig) -> WorkerConfig {
+        WorkerConfig {
+            layers: Some(self.layers),
+            next: self.next.clone(),
+            stage_index: Some(self.stage_index),
+            plan_epoch: Some(self.epoch.0),
+            ..base.clone()
+        }
+    }
+}
+
+/// Seconds one layer of the model takes on a small batch: layer 0 is loaded alone and run on a few tokens
+/// (after one warm-up run). Blocking; call it off the async runtime.
+pub fn measure_layer_seconds(config: &WorkerConfig) -> Result<f64> {
+    const TOKENS: usize = 8;
+    const RUNS: usize = 3;
+    let files = ModelFiles::open(&config.model)?;
+    let backend = Arc::new(CpuBackend::new(config.threads)?);
+    let model = StageModel::load(&files, 0..1, backend, &LoadOptions::default())?;
+    let mut kv = model.new_kv_cache(RUNS + 1, TOKENS)?;
+    let ids: Vec<u32> = (0..TOKENS as u32).map(|i| i % files.config().vocab_size as u32).collect();
+    let mut elapsed = Duration::ZERO;
+    for seq in 0..=RUNS as u64 {
+        let chunk = SeqChunk { seq_id: seq, start_pos: 0, len: TOKENS };
+        let started = Instant::now();
+        model.forward(&mut kv, &[chunk], StageInput::Tokens(&ids), LogitRows::Last)?;
+        if seq > 0 {
+            elapsed += started.elapsed();
+        }
+        kv.release(seq);
+    }
+    Ok((elapsed.as_secs_f64() / RUNS as f64).max(f64::MIN_POSITIVE))
+}
+
+/// Total RAM from `/proc/meminfo` (`MemTotal`), in bytes.
+pub fn total_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Registers with `registry`, serves on `listener` whatever the plan assigns, until `shutdown` is cancelled;
+/// then leaves the cluster (the lease is revoked).
+pub async fn run_registered<R: Registry>(
+    config: WorkerConfig,
+    registry: R,
+    options: RegistrationOptions,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    config.validate_common()?;
+    if config.layers.is_some() {
+        return Err(Error::Config("a registered worker takes its layers from the plan; drop the layer range".into()));
+    }
+    let address = match &options.advertise {
+        Some(a) => a.clone(),
+        None => listener.local_addr()?.to_string(),
+    };
+    let slot = StageSlot::default();
+    let server = tokio::spawn(serve_slot(config.node_id.clone(), slot.clone(), listener, shutdown.clone()));
+    let outcome = match membership(&config, &registry, &options, address, &slot, &shutdown).await {
+        Err(e) if shutdown.is_cancelled() => {
+            tracing::debug!(node = %config.node_id, error = %e, "registration cut short by shutdown");
+            Ok(())
+        }
+        other => other,
+    };
+    shutdown.cancel();
+    let served = server.await.map_err(|e| Error::Executor(format!("server task failed: {e}")))?;
+    outcome.and(served)
+}
+
+async fn membership<R: Registry>(
+    config: &WorkerConfig,
+    registry: &R,
+    options: &RegistrationOptions,
+    address: String,
+    slot: &StageSlot,
+    shutdown: &CancellationToken,
+) -> Result<()> {
+    let node_id = NodeId::new(config.node_id.as_str());
+    let record = NodeRecord {
+        node_id: node_id.clone(),
+        address,
+        device: config.device.to_string(),
+        memory_bytes: options.memory_limit.or_else(total_memory_bytes).unwrap_or(0),
+        layer_seconds: 0.0,
+        state: NodeState::Joining,
+        plan_epoch_loaded: PlanEpoch(0),
+    };
+    let registration = registry.register_node(record, options.lease_ttl).await?;
+    let cfg = config.clone();
+    let layer_seconds = tokio::task::spawn_blocking(move || measure_layer_seconds(&cfg))
+        .await
+        .map_err(|e| Error::Executor(format!("measuring the layer speed panicked: {e}")))??;
+    let rec = update(&registration, shutdown, move |r| {
+        r.layer_seconds = layer_seconds;
+        r.state = NodeState::Ready;
+    })
+    .await?;
+    tracing::info!(node = %node_id, layer_seconds, memory_bytes = rec.memory_bytes, "node ready");
+
+    let mut plans = registry.watch_plan().await?;
+    let mut current: Option<Assignment> = None;
+    loop {
+        let plan = plans.borrow_and_update().clone();
+        if let Some(plan) = plan {
+            apply(config, &registration, slot, shutdown, &plan, &mut current).await?;
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => break,
+            changed = plans.changed() => if changed.is_err() {
+                return Err(Error::Executor("the plan watch stopped".into()));
+            },
+        }
+    }
+    if let Err(e) = registration.deregister().await {
+        tracing::warn!(node = %node_id, error = %e, "could not deregister; the record expires with its lease");
+    }
+    Ok(())
+}
+
+/// Brings the served stage in line with `plan` and records the epoch applied.
+async fn apply<R: Registry>(
+    config: &WorkerConfig,
+    registration: &NodeRegistration<R>,
+    slot: &StageSlot,
+    shutdown: &CancellationToken,
+    plan: &Plan,
+    current: &mut Option<Assignment>,
+) -> Result<()> {
+    let wanted = Assignment::of(plan, registration.node_id());
+    if wanted == *current {
+        return Ok(());
+    }
+    match &wanted {
+        Some(a) => {
+            tracing::info!(node = %config.node_id, epoch = a.epoch.0, layers = %a.layers, next = ?a.next, "loading stage");
+            match LoadedStage::load(a.config(config)).await.and_then(LoadedStage::into_active) {
+                Ok(stage) => {
+                    slot.replace(Some(stage));
+                }
+                Err(e) => {
+                    // Keep serving what we have; the coordinator sees the old epoch and can replan.
+                    tracing::error!(node = %config.node_id, epoch = a.epoch.0, error = %e, "cannot load the planned stage");
+                    return Ok(());
+                }
+            }
+        }
+        None => {
+            if current.is_some() {
+                tracing::info!(node = %config.node_id, epoch = plan.epoch.0, "not in the plan; dropping the weights");
+            }
+            slot.replace(None);
+        }
+    }
+    *current = wanted;
+    let epoch = plan.epoch;
+    update(registration, shutdown, move |r| r.plan_epoch_loaded = epoch).await?;
+    Ok(())
+}
+
+/// Updates the node's record, retrying with backoff while the registry is unreachable (or the record is
+/// missing while the keep-alive registers it again), until it succeeds or `shutdown` is cancelled.
+async fn update<R: Registry>(
+    registration: &NodeRegistration<R>,
+    shutdown: &CancellationToken,
+    change: impl FnMut(&mut NodeRecord) + Send + Clone,
+) -> Result<NodeRecord> {
+    let mut delay = Duration::from_millis(50);
+    loop {
+        match registration.update(change.clone()).await {
+            Ok(rec) => return Ok(rec),
+            Err(e) => {
+                tracing::warn!(node = %registration.node_id(), error = %e, retry_in = ?delay, "record update failed")
+            }
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return Err(Error::Executor("shut down before the record was updated".into())),
+            () = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(2));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use strata_coordinator::membership::PlanStage;
+
+    use super::*;
+
+    fn plan() -> Plan {
+        let stage =
+            |id: &str, a, b| PlanStage { node_id: id.into(), address: format!("{id}:1"), layer_start: a, layer_end: b };
+        Plan { epoch: PlanEpoch(4), stages: vec![stage("a", 0, 3), stage("b", 3, 4)], model: "m".into(), num_layers: 4 }
+    }
+
+    #[test]
+    fn assignments_name_the_next_stage() {
+        let p = plan();
+        let a = Assignment::of(&p, &NodeId::new("a"));
+        assert_eq!(
+            a,
+            Some(Assignment {
+                epoch: PlanEpoch(4),
+                stage_index: 0,
+                layers: LayerRange { start: 0, end: 3 },
+                next: Some("b:1".into())
+            })
+        );
+        let b = Assignment::of(&p, &NodeId::new("b"));
+        assert_eq!(b.as_ref().map(|b| (b.stage_index, b.next.clone())), Some((1, None)));
+        assert_eq!(Assignment::of(&p, &NodeId::new("c")), None);
+        let cfg = b.map(|b| b.config(&WorkerConfig::new("b", "/m", None)));
+        assert_eq!(
+            cfg.as_ref().map(|c| (c.layers, c.plan_epoch)),
+            Some((Some(LayerRange { start: 3, end: 4 }), Some(4)))
+        );
+        assert!(cfg.is_some_and(|c| c.validate().is_ok()));
+    }
+
+    #[test]
+    fn meminfo_is_read() {
+        assert!(total_memory_bytes().is_some_and(|b| b > 0));
+    }
+}
