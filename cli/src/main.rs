@@ -1,6 +1,7 @@
 //! `strata`: generate text, benchmark, and convert models from the command line.
 
 mod bench;
+mod cluster;
 mod generate;
 mod load;
 
@@ -21,6 +22,17 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Convert a GGUF file into a Hugging Face directory (dequantized safetensors).
     Convert(load::ConvertArgs),
+    /// Run a whole cluster in this process: stage workers and a coordinator over loopback gRPC.
+    Local(cluster::LocalArgs),
+    /// Talk to a running coordinator.
+    #[command(subcommand)]
+    Client(ClientCommand),
+}
+
+#[derive(Subcommand)]
+enum ClientCommand {
+    /// Generate through the cluster (same flags and output as `strata generate`).
+    Generate(cluster::ClientGenerateArgs),
 }
 
 fn main() {
@@ -33,6 +45,8 @@ fn main() {
         Command::Generate(a) => generate::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Convert(a) => load::convert(a),
+        Command::Local(a) => cluster::local(a),
+        Command::Client(ClientCommand::Generate(a)) => cluster::client_generate(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

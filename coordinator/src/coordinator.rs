@@ -132,6 +132,27 @@ impl ClusterView {
 /// retried.
 pub async fn run(config: CoordinatorConfig, shutdown: CancellationToken) -> Result<()> {
     config.validate()?;
+    match config.etcd.clone() {
+        Some(endpoints) => {
+            let registry = EtcdRegistry::connect(&endpoints, &config.cluster, config.connect_timeout()).await?;
+            run_with_registry(config, registry, shutdown).await
+        }
+        None => {
+            tracing::info!("no etcd configured; using the embedded registry");
+            let registry = EmbeddedRegistry::new(&config.cluster);
+            run_with_registry(config, registry, shutdown).await
+        }
+    }
+}
+
+/// Like [`run`], with a registry the caller already holds (`strata local` shares one embedded registry between
+/// the coordinator and its in-process workers); `config.etcd` is ignored. `grpc_addr` is bound here.
+pub async fn run_with_registry<R: Registry>(
+    config: CoordinatorConfig,
+    registry: R,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    config.validate()?;
     let shape = ModelShape::from_model_path(&config.model, config.kv_reserve_tokens)?;
     let model_name = model_name(&config);
     tracing::info!(model = %model_name, layers = shape.num_layers, layer_bytes = shape.layer_bytes, "model sized");
@@ -139,19 +160,8 @@ pub async fn run(config: CoordinatorConfig, shutdown: CancellationToken) -> Resu
     let listener = tokio::net::TcpListener::bind(config.grpc_addr)
         .await
         .map_err(|source| Error::Bind { addr: config.grpc_addr, source })?;
-    match &config.etcd {
-        Some(endpoints) => {
-            let registry = EtcdRegistry::connect(endpoints, &config.cluster, config.connect_timeout()).await?;
-            let coordinator = Coordinator::new(registry.clone(), config, shape, model_name);
-            lead_and_serve(coordinator, registry, model, listener, shutdown).await
-        }
-        None => {
-            tracing::info!("no etcd configured; using the embedded registry");
-            let registry = EmbeddedRegistry::new(&config.cluster);
-            let coordinator = Coordinator::new(registry.clone(), config, shape, model_name);
-            lead_and_serve(coordinator, registry, model, listener, shutdown).await
-        }
-    }
+    let coordinator = Coordinator::new(registry.clone(), config, shape, model_name);
+    lead_and_serve(coordinator, registry, model, listener, shutdown).await
 }
 
 fn model_name(config: &CoordinatorConfig) -> String {

@@ -14,7 +14,9 @@ mod serving;
 pub mod stage_client;
 
 pub use config::CoordinatorConfig;
-pub use coordinator::{ClusterSnapshot, ClusterView, Coordinator, cordon_node, drain_node, run, uncordon_node};
+pub use coordinator::{
+    ClusterSnapshot, ClusterView, Coordinator, cordon_node, drain_node, run, run_with_registry, uncordon_node,
+};
 pub use error::{Error, Result};
 pub use membership::{EmbeddedRegistry, EtcdRegistry, NodeEvent, NodeRecord, NodeState, Plan, PlanStage, Registry};
 pub use pipeline::{ModelInfo, Pipeline, SeqEvent, SeqRequest};

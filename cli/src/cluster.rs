@@ -1,0 +1,180 @@
+//! `strata local` (a whole cluster in this process) and `strata client generate` (a request to a coordinator).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use strata_coordinator::{CoordinatorConfig, EmbeddedRegistry};
+use strata_proto::pb;
+use strata_proto::pb::coordinator_client::CoordinatorClient;
+use strata_stage_worker::{RegistrationOptions, Worker, WorkerConfig};
+use tokio_util::sync::CancellationToken;
+
+use crate::generate::{Format, PromptArgs};
+
+/// Arguments of `strata local`.
+#[derive(clap::Args)]
+pub struct LocalArgs {
+    /// Hugging Face directory or `.gguf` file.
+    #[arg(long, env = "STRATA_MODEL")]
+    model: PathBuf,
+    /// Stage workers to start (the model's layers are split among them).
+    #[arg(long, default_value_t = 3)]
+    stages: usize,
+    /// Address of the coordinator's gRPC API.
+    #[arg(long, default_value = "127.0.0.1:50051", env = "STRATA_GRPC")]
+    grpc: SocketAddr,
+    /// Address reserved for the OpenAI-compatible HTTP API (not served yet).
+    #[arg(long, default_value = "127.0.0.1:8080", env = "STRATA_HTTP")]
+    http: SocketAddr,
+    /// CPU threads per stage worker (0: one per core).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// KV blocks per stage worker.
+    #[arg(long, default_value_t = 256)]
+    kv_blocks: usize,
+}
+
+/// Runs `strata local` until Ctrl-C: an embedded registry, `stages` workers on loopback ports and a coordinator,
+/// all talking real gRPC.
+pub fn local(a: LocalArgs) -> Result<()> {
+    if a.stages == 0 {
+        bail!("--stages must be at least 1");
+    }
+    let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    rt.block_on(async move {
+        let registry = EmbeddedRegistry::new("local");
+        let mut workers = Vec::with_capacity(a.stages);
+        for i in 0..a.stages {
+            let mut cfg = WorkerConfig::new(format!("local-{i}"), a.model.clone(), None);
+            cfg.threads = a.threads;
+            cfg.kv_blocks = a.kv_blocks;
+            let w = Worker::start_registered(cfg, registry.clone(), RegistrationOptions::default(), "127.0.0.1:0")
+                .await
+                .with_context(|| format!("starting stage worker {i}"))?;
+            eprintln!("stage worker local-{i} listening on {}", w.local_addr());
+            workers.push(w);
+        }
+        let config = CoordinatorConfig {
+            etcd: None,
+            cluster: "local".into(),
+            model: a.model.clone(),
+            grpc_addr: a.grpc,
+            http_addr: a.http,
+            min_stages: a.stages,
+            candidate: Some("local-coordinator".into()),
+            lease_ttl_secs: 5,
+            connect_timeout_ms: 10_000,
+            kv_reserve_tokens: 256,
+        };
+        let shutdown = CancellationToken::new();
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let _ = tokio::signal::ctrl_c().await;
+            stop.cancel();
+        });
+        eprintln!("coordinator gRPC API on {} ({} stages; Ctrl-C to stop)", a.grpc, a.stages);
+        let result = strata_coordinator::run_with_registry(config, registry, shutdown).await;
+        for w in workers {
+            let _ = w.shutdown().await;
+        }
+        result.context("coordinator")
+    })
+}
+
+/// Arguments of `strata client generate`.
+#[derive(clap::Args)]
+pub struct ClientGenerateArgs {
+    /// Coordinator gRPC URL.
+    #[arg(long, default_value = "http://127.0.0.1:50051", env = "STRATA_COORDINATOR")]
+    coordinator: String,
+    #[command(flatten)]
+    prompt: PromptArgs,
+    /// Seconds to wait for the cluster to serve (retrying while it has no ready plan).
+    #[arg(long, default_value_t = 60)]
+    wait: u64,
+}
+
+fn sampling(p: &PromptArgs) -> pb::SamplingParams {
+    pb::SamplingParams {
+        temperature: p.temperature,
+        top_p: p.top_p,
+        top_k: u32::try_from(p.top_k).unwrap_or(u32::MAX),
+        seed: p.seed,
+        repetition_penalty: p.repetition_penalty,
+    }
+}
+
+/// Runs `strata client generate`: same flags and output as `strata generate`, through a coordinator.
+pub fn client_generate(a: ClientGenerateArgs) -> Result<()> {
+    let prompt = match (&a.prompt.prompt, &a.prompt.prompt_ids) {
+        (_, Some(ids)) => pb::generate_request::Prompt::Ids(pb::TokenIds { ids: ids.clone() }),
+        (Some(text), None) => pb::generate_request::Prompt::Text(text.clone()),
+        (None, None) => bail!("pass --prompt or --prompt-ids"),
+    };
+    let req = pb::GenerateRequest {
+        prompt: Some(prompt),
+        chat: a.prompt.chat,
+        max_tokens: u32::try_from(a.prompt.max_tokens).unwrap_or(u32::MAX),
+        sampling: Some(sampling(&a.prompt)),
+        stop: a.prompt.stop.clone(),
+        ..Default::default()
+    };
+    let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    rt.block_on(async move {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(a.wait);
+        let mut stream = loop {
+            let attempt = async {
+                let mut client = CoordinatorClient::connect(a.coordinator.clone()).await?;
+                Ok::<_, anyhow::Error>(client.generate(req.clone()).await?.into_inner())
+            };
+            match attempt.await {
+                Ok(s) => break s,
+                // The cluster may still be loading: UNAVAILABLE (or no listener yet) is retried until --wait.
+                Err(e) if std::time::Instant::now() < deadline && retryable(&e) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+                }
+                Err(e) => return Err(e).with_context(|| format!("generate via {}", a.coordinator)),
+            }
+        };
+        let (mut prompt_ids, mut token_ids, mut text, mut finish) = (Vec::new(), Vec::new(), String::new(), None);
+        use std::io::Write;
+        let mut stdout = std::io::stdout().lock();
+        while let Some(msg) = stream.message().await.context("reading the response stream")? {
+            if !msg.prompt_ids.is_empty() {
+                prompt_ids = msg.prompt_ids.clone();
+            }
+            token_ids.extend_from_slice(&msg.token_ids);
+            text.push_str(&msg.text);
+            if a.prompt.format == Format::Text && !msg.text.is_empty() {
+                let _ = stdout.write_all(msg.text.as_bytes()).and_then(|_| stdout.flush());
+            }
+            if msg.finish_reason != 0 {
+                finish = Some(msg.finish_reason);
+            }
+        }
+        let finish_reason = match finish.and_then(|f| pb::FinishReason::try_from(f).ok()) {
+            Some(pb::FinishReason::Length) => "length",
+            Some(pb::FinishReason::Eos) => "eos",
+            Some(pb::FinishReason::Stop) => "stop",
+            Some(pb::FinishReason::Cancelled) => "cancelled",
+            _ => "error",
+        };
+        if a.prompt.format == Format::Text {
+            writeln!(stdout)?;
+        } else {
+            let v = serde_json::json!({
+                "prompt_ids": prompt_ids, "token_ids": token_ids, "text": text, "finish_reason": finish_reason,
+            });
+            writeln!(stdout, "{v}")?;
+        }
+        Ok(())
+    })
+}
+
+fn retryable(e: &anyhow::Error) -> bool {
+    match e.downcast_ref::<tonic::Status>() {
+        Some(s) => s.code() == tonic::Code::Unavailable,
+        None => e.downcast_ref::<tonic::transport::Error>().is_some(),
+    }
+}
