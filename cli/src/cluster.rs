@@ -178,3 +178,100 @@ fn retryable(e: &anyhow::Error) -> bool {
         None => e.downcast_ref::<tonic::transport::Error>().is_some(),
     }
 }
+
+/// `strata nodes` subcommands.
+#[derive(clap::Subcommand)]
+pub enum NodesCommand {
+    /// List nodes, the plan epoch and the stages.
+    List(NodesTarget),
+    /// Move a node's layers elsewhere, then let it leave.
+    Drain(NodeAction),
+    /// Keep a node out of future plans.
+    Cordon(NodeAction),
+    /// Let a cordoned node back into plans.
+    Uncordon(NodeAction),
+}
+
+/// Which coordinator to ask.
+#[derive(clap::Args)]
+pub struct NodesTarget {
+    /// Coordinator gRPC URL.
+    #[arg(long, default_value = "http://127.0.0.1:50051", env = "STRATA_COORDINATOR")]
+    coordinator: String,
+}
+
+/// A node and the coordinator to ask.
+#[derive(clap::Args)]
+pub struct NodeAction {
+    /// The node id.
+    id: String,
+    #[command(flatten)]
+    target: NodesTarget,
+}
+
+fn state_name(s: i32) -> &'static str {
+    match pb::NodeState::try_from(s) {
+        Ok(pb::NodeState::Joining) => "JOINING",
+        Ok(pb::NodeState::Ready) => "READY",
+        Ok(pb::NodeState::Draining) => "DRAINING",
+        Ok(pb::NodeState::Cordoned) => "CORDONED",
+        Ok(pb::NodeState::Dead) => "DEAD",
+        _ => "UNKNOWN",
+    }
+}
+
+/// Runs `strata nodes ...`.
+pub fn nodes(cmd: NodesCommand) -> Result<()> {
+    let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    rt.block_on(async move {
+        let url = match &cmd {
+            NodesCommand::List(t) => t.coordinator.clone(),
+            NodesCommand::Drain(a) | NodesCommand::Cordon(a) | NodesCommand::Uncordon(a) => {
+                a.target.coordinator.clone()
+            }
+        };
+        let mut client =
+            CoordinatorClient::connect(url.clone()).await.with_context(|| format!("connecting to {url}"))?;
+        match cmd {
+            NodesCommand::List(_) => {
+                let s = client.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner();
+                println!("model {} ({} layers), plan epoch {}", s.model, s.num_layers, s.plan_epoch);
+                println!("{:<20} {:<9} {:<24} {:>9} {:>12}", "NODE", "STATE", "ADDRESS", "LAYERS", "MS/LAYER");
+                for n in &s.nodes {
+                    let layers = if n.layer_end > n.layer_start {
+                        format!("{}..{}", n.layer_start, n.layer_end)
+                    } else {
+                        "-".into()
+                    };
+                    println!(
+                        "{:<20} {:<9} {:<24} {:>9} {:>12.3}",
+                        n.node_id,
+                        state_name(n.state),
+                        n.address,
+                        layers,
+                        n.layer_seconds * 1e3
+                    );
+                }
+            }
+            NodesCommand::Drain(a) | NodesCommand::Cordon(a) | NodesCommand::Uncordon(a) if a.id.is_empty() => {
+                bail!("a node id is required")
+            }
+            NodesCommand::Drain(a) => {
+                report(client.drain_node(pb::NodeRequest { node_id: a.id.clone() }).await, &a.id)?
+            }
+            NodesCommand::Cordon(a) => {
+                report(client.cordon_node(pb::NodeRequest { node_id: a.id.clone() }).await, &a.id)?
+            }
+            NodesCommand::Uncordon(a) => {
+                report(client.uncordon_node(pb::NodeRequest { node_id: a.id.clone() }).await, &a.id)?
+            }
+        }
+        Ok(())
+    })
+}
+
+fn report(r: std::result::Result<tonic::Response<pb::NodeResponse>, tonic::Status>, id: &str) -> Result<()> {
+    let r = r.with_context(|| format!("node {id}"))?.into_inner();
+    println!("{id}: {} (plan epoch {})", state_name(r.state), r.plan_epoch);
+    Ok(())
+}

@@ -27,6 +27,9 @@ enum Command {
     /// Talk to a running coordinator.
     #[command(subcommand)]
     Client(ClientCommand),
+    /// Inspect and manage a cluster's stage nodes.
+    #[command(subcommand)]
+    Nodes(cluster::NodesCommand),
 }
 
 #[derive(Subcommand)]
@@ -47,6 +50,7 @@ fn main() {
         Command::Convert(a) => load::convert(a),
         Command::Local(a) => cluster::local(a),
         Command::Client(ClientCommand::Generate(a)) => cluster::client_generate(a),
+        Command::Nodes(c) => cluster::nodes(c),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

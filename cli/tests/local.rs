@@ -1,5 +1,5 @@
 //! `strata local` (real processes: one running the cluster, one client) gives exactly the greedy tokens of
-//! `strata generate` in a single process.
+//! `strata generate` in a single process, before and after draining a worker.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -26,6 +26,12 @@ fn smollm2() -> PathBuf {
     });
     assert!(p.exists(), "{} is missing: run scripts/fetch-model.sh first", p.display());
     p
+}
+
+fn text(args: &[&str]) -> Result<String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_strata")).args(args).output()?;
+    assert!(out.status.success(), "strata {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(String::from_utf8(out.stdout)?)
 }
 
 fn json(args: &[&str]) -> Result<serde_json::Value> {
@@ -60,6 +66,24 @@ fn local_cluster_matches_single_process_on_smollm2() -> Result<()> {
             assert_eq!(remote[key], local[key], "{stages} stages: {key} differs");
         }
         assert!(remote["text"].as_str().unwrap_or_default().starts_with(" Paris"), "{remote}");
+        if stages == "3" {
+            // Drain the middle worker: a new plan epoch moves its layers, it ends CORDONED, requests still work.
+            let listing = text(&["nodes", "list", "--coordinator", &url])?;
+            assert!(listing.contains("plan epoch 1") && listing.contains("local-1"), "{listing}");
+            text(&["nodes", "drain", "local-1", "--coordinator", &url])?;
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            loop {
+                let listing = text(&["nodes", "list", "--coordinator", &url])?;
+                let drained = listing.lines().any(|l| l.starts_with("local-1") && l.contains("CORDONED"));
+                if drained && listing.contains("plan epoch 2") {
+                    break;
+                }
+                assert!(std::time::Instant::now() < deadline, "drain did not finish: {listing}");
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+            let after = json(&client)?;
+            assert_eq!(after["token_ids"], local["token_ids"], "tokens changed after the drain");
+        }
     }
     Ok(())
 }
