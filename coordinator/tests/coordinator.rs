@@ -7,12 +7,12 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use common::{EtcdServer, tiny_model};
-use strata_coordinator::membership::{NodeRecord, NodeRegistration, NodeState, Registry};
+use common::{EtcdServer, node, tiny_model};
+use strata_coordinator::membership::{NodeRegistration, NodeState, Registry};
 use strata_coordinator::{
     ClusterSnapshot, ClusterView, Coordinator, CoordinatorConfig, EmbeddedRegistry, Error, ModelShape, drain_node,
 };
-use strata_proto::{NodeId, PlanEpoch};
+use strata_proto::NodeId;
 use tokio_util::sync::CancellationToken;
 
 const LAYERS: usize = 8;
@@ -26,18 +26,6 @@ fn config(model: &std::path::Path, min_stages: usize, candidate: &str) -> Coordi
     c.lease_ttl_secs = 1;
     c.kv_reserve_tokens = 64;
     c
-}
-
-fn node(id: &str, state: NodeState) -> NodeRecord {
-    NodeRecord {
-        node_id: NodeId::new(id),
-        address: format!("{id}.local:7000"),
-        device: "cpu".into(),
-        memory_bytes: 1 << 30,
-        layer_seconds: 0.01,
-        state,
-        plan_epoch_loaded: PlanEpoch(0),
-    }
 }
 
 async fn wait(

@@ -2,27 +2,17 @@
 
 mod common;
 
+use common::node;
+
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
-use strata_coordinator::membership::{NodeEvent, NodeRecord, NodeState, Plan, PlanStage, Registry};
+use strata_coordinator::membership::{NodeEvent, NodeState, Plan, PlanStage, Registry};
 use strata_coordinator::{EmbeddedRegistry, Error};
 use strata_proto::{NodeId, PlanEpoch};
 
 const TTL: Duration = Duration::from_secs(1);
 const WAIT: Duration = Duration::from_secs(5);
-
-fn node(id: &str, state: NodeState) -> NodeRecord {
-    NodeRecord {
-        node_id: NodeId::new(id),
-        address: format!("{id}.local:7000"),
-        device: "cpu".into(),
-        memory_bytes: 1 << 30,
-        layer_seconds: 0.01,
-        state,
-        plan_epoch_loaded: PlanEpoch(0),
-    }
-}
 
 fn plan(epoch: u64, ids: &[&str]) -> Plan {
     let stages = ids

@@ -10,8 +10,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use strata_coordinator::EtcdRegistry;
+use strata_coordinator::membership::{NodeRecord, NodeState};
 use strata_engine::tensor::DType;
 use strata_engine::testing::{TinySpec, random_weights, tiny_config, write_hf};
+use strata_proto::{NodeId, PlanEpoch};
 
 /// A throwaway single-member etcd: its own data dir and ports, killed on drop.
 pub struct EtcdServer {
@@ -122,5 +124,18 @@ where
             bail!("condition not met within {timeout:?}");
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// A node record for registry tests: 1 GiB, 10 ms per layer, nothing loaded yet.
+pub fn node(id: &str, state: NodeState) -> NodeRecord {
+    NodeRecord {
+        node_id: NodeId::new(id),
+        address: format!("{id}.local:7000"),
+        device: "cpu".into(),
+        memory_bytes: 1 << 30,
+        layer_seconds: 0.01,
+        state,
+        plan_epoch_loaded: PlanEpoch(0),
     }
 }
