@@ -5,7 +5,6 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use strata_engine::generate::{GenerateRequest as EngineRequest, validate_request};
 use strata_engine::tokenizer::ChatMessage;
 use strata_proto::pb::coordinator_server::{Coordinator as CoordinatorRpc, CoordinatorServer};
 use strata_proto::{COORDINATOR_SERVICE, NodeId, ServiceError, health_service, pb, reflection_service, set_serving};
@@ -20,10 +19,8 @@ use tonic::{Request, Response, Status};
 use crate::coordinator::{ClusterView, cordon_node, drain_node, uncordon_node};
 use crate::membership::{NodeRecord, Registry};
 use crate::pipeline::{Pipeline, SeqEvent, SeqRequest};
+use crate::request::{self, GenerateParams, Prompt};
 use crate::{Error, Result};
-
-/// `max_tokens` used when a request leaves it 0 (capped by the context left after the prompt).
-pub const DEFAULT_MAX_TOKENS: usize = 256;
 
 /// A boxed future returned by [`NodeAdmin`].
 pub type AdminFuture<'a> = Pin<Box<dyn Future<Output = Result<NodeRecord>> + Send + 'a>>;
@@ -54,7 +51,10 @@ impl<R: Registry> NodeAdmin for R {
 pub fn service_error(err: &Error) -> ServiceError {
     match err {
         Error::NodeNotFound(_) => ServiceError::not_found(err.to_string()),
-        Error::Config(_) | Error::Model(_) => ServiceError::invalid_argument(err.to_string()),
+        // The HTTP API answers an unknown model 404 (`http::errors`); gRPC has always said INVALID_ARGUMENT.
+        Error::Config(_) | Error::Model(_) | Error::UnknownModel { .. } | Error::InvalidRequest { .. } => {
+            ServiceError::invalid_argument(err.to_string())
+        }
         Error::StaleEpoch { .. } | Error::EpochNotNext { .. } | Error::Placement(_) => {
             ServiceError::failed_precondition(err.to_string())
         }
@@ -83,46 +83,23 @@ impl CoordinatorApi {
 
     /// Turns a wire request into a validated token-space request.
     fn prepare(&self, req: pb::GenerateRequest) -> Result<SeqRequest, ServiceError> {
-        let model = self.pipeline.model();
-        if !req.model.is_empty() && req.model != model.name {
-            return Err(ServiceError::invalid_argument(format!(
-                "model {:?} is not served (this cluster serves {:?})",
-                req.model, model.name
-            )));
-        }
-        let prompt_ids = match req.prompt {
-            None => return Err(ServiceError::invalid_argument("empty prompt")),
-            Some(pb::generate_request::Prompt::Ids(ids)) => ids.ids,
-            Some(pb::generate_request::Prompt::Text(text)) => {
-                let tok = model
-                    .tokenizer
-                    .as_ref()
-                    .ok_or_else(|| ServiceError::invalid_argument("the model has no tokenizer; send token ids"))?;
-                let text = if req.chat {
-                    tok.apply_chat_template(&[ChatMessage { role: "user".into(), content: text }])
-                        .map_err(|e| ServiceError::invalid_argument(format!("chat template: {e}")))?
-                } else {
-                    text
-                };
-                tok.encode(&text).map_err(|e| ServiceError::invalid_argument(format!("tokenizing: {e}")))?
+        let prompt = match req.prompt {
+            None => Prompt::Ids(Vec::new()),
+            Some(pb::generate_request::Prompt::Ids(ids)) => Prompt::Ids(ids.ids),
+            Some(pb::generate_request::Prompt::Text(text)) if req.chat => {
+                Prompt::Chat(vec![ChatMessage { role: "user".into(), content: text }])
             }
+            Some(pb::generate_request::Prompt::Text(text)) => Prompt::Text(text),
         };
-        let max_tokens = match req.max_tokens {
-            0 => DEFAULT_MAX_TOKENS.min(model.context.saturating_sub(prompt_ids.len())).max(1),
-            n => n as usize,
-        };
-        let sampling = req.sampling.unwrap_or_default();
-        let engine_req =
-            EngineRequest { prompt_ids, max_tokens, sampling: engine_sampling(&sampling), stop: req.stop.clone() };
-        validate_request(&engine_req, model.vocab_size, model.context)
-            .map_err(|e| ServiceError::invalid_argument(e.to_string()))?;
-        Ok(SeqRequest {
-            prompt_ids: engine_req.prompt_ids,
-            max_tokens,
-            sampling,
+        let params = GenerateParams {
+            model: Some(req.model).filter(|m| !m.is_empty()),
+            prompt,
+            max_tokens: (req.max_tokens != 0).then_some(req.max_tokens as usize),
+            sampling: req.sampling.unwrap_or_default(),
             stop: req.stop,
             logprobs: req.logprobs,
-        })
+        };
+        request::prepare(self.pipeline.model(), params).map_err(|e| service_error(&e))
     }
 
     async fn admin_call(
@@ -140,17 +117,6 @@ impl CoordinatorApi {
     }
 }
 
-/// Wire sampling params (zeros mean "off") as the engine's.
-fn engine_sampling(p: &pb::SamplingParams) -> strata_engine::sampling::SamplingParams {
-    strata_engine::sampling::SamplingParams {
-        temperature: p.temperature,
-        top_k: p.top_k as usize,
-        top_p: if p.top_p == 0.0 { 1.0 } else { p.top_p },
-        seed: p.seed,
-        repetition_penalty: if p.repetition_penalty == 0.0 { 1.0 } else { p.repetition_penalty },
-    }
-}
-
 type GenerateStream = ReceiverStream<Result<pb::GenerateResponse, Status>>;
 
 #[tonic::async_trait]
@@ -161,8 +127,11 @@ impl CoordinatorRpc for CoordinatorApi {
         let span = tracing::info_span!("generate", request_id = tracing::field::Empty);
         let _ = strata_proto::set_parent_from_metadata(&span, request.metadata());
         let req = request.into_inner();
-        let request_id =
-            if req.request_id.is_empty() { format!("req-{:016x}", rand_id()) } else { req.request_id.clone() };
+        let request_id = if req.request_id.is_empty() {
+            format!("req-{}", request::new_request_id())
+        } else {
+            req.request_id.clone()
+        };
         span.record("request_id", request_id.as_str());
         let seq = span.in_scope(|| self.prepare(req))?;
         let prompt_ids = seq.prompt_ids.clone();
@@ -194,11 +163,6 @@ impl CoordinatorRpc for CoordinatorApi {
     async fn uncordon_node(&self, request: Request<pb::NodeRequest>) -> Result<Response<pb::NodeResponse>, Status> {
         self.admin_call(request, |a, id| a.uncordon(id)).await
     }
-}
-
-fn rand_id() -> u64 {
-    use std::hash::{BuildHasher, RandomState};
-    RandomState::new().hash_one(std::time::SystemTime::now())
 }
 
 /// Turns pipeline events into the `Generate` stream; stops (cancelling the sequence) when the client goes away.

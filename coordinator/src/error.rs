@@ -90,6 +90,22 @@ pub enum Error {
         /// The socket error.
         source: std::io::Error,
     },
+    /// A generation request names a model this cluster does not serve.
+    #[error("model {requested:?} is not served (this cluster serves {served:?})")]
+    UnknownModel {
+        /// The model asked for.
+        requested: String,
+        /// The model served.
+        served: String,
+    },
+    /// A generation request is malformed or does not fit the model.
+    #[error("{message}")]
+    InvalidRequest {
+        /// The request field at fault, when one is (`prompt`, `messages`, ...).
+        param: Option<&'static str>,
+        /// What is wrong.
+        message: String,
+    },
     /// Placement failed.
     #[error(transparent)]
     Placement(#[from] PlacementError),

@@ -1,7 +1,7 @@
 //! strata's coordinator (control plane): reads the model, tracks stage workers registered in etcd (or an
 //! embedded registry), elects one active coordinator, places the model's layers on the READY nodes and publishes
 //! the plan with an epoch. The data path is `pipeline` (continuous batching over one `Forward` stream to stage 0)
-//! behind the `api` service. See `docs/architecture.md`.
+//! behind the `api` service; `request` validates what the public APIs accept. See `docs/architecture.md`.
 
 pub mod api;
 pub mod config;
@@ -10,6 +10,7 @@ mod error;
 pub mod membership;
 pub mod pipeline;
 pub mod placement;
+pub mod request;
 mod serving;
 pub mod stage_client;
 

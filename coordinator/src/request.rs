@@ -1,0 +1,176 @@
+//! Turning a client's generation request into a validated [`SeqRequest`]: the one path both public APIs (gRPC
+//! `Generate` and the OpenAI-compatible HTTP endpoints) take, so they accept and refuse exactly the same requests.
+
+use strata_engine::generate::{GenerateRequest as EngineRequest, validate_request};
+use strata_engine::tokenizer::ChatMessage;
+use strata_proto::pb;
+
+use crate::pipeline::{ModelInfo, SeqRequest};
+use crate::{Error, Result};
+
+/// `max_tokens` used when a request leaves it unset (capped by the context left after the prompt).
+pub const DEFAULT_MAX_TOKENS: usize = 256;
+
+/// What to generate from, before tokenizing.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// Plain text, tokenized as is.
+    Text(String),
+    /// A conversation, rendered through the model's chat template (ending with the assistant's turn).
+    Chat(Vec<ChatMessage>),
+    /// Token ids, used as given.
+    Ids(Vec<u32>),
+}
+
+impl Prompt {
+    /// The request field that carries this prompt, named in errors (`prompt` or `messages`).
+    fn param(&self) -> &'static str {
+        match self {
+            Prompt::Chat(_) => "messages",
+            Prompt::Text(_) | Prompt::Ids(_) => "prompt",
+        }
+    }
+}
+
+/// A generation request as either API received it, in the API-neutral form [`prepare`] validates.
+#[derive(Debug, Clone)]
+pub struct GenerateParams {
+    /// The model asked for; `None` means the served one.
+    pub model: Option<String>,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Most tokens to generate; `None` means [`DEFAULT_MAX_TOKENS`] capped by the context left.
+    pub max_tokens: Option<usize>,
+    /// Sampling parameters (wire convention: zeros mean "off").
+    pub sampling: pb::SamplingParams,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Return each token's log-probability.
+    pub logprobs: bool,
+}
+
+/// Checks the model name, tokenizes (through the chat template when asked), fills in the default `max_tokens`
+/// and validates the result against the vocabulary and context of `model`.
+pub fn prepare(model: &ModelInfo, params: GenerateParams) -> Result<SeqRequest> {
+    if let Some(asked) = params.model.filter(|m| *m != model.name) {
+        return Err(Error::UnknownModel { requested: asked, served: model.name.clone() });
+    }
+    let param = params.prompt.param();
+    let invalid = |message: String| Error::InvalidRequest { param: Some(param), message };
+    let prompt_ids = match params.prompt {
+        Prompt::Ids(ids) => ids,
+        // Checked before tokenizing: a tokenizer that adds BOS would turn "" into a one-token prompt.
+        Prompt::Text(text) if text.is_empty() => Vec::new(),
+        Prompt::Chat(messages) if messages.is_empty() => return Err(invalid("messages is empty".into())),
+        Prompt::Text(text) => encode(model, &text).map_err(invalid)?,
+        Prompt::Chat(messages) => {
+            let tok = model.tokenizer.as_ref().ok_or_else(|| invalid(no_tokenizer()))?;
+            let text = tok.apply_chat_template(&messages).map_err(|e| invalid(format!("chat template: {e}")))?;
+            encode(model, &text).map_err(invalid)?
+        }
+    };
+    if prompt_ids.is_empty() {
+        return Err(invalid("the prompt is empty".into()));
+    }
+    if prompt_ids.len() >= model.context {
+        return Err(invalid(format!(
+            "the prompt is {} tokens but the model's context is {} tokens, which leaves none to generate",
+            prompt_ids.len(),
+            model.context
+        )));
+    }
+    let max_tokens = params.max_tokens.unwrap_or_else(|| DEFAULT_MAX_TOKENS.min(model.context - prompt_ids.len()));
+    let engine_req = EngineRequest {
+        prompt_ids,
+        max_tokens,
+        sampling: engine_sampling(&params.sampling),
+        stop: params.stop.clone(),
+    };
+    validate_request(&engine_req, model.vocab_size, model.context)
+        .map_err(|e| Error::InvalidRequest { param: None, message: e.to_string() })?;
+    Ok(SeqRequest {
+        prompt_ids: engine_req.prompt_ids,
+        max_tokens,
+        sampling: params.sampling,
+        stop: params.stop,
+        logprobs: params.logprobs,
+    })
+}
+
+fn no_tokenizer() -> String {
+    "the model has no tokenizer; send token ids".into()
+}
+
+fn encode(model: &ModelInfo, text: &str) -> std::result::Result<Vec<u32>, String> {
+    let tok = model.tokenizer.as_ref().ok_or_else(no_tokenizer)?;
+    tok.encode(text).map_err(|e| format!("tokenizing: {e}"))
+}
+
+/// Wire sampling params (zeros mean "off") as the engine's.
+pub(crate) fn engine_sampling(p: &pb::SamplingParams) -> strata_engine::sampling::SamplingParams {
+    strata_engine::sampling::SamplingParams {
+        temperature: p.temperature,
+        top_k: p.top_k as usize,
+        top_p: if p.top_p == 0.0 { 1.0 } else { p.top_p },
+        seed: p.seed,
+        repetition_penalty: if p.repetition_penalty == 0.0 { 1.0 } else { p.repetition_penalty },
+    }
+}
+
+/// A fresh id for a request that came without one (logs, traces, response ids).
+pub fn new_request_id() -> String {
+    use std::hash::{BuildHasher, RandomState};
+    format!("{:016x}", RandomState::new().hash_one(std::time::SystemTime::now()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> ModelInfo {
+        ModelInfo { name: "m".into(), vocab_size: 10, context: 8, eos_token_ids: vec![], tokenizer: None }
+    }
+
+    fn ids(ids: &[u32], max_tokens: Option<usize>) -> GenerateParams {
+        GenerateParams {
+            model: None,
+            prompt: Prompt::Ids(ids.to_vec()),
+            max_tokens,
+            sampling: pb::SamplingParams::default(),
+            stop: vec![],
+            logprobs: false,
+        }
+    }
+
+    fn param_of(r: Result<SeqRequest>) -> Option<&'static str> {
+        match r {
+            Err(Error::InvalidRequest { param, .. }) => param,
+            other => panic!("expected InvalidRequest, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_default_max_tokens_is_capped_by_the_context_left() -> Result<()> {
+        assert_eq!(prepare(&model(), ids(&[1, 2, 3], None))?.max_tokens, 5);
+        assert_eq!(prepare(&model(), ids(&[1, 2, 3], Some(5)))?.max_tokens, 5);
+        Ok(())
+    }
+
+    #[test]
+    fn bad_requests_name_the_field_at_fault() {
+        let wrong_model = GenerateParams { model: Some("other".into()), ..ids(&[1], None) };
+        assert!(matches!(prepare(&model(), wrong_model), Err(Error::UnknownModel { .. })));
+        assert_eq!(param_of(prepare(&model(), ids(&[], None))), Some("prompt"));
+        assert_eq!(param_of(prepare(&model(), ids(&[1; 8], None))), Some("prompt"), "no room to generate");
+        assert_eq!(param_of(prepare(&model(), ids(&[1], Some(8)))), None, "max_tokens beyond the context");
+        assert_eq!(param_of(prepare(&model(), ids(&[1], Some(0)))), None);
+        assert_eq!(param_of(prepare(&model(), ids(&[10], None))), None, "outside the vocabulary");
+        let empty_text = GenerateParams { prompt: Prompt::Text(String::new()), ..ids(&[], None) };
+        assert_eq!(param_of(prepare(&model(), empty_text)), Some("prompt"));
+        let no_messages = GenerateParams { prompt: Prompt::Chat(vec![]), ..ids(&[], None) };
+        assert_eq!(param_of(prepare(&model(), no_messages)), Some("messages"));
+        let chat = vec![ChatMessage { role: "user".into(), content: "hi".into() }];
+        let no_tokenizer = GenerateParams { prompt: Prompt::Chat(chat), ..ids(&[], None) };
+        assert_eq!(param_of(prepare(&model(), no_tokenizer)), Some("messages"));
+    }
+}
