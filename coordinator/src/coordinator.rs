@@ -14,7 +14,7 @@ use crate::membership::{
 };
 use crate::pipeline::ModelInfo;
 use crate::placement::{self, ModelShape, NodeCapacity};
-use crate::serving::lead_and_serve;
+use crate::serving::{Listeners, lead_and_serve};
 use crate::{CoordinatorConfig, Error, Result};
 
 /// What the coordinator currently knows, as the `ClusterStatus` RPC serves it.
@@ -126,10 +126,10 @@ impl ClusterView {
 }
 
 /// Starts a coordinator from its config and runs it until `shutdown`: opens the model, connects to etcd (or
-/// starts the embedded registry), then leads or waits to lead, serving the public API on `grpc_addr` meanwhile
-/// (`Generate` goes through the current plan once all its stages are READY). Fails only at start (bad config,
-/// unreadable model, `grpc_addr` taken, etcd unreachable within `connect_timeout_ms`); later registry trouble is
-/// retried.
+/// starts the embedded registry), then leads or waits to lead, serving the gRPC API on `grpc_addr` and the
+/// OpenAI-compatible HTTP API on `http_addr` meanwhile (generation goes through the current plan once all its
+/// stages are READY). Fails only at start (bad config, unreadable model, an address taken, etcd unreachable within
+/// `connect_timeout_ms`); later registry trouble is retried.
 pub async fn run(config: CoordinatorConfig, shutdown: CancellationToken) -> Result<()> {
     config.validate()?;
     match config.etcd.clone() {
@@ -146,7 +146,8 @@ pub async fn run(config: CoordinatorConfig, shutdown: CancellationToken) -> Resu
 }
 
 /// Like [`run`], with a registry the caller already holds (`strata local` shares one embedded registry between
-/// the coordinator and its in-process workers); `config.etcd` is ignored. `grpc_addr` is bound here.
+/// the coordinator and its in-process workers); `config.etcd` is ignored. `grpc_addr` and `http_addr` are bound
+/// here.
 pub async fn run_with_registry<R: Registry>(
     config: CoordinatorConfig,
     registry: R,
@@ -157,11 +158,14 @@ pub async fn run_with_registry<R: Registry>(
     let model_name = model_name(&config);
     tracing::info!(model = %model_name, layers = shape.num_layers, layer_bytes = shape.layer_bytes, "model sized");
     let model = ModelInfo::open(&config.model)?;
-    let listener = tokio::net::TcpListener::bind(config.grpc_addr)
-        .await
-        .map_err(|source| Error::Bind { addr: config.grpc_addr, source })?;
+    let grpc = bind("gRPC", config.grpc_addr).await?;
+    let http = bind("HTTP", config.http_addr).await?;
     let coordinator = Coordinator::new(registry.clone(), config, shape, model_name);
-    lead_and_serve(coordinator, registry, model, listener, shutdown).await
+    lead_and_serve(coordinator, registry, model, Listeners { grpc, http }, shutdown).await
+}
+
+async fn bind(api: &'static str, addr: std::net::SocketAddr) -> Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr).await.map_err(|source| Error::Bind { api, addr, source })
 }
 
 fn model_name(config: &CoordinatorConfig) -> String {

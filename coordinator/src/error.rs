@@ -82,9 +82,11 @@ pub enum Error {
     /// The lease backing a registration or leadership no longer exists.
     #[error("lease {0:x} expired")]
     LeaseExpired(i64),
-    /// The public API's address could not be bound.
-    #[error("cannot bind the gRPC API on {addr}: {source}")]
+    /// A public API's address could not be bound.
+    #[error("cannot bind the {api} API on {addr}: {source}")]
     Bind {
+        /// Which API (`gRPC` or `HTTP`).
+        api: &'static str,
         /// The address.
         addr: std::net::SocketAddr,
         /// The socket error.

@@ -1,12 +1,14 @@
 //! strata's coordinator (control plane): reads the model, tracks stage workers registered in etcd (or an
 //! embedded registry), elects one active coordinator, places the model's layers on the READY nodes and publishes
 //! the plan with an epoch. The data path is `pipeline` (continuous batching over one `Forward` stream to stage 0)
-//! behind the `api` service; `request` validates what the public APIs accept. See `docs/architecture.md`.
+//! behind the `api` (gRPC) and `http` (OpenAI-compatible) services; `request` validates what both accept. See
+//! `docs/architecture.md`.
 
 pub mod api;
 pub mod config;
 pub mod coordinator;
 mod error;
+pub mod http;
 pub mod membership;
 pub mod pipeline;
 pub mod placement;

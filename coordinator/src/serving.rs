@@ -1,5 +1,5 @@
-//! Runs the control loop and the public API together: the API is served from the start, and the data path
-//! switches to each plan once every stage of it is READY and has loaded that plan's epoch.
+//! Runs the control loop and the public APIs (gRPC and HTTP) together: the APIs are served from the start, and
+//! the data path switches to each plan once every stage of it is READY and has loaded that plan's epoch.
 
 use std::sync::Arc;
 
@@ -10,15 +10,24 @@ use tokio_util::sync::CancellationToken;
 use crate::Result;
 use crate::api::{self, CoordinatorApi, NodeAdmin};
 use crate::coordinator::{ClusterSnapshot, ClusterView, Coordinator};
+use crate::http::{self, HttpState};
 use crate::membership::{NodeState, Plan, Registry};
 use crate::pipeline::{ModelInfo, Pipeline};
 
-/// Leads (or stands by) with `coordinator` until `shutdown`, serving the API on `listener` meanwhile.
+/// The bound listeners of the public APIs.
+pub(crate) struct Listeners {
+    /// The gRPC API's.
+    pub grpc: TcpListener,
+    /// The HTTP API's.
+    pub http: TcpListener,
+}
+
+/// Leads (or stands by) with `coordinator` until `shutdown`, serving both APIs meanwhile.
 pub(crate) async fn lead_and_serve<R: Registry>(
     coordinator: Coordinator<R>,
     registry: R,
     model: ModelInfo,
-    listener: TcpListener,
+    listeners: Listeners,
     shutdown: CancellationToken,
 ) -> Result<()> {
     let stop = shutdown.child_token();
@@ -27,13 +36,16 @@ pub(crate) async fn lead_and_serve<R: Registry>(
     let pipeline = Arc::new(Pipeline::start(model, empty, stop.clone()));
     tokio::spawn(follow_ready_plans(view.clone(), pipeline.clone(), stop.clone()));
     let admin: Arc<dyn NodeAdmin> = Arc::new(registry);
-    let server = tokio::spawn(api::serve(listener, CoordinatorApi::new(pipeline, view, Some(admin)), stop.clone()));
+    let http = tokio::spawn(http::serve(listeners.http, HttpState::new(pipeline.clone()), stop.clone()));
+    let grpc = tokio::spawn(api::serve(listeners.grpc, CoordinatorApi::new(pipeline, view, Some(admin)), stop.clone()));
     let result = coordinator.run(stop.clone()).await;
     stop.cancel();
-    match server.await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::warn!(error = %e, "the API server failed"),
-        Err(e) => tracing::warn!(error = %e, "the API server task failed"),
+    for (name, server) in [("gRPC", grpc), ("HTTP", http)] {
+        match server.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "the {name} API server failed"),
+            Err(e) => tracing::warn!(error = %e, "the {name} API server task failed"),
+        }
     }
     result
 }

@@ -207,6 +207,16 @@ async fn run_without_etcd_uses_the_embedded_registry_and_rejects_bad_config() ->
     ensure!(matches!(strata_coordinator::run(bad, CancellationToken::new()).await, Err(Error::Config(_))));
     let missing = config(&dir.path().join("nope"), 1, "x");
     ensure!(matches!(strata_coordinator::run(missing, CancellationToken::new()).await, Err(Error::Model(_))));
+    // An address already taken is a clear error naming the API and the address.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let mut busy = config(&model, 1, "x");
+    busy.http_addr = taken.local_addr()?;
+    match strata_coordinator::run(busy, CancellationToken::new()).await {
+        Err(e @ Error::Bind { api: "HTTP", addr, .. }) if addr == taken.local_addr()? => {
+            ensure!(e.to_string().starts_with(&format!("cannot bind the HTTP API on {addr}")), "{e}");
+        }
+        other => anyhow::bail!("expected a bind error for the HTTP API, got {other:?}"),
+    }
 
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(strata_coordinator::run(config(&model, 1, "local"), shutdown.clone()));

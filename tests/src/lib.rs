@@ -1,6 +1,9 @@
 //! End-to-end test helpers: a test cluster of in-process stage workers on 127.0.0.1 port 0, chained with
-//! explicit layer ranges, behind a coordinator API (port 0) serving a static plan; the single-process engine as
-//! the reference; a client that collects a whole `Generate` stream.
+//! explicit layer ranges, behind a coordinator serving a static plan on a gRPC and an HTTP port (both port 0);
+//! the single-process engine as the reference; a client that collects a whole `Generate` stream; a small HTTP
+//! client (`http_client`).
+
+pub mod http_client;
 
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -10,6 +13,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use strata_coordinator::api::{self, CoordinatorApi};
+use strata_coordinator::http::{self, HttpState};
 use strata_coordinator::{ClusterSnapshot, ClusterView, ModelInfo, Pipeline, Plan, PlanStage};
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::generate::{Engine, GenerateRequest};
@@ -29,8 +33,14 @@ use tonic::transport::Channel;
 
 /// Writes the tiny random model (4 layers, vocab 300, context 256, no tokenizer, no EOS) into a temp dir.
 pub fn tiny_model() -> Result<tempfile::TempDir> {
+    tiny_model_with_context(256)
+}
+
+/// The tiny random model with a `context`-token context (long generations: it never stops before `max_tokens`).
+pub fn tiny_model_with_context(context: usize) -> Result<tempfile::TempDir> {
     let dir = tempfile::tempdir()?;
-    let spec = TinySpec { config: tiny_config(), dtype: DType::F32, seed: 7 };
+    let config = strata_engine::config::ModelConfig { max_position_embeddings: context, ..tiny_config() };
+    let spec = TinySpec { config, dtype: DType::F32, seed: 7 };
     write_hf(dir.path(), &spec, &random_weights(&spec))?;
     Ok(dir)
 }
@@ -81,16 +91,18 @@ pub fn static_plan(model: &str, num_layers: usize, stages: &[(String, Range<usiz
     }
 }
 
-/// Stage workers plus a coordinator API on 127.0.0.1.
+/// Stage workers plus a coordinator (gRPC and HTTP APIs) on 127.0.0.1.
 pub struct TestCluster {
     /// The workers, in pipeline order.
     pub workers: Vec<Worker>,
-    /// The coordinator API's address.
+    /// The coordinator gRPC API's address.
     pub addr: SocketAddr,
+    /// The coordinator HTTP API's address.
+    pub http_addr: SocketAddr,
     /// The coordinator's data path (to switch plans in tests).
     pub pipeline: Arc<Pipeline>,
     shutdown: CancellationToken,
-    api: JoinHandle<Result<(), strata_proto::ServiceError>>,
+    servers: Vec<JoinHandle<Result<(), strata_proto::ServiceError>>>,
 }
 
 impl TestCluster {
@@ -131,9 +143,14 @@ impl TestCluster {
         let pipeline = Arc::new(Pipeline::start(info, plan, shutdown.clone()));
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
+        let http_listener = TcpListener::bind("127.0.0.1:0").await?;
+        let http_addr = http_listener.local_addr()?;
         let service = CoordinatorApi::new(pipeline.clone(), view, None);
-        let api = tokio::spawn(api::serve(listener, service, shutdown.clone()));
-        Ok(TestCluster { workers: Vec::new(), addr, pipeline, shutdown, api })
+        let servers = vec![
+            tokio::spawn(api::serve(listener, service, shutdown.clone())),
+            tokio::spawn(http::serve(http_listener, HttpState::new(pipeline.clone()), shutdown.clone())),
+        ];
+        Ok(TestCluster { workers: Vec::new(), addr, http_addr, pipeline, shutdown, servers })
     }
 
     /// A client of the coordinator API.
@@ -151,7 +168,9 @@ impl TestCluster {
     /// Stops the coordinator and every worker.
     pub async fn stop(self) -> Result<()> {
         self.shutdown.cancel();
-        tokio::time::timeout(Duration::from_secs(10), self.api).await.context("API did not stop")???;
+        for server in self.servers {
+            tokio::time::timeout(Duration::from_secs(10), server).await.context("an API did not stop")???;
+        }
         for w in self.workers {
             tokio::time::timeout(Duration::from_secs(10), w.shutdown()).await.context("worker did not stop")??;
         }

@@ -1,0 +1,407 @@
+//! OpenAI's request and response shapes for `/v1/completions`, `/v1/chat/completions` and `/v1/models`, and their
+//! conversion into the API-neutral [`GenerateParams`].
+//!
+//! Request types do not deny unknown fields: OpenAI ignores fields it does not know and clients send many
+//! (`frequency_penalty`, `user`, ...). A known field of the wrong type is still a 400.
+
+use axum::extract::{FromRequest, Request};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use strata_engine::tokenizer::ChatMessage;
+use strata_proto::pb;
+
+use super::completions::Endpoint;
+use super::errors::{ApiError, from_json, read_json};
+use crate::request::{GenerateParams, Prompt};
+
+/// A request body: the endpoint's own fields and the [`CommonFields`], both read from the same JSON object (not
+/// with `#[serde(flatten)]`, which would lose the path of a field of the wrong type).
+#[derive(Debug, Clone)]
+pub struct Body<T> {
+    /// The endpoint's own fields.
+    pub fields: T,
+    /// The fields every generation endpoint takes.
+    pub common: CommonFields,
+}
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Body<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let value = read_json(req, state).await?;
+        Ok(Body { fields: from_json(&value)?, common: from_json(&value)? })
+    }
+}
+
+/// `prompt` of a completion: text, a batch of one text, token ids, or a batch of one token-id list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    /// `"text"`.
+    Text(String),
+    /// `[1, 2, 3]`.
+    Ids(Vec<u32>),
+    /// `["text"]`.
+    Texts(Vec<String>),
+    /// `[[1, 2, 3]]`.
+    IdLists(Vec<Vec<u32>>),
+}
+
+/// `stop`: one string or several.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StopInput {
+    /// `"\n"`.
+    One(String),
+    /// `["\n", "."]`.
+    Many(Vec<String>),
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with `usage` (and `choices: []`) before `[DONE]`.
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+/// The fields completions and chat completions share.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct CommonFields {
+    /// The model; `None` means the served one.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Sampling temperature; OpenAI's default is 1 (0 is greedy).
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    /// Nucleus sampling mass (1 = off).
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    /// Seed of the sampler's random stream.
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// Stop strings (not included in the output).
+    #[serde(default)]
+    pub stop: Option<StopInput>,
+    /// Choices to generate; only 1 is served.
+    #[serde(default)]
+    pub n: Option<u32>,
+    /// Stream server-sent events.
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// Streaming options.
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+}
+
+impl CommonFields {
+    /// Whether the response is streamed, and whether the stream ends with a usage chunk.
+    pub fn streaming(&self) -> (bool, bool) {
+        let include_usage = self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+        (self.stream.unwrap_or(false), include_usage)
+    }
+
+    fn params(&self, prompt: Prompt, max_tokens: Option<u32>, logprobs: bool) -> Result<GenerateParams, ApiError> {
+        if let Some(n) = self.n.filter(|&n| n != 1) {
+            return Err(ApiError::invalid(format!("n = {n} is not supported; only n = 1 is served"), Some("n")));
+        }
+        let sampling = pb::SamplingParams {
+            temperature: self.temperature.unwrap_or(1.0),
+            top_p: self.top_p.unwrap_or(1.0),
+            seed: self.seed,
+            ..Default::default()
+        };
+        let stop = match self.stop.clone() {
+            None => Vec::new(),
+            Some(StopInput::One(s)) => vec![s],
+            Some(StopInput::Many(v)) => v,
+        };
+        Ok(GenerateParams {
+            model: self.model.clone(),
+            prompt,
+            max_tokens: max_tokens.map(|n| n as usize),
+            sampling,
+            stop,
+            logprobs,
+        })
+    }
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// The prompt.
+    pub prompt: PromptInput,
+    /// Most tokens to generate.
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    /// Return the sampled tokens' log-probabilities (only 0 is served: no alternatives).
+    #[serde(default)]
+    pub logprobs: Option<u32>,
+}
+
+/// A generation endpoint's own request fields.
+pub trait GenerationRequest: DeserializeOwned {
+    /// The endpoint they belong to.
+    const ENDPOINT: Endpoint;
+    /// The API-neutral request, with the `common` fields read from the same body.
+    fn params(&self, common: &CommonFields) -> Result<GenerateParams, ApiError>;
+}
+
+impl GenerationRequest for CompletionRequest {
+    const ENDPOINT: Endpoint = Endpoint::Completions;
+
+    fn params(&self, common: &CommonFields) -> Result<GenerateParams, ApiError> {
+        let one =
+            |what: &str| ApiError::invalid(format!("send one {what}; batched prompts are not served"), Some("prompt"));
+        let prompt = match self.prompt.clone() {
+            PromptInput::Text(t) => Prompt::Text(t),
+            PromptInput::Ids(ids) => Prompt::Ids(ids),
+            PromptInput::Texts(v) => Prompt::Text(single(v).ok_or_else(|| one("string"))?),
+            PromptInput::IdLists(v) => Prompt::Ids(single(v).ok_or_else(|| one("token-id list"))?),
+        };
+        if let Some(k) = self.logprobs.filter(|&k| k > 0) {
+            return Err(ApiError::invalid(
+                format!(
+                    "logprobs = {k} asks for alternatives, which are not served; logprobs = 0 returns the sampled tokens' log-probabilities"
+                ),
+                Some("logprobs"),
+            ));
+        }
+        common.params(prompt, self.max_tokens, self.logprobs.is_some())
+    }
+}
+
+fn single<T>(mut v: Vec<T>) -> Option<T> {
+    if v.len() == 1 { v.pop() } else { None }
+}
+
+/// One message of a chat request.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessageInput {
+    /// `system`, `user`, `assistant`, ...
+    pub role: String,
+    /// The text; `null` counts as empty.
+    #[serde(default)]
+    pub content: Option<MessageContent>,
+}
+
+/// A message's `content`: text, or a list of parts of which only text parts are served.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    /// `"text"`.
+    Text(String),
+    /// `[{"type": "text", "text": "..."}]`.
+    Parts(Vec<ContentPart>),
+}
+
+/// One part of a message's content.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    /// The part's type; only `text` is served.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text of a `text` part.
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    /// The conversation.
+    pub messages: Vec<ChatMessageInput>,
+    /// Most tokens to generate (deprecated by OpenAI in favour of `max_completion_tokens`).
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    /// Most tokens to generate.
+    #[serde(default)]
+    pub max_completion_tokens: Option<u32>,
+    /// Return the sampled tokens' log-probabilities.
+    #[serde(default)]
+    pub logprobs: Option<bool>,
+    /// Alternatives per token (only 0 is served).
+    #[serde(default)]
+    pub top_logprobs: Option<u32>,
+}
+
+impl GenerationRequest for ChatRequest {
+    const ENDPOINT: Endpoint = Endpoint::Chat;
+
+    fn params(&self, common: &CommonFields) -> Result<GenerateParams, ApiError> {
+        let messages = self
+            .messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let content = match &m.content {
+                    None => String::new(),
+                    Some(MessageContent::Text(t)) => t.clone(),
+                    Some(MessageContent::Parts(parts)) => parts
+                        .iter()
+                        .map(|p| match (&*p.kind, &p.text) {
+                            ("text", Some(t)) => Ok(t.as_str()),
+                            _ => Err(ApiError::invalid(
+                                format!("content part of type {:?} is not served (only text)", p.kind),
+                                Some(&format!("messages[{i}].content")),
+                            )),
+                        })
+                        .collect::<Result<Vec<_>, _>>()?
+                        .concat(),
+                };
+                Ok(ChatMessage { role: m.role.clone(), content })
+            })
+            .collect::<Result<Vec<_>, ApiError>>()?;
+        if let Some(k) = self.top_logprobs.filter(|&k| k > 0) {
+            return Err(ApiError::invalid(
+                format!("top_logprobs = {k} asks for alternatives, which are not served"),
+                Some("top_logprobs"),
+            ));
+        }
+        let max_tokens = self.max_completion_tokens.or(self.max_tokens);
+        common.params(Prompt::Chat(messages), max_tokens, self.logprobs.unwrap_or(false))
+    }
+}
+
+/// Token counts of a response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    /// Tokens in the prompt (after the chat template).
+    pub prompt_tokens: usize,
+    /// Tokens generated.
+    pub completion_tokens: usize,
+    /// Their sum.
+    pub total_tokens: usize,
+}
+
+impl Usage {
+    /// Usage of a prompt of `prompt` tokens that generated `completion`.
+    pub fn new(prompt: usize, completion: usize) -> Self {
+        Usage { prompt_tokens: prompt, completion_tokens: completion, total_tokens: prompt + completion }
+    }
+}
+
+/// A `text_completion`, `chat.completion` or `chat.completion.chunk`: whole responses and stream chunks share
+/// this envelope; `C` is the endpoint's choice.
+#[derive(Debug, Clone, Serialize)]
+pub struct Generation<C> {
+    /// `cmpl-...` or `chatcmpl-...`.
+    pub id: String,
+    /// `text_completion`, `chat.completion` or `chat.completion.chunk`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// The served model.
+    pub model: String,
+    /// One choice (or none in a stream's usage chunk).
+    pub choices: Vec<C>,
+    /// Token counts (whole responses, and a stream's usage chunk).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// A completion choice.
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionChoice {
+    /// Always 0.
+    pub index: u32,
+    /// The text (a delta when streaming).
+    pub text: String,
+    /// Log-probabilities of the tokens, when asked.
+    pub logprobs: Option<CompletionLogprobs>,
+    /// `stop` or `length` on the last chunk; `null` before.
+    pub finish_reason: Option<&'static str>,
+}
+
+/// Legacy completions' log-probabilities.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CompletionLogprobs {
+    /// Each token's text.
+    pub tokens: Vec<String>,
+    /// Each token's log-probability.
+    pub token_logprobs: Vec<f32>,
+    /// Alternatives: not served, always `null`.
+    pub top_logprobs: Option<Vec<()>>,
+    /// Each token's byte offset in the generated text.
+    pub text_offset: Vec<usize>,
+}
+
+/// A chat choice: `message` in a whole response, `delta` in a chunk.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChoice {
+    /// Always 0.
+    pub index: u32,
+    /// The whole assistant message.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<AssistantMessage>,
+    /// What this chunk adds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delta: Option<Delta>,
+    /// Log-probabilities of the tokens, when asked.
+    pub logprobs: Option<ChatLogprobs>,
+    /// `stop` or `length` on the last chunk; `null` before.
+    pub finish_reason: Option<&'static str>,
+}
+
+/// The assistant's reply.
+#[derive(Debug, Clone, Serialize)]
+pub struct AssistantMessage {
+    /// `assistant`.
+    pub role: &'static str,
+    /// The text.
+    pub content: String,
+}
+
+/// A chunk's addition to the message.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Delta {
+    /// `assistant`, on the first chunk only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    /// New text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// Chat log-probabilities.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChatLogprobs {
+    /// One entry per token.
+    pub content: Vec<TokenLogprob>,
+}
+
+/// One token's log-probability.
+#[derive(Debug, Clone, Serialize)]
+pub struct TokenLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The UTF-8 bytes of `token`.
+    pub bytes: Vec<u8>,
+    /// Alternatives: not served, always empty.
+    pub top_logprobs: Vec<()>,
+}
+
+/// `GET /v1/models` and `GET /v1/models/{id}` entries.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelCard {
+    /// The model's name.
+    pub id: String,
+    /// `model`.
+    pub object: &'static str,
+    /// Unix seconds (when this coordinator started serving it).
+    pub created: u64,
+    /// `strata`.
+    pub owned_by: &'static str,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelList {
+    /// `list`.
+    pub object: &'static str,
+    /// The served model.
+    pub data: Vec<ModelCard>,
+}
