@@ -228,6 +228,7 @@ async fn health_is_ok_through_every_stage_and_503_once_one_dies() -> Result<()> 
     assert_eq!(status, 503, "{body}");
     assert_eq!(body["status"], "unavailable");
     assert!(body["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{body}");
+    assert_eq!(http_client::get(cluster.http_addr, "/live").await?.status, 200, "alive without a stage");
     cluster.stop().await
 }
 

@@ -1,6 +1,7 @@
 //! The OpenAI-compatible HTTP API: `/v1/models`, `/v1/completions` and `/v1/chat/completions` (whole responses or
 //! server-sent events) through the [`Pipeline`], plus `/health`, which runs a one-token generation through every
-//! stage. [`serve`] takes a bound listener and a shutdown token, so tests serve on port 0.
+//! stage (readiness), and `/live`, which only says the process answers (liveness). [`serve`] takes a bound
+//! listener and a shutdown token, so tests serve on port 0.
 //!
 //! Requests are validated by [`crate::request::prepare`], the same function the gRPC API uses; every error is
 //! answered in OpenAI's shape (`errors`).
@@ -68,6 +69,9 @@ pub fn router(state: HttpState) -> Router {
         .route("/v1/completions", post(generate::<CompletionRequest>))
         .route("/v1/chat/completions", post(generate::<ChatRequest>))
         .route("/health", get(health))
+        // Liveness: the process answers. Unlike /health it needs no stage, so a standby coordinator (or one whose
+        // stages are down) is not restarted for it.
+        .route("/live", get(|| async { Json(serde_json::json!({"status": "alive"})) }))
         .fallback(|req: Request| async move { ApiError::no_route(req.uri().path()) })
         .method_not_allowed_fallback(|| async { ApiError::wrong_method() })
         .layer(middleware::from_fn(trace_request))
