@@ -24,7 +24,8 @@ pub struct LocalArgs {
     /// Address of the coordinator's gRPC API.
     #[arg(long, default_value = "127.0.0.1:50051", env = "STRATA_GRPC")]
     grpc: SocketAddr,
-    /// Address reserved for the OpenAI-compatible HTTP API (not served yet).
+    /// Address of the coordinator's OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`,
+    /// `/v1/models`, `/health`).
     #[arg(long, default_value = "127.0.0.1:8080", env = "STRATA_HTTP")]
     http: SocketAddr,
     /// CPU threads per stage worker (0: one per core).
@@ -35,8 +36,8 @@ pub struct LocalArgs {
     kv_blocks: usize,
 }
 
-/// Runs `strata local` until Ctrl-C: an embedded registry, `stages` workers on loopback ports and a coordinator,
-/// all talking real gRPC.
+/// Runs `strata local` until Ctrl-C: an embedded registry, `stages` workers on loopback ports and a coordinator
+/// (gRPC and HTTP APIs), all talking real gRPC.
 pub fn local(a: LocalArgs) -> Result<()> {
     if a.stages == 0 {
         bail!("--stages must be at least 1");
@@ -73,7 +74,8 @@ pub fn local(a: LocalArgs) -> Result<()> {
             let _ = tokio::signal::ctrl_c().await;
             stop.cancel();
         });
-        eprintln!("coordinator gRPC API on {} ({} stages; Ctrl-C to stop)", a.grpc, a.stages);
+        eprintln!("coordinator gRPC API on {}, OpenAI-compatible HTTP API on http://{}/v1", a.grpc, a.http);
+        eprintln!("{} stages; requests are served once every stage is ready (GET /health); Ctrl-C to stop", a.stages);
         let result = strata_coordinator::run_with_registry(config, registry, shutdown).await;
         for w in workers {
             let _ = w.shutdown().await;
