@@ -175,7 +175,7 @@ async fn kv_in_use(cluster: &TestCluster) -> Result<Vec<u64>> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_gone_mid_stream_frees_kv_on_every_stage() -> Result<()> {
+async fn a_client_gone_mid_response_frees_kv_on_every_stage() -> Result<()> {
     // A long context and enough KV that, uncancelled, the sequence would run for thousands of tokens.
     let model = tiny_model_with_context(4096)?;
     let sizing = StageSizing { kv_blocks: 1100, ..StageSizing::default() };
@@ -205,9 +205,19 @@ async fn a_client_gone_mid_stream_frees_kv_on_every_stage() -> Result<()> {
         gone.elapsed()
     );
 
+    // The same for a whole (non-streamed) response: the client gives up while the handler waits.
+    let body = json!({"prompt": PROMPT, "max_tokens": max_tokens});
+    let addr = cluster.http_addr;
+    let waiting = tokio::spawn(async move { http_client::post(addr, "/v1/completions", &body).await });
+    eventually(Duration::from_secs(10), || async { Ok(kv_in_use(&cluster).await?.iter().all(|&u| u > 0)) }).await?;
+    waiting.abort();
+    let gone = Instant::now();
+    eventually(Duration::from_secs(20), || async { Ok(kv_in_use(&cluster).await?.iter().all(|&u| u == 0)) }).await?;
+    assert!(gone.elapsed() < natural_end / 2, "whole response: freed after {:?}", gone.elapsed());
+
     let reply =
         http_client::post(cluster.http_addr, "/v1/completions", &json!({"prompt": PROMPT, "max_tokens": 2})).await?;
-    assert_eq!(reply.status, 200, "still serving after the disconnect");
+    assert_eq!(reply.status, 200, "still serving after the disconnects");
     cluster.stop().await
 }
 
