@@ -123,14 +123,25 @@ pub fn client_generate(a: ClientGenerateArgs) -> Result<()> {
     let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     rt.block_on(async move {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(a.wait);
-        let mut stream = loop {
+        // The cluster may still be loading or switching plans: UNAVAILABLE (or no listener yet) before the first
+        // token is retried until --wait; once a token arrived, a failure is final.
+        let (mut stream, first) = loop {
             let attempt = async {
                 let mut client = CoordinatorClient::connect(a.coordinator.clone()).await?;
-                Ok::<_, anyhow::Error>(client.generate(req.clone()).await?.into_inner())
+                let mut stream = client.generate(req.clone()).await?.into_inner();
+                let mut early = Vec::new();
+                loop {
+                    let msg = stream.message().await?;
+                    let started = msg.as_ref().is_none_or(|m| !m.token_ids.is_empty() || m.finish_reason != 0);
+                    early.extend(msg);
+                    if started {
+                        break;
+                    }
+                }
+                Ok::<_, anyhow::Error>((stream, early))
             };
             match attempt.await {
                 Ok(s) => break s,
-                // The cluster may still be loading: UNAVAILABLE (or no listener yet) is retried until --wait.
                 Err(e) if std::time::Instant::now() < deadline && retryable(&e) => {
                     tokio::time::sleep(std::time::Duration::from_millis(250)).await;
                 }
@@ -140,7 +151,9 @@ pub fn client_generate(a: ClientGenerateArgs) -> Result<()> {
         let (mut prompt_ids, mut token_ids, mut text, mut finish) = (Vec::new(), Vec::new(), String::new(), None);
         use std::io::Write;
         let mut stdout = std::io::stdout().lock();
-        while let Some(msg) = stream.message().await.context("reading the response stream")? {
+        let mut early = first.into_iter();
+        let mut next = early.next();
+        while let Some(msg) = next {
             if !msg.prompt_ids.is_empty() {
                 prompt_ids = msg.prompt_ids.clone();
             }
@@ -152,6 +165,10 @@ pub fn client_generate(a: ClientGenerateArgs) -> Result<()> {
             if msg.finish_reason != 0 {
                 finish = Some(msg.finish_reason);
             }
+            next = match early.next() {
+                Some(m) => Some(m),
+                None => stream.message().await.context("reading the response stream")?,
+            };
         }
         let finish_reason = match finish.and_then(|f| pb::FinishReason::try_from(f).ok()) {
             Some(pb::FinishReason::Length) => "length",

