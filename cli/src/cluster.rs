@@ -66,6 +66,7 @@ pub fn local(a: LocalArgs) -> Result<()> {
             lease_ttl_secs: 5,
             connect_timeout_ms: 10_000,
             kv_reserve_tokens: 256,
+            ..CoordinatorConfig::new(a.model.clone(), a.grpc, a.http)
         };
         let shutdown = CancellationToken::new();
         let stop = shutdown.clone();

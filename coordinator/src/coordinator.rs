@@ -161,8 +161,9 @@ pub async fn run_with_registry<R: Registry>(
     let listener = tokio::net::TcpListener::bind(config.grpc_addr)
         .await
         .map_err(|source| Error::Bind { addr: config.grpc_addr, source })?;
+    let limits = config.scheduler_limits();
     let coordinator = Coordinator::new(registry.clone(), config, shape, model_name);
-    lead_and_serve(coordinator, registry, model, listener, shutdown).await
+    lead_and_serve(coordinator, registry, model, limits, listener, shutdown).await
 }
 
 fn model_name(config: &CoordinatorConfig) -> String {

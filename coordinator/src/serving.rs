@@ -11,20 +11,21 @@ use crate::Result;
 use crate::api::{self, CoordinatorApi, NodeAdmin};
 use crate::coordinator::{ClusterSnapshot, ClusterView, Coordinator};
 use crate::membership::{NodeState, Plan, Registry};
-use crate::pipeline::{ModelInfo, Pipeline};
+use crate::pipeline::{ModelInfo, Pipeline, SchedulerLimits};
 
 /// Leads (or stands by) with `coordinator` until `shutdown`, serving the API on `listener` meanwhile.
 pub(crate) async fn lead_and_serve<R: Registry>(
     coordinator: Coordinator<R>,
     registry: R,
     model: ModelInfo,
+    limits: SchedulerLimits,
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<()> {
     let stop = shutdown.child_token();
     let view = coordinator.view();
     let empty = Plan { epoch: PlanEpoch(0), stages: Vec::new(), model: model.name.clone(), num_layers: 0 };
-    let pipeline = Arc::new(Pipeline::start(model, empty, stop.clone()));
+    let pipeline = Arc::new(Pipeline::start_with(model, empty, limits, stop.clone()));
     tokio::spawn(follow_ready_plans(view.clone(), pipeline.clone(), stop.clone()));
     let admin: Arc<dyn NodeAdmin> = Arc::new(registry);
     let server = tokio::spawn(api::serve(listener, CoordinatorApi::new(pipeline, view, Some(admin)), stop.clone()));

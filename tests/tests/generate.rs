@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use strata_proto::pb;
 use strata_proto::tonic_health::pb::HealthCheckRequest;
 use strata_proto::tonic_health::pb::health_check_response::ServingStatus;
@@ -26,7 +26,11 @@ async fn tiny_model_greedy_matches_the_engine_on_1_2_and_3_stages() -> Result<()
         assert_eq!(got.prompt_ids, PROMPT, "{bounds:?}");
         assert_eq!(got.token_ids, expected, "{bounds:?}");
         assert_eq!(got.finish_reason, pb::FinishReason::Length as i32);
-        assert_eq!(got.usage, Some(pb::Usage { prompt_tokens: 5, completion_tokens: 12 }));
+        let usage = got.usage.context("no usage")?;
+        assert_eq!((usage.prompt_tokens, usage.completion_tokens), (5, 12));
+        // One prefill step and 11 decode steps; the pipeline time includes every stage's compute.
+        assert_eq!(usage.steps, 12, "{bounds:?}");
+        assert!(usage.stage_compute_micros > 0 && usage.pipeline_micros >= usage.stage_compute_micros, "{usage:?}");
 
         let status = client.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner();
         assert_eq!(status.stages.len(), bounds.len() - 1);
@@ -157,7 +161,7 @@ async fn a_dead_stage_0_is_unavailable_quickly() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smollm2_text_prompt_matches_the_engine_on_1_2_and_3_stages() -> Result<()> {
     let model = smollm2();
-    let sizing = StageSizing { threads: 2, kv_blocks: 16, block_size: 16 };
+    let sizing = StageSizing { threads: 2, kv_blocks: 16, block_size: 16, ..StageSizing::default() };
     let info = strata_coordinator::ModelInfo::open(&model)?;
     let tok = info.tokenizer.clone().ok_or_else(|| anyhow::anyhow!("SmolLM2 has a tokenizer"))?;
     let prompt_ids = tok.encode("The capital of France is")?;
