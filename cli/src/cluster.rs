@@ -1,7 +1,7 @@
 //! `strata local` (a whole cluster in this process) and `strata client generate` (a request to a coordinator).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use strata_coordinator::{CoordinatorConfig, EmbeddedRegistry};
@@ -35,20 +35,34 @@ pub struct LocalArgs {
     kv_blocks: usize,
 }
 
-/// Runs `strata local` until Ctrl-C: an embedded registry, `stages` workers on loopback ports and a coordinator,
-/// all talking real gRPC.
-pub fn local(a: LocalArgs) -> Result<()> {
-    if a.stages == 0 {
-        bail!("--stages must be at least 1");
-    }
-    let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    rt.block_on(async move {
+/// A whole cluster in this process: stage workers registered in an embedded registry and a coordinator, all
+/// talking real gRPC on loopback.
+pub(crate) struct LocalCluster {
+    workers: Vec<Worker>,
+    coordinator: tokio::task::JoinHandle<strata_coordinator::Result<()>>,
+    shutdown: CancellationToken,
+}
+
+impl LocalCluster {
+    /// Starts `stages` workers (each with `threads` threads and `kv_blocks` KV blocks) and a coordinator serving
+    /// gRPC on `grpc` and HTTP on `http`.
+    pub(crate) async fn start(
+        model: &Path,
+        stages: usize,
+        threads: usize,
+        kv_blocks: usize,
+        grpc: SocketAddr,
+        http: SocketAddr,
+    ) -> Result<Self> {
+        if stages == 0 {
+            bail!("--stages must be at least 1");
+        }
         let registry = EmbeddedRegistry::new("local");
-        let mut workers = Vec::with_capacity(a.stages);
-        for i in 0..a.stages {
-            let mut cfg = WorkerConfig::new(format!("local-{i}"), a.model.clone(), None);
-            cfg.threads = a.threads;
-            cfg.kv_blocks = a.kv_blocks;
+        let mut workers = Vec::with_capacity(stages);
+        for i in 0..stages {
+            let mut cfg = WorkerConfig::new(format!("local-{i}"), model, None);
+            cfg.threads = threads;
+            cfg.kv_blocks = kv_blocks;
             let w = Worker::start_registered(cfg, registry.clone(), RegistrationOptions::default(), "127.0.0.1:0")
                 .await
                 .with_context(|| format!("starting stage worker {i}"))?;
@@ -56,30 +70,48 @@ pub fn local(a: LocalArgs) -> Result<()> {
             workers.push(w);
         }
         let config = CoordinatorConfig {
-            etcd: None,
             cluster: "local".into(),
-            model: a.model.clone(),
-            grpc_addr: a.grpc,
-            http_addr: a.http,
-            min_stages: a.stages,
+            min_stages: stages,
             candidate: Some("local-coordinator".into()),
-            lease_ttl_secs: 5,
-            connect_timeout_ms: 10_000,
             kv_reserve_tokens: 256,
-            ..CoordinatorConfig::new(a.model.clone(), a.grpc, a.http)
+            ..CoordinatorConfig::new(model, grpc, http)
         };
         let shutdown = CancellationToken::new();
-        let stop = shutdown.clone();
-        tokio::spawn(async move {
-            let _ = tokio::signal::ctrl_c().await;
-            stop.cancel();
-        });
-        eprintln!("coordinator gRPC API on {} ({} stages; Ctrl-C to stop)", a.grpc, a.stages);
-        let result = strata_coordinator::run_with_registry(config, registry, shutdown).await;
-        for w in workers {
+        let coordinator = tokio::spawn(strata_coordinator::run_with_registry(config, registry, shutdown.clone()));
+        Ok(Self { workers, coordinator, shutdown })
+    }
+
+    /// Runs until `stop` fires or the coordinator fails, then shuts everything down.
+    pub(crate) async fn run_until(mut self, stop: impl std::future::Future<Output = ()>) -> Result<()> {
+        let finished = tokio::select! {
+            () = stop => None,
+            r = &mut self.coordinator => Some(r),
+        };
+        self.shutdown.cancel();
+        let joined = match finished {
+            Some(r) => r,
+            None => self.coordinator.await,
+        };
+        let result = joined.context("coordinator task").and_then(|r| r.context("coordinator"));
+        for w in self.workers {
             let _ = w.shutdown().await;
         }
-        result.context("coordinator")
+        result
+    }
+}
+
+/// Runs `strata local` until Ctrl-C: an embedded registry, `stages` workers on loopback ports and a coordinator,
+/// all talking real gRPC.
+pub fn local(a: LocalArgs) -> Result<()> {
+    let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    rt.block_on(async move {
+        let cluster = LocalCluster::start(&a.model, a.stages, a.threads, a.kv_blocks, a.grpc, a.http).await?;
+        eprintln!("coordinator gRPC API on {} ({} stages; Ctrl-C to stop)", a.grpc, a.stages);
+        cluster
+            .run_until(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await
     })
 }
 

@@ -61,3 +61,30 @@ fn local_cluster_matches_single_process_on_smollm2() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn cluster_bench_reports_every_level_and_writes_a_plot() -> Result<()> {
+    let model = smollm2();
+    let dir = tempfile::tempdir()?;
+    let out = dir.path().join("cluster.json");
+    let m = model.to_str().unwrap_or_default();
+    let o = out.to_str().unwrap_or_default();
+    let args = ["bench", "--model", m, "--local", "2", "--concurrency", "1,3", "--requests-per-client", "1"];
+    let sizes = ["--prompt-tokens", "4", "--decode-tokens", "5", "--threads", "2", "--out", o];
+    let table = text(&[&args[..], &sizes[..]].concat())?;
+    assert!(table.contains("| 2 | 1 | 3 |"), "{table}");
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out)?)?;
+    let runs = report["runs"].as_array().context("runs")?;
+    assert_eq!(runs.len(), 2, "{report}");
+    for (run, streams) in runs.iter().zip([1, 3]) {
+        assert_eq!(run["stages"], 2);
+        assert_eq!(run["concurrency"], streams);
+        // EOS is ignored, so every request yields exactly --decode-tokens tokens.
+        assert_eq!(run["completion_tokens"], 5 * streams, "{run}");
+        assert!(run["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0), "{run}");
+        assert!(run["overhead_us_per_hop"].as_f64().is_some_and(|t| t > 0.0), "{run}");
+    }
+    let svg = std::fs::read_to_string(out.with_extension("svg"))?;
+    assert!(svg.contains("<polyline") && svg.contains("2 stages"), "{svg}");
+    Ok(())
+}

@@ -122,6 +122,7 @@ impl CoordinatorApi {
             sampling,
             stop: req.stop,
             logprobs: req.logprobs,
+            ignore_eos: req.ignore_eos,
         })
     }
 

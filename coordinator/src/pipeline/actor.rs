@@ -48,6 +48,7 @@ struct Seq {
     max_tokens: usize,
     sampling: pb::SamplingParams,
     logprobs: bool,
+    ignore_eos: bool,
     in_flight: bool,
     done: bool,
     stop: StopState,
@@ -237,6 +238,7 @@ impl Actor {
                 max_tokens: req.max_tokens,
                 sampling: req.sampling,
                 logprobs: req.logprobs,
+                ignore_eos: req.ignore_eos,
                 in_flight: false,
                 done: false,
                 stop: StopState::new(req.stop),
@@ -453,7 +455,7 @@ impl Actor {
             seq.done = true;
             return;
         }
-        if eos {
+        if eos && !seq.ignore_eos {
             return seq.finish(Finish::Eos);
         }
         seq.output.push(t.token_id);

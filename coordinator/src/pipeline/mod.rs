@@ -111,6 +111,8 @@ pub struct SeqRequest {
     pub stop: Vec<String>,
     /// Return each token's log-probability.
     pub logprobs: bool,
+    /// Generate past end-of-sequence tokens.
+    pub ignore_eos: bool,
 }
 
 /// Why a sequence ended.
