@@ -79,6 +79,15 @@ impl Seq {
     }
 }
 
+/// Why a sequence goes back to the queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Requeue {
+    /// The KV cache is full (a preemption).
+    KvFull,
+    /// The plan changed under it.
+    PlanChanged,
+}
+
 /// A micro-batch in flight.
 struct InFlight {
     seqs: Vec<u64>,
@@ -99,8 +108,10 @@ pub(super) struct Actor {
     next_seq: u64,
     next_order: u64,
     next_batch: u64,
-    released_tx: mpsc::Sender<usize>,
-    released_rx: mpsc::Receiver<usize>,
+    /// Finished releases: (budget generation, blocks). A release of an older budget (plan) is ignored.
+    released_tx: mpsc::Sender<(u64, usize)>,
+    released_rx: mpsc::Receiver<(u64, usize)>,
+    kv_generation: u64,
     preemptions: Arc<AtomicU64>,
 }
 
@@ -122,6 +133,7 @@ impl Actor {
             next_batch: 1,
             released_tx,
             released_rx,
+            kv_generation: 0,
             preemptions,
         }
     }
@@ -129,6 +141,13 @@ impl Actor {
     pub(super) async fn run(mut self, mut commands: mpsc::Receiver<Command>, shutdown: CancellationToken) {
         loop {
             self.reap();
+            if self.stream.is_none() && !self.waiting.is_empty() {
+                // Sequences carried over from an old plan (or a broken stream) wait for the new stage 0.
+                if let Err(e) = self.ensure_connected().await {
+                    self.fail_all(&e);
+                    self.reap();
+                }
+            }
             self.schedule().await;
             let waiting = !self.batches.is_empty();
             tokio::select! {
@@ -142,8 +161,8 @@ impl Actor {
                     Some(Command::SetPlan(plan)) => self.set_plan(plan),
                 },
                 resp = next_response(&mut self.stream), if waiting => self.on_response(resp),
-                Some(n) = self.released_rx.recv() => {
-                    if let Some(kv) = &mut self.kv {
+                Some((generation, n)) = self.released_rx.recv() => {
+                    if let Some(kv) = self.kv.as_mut().filter(|_| generation == self.kv_generation) {
                         kv.released(n);
                     }
                 }
@@ -153,17 +172,29 @@ impl Actor {
         self.reap();
     }
 
+    /// Switches to `plan`: batches in flight under the old plan are abandoned, and every active sequence is
+    /// queued (in its original order) to be recomputed from its prompt and output under the new one.
     fn set_plan(&mut self, plan: Plan) {
         if plan.epoch == self.plan.epoch && plan.stages == self.plan.stages {
             return;
         }
         tracing::info!(epoch = %plan.epoch, stages = plan.stages.len(), "switching to a new plan");
-        self.fail_all(&ServiceError::unavailable(format!("the plan changed to {}", plan.epoch)));
+        self.batches.clear();
+        for seq in self.seqs.values_mut() {
+            seq.in_flight = false;
+        }
         self.reap();
+        // Free what the old stages hold (they may keep serving another epoch) before forgetting the client.
+        let mut active: Vec<(u64, u64)> = self.seqs.iter().map(|(id, s)| (s.order, *id)).collect();
+        active.sort_unstable();
+        for &(_, id) in active.iter().rev() {
+            self.requeue(id, Requeue::PlanChanged);
+        }
         self.plan = plan;
         self.client = None;
         self.stream = None;
         self.kv = None;
+        self.kv_generation += 1;
     }
 
     /// Opens the `Forward` stream to stage 0 and learns the KV capacity of every stage.
@@ -196,6 +227,7 @@ impl Actor {
         self.client = Some(client);
         self.stream = Some(stream);
         self.kv = Some(kv);
+        self.kv_generation += 1;
         Ok(())
     }
 
@@ -350,21 +382,24 @@ impl Actor {
                 .filter(|(_, s)| s.running && !s.in_flight && !s.gone() && s.order > order)
                 .max_by_key(|(_, s)| s.order)
                 .map(|(v, _)| *v)?;
-            self.preempt(victim);
+            self.requeue(victim, Requeue::KvFull);
         }
     }
 
-    /// Frees a running sequence's KV on every stage and queues it (first) to be recomputed from its prompt and
-    /// output under a new id, so a late `Release` of the old id cannot touch the new cache.
-    fn preempt(&mut self, id: u64) {
+    /// Frees a sequence's KV on every stage and queues it (first) to be recomputed from its prompt and output
+    /// under a new id, so a late `Release` of the old id cannot touch the new cache.
+    fn requeue(&mut self, id: u64, why: Requeue) {
         let Some(mut seq) = self.seqs.remove(&id) else { return };
-        seq.preemptions += 1;
-        self.preemptions.fetch_add(1, Ordering::Relaxed);
-        tracing::debug!(seq = id, tokens = seq.pos, preemptions = seq.preemptions, "KV cache full: preempting");
+        if why == Requeue::KvFull {
+            seq.preemptions += 1;
+            self.preemptions.fetch_add(1, Ordering::Relaxed);
+        }
+        tracing::debug!(seq = id, tokens = seq.pos, preemptions = seq.preemptions, ?why, "requeueing for recompute");
         let blocks = seq.blocks;
         if let Some(kv) = &mut self.kv {
             kv.release(&mut seq.blocks);
         }
+        seq.blocks = 0;
         self.release(vec![id], blocks);
         if seq.preemptions > MAX_PREEMPTIONS {
             seq.fail(ServiceError::resource_exhausted(format!(
@@ -430,7 +465,7 @@ impl Actor {
                 // A stage ran out of KV blocks (e.g. its cache is smaller than it reported): recompute later.
                 tracing::info!(batch_id = resp.batch_id, error = %err, "batch out of KV cache: preempting it");
                 for id in &batch.seqs {
-                    self.preempt(*id);
+                    self.requeue(*id, Requeue::KvFull);
                 }
                 return;
             }
@@ -502,6 +537,8 @@ impl Actor {
         if gone.is_empty() {
             return;
         }
+        let seqs = &self.seqs;
+        self.waiting.retain(|id| seqs.get(id).is_some_and(|s| !s.gone()));
         let mut blocks = 0;
         let mut held = Vec::new();
         for id in &gone {
@@ -524,8 +561,9 @@ impl Actor {
     /// Frees `seq_ids` on every stage in the background; their `blocks` return to the budget when it finishes.
     fn release(&self, seq_ids: Vec<u64>, blocks: usize) {
         let released = self.released_tx.clone();
+        let generation = self.kv_generation;
         let Some(mut client) = self.client.clone() else {
-            let _ = released.try_send(blocks);
+            let _ = released.try_send((generation, blocks));
             return;
         };
         tokio::spawn(async move {
@@ -537,7 +575,7 @@ impl Actor {
             }
             // Even a failed release gives the blocks back: a stage that still holds them answers
             // RESOURCE_EXHAUSTED, and that batch is preempted and retried.
-            let _ = released.send(blocks).await;
+            let _ = released.send((generation, blocks)).await;
         });
     }
 }
