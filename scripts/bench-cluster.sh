@@ -7,5 +7,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 model="$(scripts/fetch-model.sh)"
 cargo build --release --locked -q -p strata-cli
-exec target/release/strata bench --model "$model" --local 1,2,3 --concurrency 1,4,16,64 \
+exec "${CARGO_TARGET_DIR:-target}/release/strata" bench --model "$model" --local 1,2,3 --concurrency 1,4,16,64 \
   --requests-per-client 2 --prompt-tokens 32 --decode-tokens 64 --threads 2 "$@"
