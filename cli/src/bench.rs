@@ -15,12 +15,24 @@ use crate::load::{load, parse_dtype};
 /// Arguments of `strata bench`.
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    /// Hugging Face directory or `.gguf` file.
+    /// Hugging Face directory or `.gguf` file (not needed with --coordinator).
     #[arg(long, env = "STRATA_MODEL")]
-    model: PathBuf,
-    /// CPU threads (0: one per core).
+    model: Option<PathBuf>,
+    /// CPU threads (0: one per core); with --local, the total split evenly over the stages.
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Benchmark serving through a running coordinator (gRPC URL) instead of the engine in this process.
+    #[arg(long, conflicts_with = "local")]
+    coordinator: Option<String>,
+    /// Benchmark serving through local clusters of these stage counts (e.g. `1,2,3`), started in this process.
+    #[arg(long, value_delimiter = ',')]
+    local: Vec<usize>,
+    /// Concurrent client streams for --coordinator/--local, one run per level.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    concurrency: Vec<usize>,
+    /// Requests each client stream sends in turn (--coordinator/--local).
+    #[arg(long, default_value_t = 2)]
+    requests_per_client: usize,
     /// Prompt length for the prefill measurement.
     #[arg(long, default_value_t = 128)]
     prompt_tokens: usize,
@@ -33,9 +45,10 @@ pub struct BenchArgs {
     /// Store float weights as this type.
     #[arg(long, value_parser = parse_dtype)]
     dtype: Option<DType>,
-    /// Where to write the JSON report.
-    #[arg(long, default_value = "target/bench/engine.json")]
-    out: PathBuf,
+    /// Where to write the JSON report (default target/bench/engine.json, or target/bench/cluster.json with an
+    /// SVG plot beside it for --coordinator/--local).
+    #[arg(long)]
+    out: Option<PathBuf>,
     /// A llama.cpp baseline JSON (from scripts/llama-cpp-baseline.sh) to print beside the results.
     #[arg(long)]
     compare: Option<PathBuf>,
@@ -73,8 +86,23 @@ fn synthetic_prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
 
 /// Runs `strata bench`.
 pub fn run(a: BenchArgs) -> Result<()> {
+    if a.coordinator.is_some() || !a.local.is_empty() {
+        return crate::bench_cluster::run(crate::bench_cluster::ClusterBench {
+            coordinator: a.coordinator,
+            local: a.local,
+            model: a.model,
+            concurrency: a.concurrency,
+            requests_per_client: a.requests_per_client,
+            prompt_tokens: a.prompt_tokens,
+            max_tokens: a.decode_tokens,
+            threads: a.threads,
+            out: a.out.unwrap_or_else(|| PathBuf::from("target/bench/cluster.json")),
+        });
+    }
+    let model = a.model.context("--model is required (or --coordinator / --local)")?;
+    let out = a.out.unwrap_or_else(|| PathBuf::from("target/bench/engine.json"));
     let t0 = Instant::now();
-    let loaded = load(&a.model, a.dtype, a.threads, false)?;
+    let loaded = load(&model, a.dtype, a.threads, false)?;
     let load_seconds = t0.elapsed().as_secs_f64();
     let cfg = loaded.model.config().clone();
     let backend = loaded.model.backend().clone();
@@ -122,7 +150,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
 
     let report = Report {
         engine: "strata",
-        model: a.model.display().to_string(),
+        model: model.display().to_string(),
         backend: backend_name(&backend),
         threads,
         load_seconds,
@@ -135,11 +163,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
         decode_tokens_per_s_batched: (a.decode_tokens * a.batch) as f64 / decode_b_s,
         peak_rss_bytes: peak_rss(),
     };
-    if let Some(dir) = a.out.parent() {
+    if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    std::fs::write(&a.out, serde_json::to_string_pretty(&report)?)
-        .with_context(|| format!("writing {}", a.out.display()))?;
+    std::fs::write(&out, serde_json::to_string_pretty(&report)?)
+        .with_context(|| format!("writing {}", out.display()))?;
     let baseline: Option<serde_json::Value> = match &a.compare {
         Some(p) => Some(serde_json::from_str(
             &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
@@ -172,7 +200,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     );
     println!("| peak RSS MiB | {:.1} | - |", report.peak_rss_bytes as f64 / 1048576.0);
     println!("| load s | {:.2} | - |", report.load_seconds);
-    eprintln!("wrote {}", a.out.display());
+    eprintln!("wrote {}", out.display());
     Ok(())
 }
 

@@ -1,7 +1,7 @@
 //! `strata local` (a whole cluster in this process) and `strata client generate` (a request to a coordinator).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use strata_coordinator::{CoordinatorConfig, EmbeddedRegistry};
@@ -36,20 +36,34 @@ pub struct LocalArgs {
     kv_blocks: usize,
 }
 
-/// Runs `strata local` until Ctrl-C: an embedded registry, `stages` workers on loopback ports and a coordinator
-/// (gRPC and HTTP APIs), all talking real gRPC.
-pub fn local(a: LocalArgs) -> Result<()> {
-    if a.stages == 0 {
-        bail!("--stages must be at least 1");
-    }
-    let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    rt.block_on(async move {
+/// A whole cluster in this process: stage workers registered in an embedded registry and a coordinator, all
+/// talking real gRPC on loopback.
+pub(crate) struct LocalCluster {
+    workers: Vec<Worker>,
+    coordinator: tokio::task::JoinHandle<strata_coordinator::Result<()>>,
+    shutdown: CancellationToken,
+}
+
+impl LocalCluster {
+    /// Starts `stages` workers (each with `threads` threads and `kv_blocks` KV blocks) and a coordinator serving
+    /// gRPC on `grpc` and HTTP on `http`.
+    pub(crate) async fn start(
+        model: &Path,
+        stages: usize,
+        threads: usize,
+        kv_blocks: usize,
+        grpc: SocketAddr,
+        http: SocketAddr,
+    ) -> Result<Self> {
+        if stages == 0 {
+            bail!("--stages must be at least 1");
+        }
         let registry = EmbeddedRegistry::new("local");
-        let mut workers = Vec::with_capacity(a.stages);
-        for i in 0..a.stages {
-            let mut cfg = WorkerConfig::new(format!("local-{i}"), a.model.clone(), None);
-            cfg.threads = a.threads;
-            cfg.kv_blocks = a.kv_blocks;
+        let mut workers = Vec::with_capacity(stages);
+        for i in 0..stages {
+            let mut cfg = WorkerConfig::new(format!("local-{i}"), model, None);
+            cfg.threads = threads;
+            cfg.kv_blocks = kv_blocks;
             let w = Worker::start_registered(cfg, registry.clone(), RegistrationOptions::default(), "127.0.0.1:0")
                 .await
                 .with_context(|| format!("starting stage worker {i}"))?;
@@ -57,30 +71,49 @@ pub fn local(a: LocalArgs) -> Result<()> {
             workers.push(w);
         }
         let config = CoordinatorConfig {
-            etcd: None,
             cluster: "local".into(),
-            model: a.model.clone(),
-            grpc_addr: a.grpc,
-            http_addr: a.http,
-            min_stages: a.stages,
+            min_stages: stages,
             candidate: Some("local-coordinator".into()),
-            lease_ttl_secs: 5,
-            connect_timeout_ms: 10_000,
             kv_reserve_tokens: 256,
+            ..CoordinatorConfig::new(model, grpc, http)
         };
         let shutdown = CancellationToken::new();
-        let stop = shutdown.clone();
-        tokio::spawn(async move {
-            let _ = tokio::signal::ctrl_c().await;
-            stop.cancel();
-        });
-        eprintln!("coordinator gRPC API on {}, OpenAI-compatible HTTP API on http://{}/v1", a.grpc, a.http);
-        eprintln!("{} stages; requests are served once every stage is ready (GET /health); Ctrl-C to stop", a.stages);
-        let result = strata_coordinator::run_with_registry(config, registry, shutdown).await;
-        for w in workers {
+        let coordinator = tokio::spawn(strata_coordinator::run_with_registry(config, registry, shutdown.clone()));
+        Ok(Self { workers, coordinator, shutdown })
+    }
+
+    /// Runs until `stop` fires or the coordinator fails, then shuts everything down.
+    pub(crate) async fn run_until(mut self, stop: impl std::future::Future<Output = ()>) -> Result<()> {
+        let finished = tokio::select! {
+            () = stop => None,
+            r = &mut self.coordinator => Some(r),
+        };
+        self.shutdown.cancel();
+        let joined = match finished {
+            Some(r) => r,
+            None => self.coordinator.await,
+        };
+        let result = joined.context("coordinator task").and_then(|r| r.context("coordinator"));
+        for w in self.workers {
             let _ = w.shutdown().await;
         }
-        result.context("coordinator")
+        result
+    }
+}
+
+/// Runs `strata local` until Ctrl-C: an embedded registry, `stages` workers on loopback ports and a coordinator
+/// (gRPC and HTTP APIs), all talking real gRPC.
+pub fn local(a: LocalArgs) -> Result<()> {
+    let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    rt.block_on(async move {
+        let cluster = LocalCluster::start(&a.model, a.stages, a.threads, a.kv_blocks, a.grpc, a.http).await?;
+        eprintln!("coordinator gRPC API on {}, OpenAI-compatible HTTP API on http://{}/v1", a.grpc, a.http);
+        eprintln!("{} stages; requests are served once every stage is ready (GET /health); Ctrl-C to stop", a.stages);
+        cluster
+            .run_until(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await
     })
 }
 
@@ -125,14 +158,25 @@ pub fn client_generate(a: ClientGenerateArgs) -> Result<()> {
     let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     rt.block_on(async move {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(a.wait);
-        let mut stream = loop {
+        // The cluster may still be loading or switching plans: UNAVAILABLE (or no listener yet) before the first
+        // token is retried until --wait; once a token arrived, a failure is final.
+        let (mut stream, first) = loop {
             let attempt = async {
                 let mut client = CoordinatorClient::connect(a.coordinator.clone()).await?;
-                Ok::<_, anyhow::Error>(client.generate(req.clone()).await?.into_inner())
+                let mut stream = client.generate(req.clone()).await?.into_inner();
+                let mut early = Vec::new();
+                loop {
+                    let msg = stream.message().await?;
+                    let started = msg.as_ref().is_none_or(|m| !m.token_ids.is_empty() || m.finish_reason != 0);
+                    early.extend(msg);
+                    if started {
+                        break;
+                    }
+                }
+                Ok::<_, anyhow::Error>((stream, early))
             };
             match attempt.await {
                 Ok(s) => break s,
-                // The cluster may still be loading: UNAVAILABLE (or no listener yet) is retried until --wait.
                 Err(e) if std::time::Instant::now() < deadline && retryable(&e) => {
                     tokio::time::sleep(std::time::Duration::from_millis(250)).await;
                 }
@@ -142,7 +186,9 @@ pub fn client_generate(a: ClientGenerateArgs) -> Result<()> {
         let (mut prompt_ids, mut token_ids, mut text, mut finish) = (Vec::new(), Vec::new(), String::new(), None);
         use std::io::Write;
         let mut stdout = std::io::stdout().lock();
-        while let Some(msg) = stream.message().await.context("reading the response stream")? {
+        let mut early = first.into_iter();
+        let mut next = early.next();
+        while let Some(msg) = next {
             if !msg.prompt_ids.is_empty() {
                 prompt_ids = msg.prompt_ids.clone();
             }
@@ -154,6 +200,10 @@ pub fn client_generate(a: ClientGenerateArgs) -> Result<()> {
             if msg.finish_reason != 0 {
                 finish = Some(msg.finish_reason);
             }
+            next = match early.next() {
+                Some(m) => Some(m),
+                None => stream.message().await.context("reading the response stream")?,
+            };
         }
         let finish_reason = match finish.and_then(|f| pb::FinishReason::try_from(f).ok()) {
             Some(pb::FinishReason::Length) => "length",

@@ -1,6 +1,7 @@
 //! `strata`: generate text, benchmark, and convert models from the command line.
 
 mod bench;
+mod bench_cluster;
 mod cluster;
 mod generate;
 mod load;
@@ -18,7 +19,7 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt in this process.
     Generate(generate::GenerateArgs),
-    /// Measure prefill and decode speed and peak memory.
+    /// Measure prefill and decode speed and peak memory, or serving through a cluster (--coordinator, --local).
     Bench(bench::BenchArgs),
     /// Convert a GGUF file into a Hugging Face directory (dequantized safetensors).
     Convert(load::ConvertArgs),

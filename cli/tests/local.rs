@@ -1,13 +1,10 @@
 //! `strata local` (real processes: one running the cluster, one client) gives exactly the greedy tokens of
 //! `strata generate` in a single process, before and after draining a worker.
 
-#[allow(dead_code)] // shared by the real-process tests; this one needs only a part
-mod common;
-
 use std::process::Command;
 
 use anyhow::{Context, Result};
-use common::{Local, smollm2};
+use strata_testkit::{Process, free_port, smollm2};
 
 fn text(args: &[&str]) -> Result<String> {
     let out = Command::new(env!("CARGO_BIN_EXE_strata")).args(args).output()?;
@@ -26,8 +23,14 @@ fn local_cluster_matches_single_process_on_smollm2() -> Result<()> {
     let model = smollm2();
     let m = model.to_str().unwrap_or_default();
     for stages in ["1", "3"] {
-        let cluster = Local::start(&model, stages)?;
-        let url = format!("http://{}", cluster.grpc);
+        let port = free_port()?;
+        let grpc = format!("127.0.0.1:{port}");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_strata"));
+        // A free HTTP port too: the default 8080 would collide between concurrent runs.
+        let http = format!("127.0.0.1:{}", free_port()?);
+        cmd.args(["local", "--model", m, "--stages", stages, "--grpc", &grpc, "--http", &http, "--threads", "1"]);
+        let _cluster = Process::spawn("strata-local", cmd)?;
+        let url = format!("http://{grpc}");
         let prompt = ["--prompt", "The capital of France is", "--max-tokens", "8", "--format", "json"];
         let mut client = vec!["client", "generate", "--coordinator", url.as_str(), "--wait", "60"];
         client.extend_from_slice(&prompt);
@@ -58,5 +61,32 @@ fn local_cluster_matches_single_process_on_smollm2() -> Result<()> {
             assert_eq!(after["token_ids"], local["token_ids"], "tokens changed after the drain");
         }
     }
+    Ok(())
+}
+
+#[test]
+fn cluster_bench_reports_every_level_and_writes_a_plot() -> Result<()> {
+    let model = smollm2();
+    let dir = tempfile::tempdir()?;
+    let out = dir.path().join("cluster.json");
+    let m = model.to_str().unwrap_or_default();
+    let o = out.to_str().unwrap_or_default();
+    let args = ["bench", "--model", m, "--local", "2", "--concurrency", "1,3", "--requests-per-client", "1"];
+    let sizes = ["--prompt-tokens", "4", "--decode-tokens", "5", "--threads", "2", "--out", o];
+    let table = text(&[&args[..], &sizes[..]].concat())?;
+    assert!(table.contains("| 2 | 1 | 3 |"), "{table}");
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out)?)?;
+    let runs = report["runs"].as_array().context("runs")?;
+    assert_eq!(runs.len(), 2, "{report}");
+    for (run, streams) in runs.iter().zip([1, 3]) {
+        assert_eq!(run["stages"], 2);
+        assert_eq!(run["concurrency"], streams);
+        // EOS is ignored, so every request yields exactly --decode-tokens tokens.
+        assert_eq!(run["completion_tokens"], 5 * streams, "{run}");
+        assert!(run["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0), "{run}");
+        assert!(run["overhead_us_per_hop"].as_f64().is_some_and(|t| t > 0.0), "{run}");
+    }
+    let svg = std::fs::read_to_string(out.with_extension("svg"))?;
+    assert!(svg.contains("<polyline") && svg.contains("2 stages"), "{svg}");
     Ok(())
 }

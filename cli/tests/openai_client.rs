@@ -5,20 +5,18 @@
 //! (`$STRATA_CACHE/venv`); with neither, the test fails, never skips. `scripts/test` runs `scripts/python-env.sh`
 //! and exports `STRATA_PYTHON`, so the test always runs there.
 
-#[allow(dead_code)] // shared by the real-process tests; this one needs only a part
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Result, bail};
-use common::{Local, cache_dir, smollm2};
+use strata_testkit::{Process, free_port, smollm2};
 
 fn python() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("STRATA_PYTHON") {
         return Ok(PathBuf::from(p));
     }
-    let venv = cache_dir().join("venv/bin/python");
+    let cache = std::env::var_os("STRATA_CACHE").map_or_else(|| PathBuf::from("/var/cache/strata"), PathBuf::from);
+    let venv = cache.join("venv/bin/python");
     if venv.exists() {
         return Ok(venv);
     }
@@ -32,11 +30,15 @@ fn python() -> Result<PathBuf> {
 #[test]
 fn the_openai_python_client_works_against_strata_local() -> Result<()> {
     let python = python()?;
-    let cluster = Local::start(&smollm2(), "3")?;
+    let (grpc, http) = (format!("127.0.0.1:{}", free_port()?), format!("127.0.0.1:{}", free_port()?));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_strata"));
+    cmd.arg("local").arg("--model").arg(smollm2());
+    cmd.args(["--stages", "3", "--grpc", &grpc, "--http", &http, "--threads", "1"]);
+    let cluster = Process::spawn("strata-local", cmd)?;
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/openai_client/check.py");
     let out = Command::new(&python)
         .arg(&script)
-        .args(["--base-url", &format!("http://{}/v1", cluster.http), "--wait", "180"])
+        .args(["--base-url", &format!("http://{http}/v1"), "--wait", "180"])
         .output()?;
     assert!(
         out.status.success(),
@@ -46,7 +48,7 @@ fn the_openai_python_client_works_against_strata_local() -> Result<()> {
         out.status,
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
-        cluster.log_tail()
+        cluster.output()
     );
     print!("{}", String::from_utf8_lossy(&out.stdout));
     Ok(())

@@ -98,6 +98,7 @@ impl CoordinatorApi {
             sampling: req.sampling.unwrap_or_default(),
             stop: req.stop,
             logprobs: req.logprobs,
+            ignore_eos: req.ignore_eos,
         };
         request::prepare(self.pipeline.model(), params).map_err(|e| service_error(&e))
     }
@@ -175,6 +176,7 @@ async fn forward_events(
     let usage = |completion: usize| pb::Usage {
         prompt_tokens,
         completion_tokens: u32::try_from(completion).unwrap_or(u32::MAX),
+        ..Default::default()
     };
     if tx.send(Ok(pb::GenerateResponse { prompt_ids, ..Default::default() })).await.is_err() {
         return;
@@ -191,10 +193,15 @@ async fn forward_events(
                 logprobs: logprob.into_iter().collect(),
                 ..Default::default()
             })],
-            Some(SeqEvent::Done { finish, text, completion_tokens }) => vec![Ok(pb::GenerateResponse {
+            Some(SeqEvent::Done { finish, text, completion_tokens, timing }) => vec![Ok(pb::GenerateResponse {
                 text,
                 finish_reason: finish.to_pb() as i32,
-                usage: Some(usage(completion_tokens)),
+                usage: Some(pb::Usage {
+                    steps: timing.steps,
+                    stage_compute_micros: timing.compute_micros,
+                    pipeline_micros: timing.pipeline_micros,
+                    ..usage(completion_tokens)
+                }),
                 ..Default::default()
             })],
             Some(SeqEvent::Failed { error, completion_tokens }) => vec![

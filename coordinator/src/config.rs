@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::pipeline::SchedulerLimits;
 use crate::{Error, Result};
 
 /// Everything the coordinator needs to start.
@@ -39,6 +40,12 @@ pub struct CoordinatorConfig {
     /// Tokens of KV cache each stage must be able to hold (placement reserves memory for them).
     #[serde(default = "default_kv_reserve")]
     pub kv_reserve_tokens: u64,
+    /// Requests running or queued at once; more are refused with `RESOURCE_EXHAUSTED` (HTTP 429).
+    #[serde(default = "default_max_concurrent")]
+    pub max_concurrent_requests: usize,
+    /// Tokens per micro-batch; longer prompts are prefilled in chunks of this size.
+    #[serde(default = "default_max_batch_tokens")]
+    pub max_batch_tokens: usize,
 }
 
 fn default_cluster() -> String {
@@ -56,6 +63,12 @@ fn default_connect_timeout() -> u64 {
 fn default_kv_reserve() -> u64 {
     2048
 }
+fn default_max_concurrent() -> usize {
+    SchedulerLimits::default().max_concurrent_requests
+}
+fn default_max_batch_tokens() -> usize {
+    SchedulerLimits::default().max_batch_tokens
+}
 
 impl CoordinatorConfig {
     /// A config with defaults for everything but the model and the API addresses.
@@ -71,6 +84,8 @@ impl CoordinatorConfig {
             lease_ttl_secs: default_lease_ttl(),
             connect_timeout_ms: default_connect_timeout(),
             kv_reserve_tokens: default_kv_reserve(),
+            max_concurrent_requests: default_max_concurrent(),
+            max_batch_tokens: default_max_batch_tokens(),
         }
     }
 
@@ -110,10 +125,21 @@ impl CoordinatorConfig {
         if self.connect_timeout_ms == 0 {
             return bad("connect_timeout_ms must be positive".into());
         }
+        if self.max_concurrent_requests == 0 || self.max_batch_tokens == 0 {
+            return bad("max_concurrent_requests and max_batch_tokens must be at least 1".into());
+        }
         if self.model.as_os_str().is_empty() {
             return bad("model path is empty".into());
         }
         Ok(())
+    }
+
+    /// The scheduler's limits.
+    pub fn scheduler_limits(&self) -> SchedulerLimits {
+        SchedulerLimits {
+            max_concurrent_requests: self.max_concurrent_requests,
+            max_batch_tokens: self.max_batch_tokens,
+        }
     }
 
     /// The leader lease TTL.

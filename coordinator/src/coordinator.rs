@@ -48,6 +48,7 @@ impl ClusterSnapshot {
                     layer_seconds: n.layer_seconds,
                     layer_start: stage.map_or(0, |s| s.layer_start),
                     layer_end: stage.map_or(0, |s| s.layer_end),
+                    plan_epoch_loaded: n.plan_epoch_loaded.0,
                     ..Default::default()
                 }
             })
@@ -160,8 +161,9 @@ pub async fn run_with_registry<R: Registry>(
     let model = ModelInfo::open(&config.model)?;
     let grpc = bind("gRPC", config.grpc_addr).await?;
     let http = bind("HTTP", config.http_addr).await?;
+    let limits = config.scheduler_limits();
     let coordinator = Coordinator::new(registry.clone(), config, shape, model_name);
-    lead_and_serve(coordinator, registry, model, Listeners { grpc, http }, shutdown).await
+    lead_and_serve(coordinator, registry, model, limits, Listeners { grpc, http }, shutdown).await
 }
 
 async fn bind(api: &'static str, addr: std::net::SocketAddr) -> Result<tokio::net::TcpListener> {

@@ -22,5 +22,5 @@ pub use coordinator::{
 };
 pub use error::{Error, Result};
 pub use membership::{EmbeddedRegistry, EtcdRegistry, NodeEvent, NodeRecord, NodeState, Plan, PlanStage, Registry};
-pub use pipeline::{ModelInfo, Pipeline, SeqEvent, SeqRequest};
+pub use pipeline::{ModelInfo, Pipeline, SchedulerLimits, SeqEvent, SeqRequest, StepTiming};
 pub use placement::{ModelShape, NodeCapacity, PlacementError, StageAssignment};

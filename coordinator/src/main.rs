@@ -29,16 +29,31 @@ struct Args {
     /// Cluster name (etcd prefix `/strata/<cluster>/`).
     #[arg(long, env = "STRATA_CLUSTER", default_value = "default")]
     cluster: String,
+    /// How long to keep trying to reach etcd at start, in milliseconds.
+    #[arg(long, env = "STRATA_CONNECT_TIMEOUT_MS", default_value_t = 10_000)]
+    connect_timeout_ms: u64,
+    /// Requests running or queued at once; more get RESOURCE_EXHAUSTED (HTTP 429).
+    #[arg(long, env = "STRATA_MAX_CONCURRENT_REQUESTS", default_value_t = 128)]
+    max_concurrent_requests: usize,
+    /// Tokens per micro-batch (prompts longer than this are prefilled in chunks).
+    #[arg(long, env = "STRATA_MAX_BATCH_TOKENS", default_value_t = 512)]
+    max_batch_tokens: usize,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
+    // Operators see info logs unless RUST_LOG says otherwise.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).init();
     let args = Args::parse();
     let mut config = CoordinatorConfig::new(args.model, args.grpc, args.http);
     config.etcd = args.etcd.as_deref().map(CoordinatorConfig::parse_endpoints);
     config.min_stages = args.min_stages;
     config.cluster = args.cluster;
+    config.connect_timeout_ms = args.connect_timeout_ms;
+    config.max_concurrent_requests = args.max_concurrent_requests;
+    config.max_batch_tokens = args.max_batch_tokens;
     let shutdown = CancellationToken::new();
     tokio::spawn(cancel_on_signal(shutdown.clone()));
     strata_coordinator::run(config, shutdown).await?;

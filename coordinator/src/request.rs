@@ -47,6 +47,8 @@ pub struct GenerateParams {
     pub stop: Vec<String>,
     /// Return each token's log-probability.
     pub logprobs: bool,
+    /// Generate past end-of-sequence tokens (benchmarks).
+    pub ignore_eos: bool,
 }
 
 /// Checks the model name, tokenizes (through the chat template when asked), fills in the default `max_tokens`
@@ -94,6 +96,7 @@ pub fn prepare(model: &ModelInfo, params: GenerateParams) -> Result<SeqRequest> 
         sampling: params.sampling,
         stop: params.stop,
         logprobs: params.logprobs,
+        ignore_eos: params.ignore_eos,
     })
 }
 
@@ -139,6 +142,7 @@ mod tests {
             sampling: pb::SamplingParams::default(),
             stop: vec![],
             logprobs: false,
+            ignore_eos: false,
         }
     }
 

@@ -12,7 +12,7 @@ use crate::api::{self, CoordinatorApi, NodeAdmin};
 use crate::coordinator::{ClusterSnapshot, ClusterView, Coordinator};
 use crate::http::{self, HttpState};
 use crate::membership::{NodeState, Plan, Registry};
-use crate::pipeline::{ModelInfo, Pipeline};
+use crate::pipeline::{ModelInfo, Pipeline, SchedulerLimits};
 
 /// The bound listeners of the public APIs.
 pub(crate) struct Listeners {
@@ -27,13 +27,14 @@ pub(crate) async fn lead_and_serve<R: Registry>(
     coordinator: Coordinator<R>,
     registry: R,
     model: ModelInfo,
+    limits: SchedulerLimits,
     listeners: Listeners,
     shutdown: CancellationToken,
 ) -> Result<()> {
     let stop = shutdown.child_token();
     let view = coordinator.view();
     let empty = Plan { epoch: PlanEpoch(0), stages: Vec::new(), model: model.name.clone(), num_layers: 0 };
-    let pipeline = Arc::new(Pipeline::start(model, empty, stop.clone()));
+    let pipeline = Arc::new(Pipeline::start_with(model, empty, limits, stop.clone()));
     tokio::spawn(follow_ready_plans(view.clone(), pipeline.clone(), stop.clone()));
     let admin: Arc<dyn NodeAdmin> = Arc::new(registry);
     let http = tokio::spawn(http::serve(listeners.http, HttpState::new(pipeline.clone()), stop.clone()));

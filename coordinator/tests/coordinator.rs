@@ -121,7 +121,7 @@ async fn plan_join_and_drain<R: Registry>(reg: R) -> anyhow::Result<()> {
 #[tokio::test]
 async fn etcd_plan_join_and_drain() -> anyhow::Result<()> {
     let server = EtcdServer::start()?;
-    plan_join_and_drain(server.registry("flow").await?).await
+    plan_join_and_drain(common::registry(&server, "flow").await?).await
 }
 
 #[tokio::test]
@@ -134,7 +134,7 @@ async fn two_coordinators_one_leader_and_failover() -> anyhow::Result<()> {
     let server = EtcdServer::start()?;
     let dir = tempfile::tempdir()?;
     let model = tiny_model(dir.path(), LAYERS)?;
-    let reg = server.registry("ha").await?;
+    let reg = common::registry(&server, "ha").await?;
     let _nodes = [
         reg.register_node(node("a", NodeState::Ready), Duration::from_secs(5)).await?,
         reg.register_node(node("b", NodeState::Ready), Duration::from_secs(5)).await?,
@@ -143,7 +143,7 @@ async fn two_coordinators_one_leader_and_failover() -> anyhow::Result<()> {
     for name in ["one", "two"] {
         let cfg = config(&model, 2, name);
         let shape = ModelShape::from_model_path(&model, cfg.kv_reserve_tokens)?;
-        let c = Coordinator::new(server.registry("ha").await?, cfg, shape, "tiny".into());
+        let c = Coordinator::new(common::registry(&server, "ha").await?, cfg, shape, "tiny".into());
         let (view, shutdown) = (c.view(), CancellationToken::new());
         let task = tokio::spawn(c.run(shutdown.clone()));
         running.push((name, view, shutdown, task));
@@ -232,7 +232,7 @@ async fn etcd_outage_is_survived_and_watches_resume() -> anyhow::Result<()> {
     let mut server = EtcdServer::start()?;
     let dir = tempfile::tempdir()?;
     let model = tiny_model(dir.path(), LAYERS)?;
-    let reg = server.registry("outage").await?;
+    let reg = common::registry(&server, "outage").await?;
     let cfg = config(&model, 1, "survivor");
     let shape = ModelShape::from_model_path(&model, cfg.kv_reserve_tokens)?;
     let coordinator = Coordinator::new(reg.clone(), cfg, shape, "tiny".into());

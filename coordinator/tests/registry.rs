@@ -119,7 +119,7 @@ macro_rules! on_both_registries {
                 #[tokio::test]
                 async fn $name() -> anyhow::Result<()> {
                     let server = crate::common::EtcdServer::start()?;
-                    super::$name(server.registry("t").await?).await
+                    super::$name(crate::common::registry(&server, "t").await?).await
                 }
             )*
         }

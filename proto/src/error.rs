@@ -8,6 +8,9 @@ pub type Result<T, E = ProtoError> = std::result::Result<T, E>;
 /// Everything that can go wrong in `strata-proto`'s helpers.
 #[derive(Debug, thiserror::Error)]
 pub enum ProtoError {
+    /// TLS files are missing, unreadable or not PEM.
+    #[error("TLS: {0}")]
+    Tls(String),
     /// A hidden-state message names no dtype or one this build does not know.
     #[error("hidden states: unsupported dtype {0}")]
     UnsupportedDtype(i32),

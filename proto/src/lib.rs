@@ -7,6 +7,7 @@ pub mod error;
 pub mod ids;
 pub mod introspection;
 pub mod status;
+pub mod tls;
 pub mod trace;
 
 /// Generated `strata.v1` messages, clients (`*_client`) and servers (`*_server`).
@@ -23,5 +24,6 @@ pub use error::{ProtoError, Result};
 pub use ids::{NodeId, PlanEpoch, SeqId};
 pub use introspection::{COORDINATOR_SERVICE, STAGE_SERVICE, health_service, reflection_service, set_serving};
 pub use status::{ErrorCode, ServiceError};
+pub use tls::{Tls, TlsFiles};
 pub use trace::{extract_context, inject_context, inject_current_span, set_parent_from_metadata, trace_interceptor};
 pub use {tonic_health, tonic_reflection};

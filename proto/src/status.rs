@@ -216,7 +216,7 @@ impl From<ProtoError> for ServiceError {
             | ProtoError::DataLength { .. }
             | ProtoError::ValueCount { .. }
             | ProtoError::TooLarge { .. } => ErrorCode::InvalidArgument,
-            ProtoError::Reflection(_) | ProtoError::SetParent(_) => ErrorCode::Internal,
+            ProtoError::Reflection(_) | ProtoError::SetParent(_) | ProtoError::Tls(_) => ErrorCode::Internal,
         };
         ServiceError::new(code, err.to_string())
     }

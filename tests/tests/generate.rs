@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use strata_proto::pb;
 use strata_proto::tonic_health::pb::HealthCheckRequest;
 use strata_proto::tonic_health::pb::health_check_response::ServingStatus;
@@ -26,7 +26,11 @@ async fn tiny_model_greedy_matches_the_engine_on_1_2_and_3_stages() -> Result<()
         assert_eq!(got.prompt_ids, PROMPT, "{bounds:?}");
         assert_eq!(got.token_ids, expected, "{bounds:?}");
         assert_eq!(got.finish_reason, pb::FinishReason::Length as i32);
-        assert_eq!(got.usage, Some(pb::Usage { prompt_tokens: 5, completion_tokens: 12 }));
+        let usage = got.usage.context("no usage")?;
+        assert_eq!((usage.prompt_tokens, usage.completion_tokens), (5, 12));
+        // One prefill step and 11 decode steps; the pipeline time includes every stage's compute.
+        assert_eq!(usage.steps, 12, "{bounds:?}");
+        assert!(usage.stage_compute_micros > 0 && usage.pipeline_micros >= usage.stage_compute_micros, "{usage:?}");
 
         let status = client.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner();
         assert_eq!(status.stages.len(), bounds.len() - 1);
@@ -157,7 +161,7 @@ async fn a_dead_stage_0_is_unavailable_quickly() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smollm2_text_prompt_matches_the_engine_on_1_2_and_3_stages() -> Result<()> {
     let model = smollm2();
-    let sizing = StageSizing { threads: 2, kv_blocks: 16, block_size: 16 };
+    let sizing = StageSizing { threads: 2, kv_blocks: 16, block_size: 16, ..StageSizing::default() };
     let info = strata_coordinator::ModelInfo::open(&model)?;
     let tok = info.tokenizer.clone().ok_or_else(|| anyhow::anyhow!("SmolLM2 has a tokenizer"))?;
     let prompt_ids = tok.encode("The capital of France is")?;
@@ -189,4 +193,55 @@ async fn smollm2_text_prompt_matches_the_engine_on_1_2_and_3_stages() -> Result<
         cluster.stop().await?;
     }
     Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plan_change_mid_generation_recomputes_instead_of_failing() -> Result<()> {
+    // SmolLM2 is slow enough (tens of ms a token) that the switch lands in the middle of the generation.
+    let model = smollm2();
+    let info = strata_coordinator::ModelInfo::open(&model)?;
+    let tok = info.tokenizer.clone().ok_or_else(|| anyhow::anyhow!("SmolLM2 has a tokenizer"))?;
+    let prompt = tok.encode("The capital of France is")?;
+    let expected = reference(&model, 1, &prompt, 40)?;
+    ensure!(expected.len() > 12, "too short to switch in the middle: {expected:?}");
+    let old = TestCluster::start(&model, &[0, 10, 20, 30], StageSizing::default()).await?;
+    let new = TestCluster::start(&model, &[0, 15, 30], StageSizing::default()).await?;
+    let mut client = old.client().await?;
+    let mut stream = client.generate(ids_request(&prompt, 40)).await?.into_inner();
+    let mut tokens = Vec::new();
+    while tokens.len() < 5 {
+        let msg = stream.message().await?.ok_or_else(|| anyhow::anyhow!("stream ended early"))?;
+        tokens.extend(msg.token_ids);
+    }
+    // Move the data path to other workers with another split while the sequence is running.
+    let stages =
+        new.workers.iter().zip([0..15, 15..30]).map(|(w, r)| (w.local_addr().to_string(), r)).collect::<Vec<_>>();
+    old.pipeline.set_plan(static_plan(&old.pipeline.model().name, 30, &stages)).await?;
+    let before = tokens.len();
+    while tokens.len() == before {
+        let msg = stream.message().await?.ok_or_else(|| anyhow::anyhow!("stream ended at the switch"))?;
+        tokens.extend(msg.token_ids);
+    }
+    ensure!(tokens.len() < expected.len(), "the generation finished before the switch; the test proves nothing");
+    let resident = new.stage_status(0).await?;
+    ensure!(resident.kv_free_blocks < resident.kv_total_blocks, "the sequence is not on the new stages: {resident:?}");
+    while let Some(msg) = stream.message().await? {
+        tokens.extend(msg.token_ids);
+    }
+    assert_eq!(tokens, expected, "the sequence continued under the new plan with the same tokens");
+    // The old stages were told to free it; the new ones free it when it finishes.
+    for cluster in [&old, &new] {
+        eventually(Duration::from_secs(10), || async {
+            for i in 0..cluster.workers.len() {
+                let s = cluster.stage_status(i).await?;
+                if s.kv_free_blocks != s.kv_total_blocks {
+                    return Ok(false);
+                }
+            }
+            Ok(true)
+        })
+        .await?;
+    }
+    new.stop().await?;
+    old.stop().await
 }

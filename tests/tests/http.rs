@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use serde_json::{Value, json};
+use strata_coordinator::SchedulerLimits;
 use strata_proto::pb;
 use strata_tests::http_client::{self, EventStream};
 use strata_tests::{
@@ -221,6 +222,29 @@ async fn a_client_gone_mid_response_frees_kv_on_every_stage() -> Result<()> {
     cluster.stop().await
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overloaded_coordinator_answers_429_until_a_slot_frees() -> Result<()> {
+    let model = tiny_model_with_context(4096)?;
+    let limits = SchedulerLimits { max_concurrent_requests: 1, ..SchedulerLimits::default() };
+    let sizing = StageSizing { kv_blocks: 1100, limits, ..StageSizing::default() };
+    let cluster = TestCluster::start(model.path(), &[0, 2, 4], sizing).await?;
+    let http = cluster.http_addr;
+    let body = json!({"prompt": PROMPT, "max_tokens": 4000, "logprobs": 0, "stream": true});
+    let mut busy = http_client::post_stream(http, "/v1/completions", &body).await?;
+    ensure!(busy.status == 200);
+    busy.next_data().await?.context("the first request streams")?;
+    let small = json!({"prompt": PROMPT, "max_tokens": 2});
+    let reply = http_client::post(http, "/v1/completions", &small).await?;
+    let error = expect_error(&reply, 429, "one request over the limit")?;
+    assert_eq!((&error["type"], &error["code"]), (&json!("rate_limit_error"), &json!("rate_limit_exceeded")));
+    drop(busy);
+    eventually(Duration::from_secs(10), || async {
+        Ok(http_client::post(http, "/v1/completions", &small).await?.status == 200)
+    })
+    .await?;
+    cluster.stop().await
+}
+
 async fn health(addr: SocketAddr) -> Result<(u16, Value)> {
     let reply = http_client::get(addr, "/health").await?;
     Ok((reply.status, reply.json()?))
@@ -257,7 +281,7 @@ async fn an_unreachable_stage_0_is_503() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smollm2_completions_and_chat_match_grpc_whole_and_streamed() -> Result<()> {
     let model = smollm2();
-    let sizing = StageSizing { threads: 2, kv_blocks: 16, block_size: 16 };
+    let sizing = StageSizing { threads: 2, kv_blocks: 16, block_size: 16, ..StageSizing::default() };
     let cluster = TestCluster::start(&model, &[0, 12, 30], sizing).await?;
     let http = cluster.http_addr;
     let mut client = cluster.client().await?;

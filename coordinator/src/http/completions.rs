@@ -203,7 +203,7 @@ async fn collect(mut events: mpsc::Receiver<SeqEvent>, shaper: &Shaper) -> Resul
                 text.push_str(&delta);
                 tokens.extend(shaper.sampled(id, logprob));
             }
-            Some(SeqEvent::Done { finish, text: rest, completion_tokens }) => {
+            Some(SeqEvent::Done { finish, text: rest, completion_tokens, .. }) => {
                 text.push_str(&rest);
                 tracing::debug!(?finish, completion_tokens, "completed");
                 let piece = Piece {
@@ -277,7 +277,7 @@ async fn next_events(state: Option<StreamState>) -> Option<(Vec<Event>, Option<S
             }
             return Some((out, Some(st)));
         }
-        Some(SeqEvent::Done { finish, text, completion_tokens }) => {
+        Some(SeqEvent::Done { finish, text, completion_tokens, .. }) => {
             tracing::debug!(?finish, completion_tokens, "stream completed");
             if !text.is_empty() {
                 out.push(data(&st.shaper.render(Piece { text: Some(text), ..Piece::default() })));

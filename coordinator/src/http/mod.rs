@@ -177,6 +177,7 @@ async fn probe(pipeline: &Pipeline) -> Result<(), ServiceError> {
         sampling: pb::SamplingParams::default(),
         stop: Vec::new(),
         logprobs: false,
+        ignore_eos: false,
     };
     let mut events = pipeline.submit(req).await?;
     loop {

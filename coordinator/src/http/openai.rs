@@ -92,6 +92,9 @@ pub struct CommonFields {
     /// Streaming options.
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
+    /// Generate past end-of-sequence tokens (not OpenAI's; vLLM's extension, for benchmarks).
+    #[serde(default)]
+    pub ignore_eos: Option<bool>,
 }
 
 impl CommonFields {
@@ -123,6 +126,7 @@ impl CommonFields {
             sampling,
             stop,
             logprobs,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
         })
     }
 }

@@ -1,0 +1,232 @@
+//! The data path: one actor that owns a long-lived `Forward` stream to stage 0 and schedules every sequence.
+//!
+//! Requests wait in a bounded queue (full: `RESOURCE_EXHAUSTED`) and join the running set when the KV cache of
+//! the tightest stage has room for them ([`kv_budget`]). Every loop iteration packs the running sequences' next
+//! steps (prompt chunks of at most `max_batch_tokens`, then one-token decode steps) into micro-batches, so that
+//! up to stages + 1 batches are in flight and no stage waits while work exists; each response feeds the sampled
+//! tokens back (EOS, `max_tokens` and stop strings are checked here) and streams them to the callers. When the
+//! KV cache is full the youngest running sequence is preempted: released on every stage and later recomputed
+//! from its prompt and the tokens it already produced. Finished, cancelled and failed sequences are released on
+//! every stage once no batch of theirs is in flight. A broken stream fails the sequences it carried; the next
+//! request reconnects. A new plan epoch fails the active sequences and reconnects to the new stage 0.
+
+mod actor;
+mod kv_budget;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
+use strata_engine::loader::ModelFiles;
+use strata_engine::tokenizer::Tokenizer;
+use strata_proto::{ServiceError, pb};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::membership::Plan;
+
+/// Commands waiting for the actor.
+const COMMAND_BUFFER: usize = 256;
+
+/// Scheduler limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerLimits {
+    /// Requests queued or running at once; more are refused with `RESOURCE_EXHAUSTED` (HTTP 429).
+    pub max_concurrent_requests: usize,
+    /// Tokens per micro-batch: longer prompts are prefilled in chunks of at most this many tokens.
+    pub max_batch_tokens: usize,
+}
+
+impl Default for SchedulerLimits {
+    fn default() -> Self {
+        Self { max_concurrent_requests: 128, max_batch_tokens: 512 }
+    }
+}
+
+/// Where the time of a sequence's steps went, summed over the micro-batches that carried it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepTiming {
+    /// Micro-batches that carried the sequence (prefill chunks and decode steps).
+    pub steps: u32,
+    /// Compute time of those batches summed over every stage, in microseconds.
+    pub compute_micros: u64,
+    /// Send-to-response time of those batches at the coordinator, in microseconds.
+    pub pipeline_micros: u64,
+}
+
+/// What the coordinator knows about the served model: enough to tokenize, validate and detect EOS.
+#[derive(Clone)]
+pub struct ModelInfo {
+    /// The model's name (file stem), checked against `GenerateRequest.model`.
+    pub name: String,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Context length (prompt + generated tokens).
+    pub context: usize,
+    /// End-of-sequence token ids.
+    pub eos_token_ids: Vec<u32>,
+    /// The tokenizer, when the model has one (token-id prompts work without).
+    pub tokenizer: Option<Arc<Tokenizer>>,
+}
+
+impl ModelInfo {
+    /// Reads the config and tokenizer of the model at `path` (a Hugging Face directory or a `.gguf` file).
+    pub fn open(path: &Path) -> crate::Result<Self> {
+        let files = ModelFiles::open(path)?;
+        let cfg = files.config();
+        let tokenizer = match files.tokenizer() {
+            Ok(t) => Some(Arc::new(t)),
+            Err(e) => {
+                tracing::warn!(error = %e, "model has no usable tokenizer; only token-id prompts are served");
+                None
+            }
+        };
+        let name = path
+            .file_stem()
+            .or_else(|| path.file_name())
+            .map_or_else(|| path.display().to_string(), |s| s.to_string_lossy().into_owned());
+        Ok(ModelInfo {
+            name,
+            vocab_size: cfg.vocab_size,
+            context: cfg.max_position_embeddings,
+            eos_token_ids: cfg.eos_token_ids.clone(),
+            tokenizer,
+        })
+    }
+}
+
+/// One validated generation request in token space.
+#[derive(Debug, Clone)]
+pub struct SeqRequest {
+    /// Prompt token ids.
+    pub prompt_ids: Vec<u32>,
+    /// Most tokens to generate (at least 1).
+    pub max_tokens: usize,
+    /// Sampling parameters, passed to the last stage.
+    pub sampling: pb::SamplingParams,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Return each token's log-probability.
+    pub logprobs: bool,
+    /// Generate past end-of-sequence tokens.
+    pub ignore_eos: bool,
+}
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// `max_tokens` reached.
+    Length,
+    /// End-of-sequence token.
+    Eos,
+    /// A stop string matched.
+    Stop,
+}
+
+impl Finish {
+    /// The wire value.
+    pub fn to_pb(self) -> pb::FinishReason {
+        match self {
+            Finish::Length => pb::FinishReason::Length,
+            Finish::Eos => pb::FinishReason::Eos,
+            Finish::Stop => pb::FinishReason::Stop,
+        }
+    }
+}
+
+/// What a caller receives for its sequence, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SeqEvent {
+    /// One generated token and the text it releases (possibly empty).
+    Token {
+        /// The token id.
+        id: u32,
+        /// Its log-probability, if asked for.
+        logprob: Option<f32>,
+        /// UTF-8 text delta.
+        text: String,
+    },
+    /// Generation ended normally; `text` is whatever text was still held back.
+    Done {
+        /// Why it ended.
+        finish: Finish,
+        /// Remaining text.
+        text: String,
+        /// Tokens generated.
+        completion_tokens: usize,
+        /// Where the time went.
+        timing: StepTiming,
+    },
+    /// Generation failed.
+    Failed {
+        /// What went wrong.
+        error: ServiceError,
+        /// Tokens generated before the failure.
+        completion_tokens: usize,
+    },
+}
+
+pub(crate) enum Command {
+    Submit {
+        req: SeqRequest,
+        span: tracing::Span,
+        reply: oneshot::Sender<Result<mpsc::Receiver<SeqEvent>, ServiceError>>,
+    },
+    SetPlan(Plan),
+}
+
+/// Handle to the pipeline actor. Cheap to share behind an `Arc`; the actor stops when `shutdown` fires or every
+/// handle is dropped.
+pub struct Pipeline {
+    tx: mpsc::Sender<Command>,
+    model: Arc<ModelInfo>,
+    preemptions: Arc<AtomicU64>,
+}
+
+impl Pipeline {
+    /// Starts the actor serving through `plan` with the default [`SchedulerLimits`].
+    pub fn start(model: ModelInfo, plan: Plan, shutdown: CancellationToken) -> Self {
+        Self::start_with(model, plan, SchedulerLimits::default(), shutdown)
+    }
+
+    /// Starts the actor serving through `plan` under `limits`.
+    pub fn start_with(model: ModelInfo, plan: Plan, limits: SchedulerLimits, shutdown: CancellationToken) -> Self {
+        let model = Arc::new(model);
+        let (tx, rx) = mpsc::channel(COMMAND_BUFFER);
+        let preemptions = Arc::new(AtomicU64::new(0));
+        let actor = actor::Actor::new(model.clone(), plan, limits, preemptions.clone());
+        tokio::spawn(actor.run(rx, shutdown).instrument(tracing::info_span!("pipeline")));
+        Pipeline { tx, model, preemptions }
+    }
+
+    /// How many times a sequence was preempted (KV cache full) and queued for recompute, since start.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions.load(Ordering::Relaxed)
+    }
+
+    /// The served model.
+    pub fn model(&self) -> &ModelInfo {
+        &self.model
+    }
+
+    /// Switches to `plan` if its epoch differs: active sequences fail with `UNAVAILABLE` and the next request
+    /// connects to the new stage 0.
+    pub async fn set_plan(&self, plan: Plan) -> Result<(), ServiceError> {
+        self.tx.send(Command::SetPlan(plan)).await.map_err(|_| stopped())
+    }
+
+    /// Starts generating for `req`; events arrive on the returned receiver. Dropping it cancels the sequence.
+    pub async fn submit(&self, req: SeqRequest) -> Result<mpsc::Receiver<SeqEvent>, ServiceError> {
+        let (reply, rx) = oneshot::channel();
+        let span = tracing::Span::current();
+        self.tx.send(Command::Submit { req, span, reply }).await.map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())?
+    }
+}
+
+pub(crate) fn stopped() -> ServiceError {
+    ServiceError::unavailable("the pipeline is shut down")
+}

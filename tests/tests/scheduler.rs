@@ -1,0 +1,141 @@
+//! The coordinator's scheduler through a real 3-stage loopback cluster: many concurrent streams, chunked
+//! prefill, preemption when the KV cache is full, and admission control under a burst. Greedy tokens must
+//! always equal what each prompt produces alone in a single process, and every KV block must come back.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use strata_coordinator::SchedulerLimits;
+use strata_proto::pb;
+use strata_tests::{StageSizing, TestCluster, eventually, generate, ids_request, reference, tiny_model};
+
+const BOUNDS: [usize; 4] = [0, 1, 3, 4];
+
+/// A deterministic prompt of `len` tokens in the tiny model's vocabulary (300).
+fn prompt(i: usize, len: usize) -> Vec<u32> {
+    (0..len).map(|j| u32::try_from((i * 37 + j * 11 + 1) % 300).unwrap_or(1)).collect()
+}
+
+/// Runs every prompt concurrently; returns each one's result.
+async fn run_all(
+    cluster: &TestCluster,
+    prompts: &[Vec<u32>],
+    max_tokens: u32,
+) -> Result<Vec<Result<strata_tests::Collected, tonic::Status>>> {
+    let client = cluster.client().await?;
+    let tasks: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let mut client = client.clone();
+            let req = ids_request(p, max_tokens);
+            tokio::spawn(async move { generate(&mut client, req).await })
+        })
+        .collect();
+    let mut out = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        out.push(t.await?);
+    }
+    Ok(out)
+}
+
+/// Waits until every stage's KV cache is entirely free again.
+async fn kv_returns_to_full(cluster: &TestCluster) -> Result<()> {
+    eventually(Duration::from_secs(10), || async {
+        for i in 0..cluster.workers.len() {
+            let s = cluster.stage_status(i).await?;
+            if s.kv_free_blocks != s.kv_total_blocks || s.inflight_batches != 0 {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    })
+    .await
+    .context("KV blocks were not all returned")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thirty_two_concurrent_streams_get_what_they_get_alone() -> Result<()> {
+    let model = tiny_model()?;
+    let prompts: Vec<Vec<u32>> = (0..32).map(|i| prompt(i, 1 + i % 9)).collect();
+    let alone: Vec<Vec<u32>> = prompts.iter().map(|p| reference(model.path(), 1, p, 12)).collect::<Result<_>>()?;
+    let sizing = StageSizing { kv_blocks: 256, ..StageSizing::default() };
+    let cluster = TestCluster::start(model.path(), &BOUNDS, sizing).await?;
+    for (i, (got, expected)) in run_all(&cluster, &prompts, 12).await?.into_iter().zip(&alone).enumerate() {
+        assert_eq!(&got?.token_ids, expected, "stream {i}");
+    }
+    ensure!(cluster.pipeline.preemptions() == 0, "nothing should be preempted with room to spare");
+    kv_returns_to_full(&cluster).await?;
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_kv_cache_preempts_and_recomputes_without_changing_tokens() -> Result<()> {
+    let model = tiny_model()?;
+    // 8 sequences of 6 + 14 tokens need 5 blocks of 4 each (40); the stages hold 16.
+    let prompts: Vec<Vec<u32>> = (0..8).map(|i| prompt(i, 6)).collect();
+    let alone: Vec<Vec<u32>> = prompts.iter().map(|p| reference(model.path(), 1, p, 14)).collect::<Result<_>>()?;
+    let sizing = StageSizing { kv_blocks: 16, block_size: 4, ..StageSizing::default() };
+    let cluster = TestCluster::start(model.path(), &BOUNDS, sizing).await?;
+    for (i, (got, expected)) in run_all(&cluster, &prompts, 14).await?.into_iter().zip(&alone).enumerate() {
+        assert_eq!(&got?.token_ids, expected, "stream {i}");
+    }
+    ensure!(cluster.pipeline.preemptions() > 0, "the KV cache was oversubscribed but nothing was preempted");
+    kv_returns_to_full(&cluster).await?;
+    // A request that could never fit, even alone, is refused up front.
+    let mut client = cluster.client().await?;
+    let err = generate(&mut client, ids_request(&prompt(0, 10), 60)).await.err().context("64+ tokens fit in 64")?;
+    ensure!(err.code() == tonic::Code::InvalidArgument && err.message().contains("KV blocks"), "{err:?}");
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_prompts_are_prefilled_in_chunks() -> Result<()> {
+    let model = tiny_model()?;
+    let limits = SchedulerLimits { max_batch_tokens: 4, ..SchedulerLimits::default() };
+    let cluster = TestCluster::start(model.path(), &BOUNDS, StageSizing { limits, ..StageSizing::default() }).await?;
+    let long = prompt(3, 11);
+    let expected = reference(model.path(), 1, &long, 10)?;
+    let mut client = cluster.client().await?;
+    let got = generate(&mut client, ids_request(&long, 10)).await?;
+    assert_eq!(got.token_ids, expected);
+    let usage = got.usage.context("no usage")?;
+    // 11 prompt tokens in chunks of 4 (3 steps, the last one sampled), then 9 decode steps.
+    assert_eq!(usage.steps, 3 + 9, "{usage:?}");
+    // Chunks of concurrent prompts interleave with each other and with decode steps.
+    let prompts: Vec<Vec<u32>> = (0..6).map(|i| prompt(i, 5 + 3 * i)).collect();
+    let alone: Vec<Vec<u32>> = prompts.iter().map(|p| reference(model.path(), 1, p, 6)).collect::<Result<_>>()?;
+    for (i, (got, expected)) in run_all(&cluster, &prompts, 6).await?.into_iter().zip(&alone).enumerate() {
+        assert_eq!(&got?.token_ids, expected, "stream {i}");
+    }
+    kv_returns_to_full(&cluster).await?;
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_over_capacity_is_resource_exhausted_while_admitted_requests_finish() -> Result<()> {
+    let model = tiny_model()?;
+    let limits = SchedulerLimits { max_concurrent_requests: 4, ..SchedulerLimits::default() };
+    let cluster = TestCluster::start(model.path(), &BOUNDS, StageSizing { limits, ..StageSizing::default() }).await?;
+    let prompts: Vec<Vec<u32>> = (0..24).map(|i| prompt(i, 4)).collect();
+    let (mut ok, mut refused) = (0, 0);
+    for (i, got) in run_all(&cluster, &prompts, 40).await?.into_iter().enumerate() {
+        match got {
+            Ok(c) => {
+                assert_eq!(c.token_ids, reference(model.path(), 1, &prompts[i], 40)?, "stream {i}");
+                assert_eq!(c.finish_reason, pb::FinishReason::Length as i32);
+                ok += 1;
+            }
+            Err(status) => {
+                assert_eq!(status.code(), tonic::Code::ResourceExhausted, "stream {i}: {status:?}");
+                assert!(status.message().contains("overloaded"), "{status:?}");
+                refused += 1;
+            }
+        }
+    }
+    ensure!(ok >= 4 && refused >= 1, "{ok} finished, {refused} refused");
+    kv_returns_to_full(&cluster).await?;
+    // Once the burst is over, requests are admitted again.
+    let mut client = cluster.client().await?;
+    ensure!(generate(&mut client, ids_request(&prompt(1, 3), 2)).await?.token_ids.len() == 2);
+    cluster.stop().await
+}
