@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use crate::membership::{
     Backoff, EmbeddedRegistry, EtcdRegistry, Leadership, NodeEvent, NodeRecord, NodeState, Plan, PlanStage, Registry,
 };
-use crate::pipeline::ModelInfo;
+use crate::pipeline::{ModelInfo, model_name};
 use crate::placement::{self, ModelShape, NodeCapacity};
 use crate::serving::{Listeners, lead_and_serve};
 use crate::{CoordinatorConfig, Error, Result};
@@ -156,7 +156,7 @@ pub async fn run_with_registry<R: Registry>(
 ) -> Result<()> {
     config.validate()?;
     let shape = ModelShape::from_model_path(&config.model, config.kv_reserve_tokens)?;
-    let model_name = model_name(&config);
+    let model_name = model_name(&config.model);
     tracing::info!(model = %model_name, layers = shape.num_layers, layer_bytes = shape.layer_bytes, "model sized");
     let model = ModelInfo::open(&config.model)?;
     let grpc = bind("gRPC", config.grpc_addr).await?;
@@ -168,13 +168,6 @@ pub async fn run_with_registry<R: Registry>(
 
 async fn bind(api: &'static str, addr: std::net::SocketAddr) -> Result<tokio::net::TcpListener> {
     tokio::net::TcpListener::bind(addr).await.map_err(|source| Error::Bind { api, addr, source })
-}
-
-fn model_name(config: &CoordinatorConfig) -> String {
-    let path = &config.model;
-    path.file_stem()
-        .or_else(|| path.file_name())
-        .map_or_else(|| path.display().to_string(), |s| s.to_string_lossy().into_owned())
 }
 
 /// Marks a node DRAINING (`strata nodes drain ID`): the leader replans without it and, once every stage of the

@@ -60,7 +60,7 @@ pub struct StepTiming {
 /// What the coordinator knows about the served model: enough to tokenize, validate and detect EOS.
 #[derive(Clone)]
 pub struct ModelInfo {
-    /// The model's name (file stem), checked against `GenerateRequest.model`.
+    /// The model's name ([`model_name`]), checked against the requests' `model`.
     pub name: String,
     /// Vocabulary size.
     pub vocab_size: usize,
@@ -70,6 +70,16 @@ pub struct ModelInfo {
     pub eos_token_ids: Vec<u32>,
     /// The tokenizer, when the model has one (token-id prompts work without).
     pub tokenizer: Option<Arc<Tokenizer>>,
+}
+
+/// The name a model is served under: its file or directory name, less a `.gguf` extension. Not `file_stem`, which
+/// would serve a directory `Llama-3.1-8B-Instruct` as `Llama-3`.
+pub fn model_name(path: &Path) -> String {
+    let name = path.file_name().map_or_else(|| path.display().to_string(), |s| s.to_string_lossy().into_owned());
+    match name.strip_suffix(".gguf") {
+        Some(stem) if !stem.is_empty() => stem.to_owned(),
+        _ => name,
+    }
 }
 
 impl ModelInfo {
@@ -84,12 +94,8 @@ impl ModelInfo {
                 None
             }
         };
-        let name = path
-            .file_stem()
-            .or_else(|| path.file_name())
-            .map_or_else(|| path.display().to_string(), |s| s.to_string_lossy().into_owned());
         Ok(ModelInfo {
-            name,
+            name: model_name(path),
             vocab_size: cfg.vocab_size,
             context: cfg.max_position_embeddings,
             eos_token_ids: cfg.eos_token_ids.clone(),
@@ -229,4 +235,19 @@ impl Pipeline {
 
 pub(crate) fn stopped() -> ServiceError {
     ServiceError::unavailable("the pipeline is shut down")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_model_is_named_by_its_file_or_directory() {
+        let name = |p: &str| model_name(Path::new(p));
+        assert_eq!(name("/m/SmolLM2-135M-Instruct.Q4_1.gguf"), "SmolLM2-135M-Instruct.Q4_1");
+        assert_eq!(name("/models/Llama-3.1-8B-Instruct"), "Llama-3.1-8B-Instruct");
+        assert_eq!(name("/models/Llama-3.1-8B-Instruct/"), "Llama-3.1-8B-Instruct");
+        assert_eq!(name("/models/model"), "model");
+        assert_eq!(name(".gguf"), ".gguf");
+    }
 }
