@@ -51,7 +51,7 @@ pub fn load(path: &Path, dtype: Option<DType>, threads: usize, need_tokenizer: b
             b.set_position(done as u64);
         }
     };
-    let opts = LoadOptions { dtype, progress: Some(&progress) };
+    let opts = LoadOptions { dtype, progress: Some(&progress), ..LoadOptions::default() };
     let model = StageModel::load(&files, 0..n, backend, &opts)?;
     if let Some(b) = bar {
         b.finish_and_clear();
