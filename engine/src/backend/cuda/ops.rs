@@ -148,15 +148,16 @@ impl CudaBackend {
     /// Host f32 rows in, through a pinned buffer, converted to the activation type on the device.
     pub(super) fn upload_act(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaAct> {
         let n = rows * cols;
+        if n == 0 {
+            return self.alloc_act(rows, cols);
+        }
         let mut io = lock(&self.io, "pinned I/O")?;
         let mut pb = self.pinned_buf(&mut io.up, n * 4, true)?;
         // The previous copy out of this buffer must be finished before it is overwritten.
         pb.done.synchronize().map_err(dev_err("waiting for an activation copy"))?;
         pb.buf.as_mut_slice().map_err(dev_err("writing pinned memory"))?.copy_from_slice(bytemuck::cast_slice(data));
         let mut f32_buf = self.uninit(n * 4)?;
-        if n > 0 {
-            self.compute.memcpy_htod(&pb.buf, &mut f32_buf).map_err(dev_err("copying activations in"))?;
-        }
+        self.compute.memcpy_htod(&pb.buf, &mut f32_buf).map_err(dev_err("copying activations in"))?;
         pb.done.record(&self.compute).map_err(dev_err("recording an event"))?;
         io.up.push(pb);
         drop(io);
