@@ -10,7 +10,7 @@ use strata_engine::config::ModelConfig;
 use strata_engine::model::LoadOptions;
 use strata_engine::offload::OffloadBudget;
 
-use crate::config::{Device, WorkerConfig};
+use crate::config::{Device, FloatDtype, WorkerConfig};
 use crate::error::{Error, Result};
 
 /// GPU memory kept free besides weights and KV cache: activations of the largest batch, attention partials,
@@ -25,17 +25,36 @@ pub trait OnBackend {
     fn run<B: Backend>(self, backend: Arc<B>) -> Result<Self::Out>;
 }
 
-/// Opens the device `config` names and runs `work` on it. A `cuda:N` device in a build without the `cuda`
+/// What opening a device needs (a worker takes it from its config; `strata generate`/`bench` from flags).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DeviceSpec {
+    /// The device.
+    pub device: Device,
+    /// CPU threads (0: one per core); CPU only.
+    pub threads: usize,
+    /// Float weight type; on a GPU also the activation type (default bf16, f16 before sm_80).
+    pub dtype: Option<FloatDtype>,
+    /// Device memory limit in bytes; GPU only.
+    pub gpu_memory_limit: Option<u64>,
+}
+
+impl From<&WorkerConfig> for DeviceSpec {
+    fn from(c: &WorkerConfig) -> Self {
+        DeviceSpec { device: c.device, threads: c.threads, dtype: c.dtype, gpu_memory_limit: c.gpu_memory_limit }
+    }
+}
+
+/// Opens the device `spec` names and runs `work` on it. A `cuda:N` device in a build without the `cuda`
 /// feature is an error, as is a machine without an NVIDIA driver.
-pub fn on_device<W: OnBackend>(config: &WorkerConfig, work: W) -> Result<W::Out> {
-    match config.device {
-        Device::Cpu => work.run(Arc::new(CpuBackend::new(config.threads)?)),
-        Device::Cuda(n) => run_cuda(config, n, work),
+pub fn on_device<W: OnBackend>(spec: &DeviceSpec, work: W) -> Result<W::Out> {
+    match spec.device {
+        Device::Cpu => work.run(Arc::new(CpuBackend::new(spec.threads)?)),
+        Device::Cuda(n) => run_cuda(spec, n, work),
     }
 }
 
 #[cfg(feature = "cuda")]
-fn run_cuda<W: OnBackend>(config: &WorkerConfig, ordinal: u32, work: W) -> Result<W::Out> {
+fn run_cuda<W: OnBackend>(config: &DeviceSpec, ordinal: u32, work: W) -> Result<W::Out> {
     use strata_engine::backend::cuda::{CudaBackend, CudaOptions};
     let memory_limit = config
         .gpu_memory_limit
@@ -52,7 +71,7 @@ fn run_cuda<W: OnBackend>(config: &WorkerConfig, ordinal: u32, work: W) -> Resul
 }
 
 #[cfg(not(feature = "cuda"))]
-fn run_cuda<W: OnBackend>(_config: &WorkerConfig, ordinal: u32, _work: W) -> Result<W::Out> {
+fn run_cuda<W: OnBackend>(_config: &DeviceSpec, ordinal: u32, _work: W) -> Result<W::Out> {
     Err(Error::CudaNotCompiled { device: format!("cuda:{ordinal}") })
 }
 
@@ -92,9 +111,9 @@ mod tests {
     #[test]
     fn cpu_opens_and_cuda_needs_a_build_and_a_driver() -> Result<()> {
         let cpu = WorkerConfig { threads: 1, ..WorkerConfig::new("n", "/m", Some(LayerRange { start: 0, end: 1 })) };
-        assert!(on_device(&cpu, Name)?.starts_with("cpu"));
+        assert!(on_device(&(&cpu).into(), Name)?.starts_with("cpu"));
         let gpu = WorkerConfig { device: Device::Cuda(0), ..cpu };
-        match on_device(&gpu, Name) {
+        match on_device(&(&gpu).into(), Name) {
             // A machine with a GPU and a cuda build opens it.
             Ok(name) => assert!(name.starts_with("cuda:0")),
             Err(e) if cfg!(feature = "cuda") => {

@@ -83,7 +83,7 @@ impl Assignment {
 /// and run on a few tokens (after one warm-up run). Blocking; call it off the async runtime.
 pub fn measure_layer_seconds(config: &WorkerConfig) -> Result<f64> {
     let files = ModelFiles::open(&config.model)?;
-    on_device(config, MeasureLayer { config, files: &files })
+    on_device(&config.into(), MeasureLayer { config, files: &files })
 }
 
 struct MeasureLayer<'a> {

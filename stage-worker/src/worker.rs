@@ -38,7 +38,7 @@ impl LoadedStage {
         let executor = tokio::task::spawn_blocking(move || -> Result<ExecutorHandle> {
             let files = ModelFiles::open(&cfg.model)?;
             cfg.validate_against_model(layers, files.config().num_layers)?;
-            on_device(&cfg, LoadStage { config: &cfg, files: &files, layers })
+            on_device(&(&cfg).into(), LoadStage { config: &cfg, files: &files, layers })
         })
         .await
         .map_err(|e| Error::Executor(format!("model loading panicked or was cancelled: {e}")))??;
