@@ -48,12 +48,26 @@ __device__ __forceinline__ void add_impl(const T* a, const T* b, T* out, i64 n) 
     for (i64 i = done + tid; i < n; i += stride) out[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));
 }
 
+// x[r, c] += bias[c], in place (the bias of a linear layer, broadcast over rows). One CTA per row.
+// Launch: grid (n_rows), block 256.
+template <typename T>
+__device__ __forceinline__ void add_bias_impl(T* __restrict__ x, const T* __restrict__ bias, int n_rows, int dim) {
+    const int r = blockIdx.x;
+    if (r >= n_rows) return;
+    T* xr = x + (i64)r * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) xr[i] = from_f32<T>(to_f32(xr[i]) + to_f32(bias[i]));
+}
+
 extern "C" __global__ void silu_mul_f32(const float* gate, const float* up, float* out, i64 n) { silu_mul_impl(gate, up, out, n); }
 extern "C" __global__ void silu_mul_f16(const __half* gate, const __half* up, __half* out, i64 n) { silu_mul_impl(gate, up, out, n); }
 extern "C" __global__ void add_f32(const float* a, const float* b, float* out, i64 n) { add_impl(a, b, out, n); }
 extern "C" __global__ void add_f16(const __half* a, const __half* b, __half* out, i64 n) { add_impl(a, b, out, n); }
+// args: (x [n_rows, dim] in/out, bias [dim], n_rows, dim)
+extern "C" __global__ void add_bias_f32(float* x, const float* bias, int n_rows, int dim) { add_bias_impl(x, bias, n_rows, dim); }
+extern "C" __global__ void add_bias_f16(__half* x, const __half* bias, int n_rows, int dim) { add_bias_impl(x, bias, n_rows, dim); }
 
 #if STRATA_HAS_BF16
 extern "C" __global__ void silu_mul_bf16(const __nv_bfloat16* gate, const __nv_bfloat16* up, __nv_bfloat16* out, i64 n) { silu_mul_impl(gate, up, out, n); }
 extern "C" __global__ void add_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, __nv_bfloat16* out, i64 n) { add_impl(a, b, out, n); }
+extern "C" __global__ void add_bias_bf16(__nv_bfloat16* x, const __nv_bfloat16* bias, int n_rows, int dim) { add_bias_impl(x, bias, n_rows, dim); }
 #endif

@@ -1,30 +1,33 @@
 //! `strata bench`: prefill and decode throughput and peak memory of the CPU engine.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde::Serialize;
+use strata_engine::backend::Backend;
 use strata_engine::generate::Engine;
 use strata_engine::model::SeqChunk;
 use strata_engine::sampling::argmax;
-use strata_engine::tensor::DType;
+use strata_stage_worker::device::OnBackend;
 
-use crate::load::{load, parse_dtype};
+use crate::load::{DeviceArgs, load};
 
 /// Arguments of `strata bench`.
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    /// Hugging Face directory or `.gguf` file (not needed with --coordinator).
+    /// Hugging Face directory, `.gguf` file, or `random:<7b|smollm2|tiny>[:<dtype>]` (seeded random weights); not
+    /// needed with --coordinator.
     #[arg(long, env = "STRATA_MODEL")]
     model: Option<PathBuf>,
-    /// CPU threads (0: one per core); with --local, the total split evenly over the stages.
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
+    #[command(flatten)]
+    device: DeviceArgs,
     /// Benchmark serving through a running coordinator (gRPC URL) instead of the engine in this process.
     #[arg(long, conflicts_with = "local")]
     coordinator: Option<String>,
-    /// Benchmark serving through local clusters of these stage counts (e.g. `1,2,3`), started in this process.
+    /// Benchmark serving through local clusters of these stage counts (e.g. `1,2,3`), started in this process;
+    /// --threads is then the total, split evenly over the stages.
     #[arg(long, value_delimiter = ',')]
     local: Vec<usize>,
     /// Concurrent client streams for --coordinator/--local, one run per level.
@@ -42,9 +45,6 @@ pub struct BenchArgs {
     /// Sequences decoded together in the batched measurement.
     #[arg(long, default_value_t = 8)]
     batch: usize,
-    /// Store float weights as this type.
-    #[arg(long, value_parser = parse_dtype)]
-    dtype: Option<DType>,
     /// Where to write the JSON report (default target/bench/engine.json, or target/bench/cluster.json with an
     /// SVG plot beside it for --coordinator/--local).
     #[arg(long)]
@@ -79,6 +79,9 @@ fn peak_rss() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
+/// Prompt length of each sequence in the batched decode measurement.
+const SHORT_PROMPT: usize = 16;
+
 /// Deterministic prompt ids spread over the vocabulary (no tokenizer needed).
 fn synthetic_prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
     (0..len).map(|i| ((i * 7919 + salt * 104_729 + 13) % vocab) as u32).collect()
@@ -95,20 +98,34 @@ pub fn run(a: BenchArgs) -> Result<()> {
             requests_per_client: a.requests_per_client,
             prompt_tokens: a.prompt_tokens,
             max_tokens: a.decode_tokens,
-            threads: a.threads,
+            threads: a.device.threads,
             out: a.out.unwrap_or_else(|| PathBuf::from("target/bench/cluster.json")),
         });
     }
-    let model = a.model.context("--model is required (or --coordinator / --local)")?;
-    let out = a.out.unwrap_or_else(|| PathBuf::from("target/bench/engine.json"));
+    a.device.clone().run(a)
+}
+
+impl OnBackend for BenchArgs {
+    type Out = Result<()>;
+
+    fn run<B: Backend>(self, backend: Arc<B>) -> strata_stage_worker::Result<Result<()>> {
+        Ok(bench(self, backend))
+    }
+}
+
+fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
+    let model = a.model.clone().context("--model is required (or --coordinator / --local)")?;
+    let out = a.out.clone().unwrap_or_else(|| PathBuf::from("target/bench/engine.json"));
     let t0 = Instant::now();
-    let loaded = load(&model, a.dtype, a.threads, false)?;
+    let loaded = load(&model, a.device.dtype.map(|d| d.to_engine()), backend.clone(), false)?;
     let load_seconds = t0.elapsed().as_secs_f64();
     let cfg = loaded.model.config().clone();
-    let backend = loaded.model.backend().clone();
-    let threads = backend.threads();
+    let threads = a.device.threads;
     let weight_bytes = loaded.model.weight_bytes();
-    let kv_tokens = (a.prompt_tokens + a.decode_tokens + 1) * a.batch.max(1);
+    // Every sequence holds whole blocks (16 tokens): size for the longer of the prompts (the batched run uses
+    // 16-token prompts), rounded up per sequence.
+    let per_seq = (a.prompt_tokens.max(SHORT_PROMPT) + a.decode_tokens + 1).div_ceil(16) * 16;
+    let kv_tokens = per_seq * a.batch.max(1);
     let mut engine = Engine::new(loaded.model, None, kv_tokens)?;
     let vocab = cfg.vocab_size;
 
@@ -132,7 +149,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     engine.release(0);
 
     // Batched decode: `batch` sequences with short prompts, stepped together.
-    let short = 16;
+    let short = SHORT_PROMPT;
     let mut nexts = Vec::new();
     for s in 0..a.batch {
         let p = synthetic_prompt(short, vocab, s + 1);
@@ -151,7 +168,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let report = Report {
         engine: "strata",
         model: model.display().to_string(),
-        backend: backend_name(&backend),
+        backend: backend.name(),
         threads,
         load_seconds,
         weight_bytes,
@@ -202,9 +219,4 @@ pub fn run(a: BenchArgs) -> Result<()> {
     println!("| load s | {:.2} | - |", report.load_seconds);
     eprintln!("wrote {}", out.display());
     Ok(())
-}
-
-fn backend_name(b: &strata_engine::backend::cpu::CpuBackend) -> String {
-    use strata_engine::backend::Backend;
-    b.name()
 }

@@ -276,7 +276,8 @@ fn single_process_itl_ms(model: &Path, threads: usize, prompt_tokens: usize, max
     use strata_engine::generate::Engine;
     use strata_engine::model::SeqChunk;
     use strata_engine::sampling::argmax;
-    let loaded = crate::load::load(model, None, threads, false)?;
+    let backend = std::sync::Arc::new(strata_engine::backend::cpu::CpuBackend::new(threads)?);
+    let loaded = crate::load::load(model, None, backend, false)?;
     let vocab = loaded.model.config().vocab_size;
     let mut engine = Engine::new(loaded.model, None, prompt_tokens + max_tokens + 1)?;
     let prompt: Vec<u32> = (0..prompt_tokens).map(|i| ((i * 7919 + 13) % 999 + 1) as u32 % vocab as u32).collect();

@@ -2,14 +2,16 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
+use strata_engine::backend::Backend;
 use strata_engine::generate::{Engine, GenerateRequest};
 use strata_engine::sampling::SamplingParams;
-use strata_engine::tensor::DType;
 use strata_engine::tokenizer::{ChatMessage, Tokenizer};
+use strata_stage_worker::device::OnBackend;
 
-use crate::load::{load, parse_dtype};
+use crate::load::{DeviceArgs, load};
 
 /// Prompt and sampling flags, shared with the cluster client.
 #[derive(clap::Args, Debug, Clone)]
@@ -97,18 +99,26 @@ pub struct GenerateArgs {
     model: PathBuf,
     #[command(flatten)]
     prompt: PromptArgs,
-    /// Store float weights as this type.
-    #[arg(long, value_parser = parse_dtype)]
-    dtype: Option<DType>,
-    /// CPU threads (0: one per core).
-    #[arg(long, default_value_t = 0, env = "STRATA_THREADS")]
-    threads: usize,
+    #[command(flatten)]
+    device: DeviceArgs,
 }
 
 /// Runs `strata generate`.
 pub fn run(a: GenerateArgs) -> Result<()> {
+    a.device.clone().run(a)
+}
+
+impl OnBackend for GenerateArgs {
+    type Out = Result<()>;
+
+    fn run<B: Backend>(self, backend: Arc<B>) -> strata_stage_worker::Result<Result<()>> {
+        Ok(generate(self, backend))
+    }
+}
+
+fn generate<B: Backend>(a: GenerateArgs, backend: Arc<B>) -> Result<()> {
     let needs_tok = a.prompt.prompt_ids.is_none();
-    let loaded = load(&a.model, a.dtype, a.threads, needs_tok)?;
+    let loaded = load(&a.model, a.device.dtype.map(|d| d.to_engine()), backend, needs_tok)?;
     let prompt_ids = a.prompt.prompt_ids(loaded.tokenizer.as_deref())?;
     let req = GenerateRequest {
         prompt_ids,

@@ -5,11 +5,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
-use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::backend::Backend;
 use strata_engine::loader::ModelFiles;
 use strata_engine::model::{LoadOptions, StageModel};
 use strata_engine::tensor::DType;
 use strata_engine::tokenizer::Tokenizer;
+use strata_stage_worker::device::{DeviceSpec, OnBackend, on_device};
+use strata_stage_worker::{Device, FloatDtype};
 
 /// Parses `f32|f16|bf16`.
 pub fn parse_dtype(s: &str) -> Result<DType, String> {
@@ -19,23 +21,44 @@ pub fn parse_dtype(s: &str) -> Result<DType, String> {
     }
 }
 
-/// A whole model on the CPU plus its tokenizer (when it has one).
-pub struct Loaded {
+/// Where `generate` and `bench` run, shared by both.
+#[derive(clap::Args, Debug, Clone)]
+pub struct DeviceArgs {
+    /// Compute device: cpu or cuda:N (cuda needs a build with --features cuda).
+    #[arg(long, env = "STRATA_DEVICE", default_value = "cpu")]
+    pub device: Device,
+    /// Store float weights as this type: f32, f16 or bf16 (on a GPU also the activation type, bf16 by default).
+    #[arg(long, env = "STRATA_DTYPE")]
+    pub dtype: Option<FloatDtype>,
+    /// CPU threads (0: one per core).
+    #[arg(long, default_value_t = 0, env = "STRATA_THREADS")]
+    pub threads: usize,
+}
+
+impl DeviceArgs {
+    /// Opens the device and runs `work` on it.
+    pub fn run<W: OnBackend<Out = Result<()>>>(&self, work: W) -> Result<()> {
+        let spec = DeviceSpec { device: self.device, threads: self.threads, dtype: self.dtype, gpu_memory_limit: None };
+        on_device(&spec, work)?
+    }
+}
+
+/// A whole model on a device plus its tokenizer (when it has one).
+pub struct Loaded<B: Backend> {
     /// All layers.
-    pub model: StageModel<CpuBackend>,
+    pub model: StageModel<B>,
     /// The tokenizer.
     pub tokenizer: Option<Arc<Tokenizer>>,
 }
 
-/// Loads every layer of `path` on the CPU with `threads` threads.
-pub fn load(path: &Path, dtype: Option<DType>, threads: usize, need_tokenizer: bool) -> Result<Loaded> {
+/// Loads every layer of `path` onto `backend`.
+pub fn load<B: Backend>(path: &Path, dtype: Option<DType>, backend: Arc<B>, need_tokenizer: bool) -> Result<Loaded<B>> {
     let files = ModelFiles::open(path).with_context(|| format!("opening model {}", path.display()))?;
     let tokenizer = match files.tokenizer() {
         Ok(t) => Some(Arc::new(t)),
         Err(e) if need_tokenizer => return Err(e).context("loading the tokenizer"),
         Err(_) => None,
     };
-    let backend = Arc::new(CpuBackend::new(threads)?);
     let n = files.config().num_layers;
     let bar = std::io::stdout().is_terminal().then(|| {
         let b = indicatif::ProgressBar::new(1);
@@ -51,7 +74,7 @@ pub fn load(path: &Path, dtype: Option<DType>, threads: usize, need_tokenizer: b
             b.set_position(done as u64);
         }
     };
-    let opts = LoadOptions { dtype, progress: Some(&progress) };
+    let opts = LoadOptions { dtype, progress: Some(&progress), ..LoadOptions::default() };
     let model = StageModel::load(&files, 0..n, backend, &opts)?;
     if let Some(b) = bar {
         b.finish_and_clear();

@@ -9,6 +9,7 @@ pub mod generate;
 pub mod kv_cache;
 pub mod loader;
 pub mod model;
+pub mod offload;
 pub mod sampling;
 pub mod tensor;
 pub mod testing;

@@ -8,6 +8,7 @@ use crate::backend::{AttnSeq, AttnShape, Backend};
 use crate::config::ModelConfig;
 use crate::kv_cache::KvCache;
 use crate::loader::ModelFiles;
+use crate::offload::{OffloadBudget, OffloadPlan, plan_offload};
 use crate::tensor::{DType, HostTensor};
 use crate::{Error, Result};
 
@@ -46,6 +47,69 @@ pub struct LoadOptions<'a> {
     pub dtype: Option<DType>,
     /// Called after each tensor with (done, total).
     pub progress: Option<&'a (dyn Fn(usize, usize) + Sync)>,
+    /// Device memory budget; layers that do not fit stay in host memory and are streamed in per layer
+    /// (see [`crate::offload`]). `None`: every layer is uploaded.
+    pub offload: Option<OffloadBudget>,
+}
+
+/// The seven matrices of a decoder layer, by Hugging Face name suffix, with their `[out, in]` shapes.
+fn layer_matrices(cfg: &ModelConfig) -> [(&'static str, [usize; 2]); 7] {
+    let (h, q, kv, i) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size);
+    [
+        ("self_attn.q_proj.weight", [q, h]),
+        ("self_attn.k_proj.weight", [kv, h]),
+        ("self_attn.v_proj.weight", [kv, h]),
+        ("self_attn.o_proj.weight", [h, q]),
+        ("mlp.gate_proj.weight", [i, h]),
+        ("mlp.up_proj.weight", [i, h]),
+        ("mlp.down_proj.weight", [h, i]),
+    ]
+}
+
+/// Decides which of the stage's layers are offloaded, from tensor metadata only (nothing is read).
+fn plan_layers<B: Backend>(
+    files: &ModelFiles,
+    range: &Range<usize>,
+    backend: &B,
+    opts: &LoadOptions<'_>,
+) -> Result<OffloadPlan> {
+    let Some(budget) = opts.offload else {
+        return Ok(OffloadPlan::all_resident(range.len()));
+    };
+    let cfg = files.config();
+    let device_bytes = |name: &str| -> Result<usize> {
+        let (dtype, shape) = files.tensor_meta(name)?;
+        let dtype = match opts.dtype {
+            Some(d) if !dtype.is_quantized() => d,
+            _ => dtype,
+        };
+        let n: usize = shape.iter().product();
+        Ok(backend.storage_dtype(dtype).bytes_for(n).unwrap_or(0))
+    };
+    let mut layer_bytes = Vec::with_capacity(range.len());
+    for i in range.clone() {
+        let mut b = 0;
+        for (name, _) in layer_matrices(cfg) {
+            b += device_bytes(&format!("model.layers.{i}.{name}"))?;
+        }
+        layer_bytes.push(b);
+    }
+    // Norms and biases stay resident; count them (in f32, an upper bound) with the embeddings and head.
+    let vectors_per_layer = 2 * cfg.hidden_size + if cfg.attention_bias { cfg.q_dim() + 2 * cfg.kv_dim() } else { 0 };
+    let mut fixed = range.len() * vectors_per_layer * 4;
+    let embed = "model.embed_tokens.weight";
+    if range.start == 0 {
+        fixed += device_bytes(embed)?;
+    }
+    if range.end == cfg.num_layers {
+        fixed += cfg.hidden_size * 4;
+        if !cfg.tie_word_embeddings && files.contains("lm_head.weight") {
+            fixed += device_bytes("lm_head.weight")?;
+        } else if range.start != 0 {
+            fixed += device_bytes(embed)?;
+        }
+    }
+    plan_offload(&layer_bytes, fixed, Some(budget))
 }
 
 struct Layer<B: Backend> {
@@ -74,6 +138,13 @@ pub struct StageModel<B: Backend> {
     lm_head: Option<Arc<B::Mat>>,
     inv_freq: Vec<f32>,
     weight_bytes: usize,
+    offload: OffloadPlan,
+}
+
+impl<B: Backend> Layer<B> {
+    fn matrices(&self) -> [&B::Mat; 7] {
+        [&self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down]
+    }
 }
 
 struct Loader<'a, 'b, B: Backend> {
@@ -94,6 +165,11 @@ impl<B: Backend> Loader<'_, '_, B> {
     }
 
     fn matrix(&mut self, name: &str, shape: [usize; 2]) -> Result<B::Mat> {
+        self.matrix_on(name, shape, false)
+    }
+
+    /// Loads a matrix; `offloaded` ones stay in host memory (see [`Backend::upload_matrix_offloaded`]).
+    fn matrix_on(&mut self, name: &str, shape: [usize; 2], offloaded: bool) -> Result<B::Mat> {
         let mut t = self.files.tensor(name)?;
         t.expect_shape(name, &shape)?;
         if let Some(d) = self.opts.dtype
@@ -101,7 +177,7 @@ impl<B: Backend> Loader<'_, '_, B> {
         {
             t = t.convert(d);
         }
-        let m = self.backend.upload_matrix(&t)?;
+        let m = if offloaded { self.backend.upload_matrix_offloaded(&t)? } else { self.backend.upload_matrix(&t)? };
         self.bytes += self.backend.matrix_bytes(&m);
         self.tick();
         Ok(m)
@@ -124,32 +200,39 @@ impl<B: Backend> StageModel<B> {
         if range.start >= range.end || range.end > cfg.num_layers {
             return Err(Error::LayerRange { start: range.start, end: range.end, layers: cfg.num_layers });
         }
+        backend.check_model(&cfg)?;
         let (first, last) = (range.start == 0, range.end == cfg.num_layers);
+        let offload = plan_layers(files, &range, &*backend, opts)?;
         let per_layer = if cfg.attention_bias { 12 } else { 9 };
         let total = range.len() * per_layer + usize::from(first) + 2 * usize::from(last);
         let mut l = Loader { files, backend: &*backend, opts, done: 0, total, bytes: 0 };
-        let (h, q_dim, kv_dim, inter) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size);
+        let (h, q_dim, kv_dim) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim());
         let embed_name = "model.embed_tokens.weight";
         let embed = if first { Some(Arc::new(l.matrix(embed_name, [cfg.vocab_size, h])?)) } else { None };
         let mut layers = Vec::with_capacity(range.len());
-        for i in range.clone() {
+        for (offset, i) in range.clone().enumerate() {
             let p = format!("model.layers.{i}");
             let bias = |l: &mut Loader<'_, '_, B>, name: &str, n: usize| -> Result<Option<B::Vector>> {
                 if cfg.attention_bias { l.vector(&format!("{p}.self_attn.{name}.bias"), n).map(Some) } else { Ok(None) }
             };
+            let off = offload.is_offloaded(offset);
+            let [q, k, v, o, gate, up, down] = layer_matrices(&cfg);
+            let mat = |l: &mut Loader<'_, '_, B>, (name, shape): (&str, [usize; 2])| {
+                l.matrix_on(&format!("{p}.{name}"), shape, off)
+            };
             layers.push(Layer {
                 attn_norm: l.vector(&format!("{p}.input_layernorm.weight"), h)?,
-                q: l.matrix(&format!("{p}.self_attn.q_proj.weight"), [q_dim, h])?,
-                k: l.matrix(&format!("{p}.self_attn.k_proj.weight"), [kv_dim, h])?,
-                v: l.matrix(&format!("{p}.self_attn.v_proj.weight"), [kv_dim, h])?,
+                q: mat(&mut l, q)?,
+                k: mat(&mut l, k)?,
+                v: mat(&mut l, v)?,
                 q_bias: bias(&mut l, "q_proj", q_dim)?,
                 k_bias: bias(&mut l, "k_proj", kv_dim)?,
                 v_bias: bias(&mut l, "v_proj", kv_dim)?,
-                o: l.matrix(&format!("{p}.self_attn.o_proj.weight"), [h, q_dim])?,
+                o: mat(&mut l, o)?,
                 mlp_norm: l.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                gate: l.matrix(&format!("{p}.mlp.gate_proj.weight"), [inter, h])?,
-                up: l.matrix(&format!("{p}.mlp.up_proj.weight"), [inter, h])?,
-                down: l.matrix(&format!("{p}.mlp.down_proj.weight"), [h, inter])?,
+                gate: mat(&mut l, gate)?,
+                up: mat(&mut l, up)?,
+                down: mat(&mut l, down)?,
             });
         }
         let (norm, lm_head) = if last {
@@ -180,6 +263,7 @@ impl<B: Backend> StageModel<B> {
             norm,
             lm_head,
             weight_bytes,
+            offload,
         })
     }
 
@@ -213,14 +297,24 @@ impl<B: Backend> StageModel<B> {
         self.weight_bytes
     }
 
+    /// How the stage's layers are split between device and host memory.
+    pub fn offload_plan(&self) -> OffloadPlan {
+        self.offload
+    }
+
+    /// The model layers kept in host memory and streamed to the device per layer (empty without offload).
+    pub fn offloaded_layers(&self) -> Range<usize> {
+        self.range.start + self.offload.resident..self.range.end
+    }
+
     /// A KV cache sized for this stage's layers.
     pub fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache<B>> {
         KvCache::new(&*self.backend, self.layers.len(), num_blocks, block_size, self.config.kv_dim())
     }
 
-    /// KV bytes per cached token for this stage (keys and values, f32).
+    /// KV bytes per cached token for this stage (keys and values).
     pub fn kv_bytes_per_token(&self) -> usize {
-        self.layers.len() * 2 * self.config.kv_dim() * 4
+        self.layers.len() * 2 * self.config.kv_dim() * self.backend.kv_elem_bytes()
     }
 
     /// Runs the stage on a batch. Returns hidden states `[tokens, hidden]`, or on the last stage logits for
@@ -233,6 +327,16 @@ impl<B: Backend> StageModel<B> {
         rows: LogitRows,
     ) -> Result<B::Act> {
         self.backend.scope(|| self.forward_inner(kv, chunks, input, rows))
+    }
+
+    /// The offloaded layer to prefetch while layer `index` runs: the next one, wrapping to the first offloaded
+    /// layer (needed first by the next batch).
+    fn next_offloaded(&self, index: usize) -> usize {
+        if index + 1 < self.layers.len() && self.offload.is_offloaded(index + 1) {
+            index + 1
+        } else {
+            self.offload.resident.min(self.layers.len().saturating_sub(1))
+        }
     }
 
     fn forward_inner(
@@ -311,7 +415,10 @@ impl<B: Backend> StageModel<B> {
             block_size: kv.block_size(),
         };
         let eps = cfg.rms_norm_eps as f32;
-        for (layer, cache) in self.layers.iter().zip(kv.layers.iter_mut()) {
+        for (index, (layer, cache)) in self.layers.iter().zip(kv.layers.iter_mut()).enumerate() {
+            if self.offload.offloaded > 0 {
+                be.stage_layer(&layer.matrices(), &self.layers[self.next_offloaded(index)].matrices())?;
+            }
             let h = be.rms_norm(&x, &layer.attn_norm, eps)?;
             let qkv = be.linear_many(
                 &h,

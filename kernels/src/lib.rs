@@ -28,6 +28,7 @@
 //! | `rope_<t>` | q, k (in place), pos i32, inv_freq f32, n_tokens, n_heads, n_kv_heads, head_dim, q_stride, k_stride | (n_tokens); 256 |
 //! | `silu_mul_<t>` | gate, up, out, n i64 | grid-stride; 256 |
 //! | `add_<t>` | a, b, out, n i64 | grid-stride; 256 |
+//! | `add_bias_<t>` | x (in place), bias, n_rows, dim | (n_rows); 256 |
 //! | `kv_write_<t>` | k, v, k_cache, v_cache, slot_mapping i32, n_tokens, n_kv_heads, head_dim, k_stride, v_stride | (n_tokens); 128 |
 //! | `attention_prefill_<t>` | q, k, v, out, cu_seqlens i32, n_heads, n_kv_heads, head_dim, scale, q_stride, kv_stride | (ceil(max_len/32), n_heads, num_seqs); 256 |
 //! | `paged_attention_decode_<t>` | q, k_cache, v_cache, block_tables i32, context_lens i32, part_out f32, part_ml f32, out, n_heads, n_kv_heads, head_dim, block_size, max_blocks_per_seq, partition_size, scale, q_stride | (num_partitions, n_heads / G, num_seqs); 256 |
@@ -144,11 +145,21 @@ pub const ROPE: KernelModule = KernelModule {
     functions: &["rope_f32", "rope_f16", "rope_bf16"],
 };
 
-/// SiLU-gated product and residual add.
+/// SiLU-gated product, residual add and bias add.
 pub const ACTIVATION: KernelModule = KernelModule {
     name: "activation",
     source: include_str!("../activation.cu"),
-    functions: &["silu_mul_f32", "silu_mul_f16", "silu_mul_bf16", "add_f32", "add_f16", "add_bf16"],
+    functions: &[
+        "silu_mul_f32",
+        "silu_mul_f16",
+        "silu_mul_bf16",
+        "add_f32",
+        "add_f16",
+        "add_bf16",
+        "add_bias_f32",
+        "add_bias_f16",
+        "add_bias_bf16",
+    ],
 };
 
 /// Prefill attention, paged-KV decode attention (+ reduce) and the KV-cache write.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use strata_stage_worker::{Device, HiddenDtype, LayerRange, RegistrationOptions, WorkerConfig};
+use strata_stage_worker::{Device, FloatDtype, HiddenDtype, LayerRange, RegistrationOptions, WorkerConfig};
 use tokio_util::sync::CancellationToken;
 
 /// Serve one contiguous layer range of a model over strata's Stage gRPC service.
@@ -43,9 +43,17 @@ pub struct Args {
     /// Tokens per KV block.
     #[arg(long, env = "STRATA_BLOCK_SIZE", default_value_t = 16)]
     block_size: usize,
-    /// Compute device: cpu (cuda:N needs a CUDA build).
+    /// Compute device: cpu or cuda:N (cuda needs a build with --features cuda).
     #[arg(long, env = "STRATA_DEVICE", default_value = "cpu")]
     device: Device,
+    /// Storage type of float weights: f32, f16 or bf16 (on a GPU also the activation type; default bf16 there,
+    /// the file's type on the CPU). Quantized GGUF weights stay quantized.
+    #[arg(long, env = "STRATA_DTYPE")]
+    dtype: Option<FloatDtype>,
+    /// GPU memory the stage may use, in bytes (suffixes K, M, G, Ki, Mi, Gi); layers beyond it stay in host
+    /// memory and are streamed to the GPU per batch.
+    #[arg(long, env = "STRATA_GPU_MEMORY_LIMIT")]
+    gpu_memory_limit: Option<String>,
     /// Element type of hidden states sent downstream: f32, f16 or bf16.
     #[arg(long, env = "STRATA_HIDDEN_DTYPE", default_value = "f32")]
     hidden_dtype: HiddenDtype,
@@ -84,6 +92,11 @@ impl Args {
             .as_deref()
             .map(|l| parse_bytes(l).with_context(|| format!("--memory-limit {l:?}")))
             .transpose()?;
+        let gpu_memory_limit = self
+            .gpu_memory_limit
+            .as_deref()
+            .map(|l| parse_bytes(l).with_context(|| format!("--gpu-memory-limit {l:?}")))
+            .transpose()?;
         let registry = match (&self.layers, endpoints.is_empty()) {
             (Some(_), true) => None,
             (Some(_), false) => {
@@ -120,6 +133,8 @@ impl Args {
             block_size: self.block_size,
             hidden_dtype: self.hidden_dtype,
             device: self.device,
+            dtype: self.dtype,
+            gpu_memory_limit,
             ..WorkerConfig::new(self.node_id, self.model, self.layers)
         };
         match registry {
@@ -240,6 +255,18 @@ mod tests {
     }
 
     #[test]
+    fn dtype_and_gpu_limit_reach_the_config() -> anyhow::Result<()> {
+        let launch = args(&["--layers", "0..4", "--dtype", "bf16"]).into_config()?;
+        assert_eq!((launch.config.dtype, launch.config.gpu_memory_limit), (Some(FloatDtype::Bf16), None));
+        if cfg!(feature = "cuda") {
+            let launch =
+                args(&["--layers", "0..4", "--device", "cuda:1", "--gpu-memory-limit", "40Gi"]).into_config()?;
+            assert_eq!((launch.config.device, launch.config.gpu_memory_limit), (Device::Cuda(1), Some(40 << 30)));
+        }
+        Ok(())
+    }
+
+    #[test]
     fn layers_come_from_the_flag_or_from_etcd() -> anyhow::Result<()> {
         let launch = args(&["--layers", "0..4"]).into_config()?;
         assert!(launch.registry.is_none());
@@ -266,7 +293,12 @@ mod tests {
         assert!(args(&["--etcd", "http://"]).into_config().is_err());
         assert!(args(&["--layers", "0..4", "--advertise", "nohost"]).into_config().is_err());
         assert!(args(&["--layers", "0..4", "--memory-limit", "12X"]).into_config().is_err());
-        assert!(args(&["--layers", "0..4", "--device", "cuda:0"]).into_config().is_err());
+        let gpu = args(&["--layers", "0..4", "--device", "cuda:0"]).into_config();
+        assert_eq!(gpu.is_ok(), cfg!(feature = "cuda"), "cuda:N is accepted exactly in cuda builds");
+        assert!(args(&["--layers", "0..4", "--gpu-memory-limit", "1Gi"]).into_config().is_err(), "cpu device");
+        assert!(args(&["--layers", "0..4", "--device", "cuda:0", "--gpu-memory-limit", "0"]).into_config().is_err());
+        let bad_dtype = ["stage-worker", "--node-id", "n", "--model", "/m", "--layers", "0..4", "--dtype", "f64"];
+        assert!(Args::try_parse_from(bad_dtype).is_err());
         assert!(Args::try_parse_from(["stage-worker", "--node-id", "n", "--model", "/m", "--layers", "4..2"]).is_err());
         assert_eq!(parse_bytes("2Gi").ok(), Some(2 << 30));
     }

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
+use strata_engine::tensor::DType;
 use strata_proto::pb::Dtype;
 
 use crate::error::{Error, Result};
@@ -61,10 +62,10 @@ impl fmt::Display for LayerRange {
     }
 }
 
-/// Element type of the hidden states this stage sends downstream.
+/// A float element type: of the hidden states a stage sends downstream, or of the weights it stores.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum HiddenDtype {
+pub enum FloatDtype {
     /// 32-bit floats: exact, the default.
     #[default]
     F32,
@@ -74,26 +75,38 @@ pub enum HiddenDtype {
     Bf16,
 }
 
-impl HiddenDtype {
+/// The element type of hidden states sent downstream.
+pub type HiddenDtype = FloatDtype;
+
+impl FloatDtype {
     /// The wire dtype.
     pub fn to_pb(self) -> Dtype {
         match self {
-            HiddenDtype::F32 => Dtype::F32,
-            HiddenDtype::F16 => Dtype::F16,
-            HiddenDtype::Bf16 => Dtype::Bf16,
+            FloatDtype::F32 => Dtype::F32,
+            FloatDtype::F16 => Dtype::F16,
+            FloatDtype::Bf16 => Dtype::Bf16,
+        }
+    }
+
+    /// The engine's type.
+    pub fn to_engine(self) -> DType {
+        match self {
+            FloatDtype::F32 => DType::F32,
+            FloatDtype::F16 => DType::F16,
+            FloatDtype::Bf16 => DType::BF16,
         }
     }
 }
 
-impl FromStr for HiddenDtype {
+impl FromStr for FloatDtype {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self> {
         match s.to_ascii_lowercase().as_str() {
-            "f32" => Ok(HiddenDtype::F32),
-            "f16" => Ok(HiddenDtype::F16),
-            "bf16" => Ok(HiddenDtype::Bf16),
-            _ => Err(Error::Config(format!("hidden dtype {s:?} must be f32, f16 or bf16"))),
+            "f32" => Ok(FloatDtype::F32),
+            "f16" => Ok(FloatDtype::F16),
+            "bf16" => Ok(FloatDtype::Bf16),
+            _ => Err(Error::Config(format!("dtype {s:?} must be f32, f16 or bf16"))),
         }
     }
 }
@@ -192,6 +205,13 @@ pub struct WorkerConfig {
     /// Compute device.
     #[serde(default)]
     pub device: Device,
+    /// Storage type of float weights (and, on a GPU, of activations); `None`: the file's type on the CPU,
+    /// bf16 on a GPU (f16 before sm_80). Quantized weights stay quantized.
+    #[serde(default)]
+    pub dtype: Option<FloatDtype>,
+    /// Device memory the stage may use on a GPU, in bytes; layers beyond it are streamed from host memory.
+    #[serde(default)]
+    pub gpu_memory_limit: Option<u64>,
 }
 
 impl WorkerConfig {
@@ -209,6 +229,8 @@ impl WorkerConfig {
             block_size: default_block_size(),
             hidden_dtype: HiddenDtype::default(),
             device: Device::default(),
+            dtype: None,
+            gpu_memory_limit: None,
         }
     }
 
@@ -232,8 +254,17 @@ impl WorkerConfig {
         if self.node_id.trim().is_empty() {
             return Err(Error::Config("node_id must not be empty".into()));
         }
-        if let Device::Cuda(n) = self.device {
+        if let Device::Cuda(n) = self.device
+            && !cfg!(feature = "cuda")
+        {
             return Err(Error::CudaNotCompiled { device: format!("cuda:{n}") });
+        }
+        match (self.gpu_memory_limit, self.device) {
+            (Some(0), _) => return Err(Error::Config("gpu_memory_limit must be more than 0 bytes".into())),
+            (Some(_), Device::Cpu) => {
+                return Err(Error::Config("gpu_memory_limit applies to a cuda:N device, not cpu".into()));
+            }
+            _ => {}
         }
         if self.kv_blocks == 0 {
             return Err(Error::Config("kv_blocks must be at least 1".into()));
@@ -303,6 +334,12 @@ mod tests {
             serde_json::from_str(r#"{"node_id":"a","model":"/m","layers":"0..4","hidden_dtype":"bf16"}"#)?;
         assert_eq!(cfg.layers, Some(LayerRange { start: 0, end: 4 }));
         assert_eq!((cfg.block_size, cfg.hidden_dtype, cfg.device), (16, HiddenDtype::Bf16, Device::Cpu));
+        assert_eq!((cfg.dtype, cfg.gpu_memory_limit), (None, None));
+        let gpu: WorkerConfig = serde_json::from_str(
+            r#"{"node_id":"a","model":"/m","device":"cuda:1","dtype":"f16","gpu_memory_limit":1000}"#,
+        )?;
+        assert_eq!((gpu.device, gpu.dtype, gpu.gpu_memory_limit), (Device::Cuda(1), Some(FloatDtype::F16), Some(1000)));
+        assert_eq!(FloatDtype::Bf16.to_engine(), DType::BF16);
         assert!(serde_json::from_str::<WorkerConfig>(r#"{"node_id":"a","model":"/m","colour":1}"#).is_err());
         assert!(serde_json::from_str::<WorkerConfig>(r#"{"node_id":"a","model":"/m","layers":"4..1"}"#).is_err());
         Ok(())
@@ -312,10 +349,14 @@ mod tests {
     fn validation_catches_bad_configs() {
         let ok = WorkerConfig::new("n", "/m", Some(LayerRange { start: 0, end: 2 }));
         assert!(ok.validate().is_ok());
-        assert!(matches!(
-            WorkerConfig { device: Device::Cuda(0), ..ok.clone() }.validate(),
-            Err(Error::CudaNotCompiled { .. })
-        ));
+        let gpu = WorkerConfig { device: Device::Cuda(0), ..ok.clone() };
+        if cfg!(feature = "cuda") {
+            assert!(gpu.validate().is_ok(), "a cuda build accepts cuda:N (the device is opened at load)");
+        } else {
+            assert!(matches!(gpu.validate(), Err(Error::CudaNotCompiled { .. })));
+        }
+        assert!(WorkerConfig { gpu_memory_limit: Some(1 << 30), ..ok.clone() }.validate().is_err(), "cpu");
+        assert!(WorkerConfig { gpu_memory_limit: Some(0), ..gpu.clone() }.validate().is_err());
         assert!(matches!(WorkerConfig { layers: None, ..ok.clone() }.validate(), Err(Error::NoLayers)));
         assert!(WorkerConfig { node_id: " ".into(), ..ok.clone() }.validate().is_err());
         assert!(WorkerConfig { kv_blocks: 0, ..ok.clone() }.validate().is_err());

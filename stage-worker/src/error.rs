@@ -17,7 +17,7 @@ pub enum Error {
     #[error("registry: {0}")]
     Registry(#[from] strata_coordinator::Error),
     /// A CUDA device was asked for, but this build has only the CPU backend.
-    #[error("device {device}: strata-stage-worker was not compiled with CUDA support (use --device cpu)")]
+    #[error("device {device}: this build has no CUDA support (build with --features cuda)")]
     CudaNotCompiled {
         /// The device asked for.
         device: String,

@@ -64,6 +64,9 @@ pub struct StageFacts {
     pub weight_bytes: u64,
     /// Backend device name.
     pub device: String,
+    /// Layers kept in host memory and streamed to the device per batch (the end of `layers`; empty without
+    /// offload).
+    pub offloaded_layers: std::ops::Range<usize>,
 }
 
 /// A cheap, cloneable handle to the executor thread.
@@ -93,6 +96,7 @@ impl ExecutorHandle {
             block_size: u32::try_from(block_size).map_err(|_| Error::Config("block_size is too large".into()))?,
             weight_bytes: model.weight_bytes() as u64,
             device: model.backend().name(),
+            offloaded_layers: model.offloaded_layers(),
         });
         let kv_free = Arc::new(AtomicU64::new(kv.free_blocks() as u64));
         let (tx, rx) = mpsc::channel(QUEUE_DEPTH);

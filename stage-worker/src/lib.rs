@@ -14,6 +14,7 @@
 //! ```
 
 pub mod config;
+pub mod device;
 pub mod downstream;
 mod error;
 pub mod executor;
@@ -22,7 +23,7 @@ pub mod sampler;
 pub mod server;
 mod worker;
 
-pub use config::{Device, HiddenDtype, LayerRange, WorkerConfig};
+pub use config::{Device, FloatDtype, HiddenDtype, LayerRange, WorkerConfig};
 pub use error::{Error, Result, engine_to_service};
 pub use registration::{RegistrationOptions, run_registered};
 pub use worker::{LoadedStage, Worker, run, serve_slot};

@@ -8,14 +8,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use strata_coordinator::membership::{NodeRecord, NodeRegistration, NodeState, Plan, Registry};
-use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::backend::Backend;
 use strata_engine::loader::ModelFiles;
-use strata_engine::model::{LoadOptions, LogitRows, SeqChunk, StageInput, StageModel};
+use strata_engine::model::{LogitRows, SeqChunk, StageInput, StageModel};
 use strata_proto::{NodeId, PlanEpoch};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{LayerRange, WorkerConfig};
+use crate::config::{Device, LayerRange, WorkerConfig};
+use crate::device::{OnBackend, load_options, on_device};
 use crate::error::{Error, Result};
 use crate::server::StageSlot;
 use crate::worker::{LoadedStage, serve_slot};
@@ -78,16 +79,33 @@ impl Assignment {
     }
 }
 
-/// Seconds one layer of the model takes on a small batch: layer 0 is loaded alone and run on a few tokens
-/// (after one warm-up run). Blocking; call it off the async runtime.
+/// Seconds one layer of the model takes on a small batch, on the configured device: layer 0 is loaded alone
+/// and run on a few tokens (after one warm-up run). Blocking; call it off the async runtime.
 pub fn measure_layer_seconds(config: &WorkerConfig) -> Result<f64> {
+    let files = ModelFiles::open(&config.model)?;
+    on_device(&config.into(), MeasureLayer { config, files: &files })
+}
+
+struct MeasureLayer<'a> {
+    config: &'a WorkerConfig,
+    files: &'a ModelFiles,
+}
+
+impl OnBackend for MeasureLayer<'_> {
+    type Out = f64;
+
+    fn run<B: Backend>(self, backend: Arc<B>) -> Result<f64> {
+        let opts = load_options(self.config, self.files.config(), 1, &*backend);
+        let model = StageModel::load(self.files, 0..1, backend, &opts)?;
+        time_layer(&model, self.files.config().vocab_size)
+    }
+}
+
+fn time_layer<B: Backend>(model: &StageModel<B>, vocab: usize) -> Result<f64> {
     const TOKENS: usize = 8;
     const RUNS: usize = 3;
-    let files = ModelFiles::open(&config.model)?;
-    let backend = Arc::new(CpuBackend::new(config.threads)?);
-    let model = StageModel::load(&files, 0..1, backend, &LoadOptions::default())?;
     let mut kv = model.new_kv_cache(RUNS + 1, TOKENS)?;
-    let ids: Vec<u32> = (0..TOKENS as u32).map(|i| i % files.config().vocab_size as u32).collect();
+    let ids: Vec<u32> = (0..TOKENS as u32).map(|i| i % vocab as u32).collect();
     let mut elapsed = Duration::ZERO;
     for seq in 0..=RUNS as u64 {
         let chunk = SeqChunk { seq_id: seq, start_pos: 0, len: TOKENS };
@@ -99,6 +117,17 @@ pub fn measure_layer_seconds(config: &WorkerConfig) -> Result<f64> {
         kv.release(seq);
     }
     Ok((elapsed.as_secs_f64() / RUNS as f64).max(f64::MIN_POSITIVE))
+}
+
+/// Memory the node offers for weights and KV cache: `--memory-limit`, else on a GPU `--gpu-memory-limit`,
+/// else the machine's RAM. (A GPU without a limit reports RAM too: the device's size is only known once it is
+/// opened, which registration does not do before it is READY.)
+fn memory_bytes(config: &WorkerConfig, options: &RegistrationOptions) -> u64 {
+    let gpu = match config.device {
+        Device::Cuda(_) => config.gpu_memory_limit,
+        Device::Cpu => None,
+    };
+    options.memory_limit.or(gpu).or_else(total_memory_bytes).unwrap_or(0)
 }
 
 /// Total RAM from `/proc/meminfo` (`MemTotal`), in bytes.
@@ -153,7 +182,7 @@ async fn membership<R: Registry>(
         node_id: node_id.clone(),
         address,
         device: config.device.to_string(),
-        memory_bytes: options.memory_limit.or_else(total_memory_bytes).unwrap_or(0),
+        memory_bytes: memory_bytes(config, options),
         layer_seconds: 0.0,
         state: NodeState::Joining,
         plan_epoch_loaded: PlanEpoch(0),

@@ -173,6 +173,7 @@ impl Stage for StageService {
             inflight_batches,
             device: facts.device.clone(),
             weight_bytes: facts.weight_bytes,
+            offloaded_layers: layer(facts.offloaded_layers.len()),
         }))
     }
 }

@@ -5,9 +5,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use strata_coordinator::membership::Registry;
-use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::backend::Backend;
 use strata_engine::loader::ModelFiles;
-use strata_engine::model::{LoadOptions, StageModel};
+use strata_engine::model::StageModel;
 use strata_proto::pb::stage_server::StageServer;
 use strata_proto::{STAGE_SERVICE, health_service, reflection_service, set_serving};
 use tokio::net::TcpListener;
@@ -16,7 +16,8 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 
-use crate::config::WorkerConfig;
+use crate::config::{LayerRange, WorkerConfig};
+use crate::device::{OnBackend, load_options, on_device};
 use crate::downstream::{Downstream, MAX_MESSAGE_BYTES};
 use crate::error::{Error, Result};
 use crate::executor::ExecutorHandle;
@@ -37,9 +38,7 @@ impl LoadedStage {
         let executor = tokio::task::spawn_blocking(move || -> Result<ExecutorHandle> {
             let files = ModelFiles::open(&cfg.model)?;
             cfg.validate_against_model(layers, files.config().num_layers)?;
-            let backend = Arc::new(CpuBackend::new(cfg.threads)?);
-            let model = StageModel::load(&files, layers.to_range(), backend, &LoadOptions::default())?;
-            ExecutorHandle::spawn(model, cfg.kv_blocks, cfg.block_size, cfg.hidden_dtype, cfg.plan_epoch)
+            on_device(&(&cfg).into(), LoadStage { config: &cfg, files: &files, layers })
         })
         .await
         .map_err(|e| Error::Executor(format!("model loading panicked or was cancelled: {e}")))??;
@@ -49,6 +48,7 @@ impl LoadedStage {
             layers = ?facts.layers,
             weight_bytes = facts.weight_bytes,
             kv_blocks = facts.kv_total_blocks,
+            offloaded_layers = ?facts.offloaded_layers,
             device = %facts.device,
             "stage loaded"
         );
@@ -74,6 +74,24 @@ impl LoadedStage {
         tracing::info!(node = %node_id, next = ?next, "stage ready");
         let slot = StageSlot::new(self.into_active()?);
         serve_slot(node_id, slot, listener, shutdown).await
+    }
+}
+
+/// Loads a stage onto whichever backend the config opened and starts its executor.
+struct LoadStage<'a> {
+    config: &'a WorkerConfig,
+    files: &'a ModelFiles,
+    layers: LayerRange,
+}
+
+impl OnBackend for LoadStage<'_> {
+    type Out = ExecutorHandle;
+
+    fn run<B: Backend>(self, backend: Arc<B>) -> Result<ExecutorHandle> {
+        let cfg = self.config;
+        let opts = load_options(cfg, self.files.config(), self.layers.end - self.layers.start, &*backend);
+        let model = StageModel::load(self.files, self.layers.to_range(), backend, &opts)?;
+        ExecutorHandle::spawn(model, cfg.kv_blocks, cfg.block_size, cfg.hidden_dtype, cfg.plan_epoch)
     }
 }
 

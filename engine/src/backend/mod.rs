@@ -2,9 +2,12 @@
 //! implements the same trait, so model code never changes per device.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use crate::Result;
-use crate::tensor::HostTensor;
+use crate::config::ModelConfig;
+use crate::tensor::{DType, HostTensor};
 
 /// Where one sequence's new tokens sit in a batch and in its KV cache.
 #[derive(Debug, Clone)]
@@ -51,12 +54,39 @@ pub trait Backend: Send + Sync + 'static {
     fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         f()
     }
+    /// Rejects a model this backend cannot run (e.g. a head width its kernels lack), before anything loads.
+    fn check_model(&self, cfg: &ModelConfig) -> Result<()> {
+        let _ = cfg;
+        Ok(())
+    }
     /// Uploads a weight matrix (2-D host tensor), keeping its storage type.
     fn upload_matrix(&self, t: &HostTensor) -> Result<Self::Mat>;
     /// Uploads an f32 vector.
     fn upload_vector(&self, v: &[f32]) -> Result<Self::Vector>;
     /// Bytes a matrix occupies on the device.
     fn matrix_bytes(&self, m: &Self::Mat) -> usize;
+    /// The type a weight stored as `dtype` is kept in on this device (a backend may convert float weights to
+    /// its activation type); used to size a stage before loading it.
+    fn storage_dtype(&self, dtype: DType) -> DType {
+        dtype
+    }
+    /// Bytes of one key or value element in the KV cache.
+    fn kv_elem_bytes(&self) -> usize {
+        4
+    }
+    /// Uploads a weight matrix that stays in host memory and is copied to the device only while a layer that
+    /// uses it runs (weight offload, see [`Backend::stage_layer`]). Backends whose weights already live in host
+    /// memory upload it like any other.
+    fn upload_matrix_offloaded(&self, t: &HostTensor) -> Result<Self::Mat> {
+        self.upload_matrix(t)
+    }
+    /// Called before the ops of each layer when a stage has offloaded layers: makes the offloaded matrices in
+    /// `layer` usable by the ops that follow, and may start copying those of `next` (the next offloaded layer)
+    /// in the background. Resident matrices in either list are ignored.
+    fn stage_layer(&self, layer: &[&Self::Mat], next: &[&Self::Mat]) -> Result<()> {
+        let _ = (layer, next);
+        Ok(())
+    }
     /// Allocates KV storage for one layer: `num_blocks × block_size` slots of `kv_dim` keys and values.
     fn alloc_kv_layer(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<Self::KvLayer>;
     /// Copies host f32 data (`rows × cols`) into an activation.

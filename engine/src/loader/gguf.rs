@@ -257,6 +257,12 @@ impl GgufSource {
         gguf_name(hf_name).is_some_and(|(n, _)| self.tensors.contains_key(&n))
     }
 
+    /// Storage type and shape of a tensor by Hugging Face name (the permutation keeps the shape).
+    pub fn meta(&self, hf_name: &str) -> Option<(DType, Vec<usize>)> {
+        let (name, _) = gguf_name(hf_name)?;
+        self.tensors.get(&name).map(|t| (t.dtype, t.shape.clone()))
+    }
+
     /// Reads a tensor by its Hugging Face name, undoing llama.cpp's Q/K row permutation.
     pub fn tensor(&self, hf_name: &str) -> Result<HostTensor> {
         let (name, unpermute) = gguf_name(hf_name).ok_or_else(|| Error::MissingTensor(hf_name.to_string()))?;

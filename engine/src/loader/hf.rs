@@ -75,6 +75,11 @@ impl HfSource {
         self.entries.contains_key(name)
     }
 
+    /// Storage type and shape of a tensor, if present.
+    pub fn meta(&self, name: &str) -> Option<(DType, Vec<usize>)> {
+        self.entries.get(name).map(|e| (e.dtype, e.shape.clone()))
+    }
+
     /// Reads one tensor (zero-copy where aligned).
     pub fn tensor(&self, name: &str) -> Result<HostTensor> {
         let e = self.entries.get(name).ok_or_else(|| Error::MissingTensor(name.to_string()))?;

@@ -3,11 +3,12 @@
 
 pub mod gguf;
 pub mod hf;
+pub mod synthetic;
 
 use std::path::{Path, PathBuf};
 
 use crate::config::ModelConfig;
-use crate::tensor::HostTensor;
+use crate::tensor::{DType, HostTensor};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
@@ -22,11 +23,16 @@ pub enum ModelFiles {
     },
     /// A GGUF file.
     Gguf(gguf::GgufSource),
+    /// Seeded random weights in a known layout (`random:<preset>[:<dtype>]`), for benchmarks.
+    Synthetic(synthetic::SyntheticSource),
 }
 
 impl ModelFiles {
-    /// Opens `path`: a directory with `config.json`, or a `.gguf` file.
+    /// Opens `path`: a directory with `config.json`, a `.gguf` file, or `random:<preset>[:<dtype>]`.
     pub fn open(path: &Path) -> Result<Self> {
+        if let Some(spec) = path.to_str().filter(|p| p.starts_with(synthetic::PREFIX)) {
+            return Ok(ModelFiles::Synthetic(synthetic::SyntheticSource::open(spec)?));
+        }
         if path.is_dir() {
             return Ok(ModelFiles::Hf { dir: path.to_path_buf(), source: hf::HfSource::open(path)? });
         }
@@ -44,6 +50,7 @@ impl ModelFiles {
         match self {
             ModelFiles::Hf { source, .. } => source.config(),
             ModelFiles::Gguf(g) => g.config(),
+            ModelFiles::Synthetic(s) => s.config(),
         }
     }
 
@@ -52,7 +59,18 @@ impl ModelFiles {
         match self {
             ModelFiles::Hf { source, .. } => source.tensor(name),
             ModelFiles::Gguf(g) => g.tensor(name),
+            ModelFiles::Synthetic(s) => s.tensor(name),
         }
+    }
+
+    /// Storage type and shape of a tensor, without reading (or generating) its data.
+    pub fn tensor_meta(&self, name: &str) -> Result<(DType, Vec<usize>)> {
+        let meta = match self {
+            ModelFiles::Hf { source, .. } => source.meta(name),
+            ModelFiles::Gguf(g) => g.meta(name),
+            ModelFiles::Synthetic(s) => s.meta(name),
+        };
+        meta.ok_or_else(|| Error::MissingTensor(name.to_string()))
     }
 
     /// Whether a tensor exists.
@@ -60,6 +78,7 @@ impl ModelFiles {
         match self {
             ModelFiles::Hf { source, .. } => source.contains(name),
             ModelFiles::Gguf(g) => g.contains(name),
+            ModelFiles::Synthetic(s) => s.contains(name),
         }
     }
 
@@ -68,6 +87,7 @@ impl ModelFiles {
         match self {
             ModelFiles::Hf { dir, source } => Tokenizer::from_hf_dir(dir, source.config().bos_token_id),
             ModelFiles::Gguf(g) => Tokenizer::from_gguf(&g.metadata),
+            ModelFiles::Synthetic(_) => Err(Error::Tokenizer("a synthetic (random:) model has no tokenizer".into())),
         }
     }
 }

@@ -1,0 +1,286 @@
+//! The CUDA backend against the CPU reference. These need an NVIDIA GPU, so they are `#[ignore]`d and run by
+//! `scripts/gpu-check.sh` (`cargo test --features cuda -- --ignored`). Every op runs on random inputs in each
+//! activation type with per-type tolerances; whole models must agree too (greedy tokens exactly).
+#![cfg(feature = "cuda")]
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail, ensure};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::backend::cuda::{CudaBackend, CudaOptions};
+use strata_engine::backend::{AttnSeq, AttnShape, Backend};
+use strata_engine::generate::Engine;
+use strata_engine::loader::ModelFiles;
+use strata_engine::model::{LoadOptions, LogitRows, SeqChunk, StageInput, StageModel};
+use strata_engine::offload::OffloadBudget;
+use strata_engine::sampling::argmax;
+use strata_engine::tensor::{Bytes, DType, HostTensor};
+use strata_engine::testing::quantize;
+
+fn cuda(act: DType) -> Result<CudaBackend> {
+    let opts = CudaOptions { act_dtype: Some(act), ..CudaOptions::from_env(0, |k| std::env::var(k).ok()) };
+    Ok(CudaBackend::new(opts)?)
+}
+
+/// `max |a - b| <= atol + rtol * max |b|`, per activation type: f32 differs by reduction order and FMA only,
+/// f16/bf16 by one rounding of each stored intermediate.
+fn close(what: &str, act: DType, got: &[f32], want: &[f32]) -> Result<()> {
+    let (atol, rtol) = match act {
+        DType::F32 => (1e-5, 1e-4),
+        DType::F16 => (1e-3, 4e-3),
+        _ => (1e-2, 2e-2),
+    };
+    ensure!(got.len() == want.len(), "{what}: {} values, expected {}", got.len(), want.len());
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let (i, err) = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .enumerate()
+        .fold((0, 0f32), |m, (i, e)| if e > m.1 || e.is_nan() { (i, e) } else { m });
+    ensure!(
+        err <= atol + rtol * scale,
+        "{what} ({act}): |diff| {err} at {i} (got {}, want {}), scale {scale}",
+        got[i],
+        want[i]
+    );
+    Ok(())
+}
+
+fn rand_vec(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-amp..amp)).collect()
+}
+
+/// Values rounded to the activation type, so both backends start from the same inputs.
+fn rounded(act: DType, v: Vec<f32>) -> Vec<f32> {
+    HostTensor::from_f32(vec![v.len()], &v).convert(act).to_f32()
+}
+
+fn matrix(dtype: DType, rows: usize, cols: usize, v: &[f32]) -> Result<HostTensor> {
+    let bytes = if dtype.is_quantized() {
+        quantize(dtype, v)
+    } else {
+        return Ok(HostTensor::from_f32(vec![rows, cols], v).convert(dtype));
+    };
+    Ok(HostTensor::new("w", dtype, vec![rows, cols], Bytes::owned(&bytes))?)
+}
+
+fn check_ops(act: DType) -> Result<()> {
+    let (cpu, gpu) = (CpuBackend::new(2)?, cuda(act)?);
+    let mut rng = StdRng::seed_from_u64(7);
+    let (rows, cols) = (9, 256);
+    let x = rounded(act, rand_vec(&mut rng, rows * cols, 1.0));
+    let (xc, xg) = (cpu.act_from_host(&x, rows, cols)?, gpu.act_from_host(&x, rows, cols)?);
+    close("round trip", act, &gpu.act_to_host(&xg)?, &x)?;
+
+    let w = rounded(act, rand_vec(&mut rng, cols, 1.0));
+    let (wc, wg) = (cpu.upload_vector(&w)?, gpu.upload_vector(&w)?);
+    close("rms_norm", act, &gpu.act_to_host(&gpu.rms_norm(&xg, &wg, 1e-5)?)?, &cpu.rms_norm(&xc, &wc, 1e-5)?.data)?;
+
+    let y = rounded(act, rand_vec(&mut rng, rows * cols, 1.0));
+    let (yc, yg) = (cpu.act_from_host(&y, rows, cols)?, gpu.act_from_host(&y, rows, cols)?);
+    close("silu_mul", act, &gpu.act_to_host(&gpu.silu_mul(&xg, &yg)?)?, &cpu.silu_mul(&xc, &yc)?.data)?;
+    let (mut sc, mut sg) = (xc.clone(), gpu.act_from_host(&x, rows, cols)?);
+    cpu.add_assign(&mut sc, &yc)?;
+    gpu.add_assign(&mut sg, &yg)?;
+    close("add_assign", act, &gpu.act_to_host(&sg)?, &sc.data)?;
+    let pick = [8, 0, 3, 3];
+    close("select_rows", act, &gpu.act_to_host(&gpu.select_rows(&xg, &pick)?)?, &cpu.select_rows(&xc, &pick)?.data)?;
+
+    let head_dim = 64;
+    let inv: Vec<f32> = (0..head_dim / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / head_dim as f32)).collect();
+    let pos: Vec<u32> = (0..rows as u32).map(|p| p * 37 + 3).collect();
+    let (mut rc, mut rg) = (xc.clone(), gpu.act_from_host(&x, rows, cols)?);
+    cpu.rope(&mut rc, &pos, &inv, head_dim)?;
+    gpu.rope(&mut rg, &pos, &inv, head_dim)?;
+    close("rope", act, &gpu.act_to_host(&rg)?, &rc.data)?;
+
+    // Every matmul route: cuBLAS for float weights; gemv (m <= 8), gemm and dequantize + cuBLAS (m >= 64).
+    for dtype in [act, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        let n = 96;
+        let wv = rand_vec(&mut rng, n * cols, 0.2);
+        let t = matrix(dtype, n, cols, &wv)?;
+        let (mc, mg) = (cpu.upload_matrix(&t)?, gpu.upload_matrix(&t)?);
+        let bias = rounded(act, rand_vec(&mut rng, n, 0.5));
+        let (bc, bg) = (cpu.upload_vector(&bias)?, gpu.upload_vector(&bias)?);
+        for m in [1, 5, 8, 20, 64, 100] {
+            let xs = rounded(act, rand_vec(&mut rng, m * cols, 1.0));
+            let (a, b) = (cpu.act_from_host(&xs, m, cols)?, gpu.act_from_host(&xs, m, cols)?);
+            let want = cpu.linear(&a, &mc, Some(&bc))?.data;
+            close(&format!("linear {dtype} m={m}"), act, &gpu.act_to_host(&gpu.linear(&b, &mg, Some(&bg))?)?, &want)?;
+        }
+        let ids = [0u32, 95, 17, 17];
+        close(&format!("embed {dtype}"), act, &gpu.act_to_host(&gpu.embed(&mg, &ids)?)?, &cpu.embed(&mc, &ids)?.data)?;
+    }
+    check_attention(&cpu, &gpu, act, &mut rng)
+}
+
+/// Packed prefill, then decode with cached context, then a mixed batch (chunked prefill + decode).
+fn check_attention(cpu: &CpuBackend, gpu: &CudaBackend, act: DType, rng: &mut StdRng) -> Result<()> {
+    for (heads, kv_heads, head_dim) in [(4, 2, 64), (8, 1, 128), (9, 3, 64)] {
+        let shape = AttnShape { num_heads: heads, num_kv_heads: kv_heads, head_dim, block_size: 16 };
+        let (q_dim, kv_dim) = (heads * head_dim, kv_heads * head_dim);
+        let (mut kc, mut kg) = (cpu.alloc_kv_layer(64, 16, kv_dim)?, gpu.alloc_kv_layer(64, 16, kv_dim)?);
+        let (b0, b1): (Vec<u32>, Vec<u32>) = ((0..40).collect(), (40..64).collect());
+        let steps: Vec<Vec<AttnSeq<'_>>> = vec![
+            vec![
+                AttnSeq { row: 0, len: 37, start_pos: 0, blocks: &b0 },
+                AttnSeq { row: 37, len: 5, start_pos: 0, blocks: &b1 },
+            ],
+            vec![
+                AttnSeq { row: 0, len: 1, start_pos: 37, blocks: &b0 },
+                AttnSeq { row: 1, len: 1, start_pos: 5, blocks: &b1 },
+            ],
+            vec![
+                AttnSeq { row: 0, len: 600, start_pos: 38, blocks: &b0 },
+                AttnSeq { row: 600, len: 1, start_pos: 6, blocks: &b1 },
+            ],
+        ];
+        for (i, seqs) in steps.iter().enumerate() {
+            let rows: usize = seqs.iter().map(|s| s.len).sum();
+            let mk = |rng: &mut StdRng, w| rounded(act, rand_vec(rng, rows * w, 1.0));
+            let (q, k, v) = (mk(rng, q_dim), mk(rng, kv_dim), mk(rng, kv_dim));
+            let want = cpu.attention(
+                &cpu.act_from_host(&q, rows, q_dim)?,
+                &cpu.act_from_host(&k, rows, kv_dim)?,
+                &cpu.act_from_host(&v, rows, kv_dim)?,
+                &mut kc,
+                seqs,
+                shape,
+            )?;
+            let got = gpu.attention(
+                &gpu.act_from_host(&q, rows, q_dim)?,
+                &gpu.act_from_host(&k, rows, kv_dim)?,
+                &gpu.act_from_host(&v, rows, kv_dim)?,
+                &mut kg,
+                seqs,
+                shape,
+            )?;
+            close(
+                &format!("attention {heads}/{kv_heads}x{head_dim} step {i}"),
+                act,
+                &gpu.act_to_host(&got)?,
+                &want.data,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; scripts/gpu-check.sh runs it"]
+fn every_op_matches_the_cpu_in_f32() -> Result<()> {
+    check_ops(DType::F32)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; scripts/gpu-check.sh runs it"]
+fn every_op_matches_the_cpu_in_f16() -> Result<()> {
+    check_ops(DType::F16)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; scripts/gpu-check.sh runs it"]
+fn every_op_matches_the_cpu_in_bf16() -> Result<()> {
+    check_ops(DType::BF16)
+}
+
+/// Logits of a prefill of two sequences and three batched decode steps through `stages`.
+fn run<B: Backend>(stages: &[StageModel<B>]) -> Result<Vec<Vec<f32>>> {
+    let mut caches = stages.iter().map(|s| s.new_kv_cache(64, 16)).collect::<Result<Vec<_>, _>>()?;
+    let mut steps = vec![(
+        vec![SeqChunk { seq_id: 1, start_pos: 0, len: 7 }, SeqChunk { seq_id: 2, start_pos: 0, len: 3 }],
+        vec![5u32, 17, 2, 99, 42, 7, 8, 250, 3, 1],
+    )];
+    for i in 0..3 {
+        steps.push((
+            vec![SeqChunk { seq_id: 1, start_pos: 7 + i, len: 1 }, SeqChunk { seq_id: 2, start_pos: 3 + i, len: 1 }],
+            vec![11 + i as u32, 200 - i as u32],
+        ));
+    }
+    let mut out = Vec::new();
+    for (chunks, ids) in &steps {
+        let mut hidden = None;
+        for (stage, kv) in stages.iter().zip(caches.iter_mut()) {
+            let input = match hidden.take() {
+                None => StageInput::Tokens(ids),
+                Some(h) => StageInput::Hidden(h),
+            };
+            hidden = Some(stage.forward(kv, chunks, input, LogitRows::All)?);
+        }
+        let last = stages.last().context("no stages")?;
+        out.push(last.backend().act_to_host(&hidden.context("no output")?)?);
+    }
+    Ok(out)
+}
+
+fn load<B: Backend>(
+    files: &ModelFiles,
+    cuts: &[usize],
+    be: &Arc<B>,
+    opts: &LoadOptions<'_>,
+) -> Result<Vec<StageModel<B>>> {
+    let mut bounds = vec![0];
+    bounds.extend_from_slice(cuts);
+    bounds.push(files.config().num_layers);
+    Ok(bounds.windows(2).map(|w| StageModel::load(files, w[0]..w[1], be.clone(), opts)).collect::<Result<_, _>>()?)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; scripts/gpu-check.sh runs it"]
+fn tiny_model_matches_cpu_and_splits_and_offload_change_nothing() -> Result<()> {
+    let files = ModelFiles::open(Path::new("random:tiny"))?;
+    let cpu = Arc::new(CpuBackend::new(2)?);
+    let want = run(&load(&files, &[], &cpu, &LoadOptions::default())?)?;
+    let gpu = Arc::new(cuda(DType::F32)?);
+    let one = run(&load(&files, &[], &gpu, &LoadOptions::default())?)?;
+    for (i, (g, c)) in one.iter().zip(&want).enumerate() {
+        close(&format!("tiny model step {i}"), DType::F32, g, c)?;
+    }
+    // Same GPU, same kernels: a split or offloaded layers must give the very same bits.
+    ensure!(run(&load(&files, &[1, 3], &gpu, &LoadOptions::default())?)? == one, "2 stages differ from 1 stage");
+    // random:tiny in f32: ~590 kB per layer, ~530 kB of embeddings/head/norms; 2.5 MB keeps one layer resident
+    // and streams three through two staging slots.
+    let budget = OffloadBudget { limit_bytes: 2_500_000, reserve_bytes: 0 };
+    let opts = LoadOptions { offload: Some(budget), ..LoadOptions::default() };
+    let offloaded = load(&files, &[], &gpu, &opts)?;
+    ensure!(
+        !offloaded[0].offloaded_layers().is_empty(),
+        "budget should force offload: {:?}",
+        offloaded[0].offload_plan()
+    );
+    ensure!(run(&offloaded)? == one, "offloaded layers change the logits");
+    Ok(())
+}
+
+/// Greedy continuation of `prompt` for `steps` tokens.
+fn greedy<B: Backend>(model: StageModel<B>, prompt: &[u32], steps: usize) -> Result<Vec<u32>> {
+    let mut e = Engine::new(model, None, 256)?;
+    let chunk = SeqChunk { seq_id: 0, start_pos: 0, len: prompt.len() };
+    let mut next = argmax(&e.step(&[chunk], prompt)?[0]);
+    let mut out = vec![next];
+    for i in 0..steps {
+        next = argmax(&e.step(&[SeqChunk { seq_id: 0, start_pos: prompt.len() + i, len: 1 }], &[next])?[0]);
+        out.push(next);
+    }
+    Ok(out)
+}
+
+/// Greedy tokens of the real model on the GPU (f32 activations) equal the CPU's.
+#[test]
+#[ignore = "needs an NVIDIA GPU and STRATA_TEST_MODEL=$(scripts/fetch-model.sh); scripts/gpu-check.sh runs it"]
+fn smollm2_greedy_tokens_match_the_cpu() -> Result<()> {
+    let Ok(path) = std::env::var("STRATA_TEST_MODEL") else {
+        bail!("set STRATA_TEST_MODEL=$(scripts/fetch-model.sh)");
+    };
+    let files = ModelFiles::open(Path::new(&path))?;
+    let n = files.config().num_layers;
+    let prompt = [504u32, 3575, 282, 4649, 314];
+    let cpu = StageModel::load(&files, 0..n, Arc::new(CpuBackend::new(0)?), &LoadOptions::default())?;
+    let gpu = StageModel::load(&files, 0..n, Arc::new(cuda(DType::F32)?), &LoadOptions::default())?;
+    let (want, got) = (greedy(cpu, &prompt, 24)?, greedy(gpu, &prompt, 24)?);
+    ensure!(want == got, "cpu  {want:?}\ncuda {got:?}");
+    Ok(())
+}
