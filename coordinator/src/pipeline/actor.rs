@@ -25,8 +25,10 @@ const EVENT_BUFFER: usize = 64;
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long asking a stage for its status may take.
 const STATUS_TIMEOUT: Duration = Duration::from_secs(5);
-/// A sequence preempted this often fails instead of being recomputed again (a stage keeps running out).
-const MAX_PREEMPTIONS: u32 = 16;
+/// A sequence whose batches a stage refused for want of KV this often fails instead of being recomputed again
+/// (the stage holds less than it reported). Preemptions the coordinator decides itself are not limited: the
+/// oldest sequence is never preempted, so it always progresses.
+const MAX_STAGE_REFUSALS: u32 = 16;
 /// Finished `Release` calls waiting for the actor.
 const RELEASED_BUFFER: usize = 256;
 
@@ -44,7 +46,8 @@ struct Seq {
     blocks: usize,
     /// In the running set (holding KV) rather than waiting.
     running: bool,
-    preemptions: u32,
+    /// Batches of this sequence a stage refused for want of KV.
+    refusals: u32,
     max_tokens: usize,
     sampling: pb::SamplingParams,
     logprobs: bool,
@@ -84,6 +87,8 @@ impl Seq {
 enum Requeue {
     /// The KV cache is full (a preemption).
     KvFull,
+    /// A stage refused its batch for want of KV (it holds less than it reported).
+    StageOutOfKv,
     /// The plan changed under it.
     PlanChanged,
 }
@@ -266,7 +271,7 @@ impl Actor {
                 output: Vec::new(),
                 blocks: 0,
                 running: false,
-                preemptions: 0,
+                refusals: 0,
                 max_tokens: req.max_tokens,
                 sampling: req.sampling,
                 logprobs: req.logprobs,
@@ -288,6 +293,9 @@ impl Actor {
     /// step.
     fn promote(&mut self) {
         let Some(kv) = &mut self.kv else { return };
+        let mut running = self.seqs.values().any(|s| s.running && !s.gone());
+        // Headroom while others run, so the running set can grow a little before anyone is preempted.
+        let watermark = kv.total().div_ceil(100);
         while let Some(&id) = self.waiting.front() {
             let Some(seq) = self.seqs.get_mut(&id) else {
                 self.waiting.pop_front();
@@ -298,10 +306,15 @@ impl Actor {
                 continue;
             }
             let first = seq.input.len().min(self.limits.max_batch_tokens);
+            let need = kv.blocks_for(seq.pos as usize + first).saturating_sub(seq.blocks);
+            if running && kv.free() < need + watermark {
+                break;
+            }
             if !kv.grow(&mut seq.blocks, seq.pos as usize + first) {
                 break;
             }
             seq.running = true;
+            running = true;
             self.waiting.pop_front();
         }
     }
@@ -390,21 +403,23 @@ impl Actor {
     /// under a new id, so a late `Release` of the old id cannot touch the new cache.
     fn requeue(&mut self, id: u64, why: Requeue) {
         let Some(mut seq) = self.seqs.remove(&id) else { return };
-        if why == Requeue::KvFull {
-            seq.preemptions += 1;
+        if why != Requeue::PlanChanged {
             self.preemptions.fetch_add(1, Ordering::Relaxed);
         }
-        tracing::debug!(seq = id, tokens = seq.pos, preemptions = seq.preemptions, ?why, "requeueing for recompute");
+        if why == Requeue::StageOutOfKv {
+            seq.refusals += 1;
+        }
+        tracing::debug!(seq = id, tokens = seq.pos, ?why, "requeueing for recompute");
         let blocks = seq.blocks;
         if let Some(kv) = &mut self.kv {
             kv.release(&mut seq.blocks);
         }
         seq.blocks = 0;
         self.release(vec![id], blocks);
-        if seq.preemptions > MAX_PREEMPTIONS {
+        if seq.refusals > MAX_STAGE_REFUSALS {
             seq.fail(ServiceError::resource_exhausted(format!(
-                "preempted {} times: the KV cache is too small for the load",
-                seq.preemptions
+                "a stage refused this sequence's batches {} times for want of KV cache",
+                seq.refusals
             )));
             return;
         }
@@ -465,7 +480,7 @@ impl Actor {
                 // A stage ran out of KV blocks (e.g. its cache is smaller than it reported): recompute later.
                 tracing::info!(batch_id = resp.batch_id, error = %err, "batch out of KV cache: preempting it");
                 for id in &batch.seqs {
-                    self.requeue(*id, Requeue::KvFull);
+                    self.requeue(*id, Requeue::StageOutOfKv);
                 }
                 return;
             }
