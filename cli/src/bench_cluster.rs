@@ -51,6 +51,8 @@ struct Run {
     ttft_ms_p99: f64,
     itl_ms_p50: f64,
     itl_ms_p99: f64,
+    /// Stage compute (all stages) per micro-batch step, in ms.
+    compute_ms_per_step: f64,
     /// Pipeline time minus stage compute, per micro-batch step, in µs.
     overhead_us_per_step: f64,
     /// The same divided by the step's hops (2 per stage: down the pipeline and back).
@@ -246,6 +248,7 @@ async fn measure(client: &CoordinatorClient<Channel>, b: &ClusterBench, concurre
     let steps: u64 = samples.iter().map(|s| u64::from(s.usage.steps)).sum();
     let overhead: u64 =
         samples.iter().map(|s| s.usage.pipeline_micros.saturating_sub(s.usage.stage_compute_micros)).sum();
+    let compute: u64 = samples.iter().map(|s| s.usage.stage_compute_micros).sum();
     Ok(Run {
         concurrency,
         requests: samples.len(),
@@ -257,6 +260,7 @@ async fn measure(client: &CoordinatorClient<Channel>, b: &ClusterBench, concurre
         itl_ms_p50: percentile(&mut itl, 0.50),
         itl_ms_p99: percentile(&mut itl, 0.99),
         overhead_us_per_step: if steps == 0 { 0.0 } else { overhead as f64 / steps as f64 },
+        compute_ms_per_step: if steps == 0 { 0.0 } else { compute as f64 / steps as f64 / 1e3 },
         ..Run::default()
     })
 }
@@ -306,14 +310,14 @@ fn table(report: &Report) -> String {
     let mut t = String::new();
     let _ = writeln!(
         t,
-        "| stages | threads/stage | streams | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | overhead µs/hop | added µs/hop vs 1 process |"
+        "| stages | threads/stage | streams | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | compute ms/step | overhead µs/hop | added µs/hop vs 1 process |"
     );
-    let _ = writeln!(t, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(t, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &report.runs {
         let added = r.added_us_per_hop_vs_single_process.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"));
         let _ = writeln!(
             t,
-            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.0} | {added} |",
+            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {:.0} | {added} |",
             r.stages,
             r.threads_per_stage,
             r.concurrency,
@@ -322,6 +326,7 @@ fn table(report: &Report) -> String {
             r.ttft_ms_p99,
             r.itl_ms_p50,
             r.itl_ms_p99,
+            r.compute_ms_per_step,
             r.overhead_us_per_hop
         );
     }

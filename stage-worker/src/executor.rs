@@ -2,8 +2,8 @@
 //! per-sequence samplers, and runs commands in the order they arrive over a bounded channel.
 
 use std::collections::HashSet;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use strata_engine::backend::Backend;
@@ -43,9 +43,24 @@ pub struct BatchOutput {
 pub type BatchResult = Result<BatchOutput, ServiceError>;
 
 enum Command {
-    Forward { batch: pb::ForwardRequest, reply: oneshot::Sender<BatchResult> },
-    Release { seq_ids: Vec<u64>, reply: oneshot::Sender<u32> },
+    Forward {
+        batch: pb::ForwardRequest,
+        reply: oneshot::Sender<BatchResult>,
+    },
+    /// Releases are waiting in the pending list.
+    Wake,
 }
+
+/// A `Release` waiting for the executor.
+struct PendingRelease {
+    seq_ids: Vec<u64>,
+    reply: oneshot::Sender<u32>,
+}
+
+/// Releases jump the batch queue: the coordinator releases only sequences with no batch in flight, so they
+/// need not wait behind other sequences' batches (which, on a busy stage, can take seconds), and the blocks
+/// come back as early as possible.
+type Releases = Arc<Mutex<Vec<PendingRelease>>>;
 
 /// Fixed facts about the loaded stage.
 #[derive(Debug, Clone)]
@@ -73,6 +88,7 @@ pub struct StageFacts {
 #[derive(Clone)]
 pub struct ExecutorHandle {
     tx: mpsc::Sender<Command>,
+    releases: Releases,
     kv_free: Arc<AtomicU64>,
     facts: Arc<StageFacts>,
 }
@@ -100,6 +116,7 @@ impl ExecutorHandle {
         });
         let kv_free = Arc::new(AtomicU64::new(kv.free_blocks() as u64));
         let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
+        let releases = Releases::default();
         let mut exec = Executor {
             model,
             kv,
@@ -107,12 +124,13 @@ impl ExecutorHandle {
             hidden_dtype: hidden_dtype.to_pb(),
             plan_epoch,
             kv_free: kv_free.clone(),
+            releases: releases.clone(),
         };
         std::thread::Builder::new()
             .name("strata-executor".into())
             .spawn(move || exec.run(rx))
             .map_err(|e| Error::Executor(format!("cannot start the executor thread: {e}")))?;
-        Ok(ExecutorHandle { tx, kv_free, facts })
+        Ok(ExecutorHandle { tx, releases, kv_free, facts })
     }
 
     /// Queues a batch (waiting while the queue is full) and returns where its result will arrive.
@@ -122,11 +140,16 @@ impl ExecutorHandle {
         Ok(rx)
     }
 
-    /// Frees the sequences' KV blocks and sampling state, after every batch queued before; returns how
-    /// many were known.
+    /// Frees the sequences' KV blocks and sampling state before the next queued batch runs (the caller
+    /// guarantees none of their batches is queued); returns how many were known.
     pub async fn release(&self, seq_ids: Vec<u64>) -> Result<u32, ServiceError> {
         let (reply, rx) = oneshot::channel();
-        self.tx.send(Command::Release { seq_ids, reply }).await.map_err(|_| gone())?;
+        self.releases.lock().map_err(|_| gone())?.push(PendingRelease { seq_ids, reply });
+        match self.tx.try_send(Command::Wake) {
+            // A full queue means the executor will look at the pending releases before its next batch anyway.
+            Ok(()) | Err(mpsc::error::TrySendError::Full(_)) => {}
+            Err(mpsc::error::TrySendError::Closed(_)) => return Err(gone()),
+        }
         rx.await.map_err(|_| gone())
     }
 
@@ -152,11 +175,33 @@ struct Executor<B: Backend> {
     hidden_dtype: pb::Dtype,
     plan_epoch: Option<u64>,
     kv_free: Arc<AtomicU64>,
+    releases: Releases,
 }
 
 impl<B: Backend> Executor<B> {
+    /// Frees every pending release's sequences and answers how many were known.
+    fn run_releases(&mut self) {
+        let pending = match self.releases.lock() {
+            Ok(mut p) => std::mem::take(&mut *p),
+            Err(_) => return,
+        };
+        for PendingRelease { seq_ids, reply } in pending {
+            let mut released = 0;
+            for seq in seq_ids {
+                if self.kv.table(seq).is_some() {
+                    released += 1;
+                }
+                self.kv.release(seq);
+                self.samplers.release(seq);
+            }
+            let _ = reply.send(released);
+        }
+        self.kv_free.store(self.kv.free_blocks() as u64, Ordering::Relaxed);
+    }
+
     fn run(&mut self, mut rx: mpsc::Receiver<Command>) {
         while let Some(cmd) = rx.blocking_recv() {
+            self.run_releases();
             match cmd {
                 Command::Forward { batch, reply } => {
                     let span = tracing::debug_span!("compute", batch_id = batch.batch_id, chunks = batch.chunks.len());
@@ -171,17 +216,7 @@ impl<B: Backend> Executor<B> {
                     }
                     let _ = reply.send(result);
                 }
-                Command::Release { seq_ids, reply } => {
-                    let mut released = 0;
-                    for seq in seq_ids {
-                        if self.kv.table(seq).is_some() {
-                            released += 1;
-                        }
-                        self.kv.release(seq);
-                        self.samplers.release(seq);
-                    }
-                    let _ = reply.send(released);
-                }
+                Command::Wake => {}
             }
             self.kv_free.store(self.kv.free_blocks() as u64, Ordering::Relaxed);
         }

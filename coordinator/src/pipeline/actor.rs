@@ -21,8 +21,9 @@ use crate::stage_client::{self, ForwardStream, TracedStageClient};
 
 /// Events buffered per sequence before the actor waits for its caller.
 const EVENT_BUFFER: usize = 64;
-/// How long a `Release` may take.
-const RELEASE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a `Release` may take. Its blocks stay reserved until it returns, so this only bounds how long a
+/// stage that never answers can hold them.
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long asking a stage for its status may take.
 const STATUS_TIMEOUT: Duration = Duration::from_secs(5);
 /// A sequence whose batches a stage refused for want of KV this often fails instead of being recomputed again
