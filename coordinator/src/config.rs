@@ -21,6 +21,9 @@ pub struct CoordinatorConfig {
     pub cluster: String,
     /// The model: a Hugging Face directory or a `.gguf` file.
     pub model: PathBuf,
+    /// The name the APIs serve the model under; defaults to its file or directory name less `.gguf`.
+    #[serde(default)]
+    pub model_name: Option<String>,
     /// Address of the public gRPC API (`Coordinator`, health, reflection).
     pub grpc_addr: SocketAddr,
     /// Address of the HTTP API (served by a later issue; validated now).
@@ -77,6 +80,7 @@ impl CoordinatorConfig {
             etcd: None,
             cluster: default_cluster(),
             model: model.into(),
+            model_name: None,
             grpc_addr,
             http_addr,
             min_stages: default_min_stages(),
@@ -127,6 +131,9 @@ impl CoordinatorConfig {
         }
         if self.max_concurrent_requests == 0 || self.max_batch_tokens == 0 {
             return bad("max_concurrent_requests and max_batch_tokens must be at least 1".into());
+        }
+        if self.model_name.as_deref().is_some_and(|n| n.trim().is_empty() || n.chars().any(char::is_control)) {
+            return bad("model_name must be non-empty printable text".into());
         }
         if self.model.as_os_str().is_empty() {
             return bad("model path is empty".into());
@@ -182,6 +189,14 @@ mod tests {
         let mut c = base();
         c.etcd = Some(vec![]);
         assert!(c.validate().is_err_and(|e| e.to_string().contains("etcd")));
+        let mut c = base();
+        c.model_name = Some(" ".into());
+        assert!(c.validate().is_err_and(|e| e.to_string().contains("model_name")));
+        c.model_name = Some("llama-8b".into());
+        assert!(c.validate().is_ok());
+        let mut c = base();
+        c.max_batch_tokens = 0;
+        assert!(c.validate().is_err_and(|e| e.to_string().contains("max_batch_tokens")));
     }
 
     #[test]

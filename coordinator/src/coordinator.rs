@@ -156,9 +156,9 @@ pub async fn run_with_registry<R: Registry>(
 ) -> Result<()> {
     config.validate()?;
     let shape = ModelShape::from_model_path(&config.model, config.kv_reserve_tokens)?;
-    let model_name = model_name(&config.model);
+    let model_name = config.model_name.clone().unwrap_or_else(|| model_name(&config.model));
     tracing::info!(model = %model_name, layers = shape.num_layers, layer_bytes = shape.layer_bytes, "model sized");
-    let model = ModelInfo::open(&config.model)?;
+    let model = ModelInfo { name: model_name.clone(), ..ModelInfo::open(&config.model)? };
     let grpc = bind("gRPC", config.grpc_addr).await?;
     let http = bind("HTTP", config.http_addr).await?;
     let limits = config.scheduler_limits();

@@ -17,6 +17,9 @@ struct Args {
     /// Model: a Hugging Face directory or a `.gguf` file.
     #[arg(long, env = "STRATA_MODEL")]
     model: PathBuf,
+    /// Name the APIs serve the model under (default: its file or directory name less `.gguf`).
+    #[arg(long, env = "STRATA_MODEL_NAME")]
+    model_name: Option<String>,
     /// Address of the public gRPC API.
     #[arg(long, env = "STRATA_GRPC", default_value = "0.0.0.0:50051")]
     grpc: SocketAddr,
@@ -51,6 +54,7 @@ async fn main() -> anyhow::Result<()> {
     config.etcd = args.etcd.as_deref().map(CoordinatorConfig::parse_endpoints);
     config.min_stages = args.min_stages;
     config.cluster = args.cluster;
+    config.model_name = args.model_name;
     config.connect_timeout_ms = args.connect_timeout_ms;
     config.max_concurrent_requests = args.max_concurrent_requests;
     config.max_batch_tokens = args.max_batch_tokens;

@@ -136,7 +136,7 @@ imagePullSecrets:
 
 {{/* Name the API reports the model under; defaults to the last element of model.path. */}}
 {{- define "strata.model.name" -}}
-{{- default (base .Values.model.path) .Values.model.name -}}
+{{- default (trimSuffix ".gguf" (base .Values.model.path)) .Values.model.name -}}
 {{- end -}}
 
 {{/*

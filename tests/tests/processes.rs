@@ -85,7 +85,7 @@ async fn etcd_cluster_of_processes_serves_joins_drains_and_survives_a_dead_worke
     let grpc = format!("127.0.0.1:{}", free_port()?);
     let mut cmd = Command::new(workspace_bin("coordinator")?);
     cmd.args(["--etcd", &etcd.endpoint(), "--cluster", "procs", "--model", m, "--grpc", &grpc])
-        .args(["--http", &format!("127.0.0.1:{}", free_port()?), "--min-stages", "3"])
+        .args(["--http", &format!("127.0.0.1:{}", free_port()?), "--min-stages", "3", "--model-name", "smol"])
         .env("RUST_LOG", "info");
     let coordinator = Process::spawn("coordinator", cmd)?;
     let url = format!("http://{grpc}");
@@ -110,6 +110,7 @@ async fn etcd_cluster_of_processes_serves_joins_drains_and_survives_a_dead_worke
 
     // Three workers, one plan: three stages covering every layer, same tokens as one process.
     let s = served_plan(&url, "first plan", |s| s.stages.len() == 3).await.with_context(|| logs(&workers))?;
+    ensure!(s.model == "smol", "--model-name is the served name: {}", s.model);
     let first_epoch = s.plan_epoch;
     same(&generate()?, "3 stages")?;
 

@@ -144,8 +144,8 @@ async fn generate<T: GenerationRequest>(
     completions::respond(&state, T::ENDPOINT, &id, params, Delivery { stream, include_usage }).await
 }
 
-/// `GET /health`: 200 once a one-token greedy generation went through every stage within the timeout, else 503
-/// with the error.
+/// `GET /health`: 200 once a one-token greedy generation went through every stage within the timeout (or the
+/// request queue is full: busy, not broken), else 503 with the error.
 async fn health(State(state): State<Arc<HttpState>>) -> Response {
     let started = Instant::now();
     let result = match tokio::time::timeout(state.health_timeout, probe(&state.pipeline)).await {
@@ -159,6 +159,11 @@ async fn health(State(state): State<Arc<HttpState>>) -> Response {
     let ms = started.elapsed().as_millis() as u64;
     match result {
         Ok(()) => Json(serde_json::json!({"status": "ok", "model": model, "latency_ms": ms})).into_response(),
+        // A full queue means the stages are up and busy: shedding the pod from its Service would only move the
+        // load, so a readiness probe must not flap on it.
+        Err(e) if e.code == strata_proto::ErrorCode::ResourceExhausted => {
+            Json(serde_json::json!({"status": "busy", "model": model, "latency_ms": ms})).into_response()
+        }
         Err(e) => {
             tracing::warn!(error = %e, "health check failed");
             let body = errors::from_service(&e).to_json();
