@@ -150,7 +150,9 @@ impl CoordinatorRpc for CoordinatorApi {
         &self,
         _request: Request<pb::ClusterStatusRequest>,
     ) -> Result<Response<pb::ClusterStatusResponse>, Status> {
-        Ok(Response::new(self.view.snapshot().to_proto()))
+        let mut status = self.view.snapshot().to_proto();
+        fill_stage_facts(&mut status.nodes).await;
+        Ok(Response::new(status))
     }
 
     async fn drain_node(&self, request: Request<pb::NodeRequest>) -> Result<Response<pb::NodeResponse>, Status> {
@@ -249,4 +251,32 @@ pub async fn serve(
         })
         .await
         .map_err(|e| ServiceError::internal(format!("coordinator API: {e}")))
+}
+
+/// How long `ClusterStatus` waits for a stage's own status.
+const STAGE_STATUS_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Fills in what only the stages know (KV blocks, offloaded layers), asking them all at once; a stage that does not
+/// answer in time keeps zeros.
+async fn fill_stage_facts(nodes: &mut [pb::NodeInfo]) {
+    let mut asks = tokio::task::JoinSet::new();
+    for (i, n) in nodes.iter().enumerate() {
+        let address = n.address.clone();
+        asks.spawn(async move {
+            let ask = async {
+                let mut client = crate::stage_client::connect(&address).await.ok()?;
+                client.status(pb::StageStatusRequest {}).await.ok().map(tonic::Response::into_inner)
+            };
+            (i, tokio::time::timeout(STAGE_STATUS_TIMEOUT, ask).await.ok().flatten())
+        });
+    }
+    while let Some(joined) = asks.join_next().await {
+        if let Ok((i, Some(s))) = joined
+            && let Some(node) = nodes.get_mut(i)
+        {
+            node.kv_total_blocks = s.kv_total_blocks;
+            node.kv_free_blocks = s.kv_free_blocks;
+            node.offloaded_layers = s.offloaded_layers;
+        }
+    }
 }

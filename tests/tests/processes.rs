@@ -111,6 +111,8 @@ async fn etcd_cluster_of_processes_serves_joins_drains_and_survives_a_dead_worke
     // Three workers, one plan: three stages covering every layer, same tokens as one process.
     let s = served_plan(&url, "first plan", |s| s.stages.len() == 3).await.with_context(|| logs(&workers))?;
     ensure!(s.model == "smol", "--model-name is the served name: {}", s.model);
+    // The stages' own facts reach ClusterStatus: every worker has the 64 KV blocks it was started with.
+    ensure!(s.nodes.iter().all(|n| n.kv_total_blocks == 64 && n.kv_free_blocks <= 64), "{:?}", s.nodes);
     let first_epoch = s.plan_epoch;
     same(&generate()?, "3 stages")?;
 
