@@ -288,7 +288,10 @@ pub fn nodes(cmd: NodesCommand) -> Result<()> {
             NodesCommand::List(_) => {
                 let s = client.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner();
                 println!("model {} ({} layers), plan epoch {}", s.model, s.num_layers, s.plan_epoch);
-                println!("{:<20} {:<9} {:<24} {:>9} {:>12}", "NODE", "STATE", "ADDRESS", "LAYERS", "MS/LAYER");
+                println!(
+                    "{:<20} {:<9} {:<24} {:>9} {:>12} {:>13}",
+                    "NODE", "STATE", "ADDRESS", "LAYERS", "MS/LAYER", "KV FREE/TOTAL"
+                );
                 for n in &s.nodes {
                     let layers = if n.layer_end > n.layer_start {
                         format!("{}..{}", n.layer_start, n.layer_end)
@@ -296,12 +299,13 @@ pub fn nodes(cmd: NodesCommand) -> Result<()> {
                         "-".into()
                     };
                     println!(
-                        "{:<20} {:<9} {:<24} {:>9} {:>12.3}",
+                        "{:<20} {:<9} {:<24} {:>9} {:>12.3} {:>13}",
                         n.node_id,
                         state_name(n.state),
                         n.address,
                         layers,
-                        n.layer_seconds * 1e3
+                        n.layer_seconds * 1e3,
+                        format!("{}/{}", n.kv_free_blocks, n.kv_total_blocks)
                     );
                 }
             }
