@@ -119,25 +119,16 @@ pub fn dot_quant(isa: Isa, dtype: DType, w: &[u8], xq: &[Q8Block], blocks: usize
     if isa == Isa::Avx2 {
         let mut t = 0;
         while t < out.len() {
-            let n = (out.len() - t).min(4);
+            let n = (out.len() - t).min(8);
             let a = &xq[t * blocks..];
             let o = &mut out[t..t + n];
             // SAFETY: Avx2 is only chosen after runtime detection; `w` holds `blocks` blocks of `dtype` and `a`
             // holds `n` rows of `blocks` blocks (checked by the caller's shapes).
             unsafe {
-                match (dtype, n) {
-                    (DType::Q8_0, 4) => x86::dot_quant_n::<4, Q8_0>(w, a, blocks, o),
-                    (DType::Q8_0, 3) => x86::dot_quant_n::<3, Q8_0>(w, a, blocks, o),
-                    (DType::Q8_0, 2) => x86::dot_quant_n::<2, Q8_0>(w, a, blocks, o),
-                    (DType::Q8_0, _) => x86::dot_quant_n::<1, Q8_0>(w, a, blocks, o),
-                    (DType::Q4_0, 4) => x86::dot_quant_n::<4, Q4_0>(w, a, blocks, o),
-                    (DType::Q4_0, 3) => x86::dot_quant_n::<3, Q4_0>(w, a, blocks, o),
-                    (DType::Q4_0, 2) => x86::dot_quant_n::<2, Q4_0>(w, a, blocks, o),
-                    (DType::Q4_0, _) => x86::dot_quant_n::<1, Q4_0>(w, a, blocks, o),
-                    (_, 4) => x86::dot_quant_n::<4, Q4_1>(w, a, blocks, o),
-                    (_, 3) => x86::dot_quant_n::<3, Q4_1>(w, a, blocks, o),
-                    (_, 2) => x86::dot_quant_n::<2, Q4_1>(w, a, blocks, o),
-                    (_, _) => x86::dot_quant_n::<1, Q4_1>(w, a, blocks, o),
+                match dtype {
+                    DType::Q8_0 => dot_quant_dispatch::<{ Q8_0 }>(n, w, a, blocks, o),
+                    DType::Q4_0 => dot_quant_dispatch::<{ Q4_0 }>(n, w, a, blocks, o),
+                    _ => dot_quant_dispatch::<{ Q4_1 }>(n, w, a, blocks, o),
                 }
             }
             t += n;
@@ -147,6 +138,28 @@ pub fn dot_quant(isa: Isa, dtype: DType, w: &[u8], xq: &[Q8Block], blocks: usize
     let _ = isa;
     for (t, o) in out.iter_mut().enumerate() {
         *o = dot_quant_scalar(dtype, w, &xq[t * blocks..(t + 1) * blocks]);
+    }
+}
+
+/// `n` (1..=8) activation rows against one weight row in one pass over its blocks. Each row's arithmetic does not
+/// depend on `n`, so results are the same however tokens are grouped.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available, and `w`/`a`/`out` shaped as for [`dot_quant`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn dot_quant_dispatch<const Q: u8>(n: usize, w: &[u8], a: &[Q8Block], blocks: usize, o: &mut [f32]) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match n {
+            8 => x86::dot_quant_n::<8, Q>(w, a, blocks, o),
+            7 => x86::dot_quant_n::<7, Q>(w, a, blocks, o),
+            6 => x86::dot_quant_n::<6, Q>(w, a, blocks, o),
+            5 => x86::dot_quant_n::<5, Q>(w, a, blocks, o),
+            4 => x86::dot_quant_n::<4, Q>(w, a, blocks, o),
+            3 => x86::dot_quant_n::<3, Q>(w, a, blocks, o),
+            2 => x86::dot_quant_n::<2, Q>(w, a, blocks, o),
+            _ => x86::dot_quant_n::<1, Q>(w, a, blocks, o),
+        }
     }
 }
 
@@ -533,6 +546,37 @@ mod tests {
             let exact: f32 = wf.iter().zip(&x).map(|(a, b)| a * b).sum();
             assert!((fast - slow).abs() < 1e-3, "{dtype}: simd {fast} vs scalar {slow}");
             assert!((slow - exact).abs() < 0.02 * exact.abs().max(1.0), "{dtype}: {slow} vs f32 {exact}");
+        }
+    }
+
+    #[test]
+    fn grouping_tokens_does_not_change_any_result() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let isa = Isa::detect();
+        let (k, tokens) = (128, 11);
+        let blocks = k / 32;
+        let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; 32] }; tokens * blocks];
+        for (t, dst) in xq.chunks_exact_mut(blocks).enumerate() {
+            let x = rand_vec(&mut rng, k);
+            quantize_row(&x, dst);
+            assert_eq!(dst.len(), blocks, "token {t}");
+        }
+        for (dtype, bb) in [(DType::Q8_0, 34), (DType::Q4_0, 18), (DType::Q4_1, 20)] {
+            let mut w: Vec<u8> = (0..blocks * bb).map(|_| rng.random()).collect();
+            for blk in w.chunks_exact_mut(bb) {
+                blk[0..2].copy_from_slice(&half::f16::from_f32(rng.random_range(0.01..0.1)).to_le_bytes());
+                blk[2..4].copy_from_slice(&half::f16::from_f32(rng.random_range(-0.5..0.5)).to_le_bytes());
+            }
+            let mut one_by_one = vec![0f32; tokens];
+            for (t, o) in one_by_one.iter_mut().enumerate() {
+                dot_quant(isa, dtype, &w, &xq[t * blocks..(t + 1) * blocks], blocks, std::slice::from_mut(o));
+            }
+            // Every group size the kernels have (1..=8, and 11 = 8 + 3) gives the same bits.
+            for n in 1..=tokens {
+                let mut grouped = vec![0f32; n];
+                dot_quant(isa, dtype, &w, &xq[..n * blocks], blocks, &mut grouped);
+                assert_eq!(grouped, one_by_one[..n], "{dtype}: {n} tokens at once");
+            }
         }
     }
 }
