@@ -95,9 +95,9 @@ pub fn run(b: ClusterBench) -> Result<()> {
             let mut client = ready_client(url).await?;
             let stages = client.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner().stages.len();
             for &c in &b.concurrency {
-                let run = measure(&client, &b, c).await?;
-                runs.push(Run { stages, ..run });
-                print_run(runs.last());
+                let run = measure(&client, &b, stages, c).await?;
+                print_run(Some(&run));
+                runs.push(run);
             }
             Ok::<_, anyhow::Error>(())
         })?,
@@ -126,10 +126,8 @@ pub fn run(b: ClusterBench) -> Result<()> {
                     let bench = async {
                         let client = ready_client(&format!("http://{grpc}")).await?;
                         for &c in &b.concurrency {
-                            let mut run = measure(&client, &b, c).await?;
-                            run.stages = stages;
+                            let mut run = measure(&client, &b, stages, c).await?;
                             run.threads_per_stage = per_stage;
-                            run.overhead_us_per_hop = run.overhead_us_per_step / (2 * stages) as f64;
                             if c == 1 {
                                 let added = (run.itl_ms_p50 - single) * 1e3 / (2 * stages) as f64;
                                 run.added_us_per_hop_vs_single_process = Some(added);
@@ -144,11 +142,6 @@ pub fn run(b: ClusterBench) -> Result<()> {
                     result
                 })?;
             }
-        }
-    }
-    for run in &mut runs {
-        if run.overhead_us_per_hop == 0.0 && run.stages > 0 {
-            run.overhead_us_per_hop = run.overhead_us_per_step / (2 * run.stages) as f64;
         }
     }
     let report = Report {
@@ -222,7 +215,12 @@ async fn one_request(mut client: CoordinatorClient<Channel>, req: pb::GenerateRe
     Ok(Sample { ttft: ttft.context("no token came back")?, itl, tokens, usage: usage.unwrap_or_default() })
 }
 
-async fn measure(client: &CoordinatorClient<Channel>, b: &ClusterBench, concurrency: usize) -> Result<Run> {
+async fn measure(
+    client: &CoordinatorClient<Channel>,
+    b: &ClusterBench,
+    stages: usize,
+    concurrency: usize,
+) -> Result<Run> {
     let start = Instant::now();
     let tasks: Vec<_> = (0..concurrency)
         .map(|c| {
@@ -249,7 +247,9 @@ async fn measure(client: &CoordinatorClient<Channel>, b: &ClusterBench, concurre
     let overhead: u64 =
         samples.iter().map(|s| s.usage.pipeline_micros.saturating_sub(s.usage.stage_compute_micros)).sum();
     let compute: u64 = samples.iter().map(|s| s.usage.stage_compute_micros).sum();
+    let overhead_us_per_step = if steps == 0 { 0.0 } else { overhead as f64 / steps as f64 };
     Ok(Run {
+        stages,
         concurrency,
         requests: samples.len(),
         completion_tokens: tokens,
@@ -259,7 +259,8 @@ async fn measure(client: &CoordinatorClient<Channel>, b: &ClusterBench, concurre
         ttft_ms_p99: percentile(&mut ttft, 0.99),
         itl_ms_p50: percentile(&mut itl, 0.50),
         itl_ms_p99: percentile(&mut itl, 0.99),
-        overhead_us_per_step: if steps == 0 { 0.0 } else { overhead as f64 / steps as f64 },
+        overhead_us_per_step,
+        overhead_us_per_hop: overhead_us_per_step / (2 * stages.max(1)) as f64,
         compute_ms_per_step: if steps == 0 { 0.0 } else { compute as f64 / steps as f64 / 1e3 },
         ..Run::default()
     })

@@ -168,6 +168,17 @@ impl TestCluster {
         Ok(client.status(pb::StageStatusRequest {}).await?.into_inner())
     }
 
+    /// Whether every worker's KV cache is entirely free with no batch in flight.
+    pub async fn kv_all_free(&self) -> Result<bool> {
+        for i in 0..self.workers.len() {
+            let s = self.stage_status(i).await?;
+            if s.kv_free_blocks != s.kv_total_blocks || s.inflight_batches != 0 {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
     /// Stops the coordinator and every worker.
     pub async fn stop(self) -> Result<()> {
         self.shutdown.cancel();

@@ -86,11 +86,7 @@ async fn a_cancelled_stream_frees_kv_on_every_stage() -> Result<()> {
         futures_free_join(&cluster, 3).await?.into_iter().filter(|s| s.kv_free_blocks < s.kv_total_blocks).collect();
     assert_eq!(mid.len(), 3, "every stage holds the sequence's KV while it runs");
     drop(stream);
-    eventually(Duration::from_secs(10), || async {
-        let all = futures_free_join(&cluster, 3).await?;
-        Ok(all.iter().all(|s| s.kv_free_blocks == s.kv_total_blocks && s.inflight_batches == 0))
-    })
-    .await?;
+    eventually(Duration::from_secs(10), || cluster.kv_all_free()).await?;
     // The pipeline still serves after the cancellation.
     let got = generate(&mut client, ids_request(&PROMPT, 2)).await?;
     assert_eq!(got.token_ids.len(), 2);
@@ -231,16 +227,7 @@ async fn a_plan_change_mid_generation_recomputes_instead_of_failing() -> Result<
     assert_eq!(tokens, expected, "the sequence continued under the new plan with the same tokens");
     // The old stages were told to free it; the new ones free it when it finishes.
     for cluster in [&old, &new] {
-        eventually(Duration::from_secs(10), || async {
-            for i in 0..cluster.workers.len() {
-                let s = cluster.stage_status(i).await?;
-                if s.kv_free_blocks != s.kv_total_blocks {
-                    return Ok(false);
-                }
-            }
-            Ok(true)
-        })
-        .await?;
+        eventually(Duration::from_secs(10), || cluster.kv_all_free()).await?;
     }
     new.stop().await?;
     old.stop().await

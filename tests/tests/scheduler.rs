@@ -40,17 +40,7 @@ async fn run_all(
 
 /// Waits until every stage's KV cache is entirely free again.
 async fn kv_returns_to_full(cluster: &TestCluster) -> Result<()> {
-    eventually(Duration::from_secs(10), || async {
-        for i in 0..cluster.workers.len() {
-            let s = cluster.stage_status(i).await?;
-            if s.kv_free_blocks != s.kv_total_blocks || s.inflight_batches != 0 {
-                return Ok(false);
-            }
-        }
-        Ok(true)
-    })
-    .await
-    .context("KV blocks were not all returned")
+    eventually(Duration::from_secs(10), || cluster.kv_all_free()).await.context("KV blocks were not all returned")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

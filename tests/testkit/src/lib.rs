@@ -197,21 +197,3 @@ impl Drop for EtcdServer {
         self.kill();
     }
 }
-
-/// Polls `check` every 25 ms until it returns `Some`, failing after `timeout`.
-pub async fn eventually<T, F, Fut>(timeout: Duration, mut check: F) -> Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<Option<T>>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = check().await? {
-            return Ok(v);
-        }
-        if Instant::now() >= deadline {
-            bail!("condition not met within {timeout:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-}
