@@ -10,6 +10,7 @@ pub mod coordinator;
 mod error;
 pub mod http;
 pub mod membership;
+pub mod metrics;
 pub mod pipeline;
 pub mod placement;
 pub mod request;

@@ -1,6 +1,6 @@
 //! The OpenAI-compatible HTTP API: `/v1/models`, `/v1/completions` and `/v1/chat/completions` (whole responses or
 //! server-sent events) through the [`Pipeline`], plus `/health`, which runs a one-token generation through every
-//! stage (readiness), and `/live`, which only says the process answers (liveness). [`serve`] takes a bound
+//! stage (readiness), `/live`, which only says the process answers (liveness), and `/metrics` (Prometheus). [`serve`] takes a bound
 //! listener and a shutdown token, so tests serve on port 0.
 //!
 //! Requests are validated by [`crate::request::prepare`], the same function the gRPC API uses; every error is
@@ -13,8 +13,8 @@ pub mod openai;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::extract::{Path, Request, State};
-use axum::http::{HeaderName, HeaderValue, StatusCode};
+use axum::extract::{MatchedPath, Path, Request, State};
+use axum::http::{HeaderName, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -29,6 +29,7 @@ use self::completions::Delivery;
 use self::errors::ApiError;
 use self::openai::{Body, ChatRequest, CompletionRequest, GenerationRequest, ModelCard, ModelList};
 use crate::Error;
+use crate::metrics::{self, HttpLabels};
 use crate::pipeline::{Pipeline, SeqEvent, SeqRequest};
 use crate::request::new_request_id;
 
@@ -63,19 +64,21 @@ pub struct RequestId(pub String);
 
 /// The API's routes.
 pub fn router(state: HttpState) -> Router {
+    let state = Arc::new(state);
     Router::new()
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
         .route("/v1/completions", post(generate::<CompletionRequest>))
         .route("/v1/chat/completions", post(generate::<ChatRequest>))
         .route("/health", get(health))
+        .route("/metrics", get(render_metrics))
         // Liveness: the process answers. Unlike /health it needs no stage, so a standby coordinator (or one whose
         // stages are down) is not restarted for it.
         .route("/live", get(|| async { Json(serde_json::json!({"status": "alive"})) }))
         .fallback(|req: Request| async move { ApiError::no_route(req.uri().path()) })
         .method_not_allowed_fallback(|| async { ApiError::wrong_method() })
-        .layer(middleware::from_fn(trace_request))
-        .with_state(Arc::new(state))
+        .layer(middleware::from_fn_with_state(state.clone(), trace_request))
+        .with_state(state)
 }
 
 /// Serves the API on `listener` until `shutdown` is cancelled (then lets open responses finish).
@@ -94,8 +97,8 @@ pub async fn serve(listener: TcpListener, state: HttpState, shutdown: Cancellati
         .map_err(|e| ServiceError::internal(format!("HTTP API: {e}")))
 }
 
-/// One span per request (method, path, request id, the caller's trace context); logs the status.
-async fn trace_request(mut req: Request, next: Next) -> Response {
+/// One span per request (method, path, request id, the caller's trace context); logs and counts the status.
+async fn trace_request(State(state): State<Arc<HttpState>>, mut req: Request, next: Next) -> Response {
     let id = req
         .headers()
         .get(&REQUEST_ID)
@@ -106,15 +109,24 @@ async fn trace_request(mut req: Request, next: Next) -> Response {
     let metadata = tonic::metadata::MetadataMap::from_headers(req.headers().clone());
     let _ = strata_proto::set_parent_from_metadata(&span, &metadata);
     req.extensions_mut().insert(RequestId(id.clone()));
+    // The matched route, not the raw path: unknown paths must not grow the label set.
+    let route = req.extensions().get::<MatchedPath>().map_or_else(|| "other".to_owned(), |p| p.as_str().to_owned());
     let started = Instant::now();
     let mut response = next.run(req).instrument(span.clone()).await;
     span.in_scope(|| {
         tracing::info!(status = response.status().as_u16(), ms = started.elapsed().as_millis() as u64, "answered")
     });
+    let labels = HttpLabels { route, status: response.status().as_u16() };
+    state.pipeline.metrics().http_responses.get_or_create(&labels).inc();
     if let Ok(v) = HeaderValue::from_str(&id) {
         response.headers_mut().insert(REQUEST_ID.clone(), v);
     }
     response
+}
+
+/// `GET /metrics`: Prometheus / OpenMetrics text.
+async fn render_metrics(State(state): State<Arc<HttpState>>) -> Response {
+    ([(header::CONTENT_TYPE, metrics::CONTENT_TYPE)], state.pipeline.metrics().render()).into_response()
 }
 
 fn model_card(state: &HttpState) -> ModelCard {

@@ -3,7 +3,6 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use strata_engine::generate::StopState;
@@ -17,6 +16,7 @@ use tracing::Instrument;
 use super::kv_budget::KvBudget;
 use super::{Command, Finish, ModelInfo, SchedulerLimits, SeqEvent, SeqRequest, StepTiming};
 use crate::membership::Plan;
+use crate::metrics::Metrics;
 use crate::stage_client::{self, ForwardStream, TracedStageClient};
 
 /// Events buffered per sequence before the actor waits for its caller.
@@ -58,6 +58,11 @@ struct Seq {
     stop: StopState,
     decoder: IncrementalDecoder,
     timing: StepTiming,
+    /// When the request was admitted, and when its last token was streamed (latency metrics).
+    admitted: Instant,
+    last_token: Option<Instant>,
+    /// How it ended (`length`, `eos`, `stop`, `error`), for the metrics; unset means cancelled.
+    ended: Option<&'static str>,
     tx: mpsc::Sender<SeqEvent>,
     span: tracing::Span,
 }
@@ -70,6 +75,7 @@ impl Seq {
     fn fail(&mut self, error: ServiceError) {
         if !self.done {
             self.done = true;
+            self.ended = Some("error");
             let _ = self.tx.try_send(SeqEvent::Failed { error, completion_tokens: self.output.len() });
         }
     }
@@ -78,6 +84,7 @@ impl Seq {
         let stop = std::mem::replace(&mut self.stop, StopState::new(Vec::new()));
         let (text, _) = stop.finish();
         self.done = true;
+        self.ended = Some(finish.as_str());
         let event = SeqEvent::Done { finish, text, completion_tokens: self.output.len(), timing: self.timing };
         let _ = self.tx.try_send(event);
     }
@@ -118,12 +125,13 @@ pub(super) struct Actor {
     released_tx: mpsc::Sender<(u64, usize)>,
     released_rx: mpsc::Receiver<(u64, usize)>,
     kv_generation: u64,
-    preemptions: Arc<AtomicU64>,
+    metrics: Arc<Metrics>,
 }
 
 impl Actor {
-    pub(super) fn new(model: Arc<ModelInfo>, plan: Plan, limits: SchedulerLimits, preemptions: Arc<AtomicU64>) -> Self {
+    pub(super) fn new(model: Arc<ModelInfo>, plan: Plan, limits: SchedulerLimits, metrics: Arc<Metrics>) -> Self {
         let (released_tx, released_rx) = mpsc::channel(RELEASED_BUFFER);
+        publish_plan(&metrics, &plan);
         Actor {
             model,
             plan,
@@ -140,7 +148,7 @@ impl Actor {
             released_tx,
             released_rx,
             kv_generation: 0,
-            preemptions,
+            metrics,
         }
     }
 
@@ -155,6 +163,7 @@ impl Actor {
                 }
             }
             self.schedule().await;
+            self.publish_gauges();
             let waiting = !self.batches.is_empty();
             tokio::select! {
                 () = shutdown.cancelled() => break,
@@ -196,6 +205,7 @@ impl Actor {
         for &(_, id) in active.iter().rev() {
             self.requeue(id, Requeue::PlanChanged);
         }
+        publish_plan(&self.metrics, &plan);
         self.plan = plan;
         self.client = None;
         self.stream = None;
@@ -238,6 +248,25 @@ impl Actor {
     }
 
     async fn admit(&mut self, req: SeqRequest, span: tracing::Span) -> Result<mpsc::Receiver<SeqEvent>, ServiceError> {
+        let result = self.try_admit(req, span).await;
+        match &result {
+            Ok(_) => {
+                self.metrics.requests_admitted.inc();
+            }
+            Err(e) => self.metrics.rejected(match e.code {
+                ErrorCode::ResourceExhausted => "overloaded",
+                ErrorCode::InvalidArgument => "too_long",
+                _ => "unavailable",
+            }),
+        };
+        result
+    }
+
+    async fn try_admit(
+        &mut self,
+        req: SeqRequest,
+        span: tracing::Span,
+    ) -> Result<mpsc::Receiver<SeqEvent>, ServiceError> {
         self.ensure_connected().instrument(span.clone()).await?;
         let kv = self.kv.as_ref().ok_or_else(|| ServiceError::unavailable("no KV budget"))?;
         let need = kv.blocks_for(req.prompt_ids.len() + req.max_tokens);
@@ -262,6 +291,7 @@ impl Actor {
         self.next_order += 1;
         let (tx, rx) = mpsc::channel(EVENT_BUFFER.max(req.max_tokens + 2).min(4096));
         span.in_scope(|| tracing::debug!(seq = id, prompt = req.prompt_ids.len(), "sequence queued"));
+        self.metrics.prompt_tokens.inc_by(req.prompt_ids.len() as u64);
         self.seqs.insert(
             id,
             Seq {
@@ -282,6 +312,9 @@ impl Actor {
                 stop: StopState::new(req.stop),
                 decoder: IncrementalDecoder::default(),
                 timing: StepTiming::default(),
+                admitted: Instant::now(),
+                last_token: None,
+                ended: None,
                 tx,
                 span,
             },
@@ -360,6 +393,7 @@ impl Actor {
                 Some(s) => s.tx.send(batch).await.is_ok(),
                 None => false,
             };
+            self.metrics.batch_tokens.observe(group.iter().map(|(_, len)| *len).sum::<usize>() as f64);
             let seqs = group.iter().map(|(id, _)| *id).collect();
             self.batches.insert(batch_id, InFlight { seqs, sent: Instant::now() });
             if !sent {
@@ -404,8 +438,10 @@ impl Actor {
     /// under a new id, so a late `Release` of the old id cannot touch the new cache.
     fn requeue(&mut self, id: u64, why: Requeue) {
         let Some(mut seq) = self.seqs.remove(&id) else { return };
-        if why != Requeue::PlanChanged {
-            self.preemptions.fetch_add(1, Ordering::Relaxed);
+        match why {
+            Requeue::KvFull => self.metrics.preempted("kv_full"),
+            Requeue::StageOutOfKv => self.metrics.preempted("stage_out_of_kv"),
+            Requeue::PlanChanged => {}
         }
         if why == Requeue::StageOutOfKv {
             seq.refusals += 1;
@@ -422,6 +458,7 @@ impl Actor {
                 "a stage refused this sequence's batches {} times for want of KV cache",
                 seq.refusals
             )));
+            self.metrics.finished("error");
             return;
         }
         seq.running = false;
@@ -466,7 +503,9 @@ impl Actor {
             tracing::warn!(batch_id = resp.batch_id, "response for an unknown batch");
             return;
         };
-        let elapsed = u64::try_from(batch.sent.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let elapsed = batch.sent.elapsed();
+        Metrics::observe(&self.metrics.batch_duration, elapsed);
+        let elapsed = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
         for id in &batch.seqs {
             if let Some(seq) = self.seqs.get_mut(id) {
                 seq.in_flight = false;
@@ -524,6 +563,12 @@ impl Actor {
             seq.done = true;
             return;
         }
+        let now = Instant::now();
+        match seq.last_token.replace(now) {
+            None => Metrics::observe(&self.metrics.time_to_first_token, now - seq.admitted),
+            Some(last) => Metrics::observe(&self.metrics.inter_token_latency, now - last),
+        }
+        self.metrics.generation_tokens.inc();
         if hit {
             seq.finish(Finish::Stop);
         } else if seq.output.len() >= seq.max_tokens {
@@ -560,6 +605,11 @@ impl Actor {
         for id in &gone {
             if let Some(mut seq) = self.seqs.remove(id) {
                 seq.span.in_scope(|| tracing::debug!(seq = id, generated = seq.output.len(), "sequence released"));
+                let reason = seq.ended.unwrap_or("cancelled");
+                self.metrics.finished(reason);
+                if !matches!(reason, "cancelled" | "error") {
+                    Metrics::observe(&self.metrics.request_duration, seq.admitted.elapsed());
+                }
                 if seq.running {
                     blocks += seq.blocks;
                     if let Some(kv) = &mut self.kv {
@@ -572,6 +622,23 @@ impl Actor {
         if !held.is_empty() {
             self.release(held, blocks);
         }
+    }
+
+    /// Exports queue depth and KV use.
+    fn publish_gauges(&self) {
+        let (mut running, mut waiting) = (0, 0);
+        for seq in self.seqs.values().filter(|s| !s.gone()) {
+            if seq.running {
+                running += 1;
+            } else {
+                waiting += 1;
+            }
+        }
+        self.metrics.running.set(running);
+        self.metrics.waiting.set(waiting);
+        let (total, free) = self.kv.as_ref().map_or((0, 0), |kv| (kv.total(), kv.free()));
+        self.metrics.kv_blocks_capacity.set(total as i64);
+        self.metrics.kv_blocks_free.set(free as i64);
     }
 
     /// Frees `seq_ids` on every stage in the background; their `blocks` return to the budget when it finishes.
@@ -594,6 +661,12 @@ impl Actor {
             let _ = released.send((generation, blocks)).await;
         });
     }
+}
+
+/// Exports the plan being served.
+fn publish_plan(metrics: &Metrics, plan: &Plan) {
+    metrics.plan_epoch.set(i64::try_from(plan.epoch.0).unwrap_or(i64::MAX));
+    metrics.stages.set(plan.stages.len() as i64);
 }
 
 async fn next_response(stream: &mut Option<ForwardStream>) -> Option<Result<pb::ForwardResponse, tonic::Status>> {

@@ -15,7 +15,6 @@ mod kv_budget;
 
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 use strata_engine::loader::ModelFiles;
@@ -26,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::membership::Plan;
+use crate::metrics::Metrics;
 
 /// Commands waiting for the actor.
 const COMMAND_BUFFER: usize = 256;
@@ -133,6 +133,15 @@ pub enum Finish {
 }
 
 impl Finish {
+    /// A short name (`length`, `eos`, `stop`), as the metrics label it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Length => "length",
+            Finish::Eos => "eos",
+            Finish::Stop => "stop",
+        }
+    }
+
     /// The wire value.
     pub fn to_pb(self) -> pb::FinishReason {
         match self {
@@ -189,7 +198,7 @@ pub(crate) enum Command {
 pub struct Pipeline {
     tx: mpsc::Sender<Command>,
     model: Arc<ModelInfo>,
-    preemptions: Arc<AtomicU64>,
+    metrics: Arc<Metrics>,
 }
 
 impl Pipeline {
@@ -202,15 +211,20 @@ impl Pipeline {
     pub fn start_with(model: ModelInfo, plan: Plan, limits: SchedulerLimits, shutdown: CancellationToken) -> Self {
         let model = Arc::new(model);
         let (tx, rx) = mpsc::channel(COMMAND_BUFFER);
-        let preemptions = Arc::new(AtomicU64::new(0));
-        let actor = actor::Actor::new(model.clone(), plan, limits, preemptions.clone());
+        let metrics = Arc::new(Metrics::new());
+        let actor = actor::Actor::new(model.clone(), plan, limits, metrics.clone());
         tokio::spawn(actor.run(rx, shutdown).instrument(tracing::info_span!("pipeline")));
-        Pipeline { tx, model, preemptions }
+        Pipeline { tx, model, metrics }
     }
 
     /// How many times a sequence was preempted (KV cache full) and queued for recompute, since start.
     pub fn preemptions(&self) -> u64 {
-        self.preemptions.load(Ordering::Relaxed)
+        self.metrics.preemptions_total()
+    }
+
+    /// The pipeline's metrics (`GET /metrics`).
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
     }
 
     /// The served model.

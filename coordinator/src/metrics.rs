@@ -1,0 +1,202 @@
+//! The coordinator's Prometheus metrics, served at `GET /metrics` (OpenMetrics text). One [`Metrics`] per pipeline,
+//! no global registry: the scheduler actor updates it, the HTTP layer counts responses and renders it.
+//!
+//! Names follow Prometheus conventions (`_seconds`, `_total`), close to what vLLM and TGI export, so existing
+//! dashboards map over: queue depth, running sequences, KV blocks, tokens, time to first token, inter-token latency.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// The `Content-Type` of [`Metrics::render`]'s output.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Labels naming why something happened (`reason="length"`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Reason {
+    /// A short fixed word: never user input, so the label set stays small.
+    pub reason: &'static str,
+}
+
+/// Labels of an HTTP response.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HttpLabels {
+    /// The matched route (`/v1/completions`), or `other` for unknown paths.
+    pub route: String,
+    /// The status code.
+    pub status: u16,
+}
+
+/// Every metric the coordinator exports, and the registry that renders them.
+pub struct Metrics {
+    registry: Registry,
+    /// Requests accepted into the queue.
+    pub requests_admitted: Counter,
+    /// Requests refused before queueing (`overloaded`, `too_long`, `unavailable`).
+    pub requests_rejected: Family<Reason, Counter>,
+    /// Requests that ended (`length`, `eos`, `stop`, `error`, `cancelled`).
+    pub requests_finished: Family<Reason, Counter>,
+    /// Sequences holding KV on the stages.
+    pub running: Gauge,
+    /// Sequences queued (new or preempted).
+    pub waiting: Gauge,
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens: Counter,
+    /// Tokens generated and streamed to callers.
+    pub generation_tokens: Counter,
+    /// Sequences sent back to the queue to be recomputed (`kv_full`, `stage_out_of_kv`, `plan_changed`).
+    pub preemptions: Family<Reason, Counter>,
+    /// KV blocks of the tightest stage, as the scheduler budgets them.
+    pub kv_blocks_capacity: Gauge,
+    /// Of those, blocks no sequence holds.
+    pub kv_blocks_free: Gauge,
+    /// The plan epoch the pipeline serves.
+    pub plan_epoch: Gauge,
+    /// Stages in that plan.
+    pub stages: Gauge,
+    /// Admission to first generated token.
+    pub time_to_first_token: Histogram,
+    /// Between consecutive tokens of one sequence.
+    pub inter_token_latency: Histogram,
+    /// Admission to the end of a request that finished normally.
+    pub request_duration: Histogram,
+    /// One micro-batch, sent to stage 0 until its response came back.
+    pub batch_duration: Histogram,
+    /// Tokens in one micro-batch.
+    pub batch_tokens: Histogram,
+    /// HTTP API responses by route and status.
+    pub http_responses: Family<HttpLabels, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Fresh metrics, all zero, registered under the `strata` prefix.
+    pub fn new() -> Self {
+        let mut m = Metrics {
+            registry: Registry::with_prefix("strata"),
+            requests_admitted: Counter::default(),
+            requests_rejected: Family::default(),
+            requests_finished: Family::default(),
+            running: Gauge::default(),
+            waiting: Gauge::default(),
+            prompt_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            preemptions: Family::default(),
+            kv_blocks_capacity: Gauge::default(),
+            kv_blocks_free: Gauge::default(),
+            plan_epoch: Gauge::default(),
+            stages: Gauge::default(),
+            // 5 ms .. 41 s
+            time_to_first_token: Histogram::new(exponential_buckets(0.005, 2.0, 14)),
+            // 1 ms .. 2 s
+            inter_token_latency: Histogram::new(exponential_buckets(0.001, 2.0, 12)),
+            // 10 ms .. 5.5 min
+            request_duration: Histogram::new(exponential_buckets(0.01, 2.0, 16)),
+            // 0.5 ms .. 4 s
+            batch_duration: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
+            // 1 .. 4096 tokens
+            batch_tokens: Histogram::new(exponential_buckets(1.0, 2.0, 13)),
+            http_responses: Family::default(),
+        };
+        let r = &mut m.registry;
+        r.register("requests_admitted", "Requests accepted into the queue", m.requests_admitted.clone());
+        r.register("requests_rejected", "Requests refused before queueing, by reason", m.requests_rejected.clone());
+        r.register("requests_finished", "Requests that ended, by reason", m.requests_finished.clone());
+        r.register("requests_running", "Sequences holding KV cache on the stages", m.running.clone());
+        r.register("requests_waiting", "Sequences queued (new or preempted)", m.waiting.clone());
+        r.register("prompt_tokens", "Prompt tokens of admitted requests", m.prompt_tokens.clone());
+        r.register("generation_tokens", "Tokens generated and streamed to callers", m.generation_tokens.clone());
+        r.register("preemptions", "Sequences queued again for recompute, by reason", m.preemptions.clone());
+        r.register("kv_blocks_capacity", "KV blocks of the tightest stage", m.kv_blocks_capacity.clone());
+        r.register("kv_blocks_free", "KV blocks no sequence holds", m.kv_blocks_free.clone());
+        r.register("plan_epoch", "Plan epoch being served", m.plan_epoch.clone());
+        r.register("plan_stages", "Stages in the plan being served", m.stages.clone());
+        r.register("time_to_first_token_seconds", "Admission to first generated token", m.time_to_first_token.clone());
+        r.register(
+            "inter_token_latency_seconds",
+            "Time between consecutive tokens of a sequence",
+            m.inter_token_latency.clone(),
+        );
+        r.register("request_duration_seconds", "Admission to normal end of a request", m.request_duration.clone());
+        r.register("batch_duration_seconds", "Micro-batch round trip through every stage", m.batch_duration.clone());
+        r.register("batch_tokens", "Tokens per micro-batch", m.batch_tokens.clone());
+        r.register("http_responses", "HTTP API responses by route and status", m.http_responses.clone());
+        m
+    }
+
+    /// Counts one finished request.
+    pub fn finished(&self, reason: &'static str) {
+        self.requests_finished.get_or_create(&Reason { reason }).inc();
+    }
+
+    /// Counts one refused request.
+    pub fn rejected(&self, reason: &'static str) {
+        self.requests_rejected.get_or_create(&Reason { reason }).inc();
+    }
+
+    /// Counts one preemption.
+    pub fn preempted(&self, reason: &'static str) {
+        self.preemptions.get_or_create(&Reason { reason }).inc();
+    }
+
+    /// Preemptions of every reason since start.
+    pub fn preemptions_total(&self) -> u64 {
+        ["kv_full", "stage_out_of_kv", "plan_changed"]
+            .into_iter()
+            .map(|reason| self.preemptions.get_or_create(&Reason { reason }).get())
+            .sum()
+    }
+
+    /// Observes a duration in seconds.
+    pub fn observe(histogram: &Histogram, d: Duration) {
+        histogram.observe(d.as_secs_f64());
+    }
+
+    /// Every metric in the OpenMetrics text format.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail; an encoder error would only drop the scrape.
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            tracing::warn!(error = %e, "encoding metrics");
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rendered_metrics_carry_names_labels_and_values() {
+        let m = Metrics::new();
+        m.requests_admitted.inc();
+        m.finished("length");
+        m.finished("length");
+        m.preempted("kv_full");
+        m.kv_blocks_capacity.set(64);
+        Metrics::observe(&m.time_to_first_token, Duration::from_millis(30));
+        m.http_responses.get_or_create(&HttpLabels { route: "/v1/completions".into(), status: 200 }).inc();
+        let text = m.render();
+        assert!(text.contains("strata_requests_admitted_total 1"), "{text}");
+        assert!(text.contains("strata_requests_finished_total{reason=\"length\"} 2"), "{text}");
+        assert!(text.contains("strata_kv_blocks_capacity 64"), "{text}");
+        assert!(text.contains("strata_time_to_first_token_seconds_count 1"), "{text}");
+        // 30 ms falls in the 40 ms bucket, not the 20 ms one.
+        assert!(text.contains("strata_time_to_first_token_seconds_bucket{le=\"0.02\"} 0"), "{text}");
+        assert!(text.contains("strata_time_to_first_token_seconds_bucket{le=\"0.04\"} 1"), "{text}");
+        assert!(text.contains("route=\"/v1/completions\",status=\"200\"} 1"), "{text}");
+        assert!(text.trim_end().ends_with("# EOF"), "{text}");
+        assert_eq!(m.preemptions_total(), 1);
+    }
+}
