@@ -45,10 +45,12 @@ impl SamplingParams {
     }
 }
 
-/// A sampler with its own random stream (one per sequence).
+/// A sampler with its own random stream (one per sequence). With a seed, the draw for a token depends only on
+/// the seed and the token's position, so a sequence recomputed from its prompt and output (after a preemption or
+/// a plan change, with a fresh sampler) continues exactly as it would have.
 pub struct Sampler {
     params: SamplingParams,
-    rng: StdRng,
+    rng: Option<StdRng>,
 }
 
 /// Index of the largest value (the first on ties).
@@ -65,10 +67,7 @@ pub fn argmax(xs: &[f32]) -> u32 {
 impl Sampler {
     /// A sampler for `params`.
     pub fn new(params: SamplingParams) -> Self {
-        let rng = match params.seed {
-            Some(s) => StdRng::seed_from_u64(s),
-            None => StdRng::from_os_rng(),
-        };
+        let rng = if params.seed.is_some() { None } else { Some(StdRng::from_os_rng()) };
         Sampler { params, rng }
     }
 
@@ -113,7 +112,11 @@ impl Sampler {
             cand.truncate(keep);
             total = cand.iter().map(|c| c.1).sum();
         }
-        let mut r = self.rng.random::<f32>() * total;
+        let draw = match (&mut self.rng, p.seed) {
+            (Some(rng), _) => rng.random::<f32>(),
+            (None, seed) => position_rng(seed.unwrap_or(0), history.len()).random::<f32>(),
+        };
+        let mut r = draw * total;
         for &(id, w) in &cand {
             if r < w {
                 return id;
@@ -122,6 +125,15 @@ impl Sampler {
         }
         cand[cand.len() - 1].0
     }
+}
+
+/// The random stream of the token at `position` of a seeded sequence (a SplitMix64 step mixes the two, so
+/// neighbouring positions get unrelated streams).
+fn position_rng(seed: u64, position: usize) -> StdRng {
+    let mut z = seed ^ (position as u64).wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    StdRng::seed_from_u64(z ^ (z >> 31))
 }
 
 #[cfg(test)]
@@ -140,12 +152,47 @@ mod tests {
         let logits = vec![1.0, 3.0, 2.9, 0.5, 2.8];
         let run = || {
             let mut s = Sampler::new(params.clone());
-            (0..50).map(|_| s.sample(&mut logits.clone(), &[])).collect::<Vec<_>>()
+            let mut history = vec![0u32; 3];
+            for _ in 0..50 {
+                let t = s.sample(&mut logits.clone(), &history);
+                history.push(t);
+            }
+            history.split_off(3)
         };
         let a = run();
         assert_eq!(a, run());
         assert!(a.iter().all(|&t| t == 1 || t == 2), "{a:?}");
         assert!(a.contains(&1) && a.contains(&2));
+    }
+
+    #[test]
+    fn a_fresh_seeded_sampler_continues_where_the_old_one_was() {
+        // A recomputed sequence gets a new sampler at its current length: it must draw what the old one would.
+        let params = SamplingParams { temperature: 1.0, seed: Some(11), ..Default::default() };
+        let logits = vec![1.0, 1.1, 0.9, 1.05, 0.95, 1.0];
+        let mut old = Sampler::new(params.clone());
+        let mut history = vec![5u32, 4, 3];
+        for _ in 0..40 {
+            let t = old.sample(&mut logits.clone(), &history);
+            history.push(t);
+        }
+        for cut in [3, 10, 25, 42] {
+            let mut fresh = Sampler::new(params.clone());
+            let mut h = history[..cut].to_vec();
+            for _ in cut..history.len() {
+                let t = fresh.sample(&mut logits.clone(), &h);
+                h.push(t);
+            }
+            assert_eq!(h, history, "resumed at {cut}");
+        }
+        // Another seed draws differently.
+        let mut other = Sampler::new(SamplingParams { seed: Some(12), ..params });
+        let mut h = history[..3].to_vec();
+        for _ in 3..history.len() {
+            let t = other.sample(&mut logits.clone(), &h);
+            h.push(t);
+        }
+        assert_ne!(h, history);
     }
 
     #[test]

@@ -59,6 +59,38 @@ async fn thirty_two_concurrent_streams_get_what_they_get_alone() -> Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_sampling_survives_preemption() -> Result<()> {
+    let model = tiny_model()?;
+    // As below: 8 sequences of 6 + 14 tokens on 16 blocks of 4 must preempt. Each request, run alone first,
+    // fits; a recomputed sequence must keep drawing the seeded stream where it left off.
+    let sizing = StageSizing { kv_blocks: 16, block_size: 4, ..StageSizing::default() };
+    let cluster = TestCluster::start(model.path(), &BOUNDS, sizing).await?;
+    let seeded = |i: usize| pb::GenerateRequest {
+        sampling: Some(pb::SamplingParams { temperature: 1.5, seed: Some(100 + i as u64), ..Default::default() }),
+        ..ids_request(&prompt(i, 6), 14)
+    };
+    let mut client = cluster.client().await?;
+    let mut alone = Vec::new();
+    for i in 0..8 {
+        alone.push(generate(&mut client, seeded(i)).await?.token_ids);
+    }
+    ensure!(cluster.pipeline.preemptions() == 0, "one request at a time fits");
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let mut client = client.clone();
+            let req = seeded(i);
+            tokio::spawn(async move { generate(&mut client, req).await })
+        })
+        .collect();
+    for (i, (task, expected)) in tasks.into_iter().zip(&alone).enumerate() {
+        assert_eq!(&task.await??.token_ids, expected, "stream {i}");
+    }
+    ensure!(cluster.pipeline.preemptions() > 0, "the KV cache was oversubscribed but nothing was preempted");
+    kv_returns_to_full(&cluster).await?;
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_kv_cache_preempts_and_recomputes_without_changing_tokens() -> Result<()> {
     let model = tiny_model()?;
     // 8 sequences of 6 + 14 tokens need 5 blocks of 4 each (40); the stages hold 16.
