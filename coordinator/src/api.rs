@@ -50,9 +50,9 @@ impl<R: Registry> NodeAdmin for R {
 /// The one place where the coordinator's errors become service errors (and so gRPC statuses).
 pub fn service_error(err: &Error) -> ServiceError {
     match err {
-        Error::NodeNotFound(_) => ServiceError::not_found(err.to_string()),
-        // The HTTP API answers an unknown model 404 (`http::errors`); gRPC has always said INVALID_ARGUMENT.
-        Error::Config(_) | Error::Model(_) | Error::UnknownModel { .. } | Error::InvalidRequest { .. } => {
+        // An unknown model is NOT_FOUND, as the HTTP API's 404.
+        Error::NodeNotFound(_) | Error::UnknownModel { .. } => ServiceError::not_found(err.to_string()),
+        Error::Config(_) | Error::Model(_) | Error::InvalidRequest { .. } => {
             ServiceError::invalid_argument(err.to_string())
         }
         Error::StaleEpoch { .. } | Error::EpochNotNext { .. } | Error::Placement(_) => {

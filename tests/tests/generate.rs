@@ -110,7 +110,6 @@ async fn invalid_requests_are_invalid_argument() -> Result<()> {
         ids_request(&[], 4),
         ids_request(&[1, 300], 4),
         ids_request(&[1], 1000),
-        pb::GenerateRequest { model: "other-model".into(), ..ids_request(&[1], 4) },
         // The tiny model has no tokenizer.
         pb::GenerateRequest { prompt: Some(pb::generate_request::Prompt::Text("hi".into())), ..Default::default() },
         pb::GenerateRequest {
@@ -122,6 +121,9 @@ async fn invalid_requests_are_invalid_argument() -> Result<()> {
         let err = generate(&mut client, req.clone()).await.expect_err("must be rejected");
         assert_eq!(err.code(), Code::InvalidArgument, "{req:?}: {err}");
     }
+    let other = pb::GenerateRequest { model: "other-model".into(), ..ids_request(&[1], 4) };
+    let err = generate(&mut client, other).await.expect_err("an unknown model must be rejected");
+    assert_eq!(err.code(), Code::NotFound, "unknown model: {err}");
     cluster.stop().await
 }
 
