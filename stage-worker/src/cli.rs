@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
+use strata_proto::TlsFiles;
 use strata_stage_worker::{Device, FloatDtype, HiddenDtype, LayerRange, RegistrationOptions, WorkerConfig};
 use tokio_util::sync::CancellationToken;
 
@@ -73,6 +74,16 @@ pub struct Args {
     /// Memory available for weights and KV cache, in bytes (suffixes K, M, G, Ki, Mi, Gi accepted).
     #[arg(long, env = "STRATA_MEMORY_LIMIT")]
     memory_limit: Option<String>,
+    /// PEM certificate chain: serve the Stage API over TLS and dial the next stage over TLS (needs --tls-key).
+    #[arg(long, env = "STRATA_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "STRATA_TLS_KEY")]
+    tls_key: Option<PathBuf>,
+    /// PEM CA bundle: peers (coordinator, other stages, the CLI) must present a certificate it signed, and the
+    /// next stage's certificate must chain to it (mutual TLS). Without it the web PKI roots are trusted.
+    #[arg(long, env = "STRATA_TLS_CA")]
+    tls_ca: Option<PathBuf>,
 }
 
 impl Args {
@@ -135,6 +146,7 @@ impl Args {
             device: self.device,
             dtype: self.dtype,
             gpu_memory_limit,
+            tls: TlsFiles::from_parts(self.tls_cert, self.tls_key, self.tls_ca)?,
             ..WorkerConfig::new(self.node_id, self.model, self.layers)
         };
         match registry {
@@ -143,6 +155,8 @@ impl Args {
             }
             Some(_) => config.validate_common()?,
         }
+        // Bad PEM files stop the worker here, before it binds or loads weights.
+        config.tls()?;
         Ok(Launch { config, listen: self.listen, registry })
     }
 }
@@ -286,6 +300,18 @@ mod tests {
         let bare = args(&["--etcd", "etcd:2379"]).into_config()?.registry.map(|r| r.endpoints);
         assert_eq!(bare, Some(vec!["http://etcd:2379".to_owned()]));
         Ok(())
+    }
+
+    #[test]
+    fn tls_flags_come_in_pairs_and_name_missing_files() {
+        let err = args(&["--layers", "0..4", "--tls-cert", "/c.pem"]).into_config().err().map(|e| format!("{e:#}"));
+        assert!(err.as_deref().is_some_and(|e| e.contains("no key") && e.contains("--tls-key")), "{err:?}");
+        assert!(args(&["--layers", "0..4", "--tls-ca", "/ca.pem"]).into_config().is_err(), "a CA alone");
+        let err = args(&["--layers", "0..4", "--tls-cert", "/nope/c.pem", "--tls-key", "/nope/k.pem"])
+            .into_config()
+            .err()
+            .map(|e| format!("{e:#}"));
+        assert!(err.as_deref().is_some_and(|e| e.contains("/nope/c.pem")), "{err:?}");
     }
 
     #[test]

@@ -155,8 +155,13 @@ pub async fn run_registered<R: Registry>(
         Some(a) => a.clone(),
         None => listener.local_addr()?.to_string(),
     };
+    let tls = config.tls()?;
     let slot = StageSlot::default();
-    let server = tokio::spawn(serve_slot(config.node_id.clone(), slot.clone(), listener, shutdown.clone()));
+    let node_id = config.node_id.clone();
+    let server = {
+        let (slot, shutdown) = (slot.clone(), shutdown.clone());
+        tokio::spawn(async move { serve_slot(node_id, slot, listener, tls.as_ref(), shutdown).await })
+    };
     let outcome = match membership(&config, &registry, &options, address, &slot, &shutdown).await {
         Err(e) if shutdown.is_cancelled() => {
             tracing::debug!(node = %config.node_id, error = %e, "registration cut short by shutdown");
