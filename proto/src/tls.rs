@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, Server, ServerTlsConfig};
 
 use crate::error::{ProtoError, Result};
 
@@ -142,6 +142,17 @@ impl Tls {
             Some(ca) => config.ca_certificate(ca.clone()),
             None => config.with_webpki_roots(),
         }
+    }
+}
+
+/// A gRPC server builder, serving TLS with `tls`'s [`Tls::server_config`] when given.
+pub fn server(tls: Option<&Tls>) -> Result<Server> {
+    let builder = Server::builder();
+    match tls {
+        Some(tls) => {
+            builder.tls_config(tls.server_config()).map_err(|e| ProtoError::Tls(format!("server config: {e}")))
+        }
+        None => Ok(builder),
     }
 }
 

@@ -157,11 +157,7 @@ pub async fn run_registered<R: Registry>(
     };
     let tls = config.tls()?;
     let slot = StageSlot::default();
-    let node_id = config.node_id.clone();
-    let server = {
-        let (slot, shutdown) = (slot.clone(), shutdown.clone());
-        tokio::spawn(async move { serve_slot(node_id, slot, listener, tls.as_ref(), shutdown).await })
-    };
+    let server = tokio::spawn(serve_slot(config.node_id.clone(), slot.clone(), listener, tls, shutdown.clone()));
     let outcome = match membership(&config, &registry, &options, address, &slot, &shutdown).await {
         Err(e) if shutdown.is_cancelled() => {
             tracing::debug!(node = %config.node_id, error = %e, "registration cut short by shutdown");

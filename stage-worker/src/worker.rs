@@ -13,7 +13,6 @@ use strata_proto::{STAGE_SERVICE, Tls, health_service, reflection_service, set_s
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 
 use crate::config::{LayerRange, WorkerConfig};
@@ -77,7 +76,7 @@ impl LoadedStage {
         tracing::info!(node = %node_id, next = ?next, tls = self.tls.is_some(), "stage ready");
         let tls = self.tls.clone();
         let slot = StageSlot::new(self.into_active()?);
-        serve_slot(node_id, slot, listener, tls.as_ref(), shutdown).await
+        serve_slot(node_id, slot, listener, tls, shutdown).await
     }
 }
 
@@ -105,7 +104,7 @@ pub async fn serve_slot(
     node_id: String,
     slot: StageSlot,
     listener: TcpListener,
-    tls: Option<&Tls>,
+    tls: Option<Tls>,
     shutdown: CancellationToken,
 ) -> Result<()> {
     let service = StageService::new(node_id.clone(), slot, shutdown.clone());
@@ -119,11 +118,8 @@ pub async fn serve_slot(
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let stopping = shutdown.clone();
     let reporter = health_reporter.clone();
-    let mut server = Server::builder();
-    if let Some(tls) = tls {
-        server = server.tls_config(tls.server_config())?;
-    }
-    server
+    strata_proto::tls::server(tls.as_ref())
+        .map_err(Error::Tls)?
         .add_service(health)
         .add_service(reflection_service()?)
         .add_service(stage)
