@@ -10,9 +10,9 @@ use strata_engine::backend::Backend;
 use strata_engine::generate::Engine;
 use strata_engine::model::SeqChunk;
 use strata_engine::sampling::argmax;
+use strata_proto::TlsArgs;
 use strata_stage_worker::device::OnBackend;
 
-use crate::connect::TlsArgs;
 use crate::load::{DeviceArgs, load};
 
 /// Arguments of `strata bench`.

@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
-use strata_proto::pb;
 use strata_proto::pb::coordinator_client::CoordinatorClient;
+use strata_proto::{TlsArgs, pb};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::cluster::LocalCluster;
-use crate::connect::{self, TlsArgs};
+use crate::connect;
 
 /// What to measure.
 pub struct ClusterBench {
@@ -95,7 +95,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
     let mut baselines = Vec::new();
     match &b.coordinator {
         Some(url) => rt.block_on(async {
-            let mut client = ready_client(url, &b.tls.endpoint(url)?).await?;
+            let mut client = ready_client(url, &connect::endpoint(url, &b.tls)?).await?;
             let stages = client.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner().stages.len();
             for &c in &b.concurrency {
                 let run = measure(&client, &b, stages, c).await?;

@@ -5,11 +5,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use strata_coordinator::{CoordinatorConfig, EmbeddedRegistry};
-use strata_proto::pb;
+use strata_proto::{TlsArgs, pb};
 use strata_stage_worker::{RegistrationOptions, Worker, WorkerConfig};
 use tokio_util::sync::CancellationToken;
 
-use crate::connect::{self, TlsArgs};
+use crate::connect;
 use crate::generate::{Format, PromptArgs};
 
 /// Arguments of `strata local`.
@@ -157,7 +157,7 @@ pub fn client_generate(a: ClientGenerateArgs) -> Result<()> {
         stop: a.prompt.stop.clone(),
         ..Default::default()
     };
-    let endpoint = a.tls.endpoint(&a.coordinator)?;
+    let endpoint = connect::endpoint(&a.coordinator, &a.tls)?;
     let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     rt.block_on(async move {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(a.wait);
@@ -286,7 +286,7 @@ pub fn nodes(cmd: NodesCommand) -> Result<()> {
             NodesCommand::Drain(a) | NodesCommand::Cordon(a) | NodesCommand::Uncordon(a) => &a.target,
         };
         let url = &target.coordinator;
-        let endpoint = target.tls.endpoint(url)?;
+        let endpoint = connect::endpoint(url, &target.tls)?;
         let mut client = connect::connect(&endpoint).await.with_context(|| format!("connecting to {url}"))?;
         match cmd {
             NodesCommand::List(_) => {

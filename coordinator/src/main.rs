@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use strata_coordinator::CoordinatorConfig;
-use strata_proto::TlsFiles;
+use strata_proto::TlsArgs;
 use tokio_util::sync::CancellationToken;
 
 /// strata coordinator: places the model on the stage workers registered in etcd.
@@ -42,16 +42,9 @@ struct Args {
     /// Tokens per micro-batch (prompts longer than this are prefilled in chunks).
     #[arg(long, env = "STRATA_MAX_BATCH_TOKENS", default_value_t = 512)]
     max_batch_tokens: usize,
-    /// PEM certificate chain: serve both APIs over TLS and dial the stages over TLS (needs --tls-key).
-    #[arg(long, env = "STRATA_TLS_CERT")]
-    tls_cert: Option<PathBuf>,
-    /// PEM private key of --tls-cert.
-    #[arg(long, env = "STRATA_TLS_KEY")]
-    tls_key: Option<PathBuf>,
-    /// PEM CA bundle: gRPC callers and stages must present a certificate it signed (mutual TLS); the HTTP API
-    /// still takes clients without one. Without it the web PKI roots are trusted.
-    #[arg(long, env = "STRATA_TLS_CA")]
-    tls_ca: Option<PathBuf>,
+    /// TLS for both APIs (HTTPS on the HTTP one) and for dialling the stages.
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 #[tokio::main]
@@ -69,7 +62,7 @@ async fn main() -> anyhow::Result<()> {
     config.connect_timeout_ms = args.connect_timeout_ms;
     config.max_concurrent_requests = args.max_concurrent_requests;
     config.max_batch_tokens = args.max_batch_tokens;
-    config.tls = TlsFiles::from_parts(args.tls_cert, args.tls_key, args.tls_ca)?;
+    config.tls = args.tls.files()?;
     let shutdown = CancellationToken::new();
     tokio::spawn(cancel_on_signal(shutdown.clone()));
     strata_coordinator::run(config, shutdown).await?;

@@ -76,6 +76,31 @@ impl TlsFiles {
     }
 }
 
+/// The `--tls-cert`, `--tls-key` and `--tls-ca` flags (env `STRATA_TLS_CERT`, `STRATA_TLS_KEY`, `STRATA_TLS_CA`, as
+/// the Helm chart sets them), shared by every binary.
+#[cfg(feature = "clap")]
+#[derive(clap::Args, Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsArgs {
+    /// PEM certificate chain this process serves TLS with and presents as a TLS client (needs --tls-key).
+    #[arg(long, env = "STRATA_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "STRATA_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA bundle: gRPC peers must present a certificate it signed, and servers' certificates must chain to it
+    /// (mutual TLS; the HTTP API never asks clients for one). Without it the web PKI roots are trusted.
+    #[arg(long, env = "STRATA_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+}
+
+#[cfg(feature = "clap")]
+impl TlsArgs {
+    /// The files named, `None` when none is; a key without a certificate (or the reverse, or a CA alone) is an error.
+    pub fn files(&self) -> Result<Option<TlsFiles>> {
+        TlsFiles::from_parts(self.tls_cert.clone(), self.tls_key.clone(), self.tls_ca.clone())
+    }
+}
+
 fn read_pem(path: &Path, kind: &str) -> Result<Vec<u8>> {
     let pem = std::fs::read(path).map_err(|e| ProtoError::Tls(format!("reading {}: {e}", path.display())))?;
     // "PRIVATE KEY" also matches "RSA PRIVATE KEY" and "EC PRIVATE KEY" headers.

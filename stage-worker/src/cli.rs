@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use strata_proto::TlsFiles;
+use strata_proto::TlsArgs;
 use strata_stage_worker::{Device, FloatDtype, HiddenDtype, LayerRange, RegistrationOptions, WorkerConfig};
 use tokio_util::sync::CancellationToken;
 
@@ -74,16 +74,9 @@ pub struct Args {
     /// Memory available for weights and KV cache, in bytes (suffixes K, M, G, Ki, Mi, Gi accepted).
     #[arg(long, env = "STRATA_MEMORY_LIMIT")]
     memory_limit: Option<String>,
-    /// PEM certificate chain: serve the Stage API over TLS and dial the next stage over TLS (needs --tls-key).
-    #[arg(long, env = "STRATA_TLS_CERT")]
-    tls_cert: Option<PathBuf>,
-    /// PEM private key of --tls-cert.
-    #[arg(long, env = "STRATA_TLS_KEY")]
-    tls_key: Option<PathBuf>,
-    /// PEM CA bundle: peers (coordinator, other stages, the CLI) must present a certificate it signed, and the
-    /// next stage's certificate must chain to it (mutual TLS). Without it the web PKI roots are trusted.
-    #[arg(long, env = "STRATA_TLS_CA")]
-    tls_ca: Option<PathBuf>,
+    /// TLS for the Stage API and for dialling the next stage.
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 impl Args {
@@ -146,7 +139,7 @@ impl Args {
             device: self.device,
             dtype: self.dtype,
             gpu_memory_limit,
-            tls: TlsFiles::from_parts(self.tls_cert, self.tls_key, self.tls_ca)?,
+            tls: self.tls.files()?,
             ..WorkerConfig::new(self.node_id, self.model, self.layers)
         };
         match registry {

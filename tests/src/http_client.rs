@@ -127,13 +127,16 @@ where
     Ok((sender, connection))
 }
 
+/// A response whose body is still to be read: status, content type, body, and the connection's task.
+type Sent = (u16, String, Incoming, JoinHandle<()>);
+
 async fn send(
     addr: SocketAddr,
     https: Option<&Https>,
     method: Method,
     path: &str,
     body: Option<Vec<u8>>,
-) -> Result<(u16, String, Incoming, JoinHandle<()>)> {
+) -> Result<Sent> {
     let stream = TcpStream::connect(addr).await.with_context(|| format!("connecting to {addr}"))?;
     let (mut sender, connection) = match https {
         None => http1(stream).await?,
@@ -153,14 +156,9 @@ async fn send(
     Ok((resp.status().as_u16(), content_type, resp.into_body(), connection))
 }
 
-async fn whole(
-    addr: SocketAddr,
-    https: Option<&Https>,
-    method: Method,
-    path: &str,
-    body: Option<Vec<u8>>,
-) -> Result<Reply> {
-    let (status, content_type, body, connection) = send(addr, https, method, path, body).await?;
+/// Reads the whole body of a response, then closes its connection.
+async fn whole(sent: Sent) -> Result<Reply> {
+    let (status, content_type, body, connection) = sent;
     let body = tokio::time::timeout(BUDGET, body.collect()).await.context("body not read in time")??.to_bytes();
     connection.abort();
     Ok(Reply { status, content_type, body: body.to_vec() })
@@ -168,7 +166,7 @@ async fn whole(
 
 /// `GET path`.
 pub async fn get(addr: SocketAddr, path: &str) -> Result<Reply> {
-    whole(addr, None, Method::GET, path, None).await
+    whole(send(addr, None, Method::GET, path, None).await?).await
 }
 
 /// `POST path` with `body` as JSON.
@@ -178,12 +176,12 @@ pub async fn post(addr: SocketAddr, path: &str, body: &serde_json::Value) -> Res
 
 /// `POST path` with these exact bytes (labelled JSON).
 pub async fn post_raw(addr: SocketAddr, path: &str, body: Vec<u8>) -> Result<Reply> {
-    whole(addr, None, Method::POST, path, Some(body)).await
+    whole(send(addr, None, Method::POST, path, Some(body)).await?).await
 }
 
 /// `POST path` with `body` as JSON, over TLS.
 pub async fn post_https(addr: SocketAddr, https: &Https, path: &str, body: &serde_json::Value) -> Result<Reply> {
-    whole(addr, Some(https), Method::POST, path, Some(serde_json::to_vec(body)?)).await
+    whole(send(addr, Some(https), Method::POST, path, Some(serde_json::to_vec(body)?)).await?).await
 }
 
 /// `POST path` with `body` as JSON, reading the answer as server-sent events.
