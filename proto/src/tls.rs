@@ -136,11 +136,18 @@ fn https_server_config(
 }
 
 /// Loaded TLS material, cheap to clone into every server and client.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Tls {
     identity: Identity,
     ca: Option<Certificate>,
     https: Arc<rustls::ServerConfig>,
+}
+
+impl std::fmt::Debug for Tls {
+    // tonic's `Identity` prints its private key; never let a log line do that.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tls").field("mutual", &self.ca.is_some()).finish_non_exhaustive()
+    }
 }
 
 impl Tls {
@@ -272,6 +279,7 @@ mod tests {
         let files = TlsFiles { cert: cert_path.clone(), key: key_path.clone(), ca: Some(cert_path.clone()) };
         let tls = files.load()?;
         assert_eq!(tls.https_server_config().alpn_protocols, vec![b"http/1.1".to_vec()]);
+        assert_eq!(format!("{tls:?}"), "Tls { mutual: true, .. }", "Debug must not print the key");
         let mismatched = TlsFiles { key: other_path, ..files.clone() };
         let err = mismatched.load().err().map(|e| e.to_string()).unwrap_or_default();
         assert!(err.contains("node.crt") && err.contains("other.key"), "{err}");
