@@ -10,6 +10,7 @@ use strata_engine::backend::Backend;
 use strata_engine::generate::Engine;
 use strata_engine::model::SeqChunk;
 use strata_engine::sampling::argmax;
+use strata_proto::TlsArgs;
 use strata_stage_worker::device::OnBackend;
 
 use crate::load::{DeviceArgs, load};
@@ -26,6 +27,8 @@ pub struct BenchArgs {
     /// Benchmark serving through a running coordinator (gRPC URL) instead of the engine in this process.
     #[arg(long, conflicts_with = "local")]
     coordinator: Option<String>,
+    #[command(flatten)]
+    tls: TlsArgs,
     /// Benchmark serving through local clusters of these stage counts (e.g. `1,2,3`), started in this process;
     /// --threads is then the total, split evenly over the stages.
     #[arg(long, value_delimiter = ',')]
@@ -92,6 +95,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.coordinator.is_some() || !a.local.is_empty() {
         return crate::bench_cluster::run(crate::bench_cluster::ClusterBench {
             coordinator: a.coordinator,
+            tls: a.tls,
             local: a.local,
             model: a.model,
             concurrency: a.concurrency,

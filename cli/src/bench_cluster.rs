@@ -10,16 +10,19 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
-use strata_proto::pb;
 use strata_proto::pb::coordinator_client::CoordinatorClient;
-use tonic::transport::Channel;
+use strata_proto::{TlsArgs, pb};
+use tonic::transport::{Channel, Endpoint};
 
 use crate::cluster::LocalCluster;
+use crate::connect;
 
 /// What to measure.
 pub struct ClusterBench {
     /// A running coordinator, or `None` to start local clusters.
     pub coordinator: Option<String>,
+    /// How to dial an `https://` coordinator.
+    pub tls: TlsArgs,
     /// Stage counts of the local clusters to start.
     pub local: Vec<usize>,
     /// The model (needed for local clusters and the single-process baseline).
@@ -92,7 +95,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
     let mut baselines = Vec::new();
     match &b.coordinator {
         Some(url) => rt.block_on(async {
-            let mut client = ready_client(url).await?;
+            let mut client = ready_client(url, &connect::endpoint(url, &b.tls)?).await?;
             let stages = client.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner().stages.len();
             for &c in &b.concurrency {
                 let run = measure(&client, &b, stages, c).await?;
@@ -124,7 +127,8 @@ pub fn run(b: ClusterBench) -> Result<()> {
                     let http = free_addr()?;
                     let cluster = LocalCluster::start(&model, stages, per_stage, kv_blocks, grpc, http).await?;
                     let bench = async {
-                        let client = ready_client(&format!("http://{grpc}")).await?;
+                        let url = format!("http://{grpc}");
+                        let client = ready_client(&url, &strata_proto::endpoint(&url, None)?).await?;
                         for &c in &b.concurrency {
                             let mut run = measure(&client, &b, stages, c).await?;
                             run.threads_per_stage = per_stage;
@@ -171,12 +175,12 @@ fn request(client: usize, index: usize, b: &ClusterBench) -> pb::GenerateRequest
     }
 }
 
-/// Connects and waits (up to 120 s) until a one-token generation succeeds.
-async fn ready_client(url: &str) -> Result<CoordinatorClient<Channel>> {
+/// Connects to `endpoint` (the coordinator at `url`) and waits (up to 120 s) until a one-token generation succeeds.
+async fn ready_client(url: &str, endpoint: &Endpoint) -> Result<CoordinatorClient<Channel>> {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let attempt = async {
-            let mut client = CoordinatorClient::connect(url.to_owned()).await?;
+            let mut client = connect::connect(endpoint).await?;
             let req = pb::GenerateRequest {
                 prompt: Some(pb::generate_request::Prompt::Ids(pb::TokenIds { ids: vec![1] })),
                 max_tokens: 1,

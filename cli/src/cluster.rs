@@ -5,11 +5,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use strata_coordinator::{CoordinatorConfig, EmbeddedRegistry};
-use strata_proto::pb;
-use strata_proto::pb::coordinator_client::CoordinatorClient;
+use strata_proto::{TlsArgs, pb};
 use strata_stage_worker::{RegistrationOptions, Worker, WorkerConfig};
 use tokio_util::sync::CancellationToken;
 
+use crate::connect;
 use crate::generate::{Format, PromptArgs};
 
 /// Arguments of `strata local`.
@@ -120,9 +120,11 @@ pub fn local(a: LocalArgs) -> Result<()> {
 /// Arguments of `strata client generate`.
 #[derive(clap::Args)]
 pub struct ClientGenerateArgs {
-    /// Coordinator gRPC URL.
+    /// Coordinator gRPC URL (`https://` for TLS).
     #[arg(long, default_value = "http://127.0.0.1:50051", env = "STRATA_COORDINATOR")]
     coordinator: String,
+    #[command(flatten)]
+    tls: TlsArgs,
     #[command(flatten)]
     prompt: PromptArgs,
     /// Seconds to wait for the cluster to serve (retrying while it has no ready plan).
@@ -155,6 +157,7 @@ pub fn client_generate(a: ClientGenerateArgs) -> Result<()> {
         stop: a.prompt.stop.clone(),
         ..Default::default()
     };
+    let endpoint = connect::endpoint(&a.coordinator, &a.tls)?;
     let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     rt.block_on(async move {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(a.wait);
@@ -162,7 +165,7 @@ pub fn client_generate(a: ClientGenerateArgs) -> Result<()> {
         // token is retried until --wait; once a token arrived, a failure is final.
         let (mut stream, first) = loop {
             let attempt = async {
-                let mut client = CoordinatorClient::connect(a.coordinator.clone()).await?;
+                let mut client = connect::connect(&endpoint).await?;
                 let mut stream = client.generate(req.clone()).await?.into_inner();
                 let mut early = Vec::new();
                 loop {
@@ -247,9 +250,11 @@ pub enum NodesCommand {
 /// Which coordinator to ask.
 #[derive(clap::Args)]
 pub struct NodesTarget {
-    /// Coordinator gRPC URL.
+    /// Coordinator gRPC URL (`https://` for TLS).
     #[arg(long, default_value = "http://127.0.0.1:50051", env = "STRATA_COORDINATOR")]
     coordinator: String,
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 /// A node and the coordinator to ask.
@@ -276,14 +281,13 @@ fn state_name(s: i32) -> &'static str {
 pub fn nodes(cmd: NodesCommand) -> Result<()> {
     let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     rt.block_on(async move {
-        let url = match &cmd {
-            NodesCommand::List(t) => t.coordinator.clone(),
-            NodesCommand::Drain(a) | NodesCommand::Cordon(a) | NodesCommand::Uncordon(a) => {
-                a.target.coordinator.clone()
-            }
+        let target = match &cmd {
+            NodesCommand::List(t) => t,
+            NodesCommand::Drain(a) | NodesCommand::Cordon(a) | NodesCommand::Uncordon(a) => &a.target,
         };
-        let mut client =
-            CoordinatorClient::connect(url.clone()).await.with_context(|| format!("connecting to {url}"))?;
+        let url = &target.coordinator;
+        let endpoint = connect::endpoint(url, &target.tls)?;
+        let mut client = connect::connect(&endpoint).await.with_context(|| format!("connecting to {url}"))?;
         match cmd {
             NodesCommand::List(_) => {
                 let s = client.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner();

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_cluster;
 mod cluster;
+mod connect;
 mod generate;
 mod load;
 

@@ -7,12 +7,13 @@ use std::sync::Arc;
 
 use strata_engine::tokenizer::ChatMessage;
 use strata_proto::pb::coordinator_server::{Coordinator as CoordinatorRpc, CoordinatorServer};
-use strata_proto::{COORDINATOR_SERVICE, NodeId, ServiceError, health_service, pb, reflection_service, set_serving};
+use strata_proto::{
+    COORDINATOR_SERVICE, NodeId, ServiceError, Tls, health_service, pb, reflection_service, set_serving,
+};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status};
 
@@ -61,7 +62,7 @@ pub fn service_error(err: &Error) -> ServiceError {
         Error::EtcdUnreachable { .. } | Error::Etcd { .. } | Error::LeaseExpired(_) | Error::Contention { .. } => {
             ServiceError::unavailable(err.to_string())
         }
-        Error::Decode { .. } | Error::Encode { .. } | Error::Compacted { .. } | Error::Bind { .. } => {
+        Error::Decode { .. } | Error::Encode { .. } | Error::Compacted { .. } | Error::Bind { .. } | Error::Tls(_) => {
             ServiceError::internal(err.to_string())
         }
     }
@@ -228,20 +229,23 @@ async fn forward_events(
     }
 }
 
-/// Serves the `Coordinator` service (with health and reflection) on `listener` until `shutdown` is cancelled.
+/// Serves the `Coordinator` service (with health and reflection) on `listener` until `shutdown` is cancelled; over
+/// TLS when `tls` is given (with a CA, callers must present a certificate it signed).
 pub async fn serve(
     listener: TcpListener,
     api: CoordinatorApi,
+    tls: Option<Tls>,
     shutdown: CancellationToken,
 ) -> Result<(), ServiceError> {
     let (reporter, health) = health_service();
     set_serving(&reporter, COORDINATOR_SERVICE, true).await;
     let reflection = reflection_service().map_err(|e| ServiceError::internal(e.to_string()))?;
     let addr = listener.local_addr().map_err(|e| ServiceError::internal(e.to_string()))?;
-    tracing::info!(%addr, "coordinator API serving");
+    tracing::info!(%addr, tls = tls.is_some(), "coordinator API serving");
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let stopping = reporter.clone();
-    Server::builder()
+    strata_proto::tls::server(tls.as_ref())
+        .map_err(|e| ServiceError::internal(format!("coordinator API: {e}")))?
         .add_service(health)
         .add_service(reflection)
         .add_service(CoordinatorServer::new(api))

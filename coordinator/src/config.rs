@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use strata_proto::{Tls, TlsFiles};
 
 use crate::pipeline::SchedulerLimits;
 use crate::{Error, Result};
@@ -49,6 +50,10 @@ pub struct CoordinatorConfig {
     /// Tokens per micro-batch; longer prompts are prefilled in chunks of this size.
     #[serde(default = "default_max_batch_tokens")]
     pub max_batch_tokens: usize,
+    /// TLS for both APIs and for the connections to the stages. With a CA, gRPC callers must present a certificate
+    /// it signed and stages must present one too (mutual TLS); the HTTP API never asks for a client certificate.
+    #[serde(default)]
+    pub tls: Option<TlsFiles>,
 }
 
 fn default_cluster() -> String {
@@ -90,6 +95,7 @@ impl CoordinatorConfig {
             kv_reserve_tokens: default_kv_reserve(),
             max_concurrent_requests: default_max_concurrent(),
             max_batch_tokens: default_max_batch_tokens(),
+            tls: None,
         }
     }
 
@@ -139,6 +145,11 @@ impl CoordinatorConfig {
             return bad("model path is empty".into());
         }
         Ok(())
+    }
+
+    /// Loads and checks the TLS files; `None` when TLS is off. Errors name the file.
+    pub fn tls(&self) -> Result<Option<Tls>> {
+        self.tls.as_ref().map(|files| files.load().map_err(Error::Tls)).transpose()
     }
 
     /// The scheduler's limits.
@@ -197,6 +208,17 @@ mod tests {
         let mut c = base();
         c.max_batch_tokens = 0;
         assert!(c.validate().is_err_and(|e| e.to_string().contains("max_batch_tokens")));
+    }
+
+    #[test]
+    fn tls_files_are_optional_strict_and_loaded_with_their_names_in_errors() {
+        assert!(base().tls().is_ok_and(|t| t.is_none()));
+        let json = r#"{"model":"m","grpc_addr":"127.0.0.1:1","http_addr":"127.0.0.1:2","tls":{"cert":"/x/c.pem"}}"#;
+        let err = serde_json::from_str::<CoordinatorConfig>(json).expect_err("a certificate without a key");
+        assert!(err.to_string().contains("key"), "{err}");
+        let mut c = base();
+        c.tls = Some(TlsFiles { cert: "/x/c.pem".into(), key: "/x/k.pem".into(), ca: None });
+        assert!(c.tls().is_err_and(|e| e.to_string().contains("/x/c.pem")));
     }
 
     #[test]

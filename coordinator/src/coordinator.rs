@@ -129,8 +129,8 @@ impl ClusterView {
 /// Starts a coordinator from its config and runs it until `shutdown`: opens the model, connects to etcd (or
 /// starts the embedded registry), then leads or waits to lead, serving the gRPC API on `grpc_addr` and the
 /// OpenAI-compatible HTTP API on `http_addr` meanwhile (generation goes through the current plan once all its
-/// stages are READY). Fails only at start (bad config, unreadable model, an address taken, etcd unreachable within
-/// `connect_timeout_ms`); later registry trouble is retried.
+/// stages are READY), over TLS when `tls` is configured. Fails only at start (bad config or TLS files, unreadable
+/// model, an address taken, etcd unreachable within `connect_timeout_ms`); later registry trouble is retried.
 pub async fn run(config: CoordinatorConfig, shutdown: CancellationToken) -> Result<()> {
     config.validate()?;
     match config.etcd.clone() {
@@ -159,11 +159,12 @@ pub async fn run_with_registry<R: Registry>(
     let model_name = config.model_name.clone().unwrap_or_else(|| model_name(&config.model));
     tracing::info!(model = %model_name, layers = shape.num_layers, layer_bytes = shape.layer_bytes, "model sized");
     let model = ModelInfo { name: model_name.clone(), ..ModelInfo::open(&config.model)? };
+    let tls = config.tls()?;
     let grpc = bind("gRPC", config.grpc_addr).await?;
     let http = bind("HTTP", config.http_addr).await?;
     let limits = config.scheduler_limits();
     let coordinator = Coordinator::new(registry.clone(), config, shape, model_name);
-    lead_and_serve(coordinator, registry, model, limits, Listeners { grpc, http }, shutdown).await
+    lead_and_serve(coordinator, registry, model, limits, Listeners { grpc, http, tls }, shutdown).await
 }
 
 async fn bind(api: &'static str, addr: std::net::SocketAddr) -> Result<tokio::net::TcpListener> {

@@ -15,6 +15,9 @@ pub enum Error {
     /// The configuration is inconsistent; the message names the field.
     #[error("invalid coordinator config: {0}")]
     Config(String),
+    /// The TLS files are missing, unreadable or do not fit together (the message names the file).
+    #[error("{0}")]
+    Tls(strata_proto::ProtoError),
     /// The model could not be opened or sized.
     #[error("model: {0}")]
     Model(#[from] strata_engine::Error),

@@ -16,6 +16,7 @@ pub mod placement;
 pub mod request;
 mod serving;
 pub mod stage_client;
+pub mod tls_listener;
 
 pub use config::CoordinatorConfig;
 pub use coordinator::{

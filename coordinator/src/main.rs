@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use strata_coordinator::CoordinatorConfig;
+use strata_proto::TlsArgs;
 use tokio_util::sync::CancellationToken;
 
 /// strata coordinator: places the model on the stage workers registered in etcd.
@@ -41,6 +42,9 @@ struct Args {
     /// Tokens per micro-batch (prompts longer than this are prefilled in chunks).
     #[arg(long, env = "STRATA_MAX_BATCH_TOKENS", default_value_t = 512)]
     max_batch_tokens: usize,
+    /// TLS for both APIs (HTTPS on the HTTP one) and for dialling the stages.
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 #[tokio::main]
@@ -58,6 +62,7 @@ async fn main() -> anyhow::Result<()> {
     config.connect_timeout_ms = args.connect_timeout_ms;
     config.max_concurrent_requests = args.max_concurrent_requests;
     config.max_batch_tokens = args.max_batch_tokens;
+    config.tls = args.tls.files()?;
     let shutdown = CancellationToken::new();
     tokio::spawn(cancel_on_signal(shutdown.clone()));
     strata_coordinator::run(config, shutdown).await?;

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use strata_proto::PlanEpoch;
+use strata_proto::{PlanEpoch, Tls};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -13,13 +13,16 @@ use crate::coordinator::{ClusterSnapshot, ClusterView, Coordinator};
 use crate::http::{self, HttpState};
 use crate::membership::{NodeState, Plan, Registry};
 use crate::pipeline::{ModelInfo, Pipeline, SchedulerLimits};
+use crate::stage_client;
 
-/// The bound listeners of the public APIs.
+/// The bound listeners of the public APIs, and the TLS they serve (also used towards the stages).
 pub(crate) struct Listeners {
     /// The gRPC API's.
     pub grpc: TcpListener,
     /// The HTTP API's.
     pub http: TcpListener,
+    /// TLS for both APIs and the stage connections; `None`: plaintext.
+    pub tls: Option<Tls>,
 }
 
 /// Leads (or stands by) with `coordinator` until `shutdown`, serving both APIs meanwhile.
@@ -35,10 +38,11 @@ pub(crate) async fn lead_and_serve<R: Registry>(
     let view = coordinator.view();
     let empty = Plan { epoch: PlanEpoch(0), stages: Vec::new(), model: model.name.clone(), num_layers: 0 };
     let pipeline = Arc::new(Pipeline::start_with(model, empty, limits, stop.clone()));
-    tokio::spawn(follow_ready_plans(view.clone(), pipeline.clone(), stop.clone()));
+    let Listeners { grpc, http, tls } = listeners;
+    tokio::spawn(follow_ready_plans(view.clone(), pipeline.clone(), tls.clone(), stop.clone()));
     let admin: Arc<dyn NodeAdmin> = Arc::new(registry);
-    let http = tokio::spawn(http::serve(listeners.http, HttpState::new(pipeline.clone()), stop.clone()));
-    let grpc = tokio::spawn(api::serve(listeners.grpc, CoordinatorApi::new(pipeline, view, Some(admin)), stop.clone()));
+    let http = tokio::spawn(http::serve(http, HttpState::new(pipeline.clone()), tls.clone(), stop.clone()));
+    let grpc = tokio::spawn(api::serve(grpc, CoordinatorApi::new(pipeline, view, Some(admin)), tls, stop.clone()));
     let result = coordinator.run(stop.clone()).await;
     stop.cancel();
     for (name, server) in [("gRPC", grpc), ("HTTP", http)] {
@@ -51,12 +55,18 @@ pub(crate) async fn lead_and_serve<R: Registry>(
     result
 }
 
-/// Hands the pipeline every new plan that is ready to serve.
-async fn follow_ready_plans(view: ClusterView, pipeline: Arc<Pipeline>, stop: CancellationToken) {
+/// Hands the pipeline every new plan that is ready to serve, and tells the stage client how to reach every node
+/// (with `tls` or plaintext) before anything dials it.
+async fn follow_ready_plans(view: ClusterView, pipeline: Arc<Pipeline>, tls: Option<Tls>, stop: CancellationToken) {
     let mut rx = view.subscribe();
     let mut served = PlanEpoch(0);
     loop {
-        let ready = ready_plan(&rx.borrow_and_update());
+        let ready = {
+            let snapshot = rx.borrow_and_update();
+            let stages = snapshot.plan.iter().flat_map(|p| p.stages.iter().map(|s| s.address.as_str()));
+            stage_client::set_stage_tls(snapshot.nodes.iter().map(|n| n.address.as_str()).chain(stages), tls.as_ref());
+            ready_plan(&snapshot)
+        };
         if let Some(plan) = ready.filter(|p| p.epoch != served) {
             served = plan.epoch;
             tracing::info!(epoch = %served, stages = plan.stages.len(), "serving through the new plan");

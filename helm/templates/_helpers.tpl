@@ -164,14 +164,20 @@ podAntiAffinity:
 {{- end -}}
 
 {{/* TLS env vars and mounts shared by coordinator, workers and the test pod. */}}
+{{/*
+STRATA_TLS_CA only when the Secret has a ca.crt (tls.ca given, or an existing Secret, which must then hold one):
+the binaries refuse to start on a CA file that is missing, rather than silently dropping mutual TLS.
+*/}}
 {{- define "strata.tls.env" -}}
 {{- if .Values.tls.enabled }}
 - name: STRATA_TLS_CERT
   value: {{ printf "%s/tls.crt" .Values.tls.mountPath | quote }}
 - name: STRATA_TLS_KEY
   value: {{ printf "%s/tls.key" .Values.tls.mountPath | quote }}
+{{- if or .Values.tls.ca .Values.tls.existingSecret }}
 - name: STRATA_TLS_CA
   value: {{ printf "%s/ca.crt" .Values.tls.mountPath | quote }}
+{{- end }}
 {{- end }}
 {{- end -}}
 {{- define "strata.tls.volumeMount" -}}

@@ -11,6 +11,9 @@ pub enum ProtoError {
     /// TLS files are missing, unreadable or not PEM.
     #[error("TLS: {0}")]
     Tls(String),
+    /// A server address is not a valid `host:port` or URL.
+    #[error("bad address {0}")]
+    Address(String),
     /// A hidden-state message names no dtype or one this build does not know.
     #[error("hidden states: unsupported dtype {0}")]
     UnsupportedDtype(i32),

@@ -24,6 +24,8 @@ pub use error::{ProtoError, Result};
 pub use ids::{NodeId, PlanEpoch, SeqId};
 pub use introspection::{COORDINATOR_SERVICE, STAGE_SERVICE, health_service, reflection_service, set_serving};
 pub use status::{ErrorCode, ServiceError};
-pub use tls::{Tls, TlsFiles};
+#[cfg(feature = "clap")]
+pub use tls::TlsArgs;
+pub use tls::{Tls, TlsFiles, endpoint, host_of};
 pub use trace::{extract_context, inject_context, inject_current_span, set_parent_from_metadata, trace_interceptor};
 pub use {tonic_health, tonic_reflection};

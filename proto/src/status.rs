@@ -215,7 +215,8 @@ impl From<ProtoError> for ServiceError {
             | ProtoError::BadShape { .. }
             | ProtoError::DataLength { .. }
             | ProtoError::ValueCount { .. }
-            | ProtoError::TooLarge { .. } => ErrorCode::InvalidArgument,
+            | ProtoError::TooLarge { .. }
+            | ProtoError::Address(_) => ErrorCode::InvalidArgument,
             ProtoError::Reflection(_) | ProtoError::SetParent(_) | ProtoError::Tls(_) => ErrorCode::Internal,
         };
         ServiceError::new(code, err.to_string())

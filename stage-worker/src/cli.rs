@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
+use strata_proto::TlsArgs;
 use strata_stage_worker::{Device, FloatDtype, HiddenDtype, LayerRange, RegistrationOptions, WorkerConfig};
 use tokio_util::sync::CancellationToken;
 
@@ -73,6 +74,9 @@ pub struct Args {
     /// Memory available for weights and KV cache, in bytes (suffixes K, M, G, Ki, Mi, Gi accepted).
     #[arg(long, env = "STRATA_MEMORY_LIMIT")]
     memory_limit: Option<String>,
+    /// TLS for the Stage API and for dialling the next stage.
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 impl Args {
@@ -135,6 +139,7 @@ impl Args {
             device: self.device,
             dtype: self.dtype,
             gpu_memory_limit,
+            tls: self.tls.files()?,
             ..WorkerConfig::new(self.node_id, self.model, self.layers)
         };
         match registry {
@@ -143,6 +148,8 @@ impl Args {
             }
             Some(_) => config.validate_common()?,
         }
+        // Bad PEM files stop the worker here, before it binds or loads weights.
+        config.tls()?;
         Ok(Launch { config, listen: self.listen, registry })
     }
 }
@@ -286,6 +293,18 @@ mod tests {
         let bare = args(&["--etcd", "etcd:2379"]).into_config()?.registry.map(|r| r.endpoints);
         assert_eq!(bare, Some(vec!["http://etcd:2379".to_owned()]));
         Ok(())
+    }
+
+    #[test]
+    fn tls_flags_come_in_pairs_and_name_missing_files() {
+        let err = args(&["--layers", "0..4", "--tls-cert", "/c.pem"]).into_config().err().map(|e| format!("{e:#}"));
+        assert!(err.as_deref().is_some_and(|e| e.contains("no key") && e.contains("--tls-key")), "{err:?}");
+        assert!(args(&["--layers", "0..4", "--tls-ca", "/ca.pem"]).into_config().is_err(), "a CA alone");
+        let err = args(&["--layers", "0..4", "--tls-cert", "/nope/c.pem", "--tls-key", "/nope/k.pem"])
+            .into_config()
+            .err()
+            .map(|e| format!("{e:#}"));
+        assert!(err.as_deref().is_some_and(|e| e.contains("/nope/c.pem")), "{err:?}");
     }
 
     #[test]

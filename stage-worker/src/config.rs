@@ -7,6 +7,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 use strata_engine::tensor::DType;
 use strata_proto::pb::Dtype;
+use strata_proto::{Tls, TlsFiles};
 
 use crate::error::{Error, Result};
 
@@ -212,6 +213,10 @@ pub struct WorkerConfig {
     /// Device memory the stage may use on a GPU, in bytes; layers beyond it are streamed from host memory.
     #[serde(default)]
     pub gpu_memory_limit: Option<u64>,
+    /// TLS for the Stage server and the link to the next stage; with a CA, peers must present a certificate it
+    /// signed. `None`: plaintext.
+    #[serde(default)]
+    pub tls: Option<TlsFiles>,
 }
 
 impl WorkerConfig {
@@ -231,6 +236,7 @@ impl WorkerConfig {
             device: Device::default(),
             dtype: None,
             gpu_memory_limit: None,
+            tls: None,
         }
     }
 
@@ -278,6 +284,11 @@ impl WorkerConfig {
             return Err(Error::Config("next must be an address, or absent on the last stage".into()));
         }
         Ok(())
+    }
+
+    /// Loads and checks the TLS files; `None` when TLS is off. Errors name the file.
+    pub fn tls(&self) -> Result<Option<Tls>> {
+        self.tls.as_ref().map(|files| files.load().map_err(Error::Tls)).transpose()
     }
 
     /// Checks the config against the model's layer count.
@@ -367,5 +378,17 @@ mod tests {
         assert!(with_next.validate_against_model(LayerRange { start: 0, end: 4 }, 4).is_err(), "next on last");
         assert!(with_next.validate_against_model(LayerRange { start: 0, end: 2 }, 4).is_ok());
         assert_eq!(with_next.next_uri().as_deref(), Some("http://h:1"));
+    }
+
+    #[test]
+    fn tls_files_are_part_of_the_config_and_checked_at_load() -> std::result::Result<(), serde_json::Error> {
+        let cfg: WorkerConfig =
+            serde_json::from_str(r#"{"node_id":"a","model":"/m","tls":{"cert":"/c.pem","key":"/k.pem"}}"#)?;
+        assert_eq!(cfg.tls.as_ref().map(|t| t.cert.clone()), Some(PathBuf::from("/c.pem")));
+        assert!(serde_json::from_str::<WorkerConfig>(r#"{"node_id":"a","model":"/m","tls":{"cert":"/c"}}"#).is_err());
+        let err = cfg.tls().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("/c.pem"), "a missing file is named: {err}");
+        assert!(WorkerConfig::new("n", "/m", None).tls().is_ok_and(|t| t.is_none()));
+        Ok(())
     }
 }

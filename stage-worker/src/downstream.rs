@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use strata_proto::pb;
 use strata_proto::pb::stage_client::StageClient;
-use strata_proto::{ServiceError, trace_interceptor};
+use strata_proto::{ServiceError, Tls, trace_interceptor};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::error::{Error, Result};
 
@@ -50,9 +50,10 @@ pub struct Downstream {
 }
 
 impl Downstream {
-    /// Starts the link actor for the stage at `uri`; nothing connects until the first batch or release.
-    pub fn spawn(uri: &str) -> Result<Self> {
-        let endpoint = Endpoint::from_shared(uri.to_owned())
+    /// Starts the link actor for the stage at `uri`, over TLS when `tls` is given (whatever the scheme); nothing
+    /// connects until the first batch or release.
+    pub fn spawn(uri: &str, tls: Option<&Tls>) -> Result<Self> {
+        let endpoint = strata_proto::endpoint(uri, tls)
             .map_err(|e| Error::Config(format!("next stage address {uri:?}: {e}")))?
             .connect_timeout(CONNECT_TIMEOUT)
             .tcp_nodelay(true);

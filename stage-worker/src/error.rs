@@ -25,6 +25,9 @@ pub enum Error {
     /// Loading the model or building the backend failed.
     #[error("engine: {0}")]
     Engine(#[from] strata_engine::Error),
+    /// The TLS files are missing, unreadable or do not fit together.
+    #[error("{0}")]
+    Tls(strata_proto::ProtoError),
     /// Building the gRPC introspection services failed.
     #[error("proto: {0}")]
     Proto(#[from] strata_proto::ProtoError),

@@ -155,8 +155,9 @@ pub async fn run_registered<R: Registry>(
         Some(a) => a.clone(),
         None => listener.local_addr()?.to_string(),
     };
+    let tls = config.tls()?;
     let slot = StageSlot::default();
-    let server = tokio::spawn(serve_slot(config.node_id.clone(), slot.clone(), listener, shutdown.clone()));
+    let server = tokio::spawn(serve_slot(config.node_id.clone(), slot.clone(), listener, tls, shutdown.clone()));
     let outcome = match membership(&config, &registry, &options, address, &slot, &shutdown).await {
         Err(e) if shutdown.is_cancelled() => {
             tracing::debug!(node = %config.node_id, error = %e, "registration cut short by shutdown");

@@ -9,11 +9,10 @@ use strata_engine::backend::Backend;
 use strata_engine::loader::ModelFiles;
 use strata_engine::model::StageModel;
 use strata_proto::pb::stage_server::StageServer;
-use strata_proto::{STAGE_SERVICE, health_service, reflection_service, set_serving};
+use strata_proto::{STAGE_SERVICE, Tls, health_service, reflection_service, set_serving};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 
 use crate::config::{LayerRange, WorkerConfig};
@@ -27,13 +26,16 @@ use crate::server::{ActiveStage, StageService, StageSlot};
 /// A stage whose weights are loaded and whose executor is running, ready to serve.
 pub struct LoadedStage {
     config: WorkerConfig,
+    tls: Option<Tls>,
     executor: ExecutorHandle,
 }
 
 impl LoadedStage {
-    /// Validates `config`, opens the model and loads its layer range onto the device (on a blocking thread).
+    /// Validates `config` (reading its TLS files), opens the model and loads its layer range onto the device (on a
+    /// blocking thread).
     pub async fn load(config: WorkerConfig) -> Result<Self> {
         let layers = config.validate()?;
+        let tls = config.tls()?;
         let cfg = config.clone();
         let executor = tokio::task::spawn_blocking(move || -> Result<ExecutorHandle> {
             let files = ModelFiles::open(&cfg.model)?;
@@ -52,13 +54,13 @@ impl LoadedStage {
             device = %facts.device,
             "stage loaded"
         );
-        Ok(LoadedStage { config, executor })
+        Ok(LoadedStage { config, tls, executor })
     }
 
     /// The stage as the service runs it, connected to its next stage.
     pub fn into_active(self) -> Result<ActiveStage> {
-        let LoadedStage { config, executor } = self;
-        let downstream = config.next_uri().map(|uri| Downstream::spawn(&uri)).transpose()?;
+        let LoadedStage { config, tls, executor } = self;
+        let downstream = config.next_uri().map(|uri| Downstream::spawn(&uri, tls.as_ref())).transpose()?;
         Ok(ActiveStage {
             executor,
             downstream,
@@ -71,9 +73,10 @@ impl LoadedStage {
     pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
         let node_id = self.config.node_id.clone();
         let next = self.config.next.clone();
-        tracing::info!(node = %node_id, next = ?next, "stage ready");
+        tracing::info!(node = %node_id, next = ?next, tls = self.tls.is_some(), "stage ready");
+        let tls = self.tls.clone();
         let slot = StageSlot::new(self.into_active()?);
-        serve_slot(node_id, slot, listener, shutdown).await
+        serve_slot(node_id, slot, listener, tls, shutdown).await
     }
 }
 
@@ -95,11 +98,13 @@ impl OnBackend for LoadStage<'_> {
     }
 }
 
-/// Serves whatever stage `slot` holds (possibly none yet) on `listener` until `shutdown` is cancelled.
+/// Serves whatever stage `slot` holds (possibly none yet) on `listener` until `shutdown` is cancelled; over TLS
+/// when `tls` is given (with a CA, callers must present a certificate it signed).
 pub async fn serve_slot(
     node_id: String,
     slot: StageSlot,
     listener: TcpListener,
+    tls: Option<Tls>,
     shutdown: CancellationToken,
 ) -> Result<()> {
     let service = StageService::new(node_id.clone(), slot, shutdown.clone());
@@ -109,11 +114,12 @@ pub async fn serve_slot(
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let addr = listener.local_addr()?;
-    tracing::info!(node = %node_id, %addr, "serving");
+    tracing::info!(node = %node_id, %addr, tls = tls.is_some(), "serving");
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let stopping = shutdown.clone();
     let reporter = health_reporter.clone();
-    Server::builder()
+    strata_proto::tls::server(tls.as_ref())
+        .map_err(Error::Tls)?
         .add_service(health)
         .add_service(reflection_service()?)
         .add_service(stage)
@@ -164,6 +170,7 @@ impl Worker {
         addr: &str,
     ) -> Result<Self> {
         config.validate_common()?;
+        config.tls()?;
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let shutdown = CancellationToken::new();

@@ -1,18 +1,24 @@
 //! A small HTTP/1.1 client for the coordinator's HTTP API, one connection per request, built on hyper (which
-//! tonic already brings) so the tests need no client crate. Streams read server-sent events one at a time, and
-//! dropping a stream closes its connection, as a client that goes away would.
+//! tonic already brings) so the tests need no client crate; HTTPS through tokio-rustls (`post_https`). Streams read
+//! server-sent events one at a time, and dropping a stream closes its connection, as a client that goes away would.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
+use hyper::client::conn::http1::SendRequest;
 use hyper::header::{CONTENT_TYPE, HOST};
 use hyper::{Method, Request};
 use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::task::JoinHandle;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::rustls::ClientConfig;
+use tokio_rustls::rustls::pki_types::ServerName;
 
 /// How long any one request (or one streamed event) may take.
 const BUDGET: Duration = Duration::from_secs(60);
@@ -99,17 +105,47 @@ impl EventStream {
     }
 }
 
-async fn send(
-    addr: SocketAddr,
-    method: Method,
-    path: &str,
-    body: Option<Vec<u8>>,
-) -> Result<(u16, String, Incoming, JoinHandle<()>)> {
-    let stream = TcpStream::connect(addr).await.with_context(|| format!("connecting to {addr}"))?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+/// How to reach an HTTPS server: the client config (the roots it trusts) and the name the server's certificate must
+/// carry.
+#[derive(Clone)]
+pub struct Https {
+    /// The rustls client config.
+    pub config: Arc<ClientConfig>,
+    /// The server name checked against the certificate (`localhost`, `127.0.0.1`).
+    pub server_name: String,
+}
+
+/// An HTTP/1.1 connection over `io`, driven by a task of its own.
+async fn http1<Io>(io: Io) -> Result<(SendRequest<Full<Bytes>>, JoinHandle<()>)>
+where
+    Io: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io)).await?;
     let connection = tokio::spawn(async move {
         let _ = conn.await;
     });
+    Ok((sender, connection))
+}
+
+/// A response whose body is still to be read: status, content type, body, and the connection's task.
+type Sent = (u16, String, Incoming, JoinHandle<()>);
+
+async fn send(
+    addr: SocketAddr,
+    https: Option<&Https>,
+    method: Method,
+    path: &str,
+    body: Option<Vec<u8>>,
+) -> Result<Sent> {
+    let stream = TcpStream::connect(addr).await.with_context(|| format!("connecting to {addr}"))?;
+    let (mut sender, connection) = match https {
+        None => http1(stream).await?,
+        Some(https) => {
+            let name = ServerName::try_from(https.server_name.clone())?;
+            let handshake = TlsConnector::from(https.config.clone()).connect(name, stream);
+            http1(tokio::time::timeout(BUDGET, handshake).await.context("no TLS handshake in time")??).await?
+        }
+    };
     let mut req = Request::builder().method(method).uri(path).header(HOST, addr.to_string());
     if body.is_some() {
         req = req.header(CONTENT_TYPE, "application/json");
@@ -120,8 +156,9 @@ async fn send(
     Ok((resp.status().as_u16(), content_type, resp.into_body(), connection))
 }
 
-async fn whole(addr: SocketAddr, method: Method, path: &str, body: Option<Vec<u8>>) -> Result<Reply> {
-    let (status, content_type, body, connection) = send(addr, method, path, body).await?;
+/// Reads the whole body of a response, then closes its connection.
+async fn whole(sent: Sent) -> Result<Reply> {
+    let (status, content_type, body, connection) = sent;
     let body = tokio::time::timeout(BUDGET, body.collect()).await.context("body not read in time")??.to_bytes();
     connection.abort();
     Ok(Reply { status, content_type, body: body.to_vec() })
@@ -129,7 +166,7 @@ async fn whole(addr: SocketAddr, method: Method, path: &str, body: Option<Vec<u8
 
 /// `GET path`.
 pub async fn get(addr: SocketAddr, path: &str) -> Result<Reply> {
-    whole(addr, Method::GET, path, None).await
+    whole(send(addr, None, Method::GET, path, None).await?).await
 }
 
 /// `POST path` with `body` as JSON.
@@ -139,12 +176,17 @@ pub async fn post(addr: SocketAddr, path: &str, body: &serde_json::Value) -> Res
 
 /// `POST path` with these exact bytes (labelled JSON).
 pub async fn post_raw(addr: SocketAddr, path: &str, body: Vec<u8>) -> Result<Reply> {
-    whole(addr, Method::POST, path, Some(body)).await
+    whole(send(addr, None, Method::POST, path, Some(body)).await?).await
+}
+
+/// `POST path` with `body` as JSON, over TLS.
+pub async fn post_https(addr: SocketAddr, https: &Https, path: &str, body: &serde_json::Value) -> Result<Reply> {
+    whole(send(addr, Some(https), Method::POST, path, Some(serde_json::to_vec(body)?)).await?).await
 }
 
 /// `POST path` with `body` as JSON, reading the answer as server-sent events.
 pub async fn post_stream(addr: SocketAddr, path: &str, body: &serde_json::Value) -> Result<EventStream> {
     let (status, content_type, body, connection) =
-        send(addr, Method::POST, path, Some(serde_json::to_vec(body)?)).await?;
+        send(addr, None, Method::POST, path, Some(serde_json::to_vec(body)?)).await?;
     Ok(EventStream { status, content_type, body, buf: Vec::new(), connection })
 }

@@ -1,7 +1,7 @@
 //! End-to-end test helpers: a test cluster of in-process stage workers on 127.0.0.1 port 0, chained with
-//! explicit layer ranges, behind a coordinator serving a static plan on a gRPC and an HTTP port (both port 0);
-//! the single-process engine as the reference; a client that collects a whole `Generate` stream; a small HTTP
-//! client (`http_client`).
+//! explicit layer ranges, behind a coordinator serving a static plan on a gRPC and an HTTP port (both port 0),
+//! optionally all over TLS; the single-process engine as the reference; a client that collects a whole `Generate`
+//! stream; a small HTTP(S) client (`http_client`).
 
 pub mod http_client;
 
@@ -14,7 +14,9 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use strata_coordinator::api::{self, CoordinatorApi};
 use strata_coordinator::http::{self, HttpState};
-use strata_coordinator::{ClusterSnapshot, ClusterView, ModelInfo, Pipeline, Plan, PlanStage, SchedulerLimits};
+use strata_coordinator::{
+    ClusterSnapshot, ClusterView, ModelInfo, Pipeline, Plan, PlanStage, SchedulerLimits, stage_client,
+};
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::generate::{Engine, GenerateRequest};
 use strata_engine::loader::ModelFiles;
@@ -24,7 +26,7 @@ use strata_engine::tensor::DType;
 use strata_engine::testing::{TinySpec, random_weights, tiny_config, write_hf};
 use strata_proto::pb::coordinator_client::CoordinatorClient;
 use strata_proto::pb::stage_client::StageClient;
-use strata_proto::{NodeId, PlanEpoch, pb};
+use strata_proto::{NodeId, PlanEpoch, Tls, TlsFiles, pb};
 use strata_stage_worker::{LayerRange, Worker, WorkerConfig};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -95,6 +97,8 @@ pub struct TestCluster {
     pub http_addr: SocketAddr,
     /// The coordinator's data path (to switch plans in tests).
     pub pipeline: Arc<Pipeline>,
+    /// The TLS every node serves and dials with (and [`TestCluster::client`] presents); `None`: plaintext.
+    pub tls: Option<Tls>,
     shutdown: CancellationToken,
     servers: Vec<JoinHandle<Result<(), strata_proto::ServiceError>>>,
 }
@@ -103,6 +107,16 @@ impl TestCluster {
     /// Starts one worker per window of `bounds` (`[0, 2, 4]` = two stages), last first so each knows its
     /// successor, then the coordinator with the static plan through them.
     pub async fn start(model: &Path, bounds: &[usize], sizing: StageSizing) -> Result<Self> {
+        Self::start_with_tls(model, bounds, sizing, None).await
+    }
+
+    /// Like [`TestCluster::start`], every worker and the coordinator using `tls` (all the same certificate).
+    pub async fn start_with_tls(
+        model: &Path,
+        bounds: &[usize],
+        sizing: StageSizing,
+        tls: Option<TlsFiles>,
+    ) -> Result<Self> {
         let mut workers = Vec::new();
         let mut next: Option<String> = None;
         for (index, w) in bounds.windows(2).enumerate().rev() {
@@ -113,6 +127,7 @@ impl TestCluster {
                 threads: sizing.threads,
                 kv_blocks: sizing.kv_blocks,
                 block_size: sizing.block_size,
+                tls: tls.clone(),
                 ..WorkerConfig::new(format!("stage-{index}"), model, Some(LayerRange { start: w[0], end: w[1] }))
             };
             let worker = Worker::start(config, "127.0.0.1:0").await?;
@@ -122,7 +137,8 @@ impl TestCluster {
         workers.reverse();
         let stages: Vec<(String, Range<usize>)> =
             workers.iter().zip(bounds.windows(2)).map(|(wk, w)| (wk.local_addr().to_string(), w[0]..w[1])).collect();
-        let mut cluster = Self::coordinator_with(model, &stages, sizing.limits).await?;
+        let tls = tls.map(|files| files.load()).transpose()?;
+        let mut cluster = Self::coordinator_tls(model, &stages, sizing.limits, tls).await?;
         cluster.workers = workers;
         Ok(cluster)
     }
@@ -138,6 +154,17 @@ impl TestCluster {
         stages: &[(String, Range<usize>)],
         limits: SchedulerLimits,
     ) -> Result<Self> {
+        Self::coordinator_tls(model, stages, limits, None).await
+    }
+
+    async fn coordinator_tls(
+        model: &Path,
+        stages: &[(String, Range<usize>)],
+        limits: SchedulerLimits,
+        tls: Option<Tls>,
+    ) -> Result<Self> {
+        // The static plan bypasses the control loop, which would otherwise tell the stage client this.
+        stage_client::set_stage_tls(stages.iter().map(|s| s.0.as_str()), tls.as_ref());
         let info = ModelInfo::open(model)?;
         let num_layers = stages.last().map_or(0, |s| s.1.end);
         let plan = static_plan(&info.name, num_layers, stages);
@@ -149,22 +176,28 @@ impl TestCluster {
         let http_listener = TcpListener::bind("127.0.0.1:0").await?;
         let http_addr = http_listener.local_addr()?;
         let service = CoordinatorApi::new(pipeline.clone(), view, None);
+        let state = HttpState::new(pipeline.clone());
         let servers = vec![
-            tokio::spawn(api::serve(listener, service, shutdown.clone())),
-            tokio::spawn(http::serve(http_listener, HttpState::new(pipeline.clone()), shutdown.clone())),
+            tokio::spawn(api::serve(listener, service, tls.clone(), shutdown.clone())),
+            tokio::spawn(http::serve(http_listener, state, tls.clone(), shutdown.clone())),
         ];
-        Ok(TestCluster { workers: Vec::new(), addr, http_addr, pipeline, shutdown, servers })
+        Ok(TestCluster { workers: Vec::new(), addr, http_addr, pipeline, tls, shutdown, servers })
+    }
+
+    /// A channel to `addr` as this cluster's nodes dial each other (TLS with its certificate when it has one).
+    pub async fn channel(&self, addr: SocketAddr) -> Result<Channel> {
+        Ok(strata_proto::endpoint(&addr.to_string(), self.tls.as_ref())?.connect().await?)
     }
 
     /// A client of the coordinator API.
     pub async fn client(&self) -> Result<CoordinatorClient<Channel>> {
-        Ok(CoordinatorClient::connect(format!("http://{}", self.addr)).await?)
+        Ok(CoordinatorClient::new(self.channel(self.addr).await?))
     }
 
     /// `Status` of worker `index`.
     pub async fn stage_status(&self, index: usize) -> Result<pb::StageStatus> {
         let worker = self.workers.get(index).context("no such worker")?;
-        let mut client = StageClient::connect(format!("http://{}", worker.local_addr())).await?;
+        let mut client = StageClient::new(self.channel(worker.local_addr()).await?);
         Ok(client.status(pb::StageStatusRequest {}).await?.into_inner())
     }
 

@@ -81,20 +81,33 @@ pub fn router(state: HttpState) -> Router {
         .with_state(state)
 }
 
-/// Serves the API on `listener` until `shutdown` is cancelled (then lets open responses finish).
-pub async fn serve(listener: TcpListener, state: HttpState, shutdown: CancellationToken) -> Result<(), ServiceError> {
+/// Serves the API on `listener` until `shutdown` is cancelled (then lets open responses finish); HTTPS when `tls` is
+/// given, with no client certificate asked for (see [`crate::tls_listener`]).
+pub async fn serve(
+    listener: TcpListener,
+    state: HttpState,
+    tls: Option<strata_proto::Tls>,
+    shutdown: CancellationToken,
+) -> Result<(), ServiceError> {
     let addr = listener.local_addr().map_err(|e| ServiceError::internal(e.to_string()))?;
-    tracing::info!(%addr, "HTTP API serving");
-    // Token chunks are small writes; Nagle would hold them back.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+    tracing::info!(%addr, tls = tls.is_some(), "HTTP API serving");
+    let served = match &tls {
+        Some(tls) => {
+            let listener = crate::tls_listener::TlsListener::new(listener, tls.https_server_config())
+                .map_err(|e| ServiceError::internal(e.to_string()))?;
+            axum::serve(listener, router(state)).with_graceful_shutdown(shutdown.cancelled_owned()).await
         }
-    });
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await
-        .map_err(|e| ServiceError::internal(format!("HTTP API: {e}")))
+        None => {
+            // Token chunks are small writes; Nagle would hold them back.
+            let listener = listener.tap_io(|tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+                }
+            });
+            axum::serve(listener, router(state)).with_graceful_shutdown(shutdown.cancelled_owned()).await
+        }
+    };
+    served.map_err(|e| ServiceError::internal(format!("HTTP API: {e}")))
 }
 
 /// One span per request (method, path, request id, the caller's trace context); logs and counts the status.
