@@ -152,7 +152,7 @@ impl CoordinatorRpc for CoordinatorApi {
         _request: Request<pb::ClusterStatusRequest>,
     ) -> Result<Response<pb::ClusterStatusResponse>, Status> {
         let mut status = self.view.snapshot().to_proto();
-        fill_stage_facts(&mut status.nodes).await;
+        fill_stage_facts(&mut status.nodes, self.pipeline.stage_tls()).await;
         Ok(Response::new(status))
     }
 
@@ -262,13 +262,14 @@ const STAGE_STATUS_TIMEOUT: std::time::Duration = std::time::Duration::from_mill
 
 /// Fills in what only the stages know (KV blocks, offloaded layers), asking them all at once; a stage that does not
 /// answer in time keeps zeros.
-async fn fill_stage_facts(nodes: &mut [pb::NodeInfo]) {
+async fn fill_stage_facts(nodes: &mut [pb::NodeInfo], tls: Option<&strata_proto::Tls>) {
     let mut asks = tokio::task::JoinSet::new();
     for (i, n) in nodes.iter().enumerate() {
         let address = n.address.clone();
+        let tls = tls.cloned();
         asks.spawn(async move {
             let ask = async {
-                let mut client = crate::stage_client::connect(&address).await.ok()?;
+                let mut client = crate::stage_client::connect(&address, tls.as_ref()).await.ok()?;
                 client.status(pb::StageStatusRequest {}).await.ok().map(tonic::Response::into_inner)
             };
             (i, tokio::time::timeout(STAGE_STATUS_TIMEOUT, ask).await.ok().flatten())

@@ -13,7 +13,6 @@ use crate::coordinator::{ClusterSnapshot, ClusterView, Coordinator};
 use crate::http::{self, HttpState};
 use crate::membership::{NodeState, Plan, Registry};
 use crate::pipeline::{ModelInfo, Pipeline, SchedulerLimits};
-use crate::stage_client;
 
 /// The bound listeners of the public APIs, and the TLS they serve (also used towards the stages).
 pub(crate) struct Listeners {
@@ -37,9 +36,9 @@ pub(crate) async fn lead_and_serve<R: Registry>(
     let stop = shutdown.child_token();
     let view = coordinator.view();
     let empty = Plan { epoch: PlanEpoch(0), stages: Vec::new(), model: model.name.clone(), num_layers: 0 };
-    let pipeline = Arc::new(Pipeline::start_with(model, empty, limits, stop.clone()));
     let Listeners { grpc, http, tls } = listeners;
-    tokio::spawn(follow_ready_plans(view.clone(), pipeline.clone(), tls.clone(), stop.clone()));
+    let pipeline = Arc::new(Pipeline::start_with(model, empty, limits, tls.clone(), stop.clone()));
+    tokio::spawn(follow_ready_plans(view.clone(), pipeline.clone(), stop.clone()));
     let admin: Arc<dyn NodeAdmin> = Arc::new(registry);
     let http = tokio::spawn(http::serve(http, HttpState::new(pipeline.clone()), tls.clone(), stop.clone()));
     let grpc = tokio::spawn(api::serve(grpc, CoordinatorApi::new(pipeline, view, Some(admin)), tls, stop.clone()));
@@ -55,16 +54,13 @@ pub(crate) async fn lead_and_serve<R: Registry>(
     result
 }
 
-/// Hands the pipeline every new plan that is ready to serve, and tells the stage client how to reach every node
-/// (with `tls` or plaintext) before anything dials it.
-async fn follow_ready_plans(view: ClusterView, pipeline: Arc<Pipeline>, tls: Option<Tls>, stop: CancellationToken) {
+/// Hands the pipeline every new plan that is ready to serve.
+async fn follow_ready_plans(view: ClusterView, pipeline: Arc<Pipeline>, stop: CancellationToken) {
     let mut rx = view.subscribe();
     let mut served = PlanEpoch(0);
     loop {
         let ready = {
             let snapshot = rx.borrow_and_update();
-            let stages = snapshot.plan.iter().flat_map(|p| p.stages.iter().map(|s| s.address.as_str()));
-            stage_client::set_stage_tls(snapshot.nodes.iter().map(|n| n.address.as_str()).chain(stages), tls.as_ref());
             ready_plan(&snapshot)
         };
         if let Some(plan) = ready.filter(|p| p.epoch != served) {

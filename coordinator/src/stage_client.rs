@@ -1,9 +1,7 @@
-//! The coordinator's client of the stages: connecting (with a short timeout, TCP_NODELAY, over TLS where the
-//! stage's address is registered for it, trace context injected into every request's metadata), opening the
+//! The coordinator's client of the stages: connecting (with a short timeout, TCP_NODELAY, over TLS when the
+//! cluster uses it, trace context injected into every request's metadata), opening the
 //! long-lived `Forward` stream, and `Release`.
 
-use std::collections::HashMap;
-use std::sync::{LazyLock, PoisonError, RwLock};
 use std::time::Duration;
 
 use strata_proto::pb::stage_client::StageClient;
@@ -23,31 +21,10 @@ const STREAM_BUFFER: usize = 64;
 pub type TracedStageClient = StageClient<InterceptedService<Channel, fn(tonic::Request<()>) -> TracedResult>>;
 type TracedResult = Result<tonic::Request<()>, tonic::Status>;
 
-/// The TLS to dial each stage address with. The pipeline connects to a stage by its address alone, so whoever hands
-/// it a plan records here first how that plan's stages are reached ([`set_stage_tls`]). Keyed by address rather
-/// than one setting per process so that clusters with and without TLS can share a process (tests).
-static STAGE_TLS: LazyLock<RwLock<HashMap<String, Tls>>> = LazyLock::new(RwLock::default);
-
-/// Dials the stages at `addresses` over TLS with `tls` from now on, or plaintext with `None`.
-pub fn set_stage_tls<'a>(addresses: impl IntoIterator<Item = &'a str>, tls: Option<&Tls>) {
-    // A panic elsewhere while holding the lock cannot leave the map half-written; keep using it.
-    let mut map = STAGE_TLS.write().unwrap_or_else(PoisonError::into_inner);
-    for address in addresses {
-        match tls {
-            Some(tls) => map.insert(address.to_owned(), tls.clone()),
-            None => map.remove(address),
-        };
-    }
-}
-
-fn stage_tls(address: &str) -> Option<Tls> {
-    STAGE_TLS.read().unwrap_or_else(PoisonError::into_inner).get(address).cloned()
-}
-
-/// Connects to the stage at `address` (`host:port`), over TLS if [`set_stage_tls`] said so.
-pub async fn connect(address: &str) -> Result<TracedStageClient, ServiceError> {
+/// Connects to the stage at `address` (`host:port`), over TLS with `tls`.
+pub async fn connect(address: &str, tls: Option<&Tls>) -> Result<TracedStageClient, ServiceError> {
     let unavailable = |e: &dyn std::fmt::Display| ServiceError::unavailable(format!("stage {address}: {e}"));
-    let endpoint = strata_proto::endpoint(address, stage_tls(address).as_ref())
+    let endpoint = strata_proto::endpoint(address, tls)
         .map_err(|e| ServiceError::invalid_argument(format!("bad stage address {address:?}: {e}")))?
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true);

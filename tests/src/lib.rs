@@ -14,9 +14,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use strata_coordinator::api::{self, CoordinatorApi};
 use strata_coordinator::http::{self, HttpState};
-use strata_coordinator::{
-    ClusterSnapshot, ClusterView, ModelInfo, Pipeline, Plan, PlanStage, SchedulerLimits, stage_client,
-};
+use strata_coordinator::{ClusterSnapshot, ClusterView, ModelInfo, Pipeline, Plan, PlanStage, SchedulerLimits};
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::generate::{Engine, GenerateRequest};
 use strata_engine::loader::ModelFiles;
@@ -163,14 +161,12 @@ impl TestCluster {
         limits: SchedulerLimits,
         tls: Option<Tls>,
     ) -> Result<Self> {
-        // The static plan bypasses the control loop, which would otherwise tell the stage client this.
-        stage_client::set_stage_tls(stages.iter().map(|s| s.0.as_str()), tls.as_ref());
         let info = ModelInfo::open(model)?;
         let num_layers = stages.last().map_or(0, |s| s.1.end);
         let plan = static_plan(&info.name, num_layers, stages);
         let shutdown = CancellationToken::new();
         let view = ClusterView::from_snapshot(ClusterSnapshot { plan: Some(plan.clone()), ..Default::default() });
-        let pipeline = Arc::new(Pipeline::start_with(info, plan, limits, shutdown.clone()));
+        let pipeline = Arc::new(Pipeline::start_with(info, plan, limits, tls.clone(), shutdown.clone()));
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let http_listener = TcpListener::bind("127.0.0.1:0").await?;

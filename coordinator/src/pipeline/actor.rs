@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use strata_engine::generate::StopState;
 use strata_engine::tokenizer::IncrementalDecoder;
-use strata_proto::{ErrorCode, ServiceError, pb};
+use strata_proto::{ErrorCode, ServiceError, Tls, pb};
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
@@ -125,11 +125,19 @@ pub(super) struct Actor {
     released_tx: mpsc::Sender<(u64, usize)>,
     released_rx: mpsc::Receiver<(u64, usize)>,
     kv_generation: u64,
+    /// How the stages are dialled.
+    tls: Option<Tls>,
     metrics: Arc<Metrics>,
 }
 
 impl Actor {
-    pub(super) fn new(model: Arc<ModelInfo>, plan: Plan, limits: SchedulerLimits, metrics: Arc<Metrics>) -> Self {
+    pub(super) fn new(
+        model: Arc<ModelInfo>,
+        plan: Plan,
+        limits: SchedulerLimits,
+        tls: Option<Tls>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         let (released_tx, released_rx) = mpsc::channel(RELEASED_BUFFER);
         publish_plan(&metrics, &plan);
         Actor {
@@ -148,6 +156,7 @@ impl Actor {
             released_tx,
             released_rx,
             kv_generation: 0,
+            tls,
             metrics,
         }
     }
@@ -223,7 +232,7 @@ impl Actor {
         };
         let mut statuses = Vec::with_capacity(self.plan.stages.len());
         for stage in &self.plan.stages {
-            let mut client = stage_client::connect(&stage.address).await?;
+            let mut client = stage_client::connect(&stage.address, self.tls.as_ref()).await?;
             let status = tokio::time::timeout(STATUS_TIMEOUT, client.status(pb::StageStatusRequest {}))
                 .await
                 .map_err(|_| ServiceError::unavailable(format!("stage {}: status timed out", stage.address)))?
@@ -231,7 +240,7 @@ impl Actor {
             statuses.push(status.into_inner());
         }
         let kv = KvBudget::from_statuses(&statuses)?;
-        let mut client = stage_client::connect(&stage0.address).await?;
+        let mut client = stage_client::connect(&stage0.address, self.tls.as_ref()).await?;
         let stream = stage_client::open_forward(&mut client).await?;
         tracing::info!(
             address = %stage0.address,

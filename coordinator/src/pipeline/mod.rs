@@ -19,7 +19,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use strata_engine::loader::ModelFiles;
 use strata_engine::tokenizer::Tokenizer;
-use strata_proto::{ServiceError, pb};
+use strata_proto::{ServiceError, Tls, pb};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -199,27 +199,39 @@ pub struct Pipeline {
     tx: mpsc::Sender<Command>,
     model: Arc<ModelInfo>,
     metrics: Arc<Metrics>,
+    tls: Option<Tls>,
 }
 
 impl Pipeline {
     /// Starts the actor serving through `plan` with the default [`SchedulerLimits`].
     pub fn start(model: ModelInfo, plan: Plan, shutdown: CancellationToken) -> Self {
-        Self::start_with(model, plan, SchedulerLimits::default(), shutdown)
+        Self::start_with(model, plan, SchedulerLimits::default(), None, shutdown)
     }
 
-    /// Starts the actor serving through `plan` under `limits`.
-    pub fn start_with(model: ModelInfo, plan: Plan, limits: SchedulerLimits, shutdown: CancellationToken) -> Self {
+    /// Starts the actor serving through `plan` under `limits`, dialling the stages over TLS with `tls`.
+    pub fn start_with(
+        model: ModelInfo,
+        plan: Plan,
+        limits: SchedulerLimits,
+        tls: Option<Tls>,
+        shutdown: CancellationToken,
+    ) -> Self {
         let model = Arc::new(model);
         let (tx, rx) = mpsc::channel(COMMAND_BUFFER);
         let metrics = Arc::new(Metrics::new());
-        let actor = actor::Actor::new(model.clone(), plan, limits, metrics.clone());
+        let actor = actor::Actor::new(model.clone(), plan, limits, tls.clone(), metrics.clone());
         tokio::spawn(actor.run(rx, shutdown).instrument(tracing::info_span!("pipeline")));
-        Pipeline { tx, model, metrics }
+        Pipeline { tx, model, metrics, tls }
     }
 
     /// How many times a sequence was preempted (KV cache full) and queued for recompute, since start.
     pub fn preemptions(&self) -> u64 {
         self.metrics.preemptions_total()
+    }
+
+    /// How the stages are dialled (TLS or plaintext).
+    pub fn stage_tls(&self) -> Option<&Tls> {
+        self.tls.as_ref()
     }
 
     /// The pipeline's metrics (`GET /metrics`).
