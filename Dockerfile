@@ -1,4 +1,5 @@
-# Container images for strata. Needs BuildKit (the default builder since Docker 23).
+# Container images for strata. Needs BuildKit: the default builder since Docker 23; Docker 20.10 builds this file with
+# DOCKER_BUILDKIT=1 (checked with Debian 12's docker.io, see scripts/docker-build-offline.sh).
 #
 #   docker build --target worker      -t strata/stage-worker:0.1.0 .   # CUDA runtime, stage-worker + strata CLI
 #   docker build --target coordinator -t strata/coordinator:0.1.0  .   # Debian slim, coordinator + strata CLI
