@@ -35,8 +35,9 @@
 #   - the worker with --device cuda:0 on a machine without an NVIDIA driver fails with an error, not a crash.
 #
 # Needs: a running Docker daemon with BuildKit (Docker >= 23 with buildx, or Docker 20.10 with DOCKER_BUILDKIT=1:
-# Debian 12's docker.io works), debootstrap, rustup with toolchain 1.95.0 (or stable = 1.95.0) under RUSTUP_HOME,
-# network access to the Debian mirror and crates.io, curl. Builds use `--network host`, so a daemon started with
+# Debian 12's docker.io works), debootstrap, curl, an x86_64 host whose rustup (RUSTUP_HOME, CARGO_HOME) has the
+# toolchain rust-toolchain.toml names (1.95.0), and access to the Debian mirror and crates.io. Builds use
+# `--network host`, so a daemon started with
 # `--bridge=none --iptables=false` is enough. On the machine this was written on the daemon ran as
 #   setsid nohup nice -n 15 dockerd --storage-driver=overlay2 --iptables=false --bridge=none >dockerd.log 2>&1 &
 # and the client was Debian's /usr/bin/docker 20.10 (DOCKER=/usr/bin/docker), as the docker 28 CLI found there had
