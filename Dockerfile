@@ -1,4 +1,5 @@
-# Container images for strata. Needs BuildKit (the default builder since Docker 23).
+# Container images for strata. Needs BuildKit: the default builder since Docker 23; Docker 20.10 builds this file with
+# DOCKER_BUILDKIT=1 (checked with Debian 12's docker.io, see scripts/docker-build-offline.sh).
 #
 #   docker build --target worker      -t strata/stage-worker:0.1.0 .   # CUDA runtime, stage-worker + strata CLI
 #   docker build --target coordinator -t strata/coordinator:0.1.0  .   # Debian slim, coordinator + strata CLI
@@ -16,10 +17,16 @@ ARG DEBIAN_IMAGE=debian:bookworm-slim@sha256:3783cc01769c7b2b1b83a5c5ad96c815348
 
 # ---------------------------------------------------------------------------------------------------------------
 FROM ${RUST_IMAGE} AS rust-base
+# libprotobuf-dev holds the well-known types (google/protobuf/descriptor.proto, struct.proto) that etcd-client's
+# build script imports; protobuf-compiler only recommends it, and --no-install-recommends leaves it out.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends protobuf-compiler ca-certificates \
+ && apt-get install -y --no-install-recommends protobuf-compiler libprotobuf-dev ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
+# rust-toolchain.toml pins the channel and also lists rustfmt and clippy. The rust image installs rustup's minimal
+# profile (rustc, cargo, rust-std), so with that file in force every cargo RUN below would first download the two
+# components from static.rust-lang.org (and fail where that host is unreachable). The build needs neither: cargo
+# runs with RUSTUP_TOOLCHAIN set to the file's channel, which pins the same toolchain without the component list.
 
 # CPU build: the coordinator and the CLI, with no CUDA feature anywhere in the feature graph.
 FROM rust-base AS build-cpu
@@ -27,6 +34,9 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/usr/local/cargo/git \
     --mount=type=cache,target=/src/target,id=strata-target-cpu \
+    set -eu; \
+    RUSTUP_TOOLCHAIN="$(sed -n 's/^channel *= *"\(.*\)"$/\1/p' rust-toolchain.toml)"; export RUSTUP_TOOLCHAIN; \
+    test -n "${RUSTUP_TOOLCHAIN}"; \
     cargo build --release --locked -p strata-cli -p strata-coordinator \
  && mkdir -p /out \
  && cp target/release/strata target/release/coordinator /out/
@@ -62,6 +72,9 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/usr/local/cargo/git \
     --mount=type=cache,target=/src/target,id=strata-target-cuda \
+    set -eu; \
+    RUSTUP_TOOLCHAIN="$(sed -n 's/^channel *= *"\(.*\)"$/\1/p' rust-toolchain.toml)"; export RUSTUP_TOOLCHAIN; \
+    test -n "${RUSTUP_TOOLCHAIN}"; \
     cargo build --release --locked -p strata-cli -p strata-coordinator -p strata-stage-worker \
       --features strata-stage-worker/cuda \
  && mkdir -p /out \
