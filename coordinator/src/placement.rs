@@ -183,7 +183,8 @@ pub fn plan(model: &ModelShape, nodes: &[NodeCapacity]) -> Result<Vec<StageAssig
 
 /// Layer counts for `usable`. The first and last nodes carry extras: an empty first node is dropped (the
 /// embeddings move on); an empty last node is either dropped (the head moves on) or made to take one layer,
-/// whichever leaves the faster bottleneck (on a tie, dropped: fewer hops). Every drop removes a node, so this terminates.
+/// whichever leaves the faster bottleneck (on a tie, dropped: fewer hops). Every drop removes a node, so this
+/// terminates.
 fn place<'a>(
     model: &ModelShape,
     mut usable: Vec<&'a NodeCapacity>,

@@ -1,7 +1,7 @@
 //! The OpenAI-compatible HTTP API: `/v1/models`, `/v1/completions` and `/v1/chat/completions` (whole responses or
 //! server-sent events) through the [`Pipeline`], plus `/health`, which runs a one-token generation through every
-//! stage (readiness), `/live`, which only says the process answers (liveness), and `/metrics` (Prometheus). [`serve`] takes a bound
-//! listener and a shutdown token, so tests serve on port 0.
+//! stage (readiness), `/live`, which only says the process answers (liveness), and `/metrics` (Prometheus).
+//! [`serve`] takes a bound listener and a shutdown token, so tests serve on port 0.
 //!
 //! Requests are validated by [`crate::request::prepare`], the same function the gRPC API uses; every error is
 //! answered in OpenAI's shape (`errors`).
