@@ -30,6 +30,12 @@ const STATUS_TIMEOUT: Duration = Duration::from_secs(5);
 /// (the stage holds less than it reported). Preemptions the coordinator decides itself are not limited: the
 /// oldest sequence is never preempted, so it always progresses.
 const MAX_STAGE_REFUSALS: u32 = 16;
+/// Micro-batches in flight per stage when there are several stages. Stages + 1 keeps a pipeline busy only when
+/// every batch costs the same; a batch carrying a prompt chunk costs 10-100× a decode step, and with one spare batch
+/// the other stages drain and wait behind it (measured: the two stages of a 2-stage cluster were busy 44 % and 66 %
+/// of the time). Smaller, more numerous batches absorb that: 2 stages at 16 streams went from 83 to 105 tok/s
+/// (3 runs each), 3 stages from 94 to 117, 64 streams unchanged. One stage gains nothing from splitting its batch.
+const MICRO_BATCHES_PER_STAGE: usize = 4;
 /// Finished `Release` calls waiting for the actor.
 const RELEASED_BUFFER: usize = 256;
 
@@ -362,9 +368,9 @@ impl Actor {
         }
     }
 
-    /// Packs the running sequences' next steps into micro-batches, up to stages + 1 in flight.
+    /// Packs the running sequences' next steps into micro-batches, up to [`in_flight`] of them.
     async fn schedule(&mut self) {
-        let slots = (self.plan.stages.len() + 1).saturating_sub(self.batches.len());
+        let slots = in_flight(self.plan.stages.len()).saturating_sub(self.batches.len());
         if slots == 0 || self.stream.is_none() {
             return;
         }
@@ -670,6 +676,12 @@ impl Actor {
             let _ = released.send((generation, blocks)).await;
         });
     }
+}
+
+/// Micro-batches kept in flight through `stages` stages: 2 for one stage (one computing, one on the wire), else
+/// [`MICRO_BATCHES_PER_STAGE`] per stage.
+fn in_flight(stages: usize) -> usize {
+    if stages <= 1 { 2 } else { MICRO_BATCHES_PER_STAGE * stages }
 }
 
 /// Exports the plan being served.
