@@ -50,6 +50,7 @@ impl SamplingParams {
 /// a plan change, with a fresh sampler) continues exactly as it would have.
 pub struct Sampler {
     params: SamplingParams,
+    /// The stream of an unseeded sampler, made at its first draw.
     rng: Option<StdRng>,
 }
 
@@ -67,8 +68,7 @@ pub fn argmax(xs: &[f32]) -> u32 {
 impl Sampler {
     /// A sampler for `params`.
     pub fn new(params: SamplingParams) -> Self {
-        let rng = if params.seed.is_some() { None } else { Some(StdRng::from_os_rng()) };
-        Sampler { params, rng }
+        Sampler { params, rng: None }
     }
 
     /// Picks a token. `history` holds the prompt and generated ids (for the repetition penalty).
@@ -112,9 +112,9 @@ impl Sampler {
             cand.truncate(keep);
             total = cand.iter().map(|c| c.1).sum();
         }
-        let draw = match (&mut self.rng, p.seed) {
-            (Some(rng), _) => rng.random::<f32>(),
-            (None, seed) => position_rng(seed.unwrap_or(0), history.len()).random::<f32>(),
+        let draw = match p.seed {
+            Some(seed) => position_rng(seed, history.len()).random::<f32>(),
+            None => self.rng.get_or_insert_with(StdRng::from_os_rng).random::<f32>(),
         };
         let mut r = draw * total;
         for &(id, w) in &cand {

@@ -34,7 +34,8 @@ const MAX_STAGE_REFUSALS: u32 = 16;
 /// every batch costs the same; a batch carrying a prompt chunk costs 10-100× a decode step, and with one spare batch
 /// the other stages drain and wait behind it (measured: the two stages of a 2-stage cluster were busy 44 % and 66 %
 /// of the time). Smaller, more numerous batches absorb that: 2 stages at 16 streams went from 83 to 105 tok/s
-/// (means of 3 runs), 3 stages from 94 to 117 (one run), 64 streams unchanged. One stage gains nothing from splitting its batch.
+/// (means of 3 runs), 3 stages from 94 to 117 (one run), 64 streams unchanged. One stage gains nothing from
+/// splitting its batch.
 const MICRO_BATCHES_PER_STAGE: usize = 4;
 /// Finished `Release` calls waiting for the actor.
 const RELEASED_BUFFER: usize = 256;
