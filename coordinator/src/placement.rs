@@ -1,10 +1,8 @@
 //! Placement: a pure function from the model's shape and the nodes' capacities to contiguous layer ranges.
 //!
-//! Usable nodes (READY, in `node_id` order) get layers so that the slowest stage is as fast as it can be: a stage
-//! takes `(layers + extra) × seconds_per_layer`, where the last stage's extra is the LM head's decode work in
-//! layer equivalents (a 49k-token head is worth 8 SmolLM2 layers; ignoring it made the last stage the pipeline's
-//! bottleneck). Each node is capped by what fits in its memory: weights of the layers, a KV reservation per
-//! layer, plus the embeddings on the first stage and the head on the last. A node that gets no layer gets no stage.
+//! Usable nodes (READY, in `node_id` order) get layers in proportion to their speed (`1 / seconds_per_layer`),
+//! capped by what fits in their memory: weights of the layers, a KV reservation per layer, plus the embeddings
+//! on the first stage and the head on the last. A node whose share rounds to zero gets no stage.
 
 use std::path::Path;
 
@@ -24,10 +22,6 @@ pub struct ModelShape {
     pub embed_bytes: u64,
     /// Bytes held only by the last stage (final norm and LM head).
     pub head_bytes: u64,
-    /// Matrix weights of one layer (multiply-adds per token), to weigh the head's work against a layer's.
-    pub layer_params: u64,
-    /// Matrix weights of the LM head (multiply-adds per sampled token).
-    pub head_params: u64,
     /// KV cache bytes one token takes in one layer.
     pub kv_bytes_per_token_layer: u64,
     /// Tokens of KV cache every stage must be able to hold.
@@ -58,23 +52,14 @@ impl ModelShape {
         let embed_bytes = bytes("model.embed_tokens.weight")?;
         let untied = !cfg.tie_word_embeddings && files.contains("lm_head.weight");
         let head_bytes = 4 * cfg.hidden_size as u64 + if untied { bytes("lm_head.weight")? } else { embed_bytes };
-        let (hidden, q, kv) = (cfg.hidden_size as u64, cfg.q_dim() as u64, cfg.kv_dim() as u64);
-        let layer_params = hidden * (2 * q + 2 * kv) + 3 * hidden * cfg.intermediate_size as u64;
         Ok(ModelShape {
             num_layers: cfg.num_layers,
             layer_bytes,
             embed_bytes,
             head_bytes,
-            layer_params,
-            head_params: cfg.vocab_size as u64 * hidden,
             kv_bytes_per_token_layer: 2 * cfg.kv_dim() as u64 * 4,
             kv_reserve_tokens,
         })
-    }
-
-    /// The LM head's decode work in layers (it runs for every sampled token, on the last stage).
-    pub fn head_layers(&self) -> f64 {
-        if self.layer_params == 0 { 0.0 } else { self.head_params as f64 / self.layer_params as f64 }
     }
 
     /// Memory one layer costs on a node: weights plus its KV reservation.
@@ -163,89 +148,61 @@ pub fn plan(model: &ModelShape, nodes: &[NodeCapacity]) -> Result<Vec<StageAssig
     if let Some(bad) = usable.iter().find(|c| !(c.seconds_per_layer.is_finite() && c.seconds_per_layer > 0.0)) {
         return Err(PlacementError::InvalidSpeed { node_id: bad.node_id.clone(), seconds: bad.seconds_per_layer });
     }
-    let (usable, counts) = place(model, usable)?;
-    let mut start = 0;
-    let mut stages = Vec::with_capacity(usable.len());
-    for (node, count) in usable.iter().zip(counts) {
-        if count == 0 {
+    // The first and last nodes carry extras; if either ends up with no layers the extras move on, so drop
+    // it and place again. Every round removes a node, so this terminates.
+    loop {
+        let k = usable.len();
+        let caps: Vec<usize> = usable
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let extras = if i == 0 { model.embed_bytes } else { 0 }.saturating_add(if i == k - 1 {
+                    model.head_bytes
+                } else {
+                    0
+                });
+                layers_fitting(c.memory_bytes, extras, model.layer_cost()).min(n)
+            })
+            .collect();
+        let fit: usize = caps.iter().sum();
+        if fit < n {
+            let missing = (n - fit) as u64;
+            return Err(PlacementError::InsufficientMemory {
+                num_layers: n,
+                fit,
+                nodes: k,
+                shortfall_bytes: missing.saturating_mul(model.layer_cost()),
+                layer_cost: model.layer_cost(),
+            });
+        }
+        let weights: Vec<f64> = usable.iter().map(|c| 1.0 / c.seconds_per_layer).collect();
+        let counts = apportion(n, &weights, &caps);
+        let first_empty = counts.first().is_some_and(|&c| c == 0);
+        let last_empty = counts.last().is_some_and(|&c| c == 0);
+        if k > 1 && (first_empty || last_empty) {
+            if first_empty {
+                usable.remove(0);
+            } else {
+                usable.pop();
+            }
             continue;
         }
-        stages.push(StageAssignment {
-            node_id: node.node_id.clone(),
-            address: node.address.clone(),
-            layer_start: start,
-            layer_end: start + count,
-        });
-        start += count;
-    }
-    Ok(stages)
-}
-
-/// Layer counts for `usable`. The first and last nodes carry extras: an empty first node is dropped (the
-/// embeddings move on); an empty last node is either dropped (the head moves on) or made to take one layer,
-/// whichever leaves the faster bottleneck (on a tie, dropped: fewer hops). Every drop removes a node, so this
-/// terminates.
-fn place<'a>(
-    model: &ModelShape,
-    mut usable: Vec<&'a NodeCapacity>,
-) -> Result<(Vec<&'a NodeCapacity>, Vec<usize>), PlacementError> {
-    let n = model.num_layers;
-    let k = usable.len();
-    let caps: Vec<usize> = usable
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let first = if i == 0 { model.embed_bytes } else { 0 };
-            let last = if i == k - 1 { model.head_bytes } else { 0 };
-            layers_fitting(c.memory_bytes, first.saturating_add(last), model.layer_cost()).min(n)
-        })
-        .collect();
-    let fit: usize = caps.iter().sum();
-    if fit < n {
-        let missing = (n - fit) as u64;
-        return Err(PlacementError::InsufficientMemory {
-            num_layers: n,
-            fit,
-            nodes: k,
-            shortfall_bytes: missing.saturating_mul(model.layer_cost()),
-            layer_cost: model.layer_cost(),
-        });
-    }
-    let secs: Vec<f64> = usable.iter().map(|c| c.seconds_per_layer).collect();
-    let counts = apportion(n, &secs, model.head_layers(), &caps, 0);
-    if k > 1 && counts[0] == 0 {
-        usable.remove(0);
-        return place(model, usable);
-    }
-    if k > 1 && counts[k - 1] == 0 {
-        let kept = (caps[k - 1] > 0)
-            .then(|| apportion(n, &secs, model.head_layers(), &caps, 1))
-            .filter(|c| c[0] > 0 && c.iter().sum::<usize>() == n);
-        let dropped = place(model, usable[..k - 1].to_vec());
-        return match (kept, dropped) {
-            (Some(c), Ok((nodes, d))) => {
-                let d_secs: Vec<f64> = nodes.iter().map(|c| c.seconds_per_layer).collect();
-                if bottleneck(&c, &secs, model.head_layers()) < bottleneck(&d, &d_secs, model.head_layers()) {
-                    Ok((usable, c))
-                } else {
-                    Ok((nodes, d))
-                }
+        let mut start = 0;
+        let mut stages = Vec::with_capacity(k);
+        for (node, count) in usable.iter().zip(counts) {
+            if count == 0 {
+                continue;
             }
-            (Some(c), Err(_)) => Ok((usable, c)),
-            (None, dropped) => dropped,
-        };
+            stages.push(StageAssignment {
+                node_id: node.node_id.clone(),
+                address: node.address.clone(),
+                layer_start: start,
+                layer_end: start + count,
+            });
+            start += count;
+        }
+        return Ok(stages);
     }
-    Ok((usable, counts))
-}
-
-/// How long a stage takes with `layers`, the last one also running the head.
-fn stage_time(i: usize, layers: usize, secs: &[f64], head: f64) -> f64 {
-    (layers as f64 + if i + 1 == secs.len() { head } else { 0.0 }) * secs[i]
-}
-
-/// The slowest stage's time.
-fn bottleneck(counts: &[usize], secs: &[f64], head: f64) -> f64 {
-    counts.iter().enumerate().filter(|(_, c)| **c > 0).map(|(i, &c)| stage_time(i, c, secs, head)).fold(0.0, f64::max)
 }
 
 fn layers_fitting(memory: u64, extras: u64, layer_cost: u64) -> usize {
@@ -259,22 +216,56 @@ fn layers_fitting(memory: u64, extras: u64, layer_cost: u64) -> usize {
     usize::try_from(room / layer_cost).unwrap_or(usize::MAX)
 }
 
-/// Splits `n` layers so the slowest stage finishes soonest: layer by layer, each goes to the node whose stage
-/// would then take least time ([`stage_time`]), within `caps`; the last node starts with `seed_last` layers. Ties
-/// go to the earlier node, so equal nodes differ by at most one layer.
-fn apportion(n: usize, secs: &[f64], head: f64, caps: &[usize], seed_last: usize) -> Vec<usize> {
-    let k = secs.len();
+/// Splits `n` items proportionally to `weights` without exceeding `caps` (largest remainder, water-filling
+/// over the capped ones). Requires `sum(caps) >= n`.
+fn apportion(n: usize, weights: &[f64], caps: &[usize]) -> Vec<usize> {
+    let k = weights.len();
     let mut counts = vec![0usize; k];
-    counts[k - 1] = seed_last.min(caps[k - 1]).min(n);
-    for _ in counts[k - 1]..n {
-        let next = (0..k).filter(|&i| counts[i] < caps[i]).min_by(|&a, &b| {
-            let (ta, tb) = (stage_time(a, counts[a] + 1, secs, head), stage_time(b, counts[b] + 1, secs, head));
-            ta.total_cmp(&tb).then(a.cmp(&b))
-        });
-        match next {
-            Some(i) => counts[i] += 1,
-            None => break,
+    let mut fixed = vec![false; k];
+    let mut left = n;
+    loop {
+        let open: Vec<usize> = (0..k).filter(|&i| !fixed[i]).collect();
+        let total: f64 = open.iter().map(|&i| weights[i]).sum();
+        if open.is_empty() || left == 0 || total <= 0.0 {
+            break;
         }
+        let ideal: Vec<(usize, f64)> = open.iter().map(|&i| (i, left as f64 * weights[i] / total)).collect();
+        let over: Vec<usize> = ideal.iter().filter(|(i, x)| *x >= caps[*i] as f64).map(|(i, _)| *i).collect();
+        if !over.is_empty() {
+            for i in over {
+                counts[i] = caps[i];
+                fixed[i] = true;
+                left -= caps[i];
+            }
+            continue;
+        }
+        let mut given = 0;
+        for &(i, x) in &ideal {
+            counts[i] = x.floor() as usize;
+            given += counts[i];
+        }
+        let mut order: Vec<(usize, f64)> = ideal.iter().map(|&(i, x)| (i, x - x.floor())).collect();
+        // Largest remainder first; ties go to the earlier node so equal nodes stay in a stable order.
+        order.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut rest = left.saturating_sub(given);
+        for (i, _) in order {
+            if rest == 0 {
+                break;
+            }
+            if counts[i] < caps[i] {
+                counts[i] += 1;
+                rest -= 1;
+            }
+        }
+        left = rest;
+        break;
+    }
+    // Floating-point slack: hand any remainder to whoever has room, in order.
+    for i in 0..k {
+        let room = caps[i] - counts[i];
+        let give = room.min(left);
+        counts[i] += give;
+        left -= give;
     }
     counts
 }
@@ -291,8 +282,6 @@ mod tests {
             layer_bytes: 100,
             embed_bytes: 50,
             head_bytes: 70,
-            layer_params: 10,
-            head_params: 0,
             kv_bytes_per_token_layer: 1,
             kv_reserve_tokens: 10,
         }
@@ -334,31 +323,6 @@ mod tests {
         let stages = plan(&m, &nodes).expect("fits");
         assert_eq!(stages.len(), 2);
         assert_eq!((stages[0].layer_end, stages[1].layer_end), (4, 12));
-    }
-
-    #[test]
-    fn the_last_stage_gives_up_layers_for_the_head() {
-        // SmolLM2-135M: the head (49152 x 576) is worth 8 layers of decode work.
-        let m = ModelShape { num_layers: 30, layer_params: 3_538_944, head_params: 28_311_552, ..shape(30) };
-        assert!((m.head_layers() - 8.0).abs() < 1e-9);
-        let nodes = [node("a", 1 << 30, 1.0), node("b", 1 << 30, 1.0)];
-        let stages = plan(&m, &nodes).expect("fits");
-        assert_eq!((stages[0].layer_end, stages[1].layer_end), (19, 30), "19 layers | 11 layers + head");
-        // Three nodes: 38 layer-equivalents, about 12.7 each.
-        let nodes = [node("a", 1 << 30, 1.0), node("b", 1 << 30, 1.0), node("c", 1 << 30, 1.0)];
-        let lens: Vec<usize> = plan(&m, &nodes).expect("fits").iter().map(|s| s.layer_end - s.layer_start).collect();
-        assert_eq!(lens, vec![13, 13, 4]);
-        // A head heavier than a whole share: the last stage keeps one layer and the head rather than hand the
-        // head to a node with a full share (30 + 100); a third node would not lower the bottleneck (101), and
-        // fewer stages mean fewer hops.
-        let m = ModelShape { head_params: 100 * 3_538_944, ..m };
-        let lens: Vec<usize> = plan(&m, &nodes).expect("fits").iter().map(|s| s.layer_end - s.layer_start).collect();
-        assert_eq!(lens, vec![29, 1]);
-        // But a last node far slower than the others is dropped: the head moves to a fast node.
-        let nodes = [node("a", 1 << 30, 1.0), node("b", 1 << 30, 1.0), node("c", 1 << 30, 50.0)];
-        let m = ModelShape { head_params: 8 * 3_538_944, ..m };
-        let lens: Vec<usize> = plan(&m, &nodes).expect("fits").iter().map(|s| s.layer_end - s.layer_start).collect();
-        assert_eq!(lens, vec![19, 11]);
     }
 
     #[test]
