@@ -3,6 +3,8 @@
 
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
+use super::qgemm::{self, PackedActs};
 use super::simd::{self, Isa, Q8Block, quantize_row};
 use super::{CpuMatrix, CpuTensor};
 use crate::tensor::{DType, QK};
@@ -46,6 +48,9 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
     } else {
         Vec::new()
     };
+    // Several tokens: the register-tiled kernel, on activations regrouped once for every job.
+    #[cfg(target_arch = "x86_64")]
+    let packed = (isa == Isa::Avx2 && m >= 2 && !xq.is_empty()).then(|| PackedActs::pack(&xq, m, blocks));
     // [rows, m] per job: one weight row's outputs for all tokens are contiguous.
     let mut outs: Vec<Vec<f32>> = jobs.iter().map(|(w, _)| vec![0f32; m * w.rows]).collect();
     let total_rows: usize = jobs.iter().map(|(w, _)| w.rows).sum();
@@ -62,6 +67,12 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
         if m == 1 && w.dtype.is_quantized() {
             let rows = &bytes[first_row * row_bytes..(first_row + dst.len()) * row_bytes];
             simd::dot_quant_rows(isa, w.dtype, rows, row_bytes, &xq, blocks, dst);
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let Some(acts) = packed.as_ref().filter(|_| w.dtype.is_quantized()) {
+            let rows = &bytes[first_row * row_bytes..(first_row + dst.len() / m) * row_bytes];
+            qgemm::rows_by_tokens(w.dtype, rows, row_bytes, acts, dst);
             return;
         }
         for (i, out) in dst.chunks_exact_mut(m).enumerate() {

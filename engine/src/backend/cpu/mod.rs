@@ -3,6 +3,7 @@
 
 mod attention;
 mod matmul;
+mod qgemm;
 pub mod simd;
 
 use super::{AttnSeq, AttnShape, Backend};

@@ -105,61 +105,33 @@ pub fn dot_bf16(isa: Isa, x: &[f32], w: &[u16]) -> f32 {
 
 // Block formats as const-generic tags, so each kernel instance is specialized to one layout.
 #[cfg(target_arch = "x86_64")]
-const Q8_0: u8 = 0;
+pub(super) const Q8_0: u8 = 0;
 #[cfg(target_arch = "x86_64")]
-const Q4_0: u8 = 1;
+pub(super) const Q4_0: u8 = 1;
 #[cfg(target_arch = "x86_64")]
-const Q4_1: u8 = 2;
+pub(super) const Q4_1: u8 = 2;
 
-/// Dot products of one quantized weight row (raw GGML blocks of `dtype`) with `out.len()` activation rows.
-/// `xq` holds the rows' blocks back to back, `blocks` per row. Each output is computed the same way whatever
-/// the number of rows, so batching never changes a result.
+/// Dot products of one quantized weight row (raw GGML blocks of `dtype`) with `out.len()` activation rows, one
+/// at a time. `xq` holds the rows' blocks back to back, `blocks` per row. The reference arithmetic of the AVX2
+/// kernels: `dot_quant_rows` (one token) and `qgemm` (several) reproduce it bit for bit.
 pub fn dot_quant(isa: Isa, dtype: DType, w: &[u8], xq: &[Q8Block], blocks: usize, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
-        let mut t = 0;
-        while t < out.len() {
-            let n = (out.len() - t).min(8);
-            let a = &xq[t * blocks..];
-            let o = &mut out[t..t + n];
-            // SAFETY: Avx2 is only chosen after runtime detection; `w` holds `blocks` blocks of `dtype` and `a`
-            // holds `n` rows of `blocks` blocks (checked by the caller's shapes).
-            unsafe {
-                match dtype {
-                    DType::Q8_0 => dot_quant_dispatch::<{ Q8_0 }>(n, w, a, blocks, o),
-                    DType::Q4_0 => dot_quant_dispatch::<{ Q4_0 }>(n, w, a, blocks, o),
-                    _ => dot_quant_dispatch::<{ Q4_1 }>(n, w, a, blocks, o),
-                }
-            }
-            t += n;
-        }
-        return;
-    }
-    let _ = isa;
     for (t, o) in out.iter_mut().enumerate() {
-        *o = dot_quant_scalar(dtype, w, &xq[t * blocks..(t + 1) * blocks]);
-    }
-}
-
-/// `n` (1..=8) activation rows against one weight row in one pass over its blocks. Each row's arithmetic does not
-/// depend on `n`, so results are the same however tokens are grouped.
-///
-/// # Safety
-/// AVX2, FMA and F16C must be available, and `w`/`a`/`out` shaped as for [`dot_quant`].
-#[cfg(target_arch = "x86_64")]
-unsafe fn dot_quant_dispatch<const Q: u8>(n: usize, w: &[u8], a: &[Q8Block], blocks: usize, o: &mut [f32]) {
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        match n {
-            8 => x86::dot_quant_n::<8, Q>(w, a, blocks, o),
-            7 => x86::dot_quant_n::<7, Q>(w, a, blocks, o),
-            6 => x86::dot_quant_n::<6, Q>(w, a, blocks, o),
-            5 => x86::dot_quant_n::<5, Q>(w, a, blocks, o),
-            4 => x86::dot_quant_n::<4, Q>(w, a, blocks, o),
-            3 => x86::dot_quant_n::<3, Q>(w, a, blocks, o),
-            2 => x86::dot_quant_n::<2, Q>(w, a, blocks, o),
-            _ => x86::dot_quant_n::<1, Q>(w, a, blocks, o),
+        let a = &xq[t * blocks..(t + 1) * blocks];
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx2 {
+            // SAFETY: Avx2 is only chosen after runtime detection; `w` holds `blocks` blocks of `dtype` and `a`
+            // holds `blocks` blocks (checked by the caller's shapes).
+            *o = unsafe {
+                match dtype {
+                    DType::Q8_0 => x86::dot_quant_one::<Q8_0>(w, a, blocks),
+                    DType::Q4_0 => x86::dot_quant_one::<Q4_0>(w, a, blocks),
+                    _ => x86::dot_quant_one::<Q4_1>(w, a, blocks),
+                }
+            };
+            continue;
         }
+        let _ = isa;
+        *o = dot_quant_scalar(dtype, w, a);
     }
 }
 
@@ -197,9 +169,9 @@ pub fn dot_quant_rows(
                     (DType::Q8_0, 4) => x86::dot_rows_n::<4, Q8_0>(rows, row_bytes, xq, blocks, o),
                     (DType::Q4_0, 4) => x86::dot_rows_n::<4, Q4_0>(rows, row_bytes, xq, blocks, o),
                     (_, 4) => x86::dot_rows_n::<4, Q4_1>(rows, row_bytes, xq, blocks, o),
-                    (DType::Q8_0, _) => x86::dot_quant_n::<1, Q8_0>(rows, xq, blocks, o),
-                    (DType::Q4_0, _) => x86::dot_quant_n::<1, Q4_0>(rows, xq, blocks, o),
-                    (_, _) => x86::dot_quant_n::<1, Q4_1>(rows, xq, blocks, o),
+                    (DType::Q8_0, _) => o[0] = x86::dot_quant_one::<Q8_0>(rows, xq, blocks),
+                    (DType::Q4_0, _) => o[0] = x86::dot_quant_one::<Q4_0>(rows, xq, blocks),
+                    (_, _) => o[0] = x86::dot_quant_one::<Q4_1>(rows, xq, blocks),
                 }
             }
             r += n;
@@ -236,13 +208,13 @@ fn nibble_dot(qs: &[u8], a: &[i8; QK]) -> i32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use super::Q8Block;
     use std::arch::x86_64::*;
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn hsum(v: __m256) -> f32 {
+    pub(in crate::backend::cpu) fn hsum(v: __m256) -> f32 {
         let lo = _mm256_castps256_ps128(v);
         let hi = _mm256_extractf128_ps(v, 1);
         let s = _mm_add_ps(lo, hi);
@@ -253,7 +225,7 @@ mod x86 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn half(bits: u16) -> f32 {
+    pub(in crate::backend::cpu) fn half(bits: u16) -> f32 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 
@@ -347,13 +319,14 @@ mod x86 {
         s
     }
 
-    const PREFETCH_BYTES: usize = 1024;
-
     /// Unpacks one weight block: the operand for maddubs (unsigned), the block scale, the per-block offset
     /// multiplier (applied to the activation sum) and whether the weights were signed (Q8_0).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack<const Q: u8>(blk: *const u8, mask: __m256i) -> (__m256i, __m256i, f32, f32) {
+    pub(in crate::backend::cpu) unsafe fn unpack<const Q: u8>(
+        blk: *const u8,
+        mask: __m256i,
+    ) -> (__m256i, __m256i, f32, f32) {
         // SAFETY: the caller passes a pointer to a whole block of layout Q (34/18/20-byte GGML layouts).
         unsafe {
             let d = half(u16::from_le_bytes([*blk, *blk.add(1)]));
@@ -377,7 +350,7 @@ mod x86 {
         }
     }
 
-    const fn block_bytes<const Q: u8>() -> usize {
+    pub(in crate::backend::cpu) const fn block_bytes<const Q: u8>() -> usize {
         match Q {
             super::Q8_0 => 34,
             super::Q4_0 => 18,
@@ -399,29 +372,23 @@ mod x86 {
         min * ab.s
     }
 
-    /// `N` activation rows against one weight row: the weight block is unpacked once per block.
+    /// One activation row against one weight row: `acc += cvt(Σ w·a) · (d_w·d_a)` per block, then
+    /// `hsum(acc) + Σ min·s`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_quant_n<const N: usize, const Q: u8>(w: &[u8], a: &[Q8Block], blocks: usize, out: &mut [f32]) {
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut offset = [0f32; N];
+    pub unsafe fn dot_quant_one<const Q: u8>(w: &[u8], a: &[Q8Block], blocks: usize) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut offset = 0f32;
         let mask = _mm256_set1_epi8(0x0f);
-        for (b, blk) in w.chunks_exact(block_bytes::<Q>()).take(blocks).enumerate() {
-            // The weight stream is the bottleneck; ask for it well before it is needed. Prefetching past the end
-            // of a slice is harmless (it never faults).
-            _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(PREFETCH_BYTES) as *const i8);
+        for (blk, ab) in w.chunks_exact(block_bytes::<Q>()).zip(a).take(blocks) {
             // SAFETY: `blk` is a whole block.
             let (wabs, wq, d, min) = unsafe { unpack::<Q>(blk.as_ptr(), mask) };
-            for t in 0..N {
-                offset[t] += block_dot::<Q>(wabs, wq, d, min, &a[t * blocks + b], &mut acc[t]);
-            }
+            offset += block_dot::<Q>(wabs, wq, d, min, ab, &mut acc);
         }
-        for t in 0..N {
-            out[t] = hsum(acc[t]) + offset[t];
-        }
+        hsum(acc) + offset
     }
 
     /// `R` consecutive weight rows against one activation row; per row the arithmetic is that of
-    /// [`dot_quant_n`] with `N = 1`, so results are identical.
+    /// [`dot_quant_one`], so results are identical.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_rows_n<const R: usize, const Q: u8>(
         w: &[u8],
@@ -476,28 +443,6 @@ mod tests {
     }
 
     #[test]
-    fn batched_quant_dots_equal_single_row_dots_bit_for_bit() {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
-        let isa = Isa::detect();
-        let (blocks, rows) = (6, 7);
-        let x = rand_vec(&mut rng, rows * blocks * 32);
-        let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; 32] }; rows * blocks];
-        for (src, dst) in x.chunks(blocks * 32).zip(xq.chunks_mut(blocks)) {
-            quantize_row(src, dst);
-        }
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
-            let w = crate::testing::quantize(dtype, &rand_vec(&mut rng, blocks * 32));
-            let mut batched = vec![0f32; rows];
-            dot_quant(isa, dtype, &w, &xq, blocks, &mut batched);
-            for t in 0..rows {
-                let mut one = [0f32];
-                dot_quant(isa, dtype, &w, &xq[t * blocks..(t + 1) * blocks], blocks, &mut one);
-                assert_eq!(one[0].to_bits(), batched[t].to_bits(), "{dtype} row {t}");
-            }
-        }
-    }
-
-    #[test]
     fn multi_row_decode_kernel_equals_single_row_kernel() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(4);
         let isa = Isa::detect();
@@ -546,37 +491,6 @@ mod tests {
             let exact: f32 = wf.iter().zip(&x).map(|(a, b)| a * b).sum();
             assert!((fast - slow).abs() < 1e-3, "{dtype}: simd {fast} vs scalar {slow}");
             assert!((slow - exact).abs() < 0.02 * exact.abs().max(1.0), "{dtype}: {slow} vs f32 {exact}");
-        }
-    }
-
-    #[test]
-    fn grouping_tokens_does_not_change_any_result() {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
-        let isa = Isa::detect();
-        let (k, tokens) = (128, 11);
-        let blocks = k / 32;
-        let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; 32] }; tokens * blocks];
-        for (t, dst) in xq.chunks_exact_mut(blocks).enumerate() {
-            let x = rand_vec(&mut rng, k);
-            quantize_row(&x, dst);
-            assert_eq!(dst.len(), blocks, "token {t}");
-        }
-        for (dtype, bb) in [(DType::Q8_0, 34), (DType::Q4_0, 18), (DType::Q4_1, 20)] {
-            let mut w: Vec<u8> = (0..blocks * bb).map(|_| rng.random()).collect();
-            for blk in w.chunks_exact_mut(bb) {
-                blk[0..2].copy_from_slice(&half::f16::from_f32(rng.random_range(0.01..0.1)).to_le_bytes());
-                blk[2..4].copy_from_slice(&half::f16::from_f32(rng.random_range(-0.5..0.5)).to_le_bytes());
-            }
-            let mut one_by_one = vec![0f32; tokens];
-            for (t, o) in one_by_one.iter_mut().enumerate() {
-                dot_quant(isa, dtype, &w, &xq[t * blocks..(t + 1) * blocks], blocks, std::slice::from_mut(o));
-            }
-            // Every group size the kernels have (1..=8, and 11 = 8 + 3) gives the same bits.
-            for n in 1..=tokens {
-                let mut grouped = vec![0f32; n];
-                dot_quant(isa, dtype, &w, &xq[..n * blocks], blocks, &mut grouped);
-                assert_eq!(grouped, one_by_one[..n], "{dtype}: {n} tokens at once");
-            }
         }
     }
 }

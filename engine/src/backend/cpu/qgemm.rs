@@ -1,0 +1,248 @@
+//! Quantized weights times several tokens (batched decode, prefill): one weight row against up to 8 tokens, so
+//! each weight block is unpacked once for all of them, the 8 accumulators stay in registers and the per-block
+//! scales come from memory through load-port broadcasts (no ALU slot). Each output is computed with exactly the float operations of the
+//! one-token kernels in `simd` (same order, same roundings), so how tokens are grouped never changes a result.
+
+use super::simd::Q8Block;
+use crate::tensor::{DType, QK};
+
+/// Tokens interleaved in one activation group (the tile's token dimension).
+pub const GROUP: usize = 8;
+
+/// The 8-bit blocks of up to [`GROUP`] tokens at one block index, side by side; unused slots are zero.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(32))]
+pub struct Q8x8 {
+    d: [f32; GROUP],
+    s: [f32; GROUP],
+    qs: [[i8; QK]; GROUP],
+}
+
+/// Quantized activations of `tokens` rows, regrouped as `[group][block]` for [`rows_by_tokens`].
+#[derive(Debug)]
+pub struct PackedActs {
+    groups: Vec<Q8x8>,
+    blocks: usize,
+    tokens: usize,
+}
+
+impl PackedActs {
+    /// Regroups `xq` (`tokens` rows of `blocks` blocks, back to back).
+    pub fn pack(xq: &[Q8Block], tokens: usize, blocks: usize) -> Self {
+        let zero = Q8x8 { d: [0.0; GROUP], s: [0.0; GROUP], qs: [[0; QK]; GROUP] };
+        let mut groups = vec![zero; tokens.div_ceil(GROUP) * blocks];
+        for (t, row) in xq.chunks_exact(blocks).take(tokens).enumerate() {
+            let (g, slot) = (t / GROUP, t % GROUP);
+            for (b, blk) in row.iter().enumerate() {
+                let dst = &mut groups[g * blocks + b];
+                dst.d[slot] = blk.d;
+                dst.s[slot] = blk.s;
+                dst.qs[slot] = blk.qs;
+            }
+        }
+        Self { groups, blocks, tokens }
+    }
+}
+
+/// `out[r * tokens + t] = w_r · x_t` for every row `r` of `w` (raw GGML blocks of `dtype`, `row_bytes` apart) and
+/// every token `t` of `acts`. Needs AVX2, FMA and F16C (the caller checks the [`super::simd::Isa`]).
+#[cfg(target_arch = "x86_64")]
+pub fn rows_by_tokens(dtype: DType, w: &[u8], row_bytes: usize, acts: &PackedActs, out: &mut [f32]) {
+    let (m, blocks) = (acts.tokens, acts.blocks);
+    if m == 0 {
+        return;
+    }
+    let n = out.len() / m;
+    // These bounds are what every raw-pointer access below relies on.
+    assert!(
+        out.len() == n * m
+            && w.len() >= n * row_bytes
+            && row_bytes >= blocks * dtype.block_bytes()
+            && acts.groups.len() == m.div_ceil(GROUP) * blocks
+            && dtype.is_quantized()
+            && super::simd::Isa::detect() == super::simd::Isa::Avx2,
+        "qgemm operands do not match"
+    );
+    // Per-block scales of one row × one group, rewritten by every tile (aligned for 256-bit stores).
+    let mut scales = vec![Align32([0f32; GROUP]); blocks];
+    let sc = scales.as_mut_ptr() as *mut f32;
+    for r in 0..n {
+        let wp = w[r * row_bytes..].as_ptr();
+        for g in 0..m.div_ceil(GROUP) {
+            let tokens = (m - g * GROUP).min(GROUP);
+            let ap = acts.groups[g * blocks..].as_ptr();
+            let op = out[r * m + g * GROUP..].as_mut_ptr();
+            // SAFETY: AVX2/FMA/F16C were detected; row r lies in `w`, the group's blocks in `acts`, `scales` holds
+            // `blocks` aligned groups of floats, and outputs (r, g·8 + t) for t < tokens lie in `out` (all
+            // asserted above).
+            unsafe {
+                match dtype {
+                    DType::Q8_0 => x86::dispatch::<{ super::simd::Q8_0 }>(tokens, wp, ap, blocks, sc, op),
+                    DType::Q4_0 => x86::dispatch::<{ super::simd::Q4_0 }>(tokens, wp, ap, blocks, sc, op),
+                    _ => x86::dispatch::<{ super::simd::Q4_1 }>(tokens, wp, ap, blocks, sc, op),
+                }
+            }
+        }
+    }
+}
+
+/// Eight floats on a 32-byte boundary.
+#[derive(Clone, Copy)]
+#[repr(C, align(32))]
+struct Align32([f32; GROUP]);
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{GROUP, Q8x8};
+    use crate::backend::cpu::simd::x86::{block_bytes, hsum, unpack};
+    use crate::backend::cpu::simd::{Q4_0, Q8_0};
+    use std::arch::x86_64::*;
+
+    /// How far ahead in the weight row to prefetch.
+    const PREFETCH_BYTES: usize = 1024;
+
+    /// Picks the tile instance for `tokens` (1..=8).
+    ///
+    /// # Safety
+    /// As for [`tile`].
+    pub unsafe fn dispatch<const Q: u8>(
+        tokens: usize,
+        w: *const u8,
+        a: *const Q8x8,
+        blocks: usize,
+        sc: *mut f32,
+        out: *mut f32,
+    ) {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match tokens {
+                8 => tile::<8, Q>(w, a, blocks, sc, out),
+                7 => tile::<7, Q>(w, a, blocks, sc, out),
+                6 => tile::<6, Q>(w, a, blocks, sc, out),
+                5 => tile::<5, Q>(w, a, blocks, sc, out),
+                4 => tile::<4, Q>(w, a, blocks, sc, out),
+                3 => tile::<3, Q>(w, a, blocks, sc, out),
+                2 => tile::<2, Q>(w, a, blocks, sc, out),
+                _ => tile::<1, Q>(w, a, blocks, sc, out),
+            }
+        }
+    }
+
+    /// The f16 at `p` converted and broadcast to eight lanes. A load-broadcast, not an insert into a register:
+    /// `_mm_cvtsi32_si128` + insert made every block wait on the previous block's offset sum.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn half8(p: *const u8) -> __m256 {
+        // SAFETY: the caller passes two readable bytes.
+        unsafe { _mm256_cvtph_ps(_mm_set1_epi16((p as *const i16).read_unaligned())) }
+    }
+
+    /// One weight row × `T` tokens. Per output: `acc += cvt(Σ w·a) · (d_w·d_a)` block by block, then
+    /// `hsum(acc) + Σ min·s`, the arithmetic of `simd::x86::dot_quant_one`.
+    ///
+    /// # Safety
+    /// AVX2/FMA/F16C available; `w` points at one row of at least `blocks` blocks of layout `Q`; `a` at `blocks`
+    /// groups; `scales` at `blocks · GROUP` writable floats, 32-byte aligned; `out + t` writable for `t < T`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile<const T: usize, const Q: u8>(
+        w: *const u8,
+        a: *const Q8x8,
+        blocks: usize,
+        scales: *mut f32,
+        out: *mut f32,
+    ) {
+        let bb = block_bytes::<Q>();
+        // SAFETY (whole body): every pointer stays inside the ranges the caller guarantees.
+        unsafe {
+            // First pass: the products d_w·d_a the one-token kernel forms (read back with load-port broadcasts in
+            // the main loop, which costs no ALU slot) and the offset terms, lanes = tokens.
+            let mut offset = _mm256_setzero_ps();
+            for b in 0..blocks {
+                let blk = w.add(b * bb);
+                let ab = &*a.add(b);
+                let d = half8(blk);
+                _mm256_store_ps(scales.add(b * GROUP), _mm256_mul_ps(d, _mm256_load_ps(ab.d.as_ptr())));
+                if Q != Q8_0 {
+                    // The offset multiplier `unpack` returns: -8·d for Q4_0, the stored minimum for Q4_1.
+                    let min = if Q == Q4_0 { _mm256_mul_ps(_mm256_set1_ps(-8.0), d) } else { half8(blk.add(2)) };
+                    offset = _mm256_add_ps(offset, _mm256_mul_ps(min, _mm256_load_ps(ab.s.as_ptr())));
+                }
+            }
+            let mut acc = [_mm256_setzero_ps(); T];
+            let mask = _mm256_set1_epi8(0x0f);
+            let ones = _mm256_set1_epi16(1);
+            for b in 0..blocks {
+                let p = w.add(b * bb);
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
+                let (wabs, wq, _, _) = unpack::<Q>(p, mask);
+                let ab = &*a.add(b);
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    let av = _mm256_load_si256(ab.qs[t].as_ptr() as *const __m256i);
+                    let av = if Q == Q8_0 { _mm256_sign_epi8(av, wq) } else { av };
+                    let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, av), ones);
+                    let scale = _mm256_broadcast_ss(&*scales.add(b * GROUP + t));
+                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), scale, *acc);
+                }
+            }
+            // Q8_0 has no offsets: its sum of `0·s` terms is +0 whatever s is, and +0 is what `offset` holds.
+            let mut off = [0f32; GROUP];
+            _mm256_storeu_ps(off.as_mut_ptr(), offset);
+            for t in 0..T {
+                *out.add(t) = hsum(acc[t]) + off[t];
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::simd::{Isa, dot_quant_scalar, quantize_row};
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn tile_equals_one_token_kernel_bit_for_bit() {
+        if Isa::detect() != Isa::Avx2 {
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let blocks = 5;
+        let k = blocks * QK;
+        // Every tile width: tokens 1..=17 (whole and partial groups of 8).
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            for rows in 1..=5 {
+                let wf: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                let w = crate::testing::quantize(dtype, &wf);
+                let row_bytes = w.len() / rows;
+                for tokens in 1..=17 {
+                    let x: Vec<f32> = (0..tokens * k).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+                    let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; QK] }; tokens * blocks];
+                    for (src, dst) in x.chunks(k).zip(xq.chunks_mut(blocks)) {
+                        quantize_row(src, dst);
+                    }
+                    let acts = PackedActs::pack(&xq, tokens, blocks);
+                    let mut out = vec![0f32; rows * tokens];
+                    rows_by_tokens(dtype, &w, row_bytes, &acts, &mut out);
+                    for r in 0..rows {
+                        for t in 0..tokens {
+                            let wr = &w[r * row_bytes..(r + 1) * row_bytes];
+                            let mut one = [0f32];
+                            super::super::simd::dot_quant(
+                                Isa::Avx2,
+                                dtype,
+                                wr,
+                                &xq[t * blocks..(t + 1) * blocks],
+                                blocks,
+                                &mut one,
+                            );
+                            let got = out[r * tokens + t];
+                            assert_eq!(got.to_bits(), one[0].to_bits(), "{dtype} {rows}x{tokens} at ({r},{t})");
+                            let slow = dot_quant_scalar(dtype, wr, &xq[t * blocks..(t + 1) * blocks]);
+                            assert!((got - slow).abs() < 1e-3 * slow.abs().max(1.0), "{dtype}: {got} vs {slow}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
