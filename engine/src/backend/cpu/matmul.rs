@@ -51,36 +51,40 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
     // Several tokens: the register-tiled kernel, on activations regrouped once for every job.
     #[cfg(target_arch = "x86_64")]
     let packed = (isa == Isa::Avx2 && m >= 2 && !xq.is_empty()).then(|| PackedActs::pack(&xq, m, blocks));
-    // [rows, m] per job: one weight row's outputs for all tokens are contiguous.
+    // Final [m, n] outputs, written in place by tasks that each own a disjoint range of rows (output columns).
     let mut outs: Vec<Vec<f32>> = jobs.iter().map(|(w, _)| vec![0f32; m * w.rows]).collect();
     let total_rows: usize = jobs.iter().map(|(w, _)| w.rows).sum();
     let chunk_rows = rows_per_task(total_rows, threads);
     let mut tasks = Vec::new();
     for ((w, _), out) in jobs.iter().zip(outs.iter_mut()) {
-        for (c, dst) in out.chunks_mut(chunk_rows * m).enumerate() {
-            tasks.push((*w, c * chunk_rows, dst));
+        let dst = SharedOut { ptr: out.as_mut_ptr(), n: w.rows };
+        for first_row in (0..w.rows).step_by(chunk_rows) {
+            tasks.push((*w, first_row, chunk_rows.min(w.rows - first_row), dst));
         }
     }
-    tasks.into_par_iter().for_each(|(w, first_row, dst)| {
+    tasks.into_par_iter().for_each(|(w, first_row, nrows, dst)| {
         let bytes = w.bytes.as_slice();
         let row_bytes = w.row_bytes();
+        let rows = &bytes[first_row * row_bytes..(first_row + nrows) * row_bytes];
         if m == 1 && w.dtype.is_quantized() {
-            let rows = &bytes[first_row * row_bytes..(first_row + dst.len()) * row_bytes];
-            simd::dot_quant_rows(isa, w.dtype, rows, row_bytes, &xq, blocks, dst);
+            // SAFETY: with one token, this task's outputs are the contiguous run first_row..first_row + nrows of
+            // the job's buffer, which no other task touches.
+            let out = unsafe { std::slice::from_raw_parts_mut(dst.ptr.add(first_row), nrows) };
+            simd::dot_quant_rows(isa, w.dtype, rows, row_bytes, &xq, blocks, out);
             return;
         }
         #[cfg(target_arch = "x86_64")]
         if let Some(acts) = packed.as_ref().filter(|_| w.dtype.is_quantized()) {
-            let rows = &bytes[first_row * row_bytes..(first_row + dst.len() / m) * row_bytes];
-            qgemm::rows_by_tokens(w.dtype, rows, row_bytes, acts, dst);
+            // SAFETY: elements (t, first_row..first_row + nrows) for t < m are inside the m×n buffer and owned by
+            // this task alone.
+            unsafe { qgemm::rows_by_tokens(w.dtype, rows, row_bytes, acts, dst.ptr.add(first_row), dst.n) };
             return;
         }
-        for (i, out) in dst.chunks_exact_mut(m).enumerate() {
-            let r = first_row + i;
-            let wr = &bytes[r * row_bytes..(r + 1) * row_bytes];
+        let mut col = vec![0f32; m];
+        for (i, wr) in rows.chunks_exact(row_bytes).enumerate() {
             match w.dtype {
                 DType::F32 | DType::F16 | DType::BF16 => {
-                    for (t, o) in out.iter_mut().enumerate() {
+                    for (t, o) in col.iter_mut().enumerate() {
                         let xr = &x.data[t * k..(t + 1) * k];
                         *o = match w.dtype {
                             DType::F32 => simd::dot_f32(isa, xr, bytemuck::cast_slice(wr)),
@@ -89,33 +93,37 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
                         };
                     }
                 }
-                q => simd::dot_quant(isa, q, wr, &xq, blocks, out),
+                q => simd::dot_quant(isa, q, wr, &xq, blocks, &mut col),
+            }
+            for (t, &v) in col.iter().enumerate() {
+                // SAFETY: (t, first_row + i) is inside the m×n buffer and owned by this task alone.
+                unsafe { *dst.ptr.add(t * dst.n + first_row + i) = v };
             }
         }
     });
     Ok(jobs
         .iter()
         .zip(outs)
-        .map(|((w, bias), out_t)| {
-            let n = w.rows;
-            let mut out = if m == 1 {
-                out_t
-            } else {
-                let mut o = vec![0f32; m * n];
-                for r in 0..n {
-                    for t in 0..m {
-                        o[t * n + r] = out_t[r * m + t];
-                    }
-                }
-                o
-            };
+        .map(|((w, bias), mut out)| {
             if let Some(b) = bias {
                 add_bias(&mut out, b);
             }
-            CpuTensor { data: out, rows: m, cols: n }
+            CpuTensor { data: out, rows: m, cols: w.rows }
         })
         .collect())
 }
+
+/// One job's `[m, n]` output buffer, shared by the tasks of a product; each writes only its own rows' columns.
+#[derive(Clone, Copy)]
+struct SharedOut {
+    ptr: *mut f32,
+    n: usize,
+}
+
+// SAFETY: tasks write disjoint elements (see the task body), and the buffer outlives the parallel region.
+unsafe impl Send for SharedOut {}
+// SAFETY: as above; no task reads through the pointer.
+unsafe impl Sync for SharedOut {}
 
 fn add_bias(out: &mut [f32], bias: &[f32]) {
     for row in out.chunks_exact_mut(bias.len()) {
@@ -192,4 +200,54 @@ pub fn embed(w: &CpuMatrix, ids: &[u32]) -> Result<CpuTensor> {
         }
     }
     Ok(CpuTensor { data: out, rows: ids.len(), cols: k })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::Bytes;
+    use rand::{Rng, SeedableRng};
+
+    fn matrix(dtype: DType, rows: usize, cols: usize, v: &[f32]) -> CpuMatrix {
+        let bytes: Vec<u8> = match dtype {
+            DType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            DType::F16 => v.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect(),
+            DType::BF16 => v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
+            q => crate::testing::quantize(q, v),
+        };
+        CpuMatrix { rows, cols, dtype, bytes: Bytes::owned(&bytes) }
+    }
+
+    #[test]
+    fn every_token_count_and_path_gives_each_row_the_one_token_result() -> Result<()> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+        let (n, k) = (37, 96);
+        let isa = Isa::detect();
+        for dtype in [DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            let wv: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let (w, w2) = (matrix(dtype, n, k, &wv), matrix(dtype, 5, k, &wv[..5 * k]));
+            let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();
+            for m in [1, 3, 9, 17] {
+                let x =
+                    CpuTensor { data: (0..m * k).map(|_| rng.random_range(-2.0f32..2.0)).collect(), rows: m, cols: k };
+                // Two jobs in one region (as q/k/v are), over 3 threads' worth of tasks.
+                let outs = linear_many(isa, 3, &x, &[(&w, Some(&bias)), (&w2, None)])?;
+                let slow = linear_many(Isa::Scalar, 3, &x, &[(&w, Some(&bias))])?;
+                for t in 0..m {
+                    let one = CpuTensor { data: x.data[t * k..(t + 1) * k].to_vec(), rows: 1, cols: k };
+                    let single = linear_many(isa, 3, &one, &[(&w, Some(&bias)), (&w2, None)])?;
+                    let row = &outs[0].data[t * n..(t + 1) * n];
+                    // f32 weights with 4+ tokens go to the `gemm` crate, whose summation order differs.
+                    if !(dtype == DType::F32 && m >= 4) {
+                        assert!(row == single[0].data, "{dtype}, {m} tokens: token {t} differs from alone");
+                        assert!(outs[1].data[t * 5..(t + 1) * 5] == single[1].data, "{dtype}: second job, token {t}");
+                    }
+                    for (a, b) in row.iter().zip(&slow[0].data[t * n..(t + 1) * n]) {
+                        assert!((a - b).abs() < 2e-3 * b.abs().max(1.0), "{dtype}, {m} tokens: {a} vs scalar {b}");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
 }

@@ -44,20 +44,25 @@ impl PackedActs {
     }
 }
 
-/// `out[r * tokens + t] = w_r · x_t` for every row `r` of `w` (raw GGML blocks of `dtype`, `row_bytes` apart) and
-/// every token `t` of `acts`. Needs AVX2, FMA and F16C (the caller checks the [`super::simd::Isa`]).
+/// `out[t · token_stride + r] = w_r · x_t` for every row `r` of `w` (raw GGML blocks of `dtype`, `row_bytes`
+/// apart) and every token `t` of `acts`. Needs AVX2, FMA and F16C (checked).
+///
+/// # Safety
+/// Those output elements must be valid for writes and not accessed by anyone else during the call.
 #[cfg(target_arch = "x86_64")]
-pub fn rows_by_tokens(dtype: DType, w: &[u8], row_bytes: usize, acts: &PackedActs, out: &mut [f32]) {
+pub unsafe fn rows_by_tokens(
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    acts: &PackedActs,
+    out: *mut f32,
+    token_stride: usize,
+) {
     let (m, blocks) = (acts.tokens, acts.blocks);
-    if m == 0 {
-        return;
-    }
-    let n = out.len() / m;
+    let n = w.len() / row_bytes.max(1);
     // These bounds are what every raw-pointer access below relies on.
     assert!(
-        out.len() == n * m
-            && w.len() >= n * row_bytes
-            && row_bytes >= blocks * dtype.block_bytes()
+        row_bytes >= blocks * dtype.block_bytes()
             && acts.groups.len() == m.div_ceil(GROUP) * blocks
             && dtype.is_quantized()
             && super::simd::Isa::detect() == super::simd::Isa::Avx2,
@@ -66,25 +71,38 @@ pub fn rows_by_tokens(dtype: DType, w: &[u8], row_bytes: usize, acts: &PackedAct
     // Per-block scales of one row × one group, rewritten by every tile (aligned for 256-bit stores).
     let mut scales = vec![Align32([0f32; GROUP]); blocks];
     let sc = scales.as_mut_ptr() as *mut f32;
-    for r in 0..n {
-        let wp = w[r * row_bytes..].as_ptr();
-        for g in 0..m.div_ceil(GROUP) {
-            let tokens = (m - g * GROUP).min(GROUP);
-            let ap = acts.groups[g * blocks..].as_ptr();
-            let op = out[r * m + g * GROUP..].as_mut_ptr();
-            // SAFETY: AVX2/FMA/F16C were detected; row r lies in `w`, the group's blocks in `acts`, `scales` holds
-            // `blocks` aligned groups of floats, and outputs (r, g·8 + t) for t < tokens lie in `out` (all
-            // asserted above).
-            unsafe {
-                match dtype {
-                    DType::Q8_0 => x86::dispatch::<{ super::simd::Q8_0 }>(tokens, wp, ap, blocks, sc, op),
-                    DType::Q4_0 => x86::dispatch::<{ super::simd::Q4_0 }>(tokens, wp, ap, blocks, sc, op),
-                    _ => x86::dispatch::<{ super::simd::Q4_1 }>(tokens, wp, ap, blocks, sc, op),
+    // Token groups are visited in runs that fit in L1 (with room for the weight rows), all rows per run: with
+    // long prompts every row would otherwise stream all activations from L2.
+    let groups = m.div_ceil(GROUP);
+    let run = (L1_ACT_BYTES / (blocks * std::mem::size_of::<Q8x8>()).max(1)).clamp(1, groups);
+    for g0 in (0..groups).step_by(run) {
+        for r in 0..n {
+            let wp = w[r * row_bytes..].as_ptr();
+            for g in g0..(g0 + run).min(groups) {
+                let tokens = (m - g * GROUP).min(GROUP);
+                let ap = acts.groups[g * blocks..].as_ptr();
+                let op = out.wrapping_add(g * GROUP * token_stride + r);
+                // SAFETY: AVX2/FMA/F16C were detected; row r lies in `w`, the group's blocks in `acts`, `scales` holds
+                // `blocks` aligned groups of floats (asserted above), and the caller vouches for outputs
+                // (g·8 + t, r) for t < tokens.
+                unsafe {
+                    match dtype {
+                        DType::Q8_0 => {
+                            x86::dispatch::<{ super::simd::Q8_0 }>(tokens, wp, ap, blocks, sc, op, token_stride)
+                        }
+                        DType::Q4_0 => {
+                            x86::dispatch::<{ super::simd::Q4_0 }>(tokens, wp, ap, blocks, sc, op, token_stride)
+                        }
+                        _ => x86::dispatch::<{ super::simd::Q4_1 }>(tokens, wp, ap, blocks, sc, op, token_stride),
+                    }
                 }
             }
         }
     }
 }
+
+/// Activation bytes one run of token groups may occupy: half of a 32 KiB L1 data cache.
+const L1_ACT_BYTES: usize = 16 * 1024;
 
 /// Eight floats on a 32-byte boundary.
 #[derive(Clone, Copy)]
@@ -112,18 +130,19 @@ mod x86 {
         blocks: usize,
         sc: *mut f32,
         out: *mut f32,
+        stride: usize,
     ) {
         // SAFETY: forwarded from the caller.
         unsafe {
             match tokens {
-                8 => tile::<8, Q>(w, a, blocks, sc, out),
-                7 => tile::<7, Q>(w, a, blocks, sc, out),
-                6 => tile::<6, Q>(w, a, blocks, sc, out),
-                5 => tile::<5, Q>(w, a, blocks, sc, out),
-                4 => tile::<4, Q>(w, a, blocks, sc, out),
-                3 => tile::<3, Q>(w, a, blocks, sc, out),
-                2 => tile::<2, Q>(w, a, blocks, sc, out),
-                _ => tile::<1, Q>(w, a, blocks, sc, out),
+                8 => tile::<8, Q>(w, a, blocks, sc, out, stride),
+                7 => tile::<7, Q>(w, a, blocks, sc, out, stride),
+                6 => tile::<6, Q>(w, a, blocks, sc, out, stride),
+                5 => tile::<5, Q>(w, a, blocks, sc, out, stride),
+                4 => tile::<4, Q>(w, a, blocks, sc, out, stride),
+                3 => tile::<3, Q>(w, a, blocks, sc, out, stride),
+                2 => tile::<2, Q>(w, a, blocks, sc, out, stride),
+                _ => tile::<1, Q>(w, a, blocks, sc, out, stride),
             }
         }
     }
@@ -142,7 +161,7 @@ mod x86 {
     ///
     /// # Safety
     /// AVX2/FMA/F16C available; `w` points at one row of at least `blocks` blocks of layout `Q`; `a` at `blocks`
-    /// groups; `scales` at `blocks · GROUP` writable floats, 32-byte aligned; `out + t` writable for `t < T`.
+    /// groups; `scales` at `blocks · GROUP` writable floats, 32-byte aligned; `out + t·stride` writable for `t < T`.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile<const T: usize, const Q: u8>(
         w: *const u8,
@@ -150,6 +169,7 @@ mod x86 {
         blocks: usize,
         scales: *mut f32,
         out: *mut f32,
+        stride: usize,
     ) {
         let bb = block_bytes::<Q>();
         // SAFETY (whole body): every pointer stays inside the ranges the caller guarantees.
@@ -188,7 +208,7 @@ mod x86 {
             let mut off = [0f32; GROUP];
             _mm256_storeu_ps(off.as_mut_ptr(), offset);
             for t in 0..T {
-                *out.add(t) = hsum(acc[t]) + off[t];
+                *out.add(t * stride) = hsum(acc[t]) + off[t];
             }
         }
     }
@@ -221,8 +241,9 @@ mod tests {
                         quantize_row(src, dst);
                     }
                     let acts = PackedActs::pack(&xq, tokens, blocks);
-                    let mut out = vec![0f32; rows * tokens];
-                    rows_by_tokens(dtype, &w, row_bytes, &acts, &mut out);
+                    let mut out = vec![0f32; tokens * rows];
+                    // SAFETY: tokens × rows outputs, stride rows.
+                    unsafe { rows_by_tokens(dtype, &w, row_bytes, &acts, out.as_mut_ptr(), rows) };
                     for r in 0..rows {
                         for t in 0..tokens {
                             let wr = &w[r * row_bytes..(r + 1) * row_bytes];
@@ -235,7 +256,7 @@ mod tests {
                                 blocks,
                                 &mut one,
                             );
-                            let got = out[r * tokens + t];
+                            let got = out[t * rows + r];
                             assert_eq!(got.to_bits(), one[0].to_bits(), "{dtype} {rows}x{tokens} at ({r},{t})");
                             let slow = dot_quant_scalar(dtype, wr, &xq[t * blocks..(t + 1) * blocks]);
                             assert!((got - slow).abs() < 1e-3 * slow.abs().max(1.0), "{dtype}: {got} vs {slow}");
