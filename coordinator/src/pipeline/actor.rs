@@ -32,11 +32,10 @@ const STATUS_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_STAGE_REFUSALS: u32 = 16;
 /// Micro-batches in flight per stage when there are several stages. Stages + 1 keeps a pipeline busy only when
 /// every batch costs the same; a batch carrying a prompt chunk costs 10-100× a decode step, and with one spare batch
-/// the other stages drain and wait behind it (measured: the two stages of a 2-stage cluster were busy 44 % and 66 %
-/// of the time). Smaller, more numerous batches absorb that: 2 stages at 16 streams went from 83 to 105 tok/s
-/// (means of 3 runs), 3 stages from 94 to 117 (one run), 64 streams unchanged. One stage gains nothing from
-/// splitting its batch.
-const MICRO_BATCHES_PER_STAGE: usize = 4;
+/// the other stages drain and wait behind it. More, smaller batches absorb that, but since the CPU kernels unpack
+/// each weight block once for up to 8 tokens a batch of 2 costs nearly what a batch of 8 does: at 16 streams a
+/// 2-stage cluster measured 113 tok/s with 8 batches in flight, 140-153 with 4, 137 with 2 (2026-11-30).
+const MICRO_BATCHES_PER_STAGE: usize = 2;
 /// Finished `Release` calls waiting for the actor.
 const RELEASED_BUFFER: usize = 256;
 
@@ -679,8 +678,8 @@ impl Actor {
     }
 }
 
-/// Micro-batches kept in flight through `stages` stages: 2 for one stage (one computing, one on the wire), else
-/// [`MICRO_BATCHES_PER_STAGE`] per stage.
+/// Micro-batches kept in flight through `stages` stages: stages + 1 = 2 for one stage (one computing, one on the
+/// wire), else [`MICRO_BATCHES_PER_STAGE`] per stage.
 fn in_flight(stages: usize) -> usize {
     if stages <= 1 { 2 } else { MICRO_BATCHES_PER_STAGE * stages }
 }
