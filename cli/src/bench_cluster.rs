@@ -72,6 +72,8 @@ struct Report {
     threads_total: usize,
     /// Single-process batch-1 decode latency per token (p50, ms) by thread count.
     single_process_itl_ms_p50: Vec<(usize, f64)>,
+    /// Each cluster's layer split and the speed its nodes measured at registration, one line per cluster.
+    plans: Vec<String>,
     runs: Vec<Run>,
 }
 
@@ -93,10 +95,12 @@ pub fn run(b: ClusterBench) -> Result<()> {
         if b.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { b.threads };
     let mut runs = Vec::new();
     let mut baselines = Vec::new();
+    let mut plans = Vec::new();
     match &b.coordinator {
         Some(url) => rt.block_on(async {
             let mut client = ready_client(url, &connect::endpoint(url, &b.tls)?).await?;
             let stages = client.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner().stages.len();
+            plans.push(describe_plan(&mut client).await?);
             for &c in &b.concurrency {
                 let run = measure(&client, &b, stages, c).await?;
                 print_run(Some(&run));
@@ -128,7 +132,8 @@ pub fn run(b: ClusterBench) -> Result<()> {
                     let cluster = LocalCluster::start(&model, stages, per_stage, kv_blocks, grpc, http).await?;
                     let bench = async {
                         let url = format!("http://{grpc}");
-                        let client = ready_client(&url, &strata_proto::endpoint(&url, None)?).await?;
+                        let mut client = ready_client(&url, &strata_proto::endpoint(&url, None)?).await?;
+                        plans.push(describe_plan(&mut client).await?);
                         for &c in &b.concurrency {
                             let mut run = measure(&client, &b, stages, c).await?;
                             run.threads_per_stage = per_stage;
@@ -154,6 +159,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
         max_tokens: b.max_tokens,
         threads_total,
         single_process_itl_ms_p50: baselines,
+        plans,
         runs,
     };
     write_outputs(&report, &b.out)
@@ -302,6 +308,23 @@ fn single_process_itl_ms(model: &Path, threads: usize, prompt_tokens: usize, max
     Ok(percentile(&mut times, 0.5))
 }
 
+/// The serving plan as `node layers a..b (x ms/layer)` per stage, printed and kept in the report: how layers were
+/// split explains much of a multi-stage result.
+async fn describe_plan(client: &mut CoordinatorClient<Channel>) -> Result<String> {
+    let s = client.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner();
+    let mut nodes: Vec<_> = s.nodes.iter().filter(|n| n.layer_end > n.layer_start).collect();
+    nodes.sort_by_key(|n| n.layer_start);
+    let stages: Vec<String> = nodes
+        .iter()
+        .map(|n| {
+            format!("{} layers {}..{} ({:.2} ms/layer)", n.node_id, n.layer_start, n.layer_end, n.layer_seconds * 1e3)
+        })
+        .collect();
+    let line = format!("{} stage(s): {}", nodes.len(), stages.join(", "));
+    eprintln!("plan: {line}");
+    Ok(line)
+}
+
 fn print_run(run: Option<&Run>) {
     if let Some(r) = run {
         eprintln!(
@@ -334,6 +357,9 @@ fn table(report: &Report) -> String {
             r.compute_ms_per_step,
             r.overhead_us_per_hop
         );
+    }
+    for plan in &report.plans {
+        let _ = writeln!(t, "\nPlan: {plan}");
     }
     t
 }
@@ -463,12 +489,14 @@ mod tests {
             max_tokens: 8,
             threads_total: 2,
             single_process_itl_ms_p50: vec![],
+            plans: vec!["2 stage(s): a layers 0..19 (1.00 ms/layer), b layers 19..30 (1.00 ms/layer)".into()],
             runs: vec![run(1, 1, 10.0), run(1, 4, 30.0), run(2, 1, 9.0), run(2, 4, 28.0)],
         };
         let s = svg(&report);
         assert_eq!(s.matches("<polyline").count(), 2);
         assert!(s.contains("2 stages") && s.starts_with("<svg") && s.trim_end().ends_with("</svg>"));
         let t = table(&report);
-        assert_eq!(t.lines().count(), 2 + 4);
+        assert_eq!(t.lines().count(), 2 + 4 + 2);
+        assert!(t.ends_with("Plan: 2 stage(s): a layers 0..19 (1.00 ms/layer), b layers 19..30 (1.00 ms/layer)\n"));
     }
 }

@@ -103,20 +103,23 @@ impl OnBackend for MeasureLayer<'_> {
 
 fn time_layer<B: Backend>(model: &StageModel<B>, vocab: usize) -> Result<f64> {
     const TOKENS: usize = 8;
-    const RUNS: usize = 3;
+    // The fastest of several runs: a run is ~1 ms, so one preemption or a neighbour's burst can triple a mean
+    // (identical local workers measured 1.1, 2.6 and 3.2 ms/layer with the mean of 3), while the minimum is
+    // what the device does undisturbed.
+    const RUNS: usize = 12;
     let mut kv = model.new_kv_cache(RUNS + 1, TOKENS)?;
     let ids: Vec<u32> = (0..TOKENS as u32).map(|i| i % vocab as u32).collect();
-    let mut elapsed = Duration::ZERO;
+    let mut fastest = Duration::MAX;
     for seq in 0..=RUNS as u64 {
         let chunk = SeqChunk { seq_id: seq, start_pos: 0, len: TOKENS };
         let started = Instant::now();
         model.forward(&mut kv, &[chunk], StageInput::Tokens(&ids), LogitRows::Last)?;
         if seq > 0 {
-            elapsed += started.elapsed();
+            fastest = fastest.min(started.elapsed());
         }
         kv.release(seq);
     }
-    Ok((elapsed.as_secs_f64() / RUNS as f64).max(f64::MIN_POSITIVE))
+    Ok(fastest.as_secs_f64().max(f64::MIN_POSITIVE))
 }
 
 /// Memory the node offers for weights and KV cache: `--memory-limit`, else on a GPU `--gpu-memory-limit`,
