@@ -9,6 +9,7 @@ pub mod simd;
 use super::{AttnSeq, AttnShape, Backend};
 use crate::tensor::{Bytes, DType, HostTensor};
 use crate::{Error, Result};
+use rayon::prelude::*;
 use simd::Isa;
 
 /// Row-major f32 activations.
@@ -217,7 +218,24 @@ impl Backend for CpuBackend {
 
     fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
         same_shape("silu_mul", gate, up)?;
-        let data = gate.data.iter().zip(&up.data).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
+        // Elementwise, so splitting it changes no bit; serial, its exps were ~10 % of a batch-16 decode step.
+        const CHUNK: usize = 4096;
+        let mut data = vec![0f32; gate.data.len()];
+        let silu = |((o, g), u): ((&mut [f32], &[f32]), &[f32])| {
+            for (o, (&g, &u)) in o.iter_mut().zip(g.iter().zip(u)) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
+        };
+        if gate.data.len() > CHUNK {
+            self.pool.install(|| {
+                data.par_chunks_mut(CHUNK)
+                    .zip(gate.data.par_chunks(CHUNK))
+                    .zip(up.data.par_chunks(CHUNK))
+                    .for_each(silu)
+            });
+        } else {
+            silu(((&mut data, &gate.data), &up.data));
+        }
         Ok(CpuTensor { data, rows: gate.rows, cols: gate.cols })
     }
 
