@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use strata_coordinator::{CoordinatorConfig, EmbeddedRegistry};
+use strata_coordinator::{CoordinatorConfig, EmbeddedRegistry, NodeState, Registry};
 use strata_proto::{TlsArgs, pb};
 use strata_stage_worker::{RegistrationOptions, Worker, WorkerConfig};
 use tokio_util::sync::CancellationToken;
@@ -69,6 +69,10 @@ impl LocalCluster {
                 .with_context(|| format!("starting stage worker {i}"))?;
             eprintln!("stage worker local-{i} listening on {}", w.local_addr());
             workers.push(w);
+            // One at a time: every worker times a layer when it registers, and probes running side by side on
+            // shared cores slow each other down unevenly (identical workers measured up to 2x apart), which
+            // skews the layer split.
+            wait_ready(&registry, &format!("local-{i}")).await?;
         }
         let config = CoordinatorConfig {
             cluster: "local".into(),
@@ -98,6 +102,21 @@ impl LocalCluster {
             let _ = w.shutdown().await;
         }
         result
+    }
+}
+
+/// Waits until `node` is READY in `registry` (it has measured its speed), or fails after a minute.
+async fn wait_ready(registry: &EmbeddedRegistry, node: &str) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let nodes = registry.list_nodes().await.context("reading the local registry")?;
+        if nodes.iter().any(|n| n.node_id.as_str() == node && n.state == NodeState::Ready) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            bail!("stage worker {node} did not become ready within 60 s");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }
 
