@@ -1,7 +1,8 @@
 //! Quantized weights times several tokens (batched decode, prefill): one weight row against up to 8 tokens, so
 //! each weight block is unpacked once for all of them, the 8 accumulators stay in registers and the per-block
-//! scales come from memory through load-port broadcasts (no ALU slot). Each output is computed with exactly the float operations of the
-//! one-token kernels in `simd` (same order, same roundings), so how tokens are grouped never changes a result.
+//! scales come from memory through load-port broadcasts (no ALU slot). Each output is computed with exactly the
+//! float operations of the one-token kernels in `simd` (same order, same roundings), so how tokens are grouped
+//! never changes a result.
 
 use super::simd::Q8Block;
 use crate::tensor::{DType, QK};
