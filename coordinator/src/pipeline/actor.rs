@@ -385,10 +385,15 @@ impl Actor {
             return;
         }
         ready.sort_unstable();
+        // Every batch gets an equal share of the whole running set, oldest sequences first; the rest wait for the
+        // next free slot. Sizing from what happens to be ready let arrival order freeze the split: 16 streams
+        // through 2 stages ran as one batch of 13 and three of 1 for the whole run (logged), and a 1-token batch
+        // costs a stage nearly what a 13-token one does. With a fixed share, batches even out within a cycle.
+        let running = self.seqs.values().filter(|s| s.running && !s.gone()).count();
+        let per_batch = running.div_ceil(in_flight(self.plan.stages.len())).max(1);
         let mut slots_left = slots;
         let mut next = 0;
         while slots_left > 0 && next < ready.len() {
-            let per_batch = (ready.len() - next).div_ceil(slots_left);
             let mut group = Vec::new();
             let mut budget = self.limits.max_batch_tokens;
             while next < ready.len() && group.len() < per_batch && budget > 0 {
