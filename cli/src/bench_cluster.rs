@@ -99,8 +99,8 @@ pub fn run(b: ClusterBench) -> Result<()> {
     match &b.coordinator {
         Some(url) => rt.block_on(async {
             let mut client = ready_client(url, &connect::endpoint(url, &b.tls)?).await?;
-            let stages = client.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner().stages.len();
-            plans.push(describe_plan(&mut client).await?);
+            let (stages, plan) = describe_plan(&mut client).await?;
+            plans.push(plan);
             for &c in &b.concurrency {
                 let run = measure(&client, &b, stages, c).await?;
                 print_run(Some(&run));
@@ -133,7 +133,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
                     let bench = async {
                         let url = format!("http://{grpc}");
                         let mut client = ready_client(&url, &strata_proto::endpoint(&url, None)?).await?;
-                        plans.push(describe_plan(&mut client).await?);
+                        plans.push(describe_plan(&mut client).await?.1);
                         for &c in &b.concurrency {
                             let mut run = measure(&client, &b, stages, c).await?;
                             run.threads_per_stage = per_stage;
@@ -308,9 +308,9 @@ fn single_process_itl_ms(model: &Path, threads: usize, prompt_tokens: usize, max
     Ok(percentile(&mut times, 0.5))
 }
 
-/// The serving plan as `node layers a..b (x ms/layer)` per stage, printed and kept in the report: how layers were
-/// split explains much of a multi-stage result.
-async fn describe_plan(client: &mut CoordinatorClient<Channel>) -> Result<String> {
+/// The number of stages served and the plan as `node layers a..b (x ms/layer)` per stage, printed and kept in the
+/// report: how layers were split explains much of a multi-stage result.
+async fn describe_plan(client: &mut CoordinatorClient<Channel>) -> Result<(usize, String)> {
     let s = client.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner();
     let mut nodes: Vec<_> = s.nodes.iter().filter(|n| n.layer_end > n.layer_start).collect();
     nodes.sort_by_key(|n| n.layer_start);
@@ -322,7 +322,7 @@ async fn describe_plan(client: &mut CoordinatorClient<Channel>) -> Result<String
         .collect();
     let line = format!("{} stage(s): {}", nodes.len(), stages.join(", "));
     eprintln!("plan: {line}");
-    Ok(line)
+    Ok((s.stages.len(), line))
 }
 
 fn print_run(run: Option<&Run>) {

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use strata_coordinator::{CoordinatorConfig, EmbeddedRegistry, NodeState, Registry};
-use strata_proto::{TlsArgs, pb};
+use strata_proto::{NodeId, TlsArgs, pb};
 use strata_stage_worker::{RegistrationOptions, Worker, WorkerConfig};
 use tokio_util::sync::CancellationToken;
 
@@ -107,10 +107,11 @@ impl LocalCluster {
 
 /// Waits until `node` is READY in `registry` (it has measured its speed), or fails after a minute.
 async fn wait_ready(registry: &EmbeddedRegistry, node: &str) -> Result<()> {
+    let id = NodeId::new(node);
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
     loop {
-        let nodes = registry.list_nodes().await.context("reading the local registry")?;
-        if nodes.iter().any(|n| n.node_id.as_str() == node && n.state == NodeState::Ready) {
+        let record = registry.get_node(&id).await.context("reading the local registry")?;
+        if record.is_some_and(|r| r.state == NodeState::Ready) {
             return Ok(());
         }
         if tokio::time::Instant::now() >= deadline {

@@ -370,7 +370,8 @@ impl Actor {
 
     /// Packs the running sequences' next steps into micro-batches, up to [`in_flight`] of them.
     async fn schedule(&mut self) {
-        let slots = in_flight(self.plan.stages.len()).saturating_sub(self.batches.len());
+        let in_flight = in_flight(self.plan.stages.len());
+        let slots = in_flight.saturating_sub(self.batches.len());
         if slots == 0 || self.stream.is_none() {
             return;
         }
@@ -390,7 +391,7 @@ impl Actor {
         // through 2 stages ran as one batch of 13 and three of 1 for the whole run (logged), and a 1-token batch
         // costs a stage nearly what a 13-token one does. With a fixed share, batches even out within a cycle.
         let running = self.seqs.values().filter(|s| s.running && !s.gone()).count();
-        let per_batch = running.div_ceil(in_flight(self.plan.stages.len())).max(1);
+        let per_batch = running.div_ceil(in_flight).max(1);
         let mut slots_left = slots;
         let mut next = 0;
         while slots_left > 0 && next < ready.len() {

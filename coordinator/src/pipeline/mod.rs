@@ -3,10 +3,10 @@
 //! Requests wait in a bounded queue (full: `RESOURCE_EXHAUSTED`) and join the running set when the KV cache of
 //! the tightest stage has room for them ([`kv_budget`]). Every loop iteration packs the running sequences' next
 //! steps (prompt chunks of at most `max_batch_tokens`, then one-token decode steps) into micro-batches, so that
-//! up to 4 per stage (2 for a single stage) are in flight and no stage waits while work exists; each response feeds
-//! the sampled tokens back (EOS, `max_tokens` and stop strings are checked here) and streams them to the callers.
-//! When the KV cache is full the youngest running sequence is preempted: released on every stage and later recomputed
-//! from its prompt and the tokens it already produced. Finished, cancelled and failed sequences are released on
+//! up to 2 per stage (stages + 1 = 2 for a single stage) are in flight, each an equal share of the running set, and
+//! no stage waits while work exists; each response feeds the sampled tokens back (EOS, `max_tokens` and stop strings
+//! are checked here) and streams them to the callers. When the KV cache is full the youngest running sequence is
+//! preempted: released on every stage and later recomputed from its prompt and the tokens it already produced. Finished, cancelled and failed sequences are released on
 //! every stage once no batch of theirs is in flight. A broken stream fails the sequences it carried; the next
 //! request reconnects. A new plan epoch fails the active sequences and reconnects to the new stage 0.
 

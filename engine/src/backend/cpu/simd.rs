@@ -225,7 +225,7 @@ pub(super) mod x86 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(in crate::backend::cpu) fn half(bits: u16) -> f32 {
+    fn half(bits: u16) -> f32 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 
