@@ -4,8 +4,9 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use strata_coordinator::{CoordinatorConfig, EmbeddedRegistry, NodeState, Registry};
-use strata_proto::{NodeId, TlsArgs, pb};
+use strata_coordinator::CoordinatorConfig;
+use strata_membership::{EmbeddedRegistry, NodeState, Registry};
+use strata_proto::{NodeId, TlsArgs, pb, shutdown_signal};
 use strata_stage_worker::{RegistrationOptions, Worker, WorkerConfig};
 use tokio_util::sync::CancellationToken;
 
@@ -121,7 +122,7 @@ async fn wait_ready(registry: &EmbeddedRegistry, node: &str) -> Result<()> {
     }
 }
 
-/// Runs `strata local` until Ctrl-C: an embedded registry, `stages` workers on loopback ports and a coordinator
+/// Runs `strata local` until SIGINT or SIGTERM: an embedded registry, `stages` workers on loopback ports and a coordinator
 /// (gRPC and HTTP APIs), all talking real gRPC.
 pub fn local(a: LocalArgs) -> Result<()> {
     let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
@@ -129,11 +130,7 @@ pub fn local(a: LocalArgs) -> Result<()> {
         let cluster = LocalCluster::start(&a.model, a.stages, a.threads, a.kv_blocks, a.grpc, a.http).await?;
         eprintln!("coordinator gRPC API on {}, OpenAI-compatible HTTP API on http://{}/v1", a.grpc, a.http);
         eprintln!("{} stages; requests are served once every stage is ready (GET /health); Ctrl-C to stop", a.stages);
-        cluster
-            .run_until(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await
+        cluster.run_until(shutdown_signal()).await
     })
 }
 

@@ -8,12 +8,16 @@ mod generate;
 mod load;
 
 use clap::{Parser, Subcommand};
+use strata_proto::LogArgs;
 
 #[derive(Parser)]
 #[command(name = "strata", version, about = "Serve and run Llama-family models split across machines")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log filter and format (logs go to stderr).
+    #[command(flatten)]
+    log: LogArgs,
 }
 
 #[derive(Subcommand)]
@@ -41,11 +45,8 @@ enum ClientCommand {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    cli.log.init();
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Bench(a) => bench::run(a),

@@ -48,23 +48,29 @@ impl<R: Registry> NodeAdmin for R {
     }
 }
 
-/// The one place where the coordinator's errors become service errors (and so gRPC statuses).
+/// The one place where the coordinator's errors (membership's included) become service errors (and so gRPC
+/// statuses).
 pub fn service_error(err: &Error) -> ServiceError {
+    use strata_membership::Error as M;
+    let message = err.to_string();
     match err {
         // An unknown model is NOT_FOUND, as the HTTP API's 404.
-        Error::NodeNotFound(_) | Error::UnknownModel { .. } => ServiceError::not_found(err.to_string()),
-        Error::Config(_) | Error::Model(_) | Error::InvalidRequest { .. } => {
-            ServiceError::invalid_argument(err.to_string())
+        Error::Membership(M::NodeNotFound(_)) | Error::UnknownModel { .. } => ServiceError::not_found(message),
+        Error::Config(_)
+        | Error::Model(_)
+        | Error::InvalidRequest { .. }
+        | Error::Membership(M::NoEndpoints | M::InvalidEndpoint(_) | M::InvalidClusterName(_)) => {
+            ServiceError::invalid_argument(message)
         }
-        Error::StaleEpoch { .. } | Error::EpochNotNext { .. } | Error::Placement(_) => {
-            ServiceError::failed_precondition(err.to_string())
+        Error::Membership(M::StaleEpoch { .. } | M::EpochNotNext { .. }) | Error::Placement(_) => {
+            ServiceError::failed_precondition(message)
         }
-        Error::EtcdUnreachable { .. } | Error::Etcd { .. } | Error::LeaseExpired(_) | Error::Contention { .. } => {
-            ServiceError::unavailable(err.to_string())
+        Error::Membership(M::EtcdUnreachable { .. } | M::Etcd { .. } | M::LeaseExpired(_) | M::Contention { .. }) => {
+            ServiceError::unavailable(message)
         }
-        Error::Decode { .. } | Error::Encode { .. } | Error::Compacted { .. } | Error::Bind { .. } | Error::Tls(_) => {
-            ServiceError::internal(err.to_string())
-        }
+        Error::Membership(M::Decode { .. } | M::Encode { .. } | M::Compacted { .. })
+        | Error::Bind { .. }
+        | Error::Tls(_) => ServiceError::internal(message),
     }
 }
 

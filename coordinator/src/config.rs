@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use strata_membership::{check_cluster_name, check_endpoints};
 use strata_proto::{Tls, TlsFiles};
 
 use crate::pipeline::SchedulerLimits;
@@ -99,32 +100,18 @@ impl CoordinatorConfig {
         }
     }
 
-    /// Parses a comma-separated endpoint list (`a:2379,b:2379`), adding `http://` where no scheme is given.
-    pub fn parse_endpoints(list: &str) -> Vec<String> {
-        list.split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(|s| if s.contains("://") { s.to_owned() } else { format!("http://{s}") })
-            .collect()
-    }
-
     /// Checks the values make sense together.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(m));
         if self.min_stages == 0 {
             return bad("min_stages must be at least 1".into());
         }
-        let name_ok = |c: char| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.';
-        if self.cluster.is_empty() || !self.cluster.chars().all(name_ok) {
-            return bad(format!("cluster {:?} must be non-empty and use only [A-Za-z0-9._-]", self.cluster));
-        }
-        if let Some(eps) = &self.etcd {
-            if eps.is_empty() {
-                return bad("etcd endpoint list is empty (omit it to use the embedded registry)".into());
-            }
-            if let Some(e) = eps.iter().find(|e| !(e.starts_with("http://") || e.starts_with("https://"))) {
-                return bad(format!("etcd endpoint {e:?} must start with http:// or https://"));
-            }
+        let membership = check_cluster_name(&self.cluster).and_then(|()| match &self.etcd {
+            Some(endpoints) => check_endpoints(endpoints),
+            None => Ok(()),
+        });
+        if let Err(e) = membership {
+            return bad(e.to_string());
         }
         if self.grpc_addr == self.http_addr && self.grpc_addr.port() != 0 {
             return bad(format!("grpc_addr and http_addr are both {}", self.grpc_addr));
@@ -226,13 +213,5 @@ mod tests {
         let json = r#"{"model":"m","grpc_addr":"127.0.0.1:1","http_addr":"127.0.0.1:2","min_stage":2}"#;
         let err = serde_json::from_str::<CoordinatorConfig>(json).expect_err("typo must be rejected");
         assert!(err.to_string().contains("min_stage"), "{err}");
-    }
-
-    #[test]
-    fn endpoints_get_a_scheme() {
-        assert_eq!(
-            CoordinatorConfig::parse_endpoints("a:2379, https://b:2379,"),
-            vec!["http://a:2379".to_string(), "https://b:2379".to_string()]
-        );
     }
 }

@@ -9,11 +9,12 @@ use strata_proto::{NodeId, PlanEpoch, pb};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::membership::{
+use strata_membership::{
     Backoff, EmbeddedRegistry, EtcdRegistry, Leadership, NodeEvent, NodeRecord, NodeState, Plan, PlanStage, Registry,
 };
+
 use crate::pipeline::{ModelInfo, model_name};
-use crate::placement::{self, ModelShape, NodeCapacity};
+use crate::placement::{self, ModelShape, NodeCapacity, StageAssignment};
 use crate::serving::{Listeners, lead_and_serve};
 use crate::{CoordinatorConfig, Error, Result};
 
@@ -174,17 +175,17 @@ async fn bind(api: &'static str, addr: std::net::SocketAddr) -> Result<tokio::ne
 /// Marks a node DRAINING (`strata nodes drain ID`): the leader replans without it and, once every stage of the
 /// new plan reports that epoch loaded, marks it CORDONED (safe to remove).
 pub async fn drain_node<R: Registry>(registry: &R, id: &NodeId) -> Result<NodeRecord> {
-    registry.set_node_state(id, NodeState::Draining).await
+    Ok(registry.set_node_state(id, NodeState::Draining).await?)
 }
 
 /// Marks a node CORDONED: excluded from the next plan.
 pub async fn cordon_node<R: Registry>(registry: &R, id: &NodeId) -> Result<NodeRecord> {
-    registry.set_node_state(id, NodeState::Cordoned).await
+    Ok(registry.set_node_state(id, NodeState::Cordoned).await?)
 }
 
 /// Makes a cordoned or drained node schedulable again.
 pub async fn uncordon_node<R: Registry>(registry: &R, id: &NodeId) -> Result<NodeRecord> {
-    registry.set_node_state(id, NodeState::Ready).await
+    Ok(registry.set_node_state(id, NodeState::Ready).await?)
 }
 
 /// How a leadership term ended.
@@ -335,7 +336,7 @@ impl<R: Registry> Coordinator<R> {
             })
             .collect();
         let stages: Vec<PlanStage> = match placement::plan(&self.shape, &capacities) {
-            Ok(s) => s.iter().map(PlanStage::from).collect(),
+            Ok(s) => s.iter().map(plan_stage).collect(),
             Err(e) => {
                 tracing::error!(error = %e, "no placement; keeping the current plan");
                 self.view.update(|s| s.placement_error = Some(e.to_string()));
@@ -363,11 +364,11 @@ impl<R: Registry> Coordinator<R> {
                     term.plan = Some(next);
                     break;
                 }
-                Err(Error::StaleEpoch { found, .. }) => {
+                Err(strata_membership::Error::StaleEpoch { found, .. }) => {
                     tracing::warn!(expected = %expected, found = %found, "plan changed under us; re-reading");
                     term.plan = self.registry.get_plan().await?;
                 }
-                Err(e) => return Err(e),
+                Err(e) => return Err(e.into()),
             }
         }
         self.publish(term);
@@ -409,15 +410,25 @@ impl<R: Registry> Coordinator<R> {
                     tracing::info!(node = %id, epoch = %needed, "drain complete; node cordoned and removable");
                     term.nodes.insert(id.clone(), rec);
                 }
-                Err(Error::NodeNotFound(_)) => {
+                Err(strata_membership::Error::NodeNotFound(_)) => {
                     term.nodes.remove(&id);
                 }
-                Err(e) => return Err(e),
+                Err(e) => return Err(e.into()),
             }
             term.pending_drains.remove(&id);
         }
         self.publish(term);
         Ok(())
+    }
+}
+
+/// A placed stage as the plan stores it.
+fn plan_stage(s: &StageAssignment) -> PlanStage {
+    PlanStage {
+        node_id: s.node_id.clone(),
+        address: s.address.clone(),
+        layer_start: u32::try_from(s.layer_start).unwrap_or(u32::MAX),
+        layer_end: u32::try_from(s.layer_end).unwrap_or(u32::MAX),
     }
 }
 

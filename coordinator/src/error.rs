@@ -1,9 +1,5 @@
 //! The crate's one error type.
 
-use std::time::Duration;
-
-use strata_proto::{NodeId, PlanEpoch};
-
 use crate::placement::PlacementError;
 
 /// Result alias for this crate.
@@ -21,70 +17,9 @@ pub enum Error {
     /// The model could not be opened or sized.
     #[error("model: {0}")]
     Model(#[from] strata_engine::Error),
-    /// No etcd endpoint answered within the start-up window.
-    #[error("etcd unreachable at {endpoints} after {waited:?} ({attempts} attempts): {last_error}")]
-    EtcdUnreachable {
-        /// The endpoints tried, comma-separated.
-        endpoints: String,
-        /// How long we kept trying.
-        waited: Duration,
-        /// Connection attempts made.
-        attempts: u32,
-        /// The last failure seen.
-        last_error: String,
-    },
-    /// An etcd request failed.
-    #[error("etcd {op}: {source}")]
-    Etcd {
-        /// The operation, e.g. `put /strata/c/plan`.
-        op: String,
-        /// The client error.
-        source: etcd_client::Error,
-    },
-    /// A stored record is not valid JSON for its type.
-    #[error("corrupt record at {key}: {source}")]
-    Decode {
-        /// The key whose value did not parse.
-        key: String,
-        /// The JSON error.
-        source: serde_json::Error,
-    },
-    /// A record could not be encoded.
-    #[error("cannot encode record for {key}: {source}")]
-    Encode {
-        /// The key being written.
-        key: String,
-        /// The JSON error.
-        source: serde_json::Error,
-    },
-    /// The plan's compare-and-swap failed: the stored epoch is not the one the writer expected.
-    #[error("stale plan epoch: expected stored {expected}, found {found}")]
-    StaleEpoch {
-        /// The epoch the writer based its plan on.
-        expected: PlanEpoch,
-        /// The epoch actually stored (0 when there is no plan).
-        found: PlanEpoch,
-    },
-    /// A new plan's epoch is not exactly one past the previous one.
-    #[error("plan epoch {new} does not follow {previous}")]
-    EpochNotNext {
-        /// The stored epoch.
-        previous: PlanEpoch,
-        /// The epoch offered.
-        new: PlanEpoch,
-    },
-    /// The named node is not registered.
-    #[error("node {0} is not registered")]
-    NodeNotFound(NodeId),
-    /// A read-modify-write kept losing to concurrent writers.
-    #[error("too many concurrent updates of {key}")]
-    Contention {
-        /// The key being updated.
-        key: String,
-    },
-    /// The lease backing a registration or leadership no longer exists.
-    #[error("lease {0:x} expired")]
-    LeaseExpired(i64),
+    /// The membership registry failed (etcd, a stored record, a plan compare-and-swap, an unknown node).
+    #[error(transparent)]
+    Membership(#[from] strata_membership::Error),
     /// A public API's address could not be bound.
     #[error("cannot bind the {api} API on {addr}: {source}")]
     Bind {
@@ -114,20 +49,4 @@ pub enum Error {
     /// Placement failed.
     #[error(transparent)]
     Placement(#[from] PlacementError),
-    /// The embedded store's watch history no longer reaches back to the requested revision.
-    #[error("watch revision {requested} is compacted (oldest kept {oldest})")]
-    Compacted {
-        /// Revision asked for.
-        requested: i64,
-        /// Oldest revision still in history.
-        oldest: i64,
-    },
-}
-
-impl Error {
-    /// Wraps an etcd client error with the operation that failed.
-    pub fn etcd(op: impl Into<String>) -> impl FnOnce(etcd_client::Error) -> Error {
-        let op = op.into();
-        move |source| Error::Etcd { op, source }
-    }
 }

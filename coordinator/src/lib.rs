@@ -1,5 +1,5 @@
 //! strata's coordinator (control plane): reads the model, tracks stage workers registered in etcd (or an
-//! embedded registry), elects one active coordinator, places the model's layers on the READY nodes and publishes
+//! embedded registry, both from `strata-membership`), elects one active coordinator, places the model's layers on the READY nodes and publishes
 //! the plan with an epoch. The data path is `pipeline` (continuous batching over one `Forward` stream to stage 0)
 //! behind the `api` (gRPC) and `http` (OpenAI-compatible) services; `request` validates what both accept. See
 //! `docs/architecture.md`.
@@ -9,7 +9,6 @@ pub mod config;
 pub mod coordinator;
 mod error;
 pub mod http;
-pub mod membership;
 pub mod metrics;
 pub mod pipeline;
 pub mod placement;
@@ -18,11 +17,14 @@ mod serving;
 pub mod stage_client;
 pub mod tls_listener;
 
+// The registry is its own crate (the stage workers use it too); the modules that plan and serve name it
+// `crate::membership`.
+use strata_membership as membership;
+
 pub use config::CoordinatorConfig;
 pub use coordinator::{
     ClusterSnapshot, ClusterView, Coordinator, cordon_node, drain_node, run, run_with_registry, uncordon_node,
 };
 pub use error::{Error, Result};
-pub use membership::{EmbeddedRegistry, EtcdRegistry, NodeEvent, NodeRecord, NodeState, Plan, PlanStage, Registry};
 pub use pipeline::{ModelInfo, Pipeline, SchedulerLimits, SeqEvent, SeqRequest, StepTiming};
 pub use placement::{ModelShape, NodeCapacity, PlacementError, StageAssignment};

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use strata_coordinator::CoordinatorConfig;
-use strata_proto::TlsArgs;
-use tokio_util::sync::CancellationToken;
+use strata_membership::parse_endpoints;
+use strata_proto::{LogArgs, TlsArgs, shutdown_token};
 
 /// strata coordinator: places the model on the stage workers registered in etcd.
 #[derive(Parser, Debug)]
@@ -45,17 +45,17 @@ struct Args {
     /// TLS for both APIs (HTTPS on the HTTP one) and for dialling the stages.
     #[command(flatten)]
     tls: TlsArgs,
+    /// Log filter and format.
+    #[command(flatten)]
+    log: LogArgs,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    // Operators see info logs unless RUST_LOG says otherwise.
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).init();
     let args = Args::parse();
+    args.log.init();
     let mut config = CoordinatorConfig::new(args.model, args.grpc, args.http);
-    config.etcd = args.etcd.as_deref().map(CoordinatorConfig::parse_endpoints);
+    config.etcd = args.etcd.as_deref().map(parse_endpoints).transpose()?;
     config.min_stages = args.min_stages;
     config.cluster = args.cluster;
     config.model_name = args.model_name;
@@ -63,32 +63,6 @@ async fn main() -> anyhow::Result<()> {
     config.max_concurrent_requests = args.max_concurrent_requests;
     config.max_batch_tokens = args.max_batch_tokens;
     config.tls = args.tls.files()?;
-    let shutdown = CancellationToken::new();
-    tokio::spawn(cancel_on_signal(shutdown.clone()));
-    strata_coordinator::run(config, shutdown).await?;
+    strata_coordinator::run(config, shutdown_token()).await?;
     Ok(())
-}
-
-async fn cancel_on_signal(shutdown: CancellationToken) {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGTERM");
-                let _ = ctrl_c.await;
-                shutdown.cancel();
-                return;
-            }
-        };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
-    tracing::info!("shutting down");
-    shutdown.cancel();
 }

@@ -8,10 +8,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use common::{EtcdServer, node, tiny_model};
-use strata_coordinator::membership::{NodeRegistration, NodeState, Registry};
-use strata_coordinator::{
-    ClusterSnapshot, ClusterView, Coordinator, CoordinatorConfig, EmbeddedRegistry, Error, ModelShape, drain_node,
-};
+use strata_coordinator::{ClusterSnapshot, ClusterView, Coordinator, CoordinatorConfig, Error, ModelShape, drain_node};
+use strata_membership::{EmbeddedRegistry, NodeRegistration, NodeState, Registry};
 use strata_proto::NodeId;
 use tokio_util::sync::CancellationToken;
 
@@ -188,7 +186,7 @@ async fn unreachable_etcd_is_a_clear_error_in_bounded_time() -> anyhow::Result<(
         .context("run did not give up in bounded time")?;
     let elapsed = start.elapsed();
     match result {
-        Err(e @ Error::EtcdUnreachable { attempts, .. }) => {
+        Err(Error::Membership(e @ strata_membership::Error::EtcdUnreachable { attempts, .. })) => {
             ensure!(attempts >= 2, "no retry: {e}");
             ensure!(e.to_string().contains(&port.to_string()), "error does not name the endpoint: {e}");
         }

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use strata_proto::TlsArgs;
+use strata_membership::{check_cluster_name, parse_endpoints};
+use strata_proto::{LogArgs, TlsArgs};
 use strata_stage_worker::{Device, FloatDtype, HiddenDtype, LayerRange, RegistrationOptions, WorkerConfig};
-use tokio_util::sync::CancellationToken;
 
 /// Serve one contiguous layer range of a model over strata's Stage gRPC service.
 #[derive(Debug, Parser)]
@@ -77,6 +77,9 @@ pub struct Args {
     /// TLS for the Stage API and for dialling the next stage.
     #[command(flatten)]
     tls: TlsArgs,
+    /// Log filter and format.
+    #[command(flatten)]
+    pub log: LogArgs,
 }
 
 impl Args {
@@ -84,7 +87,7 @@ impl Args {
     /// register with etcd.
     pub fn into_config(self) -> anyhow::Result<Launch> {
         let endpoints = match &self.etcd {
-            Some(etcd) => etcd_endpoints(etcd)?,
+            Some(etcd) => parse_endpoints(etcd).context("--etcd")?,
             None => Vec::new(),
         };
         if let Some(adv) = &self.advertise {
@@ -111,11 +114,7 @@ impl Args {
                 if self.next.is_some() || self.stage_index.is_some() || self.plan_epoch.is_some() {
                     bail!("--next, --stage-index and --plan-epoch come from the plan when --etcd is used");
                 }
-                if !self.cluster.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
-                    || self.cluster.is_empty()
-                {
-                    bail!("--cluster {:?} must be non-empty and use only [A-Za-z0-9._-]", self.cluster);
-                }
+                check_cluster_name(&self.cluster).context("--cluster")?;
                 Some(EtcdOptions {
                     endpoints,
                     cluster: self.cluster.clone(),
@@ -178,22 +177,6 @@ pub struct EtcdOptions {
     pub registration: RegistrationOptions,
 }
 
-/// Splits a comma-separated endpoint list; a bare `host:port` means `http://host:port` (as for the coordinator).
-fn etcd_endpoints(list: &str) -> anyhow::Result<Vec<String>> {
-    list.split(',')
-        .map(str::trim)
-        .filter(|e| !e.is_empty())
-        .map(|e| {
-            let url = if e.contains("://") { e.to_owned() } else { format!("http://{e}") };
-            let rest = url.strip_prefix("http://").or_else(|| url.strip_prefix("https://"));
-            if rest.is_none_or(|r| r.trim_matches('/').is_empty()) {
-                bail!("--etcd {e:?} must be host:port or an http:// or https:// URL");
-            }
-            Ok(url)
-        })
-        .collect()
-}
-
 fn host_port(addr: &str) -> anyhow::Result<()> {
     let (host, port) = addr.rsplit_once(':').context("expected host:port")?;
     if host.is_empty() {
@@ -219,36 +202,6 @@ fn parse_bytes(s: &str) -> anyhow::Result<u64> {
         other => bail!("unknown suffix {other:?}"),
     };
     n.checked_mul(mult).context("too large")
-}
-
-/// Cancels `token` on SIGINT or SIGTERM.
-pub async fn cancel_on_signal(token: CancellationToken) {
-    let ctrl_c = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            tracing::error!(error = %e, "cannot listen for SIGINT");
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
-    }
-    tracing::info!("shutting down");
-    token.cancel();
 }
 
 #[cfg(test)]

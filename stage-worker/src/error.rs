@@ -15,7 +15,7 @@ pub enum Error {
     NoLayers,
     /// The membership registry (etcd or embedded) failed.
     #[error("registry: {0}")]
-    Registry(#[from] strata_coordinator::Error),
+    Registry(#[from] strata_membership::Error),
     /// A CUDA device was asked for, but this build has only the CPU backend.
     #[error("device {device}: this build has no CUDA support (build with --features cuda)")]
     CudaNotCompiled {

@@ -7,10 +7,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use strata_coordinator::membership::{NodeRecord, NodeRegistration, NodeState, Plan, Registry};
 use strata_engine::backend::Backend;
 use strata_engine::loader::ModelFiles;
 use strata_engine::model::{LogitRows, SeqChunk, StageInput, StageModel};
+use strata_membership::{Backoff, NodeRecord, NodeRegistration, NodeState, Plan, Registry};
 use strata_proto::{NodeId, PlanEpoch};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -270,25 +270,26 @@ async fn update<R: Registry>(
     shutdown: &CancellationToken,
     change: impl FnMut(&mut NodeRecord) + Send + Clone,
 ) -> Result<NodeRecord> {
-    let mut delay = Duration::from_millis(50);
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
     loop {
-        match registration.update(change.clone()).await {
+        let delay = match registration.update(change.clone()).await {
             Ok(rec) => return Ok(rec),
             Err(e) => {
-                tracing::warn!(node = %registration.node_id(), error = %e, retry_in = ?delay, "record update failed")
+                let delay = backoff.next_delay();
+                tracing::warn!(node = %registration.node_id(), error = %e, retry_in = ?delay, "record update failed");
+                delay
             }
-        }
+        };
         tokio::select! {
             () = shutdown.cancelled() => return Err(Error::Executor("shut down before the record was updated".into())),
             () = tokio::time::sleep(delay) => {}
         }
-        delay = (delay * 2).min(Duration::from_secs(2));
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use strata_coordinator::membership::PlanStage;
+    use strata_membership::PlanStage;
 
     use super::*;
 

@@ -4,10 +4,10 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use strata_coordinator::membership::Registry;
 use strata_engine::backend::Backend;
 use strata_engine::loader::ModelFiles;
 use strata_engine::model::StageModel;
+use strata_membership::Registry;
 use strata_proto::pb::stage_server::StageServer;
 use strata_proto::{STAGE_SERVICE, Tls, health_service, reflection_service, set_serving};
 use tokio::net::TcpListener;

@@ -1,5 +1,6 @@
 //! Workers without a layer range: they register (embedded registry and real etcd), turn READY with a measured
-//! layer speed, load what each plan epoch assigns them, and keep serving through an etcd outage.
+//! layer speed, load what each plan epoch assigns them, and keep serving through an etcd outage. (The coordinator
+//! planning registered workers is tested in `tests/tests/registered.rs`.)
 
 mod common;
 
@@ -8,10 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use common::{Stream, chunk, status};
-use strata_coordinator::CoordinatorConfig;
-use strata_coordinator::membership::{
-    EmbeddedRegistry, EtcdRegistry, NodeRecord, NodeState, Plan, PlanStage, Registry,
-};
+use strata_membership::{EmbeddedRegistry, EtcdRegistry, NodeRecord, NodeState, Plan, PlanStage, Registry};
 use strata_proto::{NodeId, PlanEpoch, pb};
 use strata_stage_worker::{RegistrationOptions, Worker, WorkerConfig};
 use strata_testkit::EtcdServer;
@@ -172,70 +170,5 @@ async fn a_worker_rides_out_an_etcd_outage() -> Result<()> {
         node_where(&registry, "w", |r| r.state == NodeState::Ready && r.plan_epoch_loaded == PlanEpoch(1)).await?;
     ensure!(rec.layer_seconds > 0.0, "{rec:?}");
     w.shutdown().await?;
-    Ok(())
-}
-
-/// The coordinator's own control loop, on etcd, places the model over the two registered workers (both, unless
-/// one measured so much slower — tests run in parallel — that placement rightly leaves it idle); every stage of
-/// its plan loads it, and the pipeline it describes yields the engine's token.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_coordinator_plans_registered_workers() -> Result<()> {
-    let model = common::tiny_model()?;
-    let expected = engine_token(model.path())?;
-    let etcd = EtcdServer::start()?;
-    let registry = EtcdRegistry::connect(&[etcd.endpoint()], "planned", Duration::from_secs(5)).await?;
-    let mut workers = Vec::new();
-    for id in ["a", "b"] {
-        let cfg = registered_config(model.path(), id);
-        workers.push(Worker::start_registered(cfg, registry.clone(), options(), "127.0.0.1:0").await?);
-    }
-    let any = "127.0.0.1:0".parse()?;
-    let config = CoordinatorConfig {
-        etcd: Some(vec![etcd.endpoint()]),
-        cluster: "planned".into(),
-        min_stages: 2,
-        lease_ttl_secs: 2,
-        ..CoordinatorConfig::new(model.path(), any, any)
-    };
-    let stop = tokio_util::sync::CancellationToken::new();
-    let coordinator = tokio::spawn(strata_coordinator::run(config, stop.clone()));
-
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let plan = loop {
-        if Instant::now() >= deadline {
-            let (plan, nodes) = (registry.get_plan().await?, registry.list_nodes().await?);
-            let state = if coordinator.is_finished() { "stopped" } else { "running" };
-            bail!("no plan loaded by every stage in time; coordinator {state}; plan {plan:?}; nodes {nodes:?}");
-        }
-        if let Some(plan) = registry.get_plan().await?.filter(|p| !p.stages.is_empty()) {
-            let nodes = registry.list_nodes().await?;
-            let loaded = plan
-                .stages
-                .iter()
-                .all(|s| nodes.iter().any(|n| n.node_id == s.node_id && n.plan_epoch_loaded == plan.epoch));
-            if loaded {
-                break plan;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    ensure!(plan.covers_all_layers() && plan.num_layers == 4, "{plan:?}");
-    if plan.stages.len() == 1 {
-        let nodes = registry.list_nodes().await?;
-        let speed = |id: &str| nodes.iter().find(|n| n.node_id.as_str() == id).map_or(0.0, |n| n.layer_seconds);
-        let (used, idle) = if plan.stages[0].node_id.as_str() == "a" { ("a", "b") } else { ("b", "a") };
-        ensure!(speed(idle) > 2.0 * speed(used), "a one-stage plan with two similar workers: {plan:?} {nodes:?}");
-    }
-    let first = workers
-        .iter()
-        .find(|w| w.local_addr().to_string() == plan.stages[0].address)
-        .context("stage 0 is none of the workers")?;
-    ensure!(forward(first, 1, plan.epoch.0).await? == Ok(expected), "coordinator's pipeline differs from the engine");
-
-    stop.cancel();
-    tokio::time::timeout(Duration::from_secs(10), coordinator).await.context("coordinator did not stop")???;
-    for w in workers {
-        w.shutdown().await?;
-    }
     Ok(())
 }

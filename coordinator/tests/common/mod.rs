@@ -5,10 +5,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use strata_coordinator::EtcdRegistry;
-use strata_coordinator::membership::{NodeRecord, NodeState};
 use strata_engine::tensor::DType;
 use strata_engine::testing::{TinySpec, random_weights, tiny_config, write_hf};
+use strata_membership::{EtcdRegistry, NodeRecord, NodeState};
 use strata_proto::{NodeId, PlanEpoch};
 
 pub use strata_testkit::EtcdServer;

@@ -9,8 +9,7 @@ use strata_proto::NodeId;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::{Backoff, Condition, LeaseId, LeaseMode, NodeRecord, Registry, WatchEvent, encode};
-use crate::Result;
+use crate::{Backoff, Condition, LeaseId, LeaseMode, NodeRecord, Registry, Result, WatchEvent, encode};
 
 /// How often a lease of `ttl` is refreshed.
 fn refresh_period(ttl: Duration) -> Duration {

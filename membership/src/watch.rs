@@ -8,8 +8,7 @@ use strata_proto::NodeId;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-use super::{Backoff, KeyValue, NodeEvent, NodeRecord, Plan, Registry, WATCH_CHANNEL, WatchEvent, decode};
-use crate::Result;
+use crate::{Backoff, KeyValue, NodeEvent, NodeRecord, Plan, Registry, Result, WATCH_CHANNEL, WatchEvent, decode};
 
 /// A live view of the node set: the nodes at the start, then every change as a [`NodeEvent`].
 pub struct NodeWatch {
@@ -31,7 +30,7 @@ impl NodeWatch {
 }
 
 /// The events that turn `old` into `new`, in node id order.
-pub fn diff_nodes(old: &BTreeMap<NodeId, NodeRecord>, new: &BTreeMap<NodeId, NodeRecord>) -> Vec<NodeEvent> {
+pub(crate) fn diff_nodes(old: &BTreeMap<NodeId, NodeRecord>, new: &BTreeMap<NodeId, NodeRecord>) -> Vec<NodeEvent> {
     let mut events = Vec::new();
     for (id, rec) in new {
         match old.get(id) {
@@ -231,7 +230,7 @@ mod tests {
     use strata_proto::PlanEpoch;
 
     use super::*;
-    use crate::membership::NodeState;
+    use crate::NodeState;
 
     fn rec(id: &str, state: NodeState) -> NodeRecord {
         NodeRecord {
@@ -272,7 +271,7 @@ mod tests {
         let kv = |r: &NodeRecord, rev| -> Result<WatchEvent> {
             Ok(WatchEvent::Put(KeyValue {
                 key: format!("{prefix}{}", r.node_id),
-                value: super::super::encode("k", r)?,
+                value: crate::encode("k", r)?,
                 create_revision: 1,
                 mod_revision: rev,
             }))

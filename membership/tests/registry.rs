@@ -1,15 +1,13 @@
 //! Registry semantics, one test body run against a real etcd and against the embedded registry.
 
-mod common;
-
-use common::node;
-
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
-use strata_coordinator::membership::{NodeEvent, NodeState, Plan, PlanStage, Registry};
-use strata_coordinator::{EmbeddedRegistry, Error};
+use strata_membership::{
+    EmbeddedRegistry, Error, EtcdRegistry, NodeEvent, NodeRecord, NodeState, NodeWatch, Plan, PlanStage, Registry,
+};
 use strata_proto::{NodeId, PlanEpoch};
+use strata_testkit::EtcdServer;
 
 const TTL: Duration = Duration::from_secs(1);
 const WAIT: Duration = Duration::from_secs(5);
@@ -28,7 +26,20 @@ fn plan(epoch: u64, ids: &[&str]) -> Plan {
     Plan { epoch: PlanEpoch(epoch), stages, model: "m".into(), num_layers: ids.len() as u32 }
 }
 
-async fn next_event(watch: &mut strata_coordinator::membership::NodeWatch) -> anyhow::Result<NodeEvent> {
+/// A node record: 1 GiB, 10 ms per layer, nothing loaded yet.
+fn node(id: &str, state: NodeState) -> NodeRecord {
+    NodeRecord {
+        node_id: NodeId::new(id),
+        address: format!("{id}.local:7000"),
+        device: "cpu".into(),
+        memory_bytes: 1 << 30,
+        layer_seconds: 0.01,
+        state,
+        plan_epoch_loaded: PlanEpoch(0),
+    }
+}
+
+async fn next_event(watch: &mut NodeWatch) -> anyhow::Result<NodeEvent> {
     tokio::time::timeout(WAIT, watch.next()).await.context("no node event in time")?.context("watch ended")
 }
 
@@ -118,8 +129,10 @@ macro_rules! on_both_registries {
             $(
                 #[tokio::test]
                 async fn $name() -> anyhow::Result<()> {
-                    let server = crate::common::EtcdServer::start()?;
-                    super::$name(crate::common::registry(&server, "t").await?).await
+                    let server = super::EtcdServer::start()?;
+                    let registry =
+                        super::EtcdRegistry::connect(&[server.endpoint()], "t", super::Duration::from_secs(5)).await?;
+                    super::$name(registry).await
                 }
             )*
         }

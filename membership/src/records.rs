@@ -3,8 +3,6 @@
 use serde::{Deserialize, Serialize};
 use strata_proto::{NodeId, PlanEpoch, pb};
 
-use crate::placement::StageAssignment;
-
 /// The registry's key layout for one cluster: everything lives under `/strata/<cluster>/`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Keys {
@@ -96,17 +94,6 @@ pub struct PlanStage {
     pub layer_start: u32,
     /// One past the last layer.
     pub layer_end: u32,
-}
-
-impl From<&StageAssignment> for PlanStage {
-    fn from(s: &StageAssignment) -> Self {
-        PlanStage {
-            node_id: s.node_id.clone(),
-            address: s.address.clone(),
-            layer_start: u32::try_from(s.layer_start).unwrap_or(u32::MAX),
-            layer_end: u32::try_from(s.layer_end).unwrap_or(u32::MAX),
-        }
-    }
 }
 
 /// The plan at `/strata/<cluster>/plan`: which node holds which layers, under which epoch.

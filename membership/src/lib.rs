@@ -1,5 +1,6 @@
-//! Cluster membership: node records under leases, the plan with its epoch compare-and-swap, watches, and the
-//! coordinator's leader election.
+//! strata's cluster membership, shared by the coordinator and the stage workers: node records under leases, the
+//! plan with its epoch compare-and-swap, watches, the coordinator's leader election, and where a cluster lives
+//! (its name and etcd endpoints, checked once here).
 //!
 //! [`Registry`] has two parts. Its required methods are the few store primitives a backend provides (leases,
 //! revisions, conditional puts, prefix watches): [`EtcdRegistry`] maps them onto etcd, [`EmbeddedRegistry`]
@@ -7,7 +8,9 @@
 //! keep-alive with backoff, plan CAS, election) is written once as provided methods, so both backends have the
 //! same semantics.
 
+mod cluster;
 mod embedded;
+mod error;
 mod etcd;
 mod lease;
 mod records;
@@ -19,13 +22,13 @@ use std::time::Duration;
 use strata_proto::{NodeId, PlanEpoch};
 use tokio::sync::mpsc;
 
+pub use cluster::{check_cluster_name, check_endpoints, parse_endpoints};
 pub use embedded::EmbeddedRegistry;
+pub use error::{Error, Result};
 pub use etcd::EtcdRegistry;
 pub use lease::{Leadership, NodeRegistration};
 pub use records::{Keys, NodeEvent, NodeRecord, NodeState, Plan, PlanStage};
-pub use watch::{NodeWatch, diff_nodes};
-
-use crate::{Error, Result};
+pub use watch::NodeWatch;
 
 /// Id of a lease (etcd's lease id; the embedded store numbers its own).
 pub type LeaseId = i64;
@@ -78,7 +81,7 @@ pub enum WatchEvent {
 }
 
 /// Bound of every watch channel; a watcher that falls this far behind is dropped and re-lists.
-pub const WATCH_CHANNEL: usize = 256;
+pub(crate) const WATCH_CHANNEL: usize = 256;
 
 /// Retries of a read-modify-write before giving up with [`Error::Contention`].
 const CAS_RETRIES: usize = 16;
@@ -242,27 +245,30 @@ pub(crate) fn encode<T: serde::Serialize>(key: &str, value: &T) -> Result<Vec<u8
     serde_json::to_vec(value).map_err(|source| Error::Encode { key: key.to_owned(), source })
 }
 
-/// Exponential backoff used by every retry loop: starts at `base`, doubles, stops at `max`.
+/// Exponential backoff used by every retry loop of the registry and of its users: starts at `base`, doubles,
+/// stops at `max`.
 #[derive(Debug, Clone)]
-pub(crate) struct Backoff {
+pub struct Backoff {
     next: Duration,
     base: Duration,
     max: Duration,
 }
 
 impl Backoff {
-    pub(crate) fn new(base: Duration, max: Duration) -> Self {
+    /// A backoff whose first delay is `base`.
+    pub fn new(base: Duration, max: Duration) -> Self {
         Self { next: base, base, max }
     }
 
     /// The delay to wait now; the following one is twice as long.
-    pub(crate) fn next_delay(&mut self) -> Duration {
+    pub fn next_delay(&mut self) -> Duration {
         let d = self.next;
         self.next = (self.next * 2).min(self.max);
         d
     }
 
-    pub(crate) fn reset(&mut self) {
+    /// Starts again from `base` (after a success).
+    pub fn reset(&mut self) {
         self.next = self.base;
     }
 }

@@ -7,8 +7,10 @@ use etcd_client::{
 };
 use tokio::sync::mpsc;
 
-use super::{Backoff, Condition, KeyValue, Keys, LeaseId, LeaseMode, Registry, WATCH_CHANNEL, WatchEvent};
-use crate::{Error, Result};
+use crate::{
+    Backoff, Condition, Error, KeyValue, Keys, LeaseId, LeaseMode, Registry, Result, WATCH_CHANNEL, WatchEvent,
+    check_endpoints,
+};
 
 /// A registry stored in etcd. Cheap to clone (one shared connection pool).
 #[derive(Clone)]
@@ -36,10 +38,8 @@ impl EtcdRegistry {
     /// Connects to `endpoints` (e.g. `http://10.0.0.1:2379`) and checks that etcd answers, retrying with backoff
     /// for up to `wait`; after that fails with [`Error::EtcdUnreachable`].
     pub async fn connect(endpoints: &[String], cluster: &str, wait: Duration) -> Result<Self> {
+        check_endpoints(endpoints)?;
         let joined = endpoints.join(",");
-        if endpoints.is_empty() {
-            return Err(Error::Config("no etcd endpoint given".into()));
-        }
         let options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(1))
             .with_timeout(Duration::from_secs(5))

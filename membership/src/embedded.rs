@@ -8,8 +8,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
-use super::{Condition, KeyValue, Keys, LeaseId, LeaseMode, Registry, WATCH_CHANNEL, WatchEvent};
-use crate::{Error, Result};
+use crate::{Condition, Error, KeyValue, Keys, LeaseId, LeaseMode, Registry, Result, WATCH_CHANNEL, WatchEvent};
 
 /// Events kept for watches that start in the past.
 const HISTORY: usize = 4096;
