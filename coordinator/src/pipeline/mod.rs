@@ -5,13 +5,22 @@
 //! steps (prompt chunks of at most `max_batch_tokens`, then one-token decode steps) into micro-batches, so that
 //! up to 2 per stage (stages + 1 = 2 for a single stage) are in flight, each an equal share of the running set, and
 //! no stage waits while work exists; each response feeds the sampled tokens back (EOS, `max_tokens` and stop strings
-//! are checked here) and streams them to the callers. When the KV cache is full the youngest running sequence is
-//! preempted: released on every stage and later recomputed from its prompt and the tokens it already produced. Finished, cancelled and failed sequences are released on
-//! every stage once no batch of theirs is in flight. A broken stream fails the sequences it carried; the next
-//! request reconnects. A new plan epoch fails the active sequences and reconnects to the new stage 0.
+//! are checked in [`output`]) and streams them to the callers. When the KV cache is full the youngest running sequence is
+//! preempted: released on every stage and later recomputed from its prompt and the tokens it already produced.
+//! Finished, cancelled and failed sequences are released on every stage once no batch of theirs is in flight. A
+//! broken stream fails the sequences it carried; the next request reconnects. A new plan epoch abandons the batches
+//! in flight and requeues every active sequence to be recomputed the same way (its callers see no error), then
+//! reconnects to the new stage 0.
+//!
+//! Who owns what: [`scheduler`] is the policy and its bookkeeping, synchronous and without I/O (queue, running set,
+//! KV budget, batches in flight → effects); [`output`] turns a sequence's sampled tokens into events (detokenizing,
+//! stop strings, EOS and `max_tokens`); [`actor`] is the task around them (the `select!` loop, the stream and
+//! client, the callers' channels, metrics).
 
 mod actor;
 mod kv_budget;
+mod output;
+mod scheduler;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -244,8 +253,8 @@ impl Pipeline {
         &self.model
     }
 
-    /// Switches to `plan` if its epoch differs: active sequences fail with `UNAVAILABLE` and the next request
-    /// connects to the new stage 0.
+    /// Switches to `plan` if its epoch or stages differ: batches in flight are abandoned, active sequences are
+    /// recomputed from their prompt and output through the new stages, and the next loop connects to its stage 0.
     pub async fn set_plan(&self, plan: Plan) -> Result<(), ServiceError> {
         self.tx.send(Command::SetPlan(plan)).await.map_err(|_| stopped())
     }

@@ -1,0 +1,606 @@
+//! The scheduling policy as a synchronous state machine with no I/O: the waiting queue, the running set, the KV
+//! budget and the micro-batches in flight. The actor feeds it inputs (a request admitted, free pipeline slots, a
+//! stage's response, a broken stream, a new plan or KV budget, a finished `Release`) and executes the [`Effect`]s
+//! it returns (send a batch, release KV on the stages, hand a sampled token to the caller's output, fail or forget
+//! a request). Time is passed in, never read here, so every decision is unit-tested on plain data (`tests.rs`).
+//!
+//! The policy, all in this file:
+//! - **Admission** ([`Scheduler::promote`]): waiting sequences join the running set oldest first while their
+//!   first step fits, leaving a watermark of 1% of the blocks free while others run.
+//! - **Packing** ([`Scheduler::schedule`]): [`in_flight`] micro-batches are kept in flight; each takes an equal
+//!   share of the running set, oldest first, at most `max_batch_tokens` tokens (longer prompts go in chunks, only
+//!   the last one sampled).
+//! - **Preemption** ([`Scheduler::reserve`]): when a step needs a block and none is free, the youngest running
+//!   sequence not in flight is sent back to the queue (first) and recomputed under a new sequence id; the oldest
+//!   is never preempted.
+//!
+//! What the stages say is bookkeeping, not policy: a stage that refuses a batch for want of KV gets it requeued
+//! (at most [`MAX_STAGE_REFUSALS`] times per sequence), a failed batch fails its requests, a new plan requeues
+//! every active sequence. Whether a sampled token ends its sequence (EOS, `max_tokens`, stop strings) is decided
+//! by `output`; the actor reports the end back with [`Scheduler::finish`] before it schedules again.
+//!
+//! A new policy is one new file beside this one with the same inputs and [`Effect`] output (the actor calls
+//! nothing else), its tests on plain data beside it, and a swap of the `Scheduler` type in `actor.rs`.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use strata_proto::{ErrorCode, ServiceError, pb};
+
+use super::kv_budget::KvBudget;
+use super::{SchedulerLimits, SeqRequest, StepTiming};
+
+#[cfg(test)]
+mod tests;
+
+/// A sequence whose batches a stage refused for want of KV this often fails instead of being recomputed again
+/// (the stage holds less than it reported). Preemptions the coordinator decides itself are not limited: the
+/// oldest sequence is never preempted, so it always progresses.
+const MAX_STAGE_REFUSALS: u32 = 16;
+/// Micro-batches in flight per stage when there are several stages. Stages + 1 keeps a pipeline busy only when
+/// every batch costs the same; a batch carrying a prompt chunk costs 10-100× a decode step, and with one spare batch
+/// the other stages drain and wait behind it. More, smaller batches absorb that, but since the CPU kernels unpack
+/// each weight block once for up to 8 tokens a batch of 2 costs nearly what a batch of 8 does: at 16 streams a
+/// 2-stage cluster measured 113 tok/s with 8 batches in flight, 140-153 with 4, 137 with 2 (2026-11-30).
+const MICRO_BATCHES_PER_STAGE: usize = 2;
+
+/// A request for as long as it lives, across recomputes (which change its sequence id on the wire). Ordered by
+/// admission: the oldest runs first and is preempted last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(super) struct RequestId(u64);
+
+/// Why a sequence goes back to the queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Requeue {
+    /// The KV cache is full (a preemption).
+    KvFull,
+    /// A stage refused its batch for want of KV (it holds less than it reported).
+    StageOutOfKv,
+    /// The plan changed under it.
+    PlanChanged,
+}
+
+/// What the actor must do after an input, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Effect {
+    /// Send this micro-batch on the `Forward` stream.
+    Send(pb::ForwardRequest),
+    /// Free `seq_ids` on every stage; then report `blocks` of budget `generation` with [`Scheduler::released`].
+    Release {
+        /// Wire sequence ids.
+        seq_ids: Vec<u64>,
+        /// Blocks they held in the budget.
+        blocks: usize,
+        /// The budget they belong to: a release of an older budget (plan) is ignored.
+        generation: u64,
+    },
+    /// A token was sampled for `req`: hand it to the request's output, and call [`Scheduler::finish`] if that
+    /// ends the sequence. Until then the sequence continues from this token.
+    Token {
+        /// The request.
+        req: RequestId,
+        /// The token as the last stage sampled it.
+        token: pb::SampledToken,
+        /// The request's step timing so far (for its final event).
+        timing: StepTiming,
+    },
+    /// `req` failed; it is forgotten once [`Effect::Ended`] follows.
+    Fail {
+        /// The request.
+        req: RequestId,
+        /// What went wrong.
+        error: ServiceError,
+    },
+    /// `req` went back to the queue.
+    Requeued {
+        /// The request.
+        req: RequestId,
+        /// Why.
+        why: Requeue,
+    },
+    /// A micro-batch came back after `elapsed`.
+    BatchReturned {
+        /// Send-to-response time.
+        elapsed: Duration,
+    },
+    /// `req` is forgotten: it ended (or its caller left) and nothing of it is in flight.
+    Ended {
+        /// The request.
+        req: RequestId,
+    },
+}
+
+/// Queue depth and KV use, for the gauges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Gauges {
+    /// Sequences holding KV.
+    pub(super) running: i64,
+    /// Sequences queued.
+    pub(super) waiting: i64,
+    /// Blocks of the tightest stage (0 without a budget).
+    pub(super) kv_total: usize,
+    /// Of those, blocks neither held nor being released.
+    pub(super) kv_free: usize,
+}
+
+struct Seq {
+    /// The sequence id on the wire; a new one on every recompute.
+    seq_id: u64,
+    /// Positions scheduled into the stages' KV cache.
+    pos: u32,
+    /// Tokens still to send: the (rest of the) prompt, or the last sampled token.
+    input: Vec<u32>,
+    /// The prompt and every token generated so far, to recompute after a preemption.
+    prompt: Vec<u32>,
+    output: Vec<u32>,
+    /// KV blocks this sequence holds in the budget.
+    blocks: usize,
+    /// In the running set (holding KV) rather than waiting.
+    running: bool,
+    /// Batches of this sequence a stage refused for want of KV.
+    refusals: u32,
+    sampling: pb::SamplingParams,
+    logprobs: bool,
+    in_flight: bool,
+    /// Finished or failed: no more steps, no more events.
+    done: bool,
+    /// The caller left; the sequence may still fail (its event is then dropped) until it is forgotten.
+    cancelled: bool,
+    timing: StepTiming,
+}
+
+impl Seq {
+    fn gone(&self) -> bool {
+        self.done || self.cancelled
+    }
+}
+
+/// A micro-batch in flight.
+struct InFlight {
+    reqs: Vec<RequestId>,
+    sent: Instant,
+}
+
+/// The scheduler's state. See the module documentation for the policy.
+pub(super) struct Scheduler {
+    limits: SchedulerLimits,
+    /// Plan epoch stamped on every batch, and the stage count that sizes [`in_flight`].
+    epoch: u64,
+    stages: usize,
+    kv: Option<KvBudget>,
+    /// Bumped with every new budget, so that a late release of an old one is ignored.
+    kv_generation: u64,
+    /// Every live request, oldest first.
+    seqs: BTreeMap<RequestId, Seq>,
+    /// Wire sequence id → request, for the tokens of a response.
+    by_seq_id: HashMap<u64, RequestId>,
+    /// Requests not yet running, oldest (or preempted) first.
+    waiting: VecDeque<RequestId>,
+    batches: HashMap<u64, InFlight>,
+    next_seq: u64,
+    next_req: u64,
+    next_batch: u64,
+}
+
+impl Scheduler {
+    /// A scheduler for a plan of `stages` stages at `epoch`, with no KV budget yet.
+    pub(super) fn new(limits: SchedulerLimits, epoch: u64, stages: usize) -> Self {
+        Scheduler {
+            limits,
+            epoch,
+            stages,
+            kv: None,
+            kv_generation: 0,
+            seqs: BTreeMap::new(),
+            by_seq_id: HashMap::new(),
+            waiting: VecDeque::new(),
+            batches: HashMap::new(),
+            next_seq: 1,
+            next_req: 1,
+            next_batch: 1,
+        }
+    }
+
+    /// Whether the stages' KV capacity is known (the actor learns it on connecting).
+    pub(super) fn has_budget(&self) -> bool {
+        self.kv.is_some()
+    }
+
+    /// The budget the stages reported on (re)connecting; releases of the previous one are ignored from now on.
+    pub(super) fn set_budget(&mut self, kv: KvBudget) {
+        self.kv = Some(kv);
+        self.kv_generation += 1;
+    }
+
+    /// A `Release` of `blocks` of budget `generation` returned from every stage.
+    pub(super) fn released(&mut self, generation: u64, blocks: usize) {
+        if let Some(kv) = self.kv.as_mut().filter(|_| generation == self.kv_generation) {
+            kv.released(blocks);
+        }
+    }
+
+    /// Whether requests are queued (the actor reconnects for them after a broken stream or a new plan).
+    pub(super) fn has_waiting(&self) -> bool {
+        !self.waiting.is_empty()
+    }
+
+    /// Micro-batches sent and not yet answered.
+    pub(super) fn batches_in_flight(&self) -> usize {
+        self.batches.len()
+    }
+
+    /// Queues `req` if it can ever fit and the queue has room.
+    pub(super) fn admit(&mut self, req: &SeqRequest) -> Result<RequestId, ServiceError> {
+        let kv = self.kv.as_ref().ok_or_else(|| ServiceError::unavailable("no KV budget"))?;
+        let need = kv.blocks_for(req.prompt_ids.len() + req.max_tokens);
+        if need > kv.total() {
+            return Err(ServiceError::invalid_argument(format!(
+                "{} prompt tokens + max_tokens {} need {need} KV blocks of {} tokens; the smallest stage holds {}",
+                req.prompt_ids.len(),
+                req.max_tokens,
+                kv.block_size(),
+                kv.total()
+            )));
+        }
+        let active = self.seqs.values().filter(|s| !s.gone()).count();
+        if active >= self.limits.max_concurrent_requests {
+            return Err(ServiceError::resource_exhausted(format!(
+                "overloaded: {active} requests are running or queued (max_concurrent_requests); retry later"
+            )));
+        }
+        let seq_id = self.next_seq;
+        self.next_seq += 1;
+        let id = RequestId(self.next_req);
+        self.next_req += 1;
+        tracing::debug!(seq = seq_id, prompt = req.prompt_ids.len(), "sequence queued");
+        self.seqs.insert(
+            id,
+            Seq {
+                seq_id,
+                pos: 0,
+                input: req.prompt_ids.clone(),
+                prompt: req.prompt_ids.clone(),
+                output: Vec::new(),
+                blocks: 0,
+                running: false,
+                refusals: 0,
+                sampling: req.sampling,
+                logprobs: req.logprobs,
+                in_flight: false,
+                done: false,
+                cancelled: false,
+                timing: StepTiming::default(),
+            },
+        );
+        self.by_seq_id.insert(seq_id, id);
+        self.waiting.push_back(id);
+        Ok(id)
+    }
+
+    /// The caller of `req` left: no more steps; it is forgotten once nothing of it is in flight.
+    pub(super) fn cancel(&mut self, req: RequestId) {
+        if let Some(seq) = self.seqs.get_mut(&req) {
+            seq.cancelled = true;
+        }
+    }
+
+    /// `req` ended (its output finished it, or its events could not be delivered).
+    pub(super) fn finish(&mut self, req: RequestId) {
+        if let Some(seq) = self.seqs.get_mut(&req) {
+            seq.done = true;
+        }
+    }
+
+    /// Packs the running sequences' next steps into micro-batches for the free slots of [`in_flight`].
+    pub(super) fn schedule(&mut self, now: Instant) -> Vec<Effect> {
+        let mut effects = Vec::new();
+        let in_flight = in_flight(self.stages);
+        let slots = in_flight.saturating_sub(self.batches.len());
+        if slots == 0 {
+            return effects;
+        }
+        self.promote();
+        // Oldest first: the map is ordered by admission.
+        let ready: Vec<RequestId> = self
+            .seqs
+            .iter()
+            .filter(|(_, s)| s.running && !s.in_flight && !s.gone() && !s.input.is_empty())
+            .map(|(id, _)| *id)
+            .collect();
+        if ready.is_empty() {
+            return effects;
+        }
+        // Every batch gets an equal share of the whole running set, oldest sequences first; the rest wait for the
+        // next free slot. Sizing from what happens to be ready let arrival order freeze the split: 16 streams
+        // through 2 stages ran as one batch of 13 and three of 1 for the whole run (logged), and a 1-token batch
+        // costs a stage nearly what a 13-token one does. With a fixed share, batches even out within a cycle.
+        let running = self.seqs.values().filter(|s| s.running && !s.gone()).count();
+        let per_batch = running.div_ceil(in_flight).max(1);
+        let mut slots_left = slots;
+        let mut next = 0;
+        while slots_left > 0 && next < ready.len() {
+            let mut group = Vec::new();
+            let mut budget = self.limits.max_batch_tokens;
+            while next < ready.len() && group.len() < per_batch && budget > 0 {
+                let id = ready[next];
+                next += 1;
+                if let Some(len) = self.reserve(id, budget, &mut effects) {
+                    budget -= len;
+                    group.push((id, len));
+                }
+            }
+            if group.is_empty() {
+                continue;
+            }
+            let batch = self.build_batch(&group);
+            tracing::trace!(batch_id = batch.batch_id, seqs = group.len(), "batch built");
+            let reqs = group.iter().map(|(id, _)| *id).collect();
+            self.batches.insert(batch.batch_id, InFlight { reqs, sent: now });
+            effects.push(Effect::Send(batch));
+            slots_left -= 1;
+        }
+        effects
+    }
+
+    /// Moves waiting sequences into the running set, oldest first, while the KV cache has room for their first
+    /// step.
+    fn promote(&mut self) {
+        let Some(kv) = &mut self.kv else { return };
+        let mut running = self.seqs.values().any(|s| s.running && !s.gone());
+        // Headroom while others run, so the running set can grow a little before anyone is preempted.
+        let watermark = kv.total().div_ceil(100);
+        while let Some(&id) = self.waiting.front() {
+            let Some(seq) = self.seqs.get_mut(&id) else {
+                self.waiting.pop_front();
+                continue;
+            };
+            if seq.gone() {
+                self.waiting.pop_front();
+                continue;
+            }
+            let first = seq.input.len().min(self.limits.max_batch_tokens);
+            let need = kv.blocks_for(seq.pos as usize + first).saturating_sub(seq.blocks);
+            if running && kv.free() < need + watermark {
+                break;
+            }
+            if !kv.grow(&mut seq.blocks, seq.pos as usize + first) {
+                break;
+            }
+            seq.running = true;
+            running = true;
+            self.waiting.pop_front();
+        }
+    }
+
+    /// Reserves KV for the next step of `id` (at most `budget` tokens), preempting younger sequences when the
+    /// cache is full; returns the step's length, or `None` when it cannot run now.
+    fn reserve(&mut self, id: RequestId, budget: usize, effects: &mut Vec<Effect>) -> Option<usize> {
+        loop {
+            let kv = self.kv.as_mut()?;
+            let seq = self.seqs.get_mut(&id)?;
+            if !seq.running || seq.in_flight || seq.gone() {
+                return None;
+            }
+            let len = seq.input.len().min(budget);
+            if len == 0 {
+                return None;
+            }
+            if kv.grow(&mut seq.blocks, seq.pos as usize + len) {
+                // Claimed for this batch: nobody may preempt it now.
+                seq.in_flight = true;
+                return Some(len);
+            }
+            // The youngest running sequence not in flight, and only one younger than `id`.
+            let victim = self
+                .seqs
+                .range(id..)
+                .rev()
+                .find(|(v, s)| **v != id && s.running && !s.in_flight && !s.gone())
+                .map(|(v, _)| *v)?;
+            self.requeue(victim, Requeue::KvFull, effects);
+        }
+    }
+
+    /// Frees a sequence's KV on every stage and queues it (first) to be recomputed from its prompt and output
+    /// under a new sequence id, so a late `Release` of the old id cannot touch the new cache.
+    fn requeue(&mut self, id: RequestId, why: Requeue, effects: &mut Vec<Effect>) {
+        let Some(seq) = self.seqs.get_mut(&id) else { return };
+        effects.push(Effect::Requeued { req: id, why });
+        if why == Requeue::StageOutOfKv {
+            seq.refusals += 1;
+        }
+        tracing::debug!(seq = seq.seq_id, tokens = seq.pos, ?why, "requeueing for recompute");
+        let blocks = seq.blocks;
+        if let Some(kv) = &mut self.kv {
+            kv.release(&mut seq.blocks);
+        }
+        seq.blocks = 0;
+        self.by_seq_id.remove(&seq.seq_id);
+        effects.push(Effect::Release { seq_ids: vec![seq.seq_id], blocks, generation: self.kv_generation });
+        if seq.refusals > MAX_STAGE_REFUSALS {
+            let error = ServiceError::resource_exhausted(format!(
+                "a stage refused this sequence's batches {} times for want of KV cache",
+                seq.refusals
+            ));
+            fail(id, seq, error, effects);
+            self.seqs.remove(&id);
+            self.waiting.retain(|w| *w != id);
+            effects.push(Effect::Ended { req: id });
+            return;
+        }
+        if !seq.running {
+            // Already queued (a plan change requeues everyone): it moves to the front.
+            self.waiting.retain(|w| *w != id);
+        }
+        seq.running = false;
+        seq.pos = 0;
+        seq.input = seq.prompt.iter().chain(&seq.output).copied().collect();
+        seq.seq_id = self.next_seq;
+        self.next_seq += 1;
+        self.by_seq_id.insert(seq.seq_id, id);
+        self.waiting.push_front(id);
+    }
+
+    fn build_batch(&mut self, group: &[(RequestId, usize)]) -> pb::ForwardRequest {
+        let batch_id = self.next_batch;
+        self.next_batch += 1;
+        let mut chunks = Vec::with_capacity(group.len());
+        let mut token_ids = Vec::new();
+        for &(id, len) in group {
+            let Some(seq) = self.seqs.get_mut(&id) else { continue };
+            token_ids.extend(seq.input.drain(..len));
+            chunks.push(pb::SeqChunk {
+                seq_id: seq.seq_id,
+                start_pos: seq.pos,
+                len: u32::try_from(len).unwrap_or(u32::MAX),
+                sampling: Some(seq.sampling),
+                want_logprobs: seq.logprobs,
+                // Only the last slice of a prompt is sampled from.
+                skip_sampling: !seq.input.is_empty(),
+            });
+            seq.pos += u32::try_from(len).unwrap_or(u32::MAX);
+            seq.in_flight = true;
+        }
+        pb::ForwardRequest { plan_epoch: self.epoch, batch_id, chunks, token_ids, hidden: None }
+    }
+
+    /// A stage's response to a batch, arriving at `now`: per-sequence timing, then its tokens or its error.
+    pub(super) fn apply_response(&mut self, resp: pb::ForwardResponse, now: Instant) -> Vec<Effect> {
+        let mut effects = Vec::new();
+        let Some(batch) = self.batches.remove(&resp.batch_id) else {
+            tracing::warn!(batch_id = resp.batch_id, "response for an unknown batch");
+            return effects;
+        };
+        let elapsed = now.saturating_duration_since(batch.sent);
+        effects.push(Effect::BatchReturned { elapsed });
+        let elapsed = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
+        for id in &batch.reqs {
+            if let Some(seq) = self.seqs.get_mut(id) {
+                seq.in_flight = false;
+                seq.timing.steps += 1;
+                seq.timing.compute_micros += resp.stage_compute_micros;
+                seq.timing.pipeline_micros += elapsed;
+            }
+        }
+        if let Some(err) = resp.error {
+            let err = ServiceError::from(err);
+            if err.code == ErrorCode::ResourceExhausted {
+                // A stage ran out of KV blocks (e.g. its cache is smaller than it reported): recompute later.
+                tracing::info!(batch_id = resp.batch_id, error = %err, "batch out of KV cache: preempting it");
+                for id in &batch.reqs {
+                    self.requeue(*id, Requeue::StageOutOfKv, &mut effects);
+                }
+                return effects;
+            }
+            tracing::warn!(batch_id = resp.batch_id, error = %err, "batch failed");
+            for id in &batch.reqs {
+                if let Some(seq) = self.seqs.get_mut(id) {
+                    fail(*id, seq, err.clone(), &mut effects);
+                }
+            }
+            return effects;
+        }
+        for token in resp.tokens {
+            let Some(&req) = self.by_seq_id.get(&token.seq_id) else { continue };
+            let Some(seq) = self.seqs.get_mut(&req) else { continue };
+            if seq.gone() {
+                seq.done = true;
+                continue;
+            }
+            seq.output.push(token.token_id);
+            seq.input = vec![token.token_id];
+            effects.push(Effect::Token { req, token, timing: seq.timing });
+        }
+        effects
+    }
+
+    /// The `Forward` stream broke (or could not be opened): every request fails with `err`.
+    pub(super) fn fail_all(&mut self, err: &ServiceError) -> Vec<Effect> {
+        let mut effects = Vec::new();
+        for (id, seq) in &mut self.seqs {
+            seq.in_flight = false;
+            fail(*id, seq, err.clone(), &mut effects);
+        }
+        self.batches.clear();
+        effects
+    }
+
+    /// Switches to a plan of `stages` stages at `epoch`: batches in flight under the old plan are abandoned, and
+    /// every active sequence is queued (in its original order) to be recomputed from its prompt and output under
+    /// the new one. The budget is dropped until [`Scheduler::set_budget`]. The releases returned go to the old
+    /// stages (they may keep serving another epoch).
+    pub(super) fn set_plan(&mut self, epoch: u64, stages: usize) -> Vec<Effect> {
+        self.batches.clear();
+        for seq in self.seqs.values_mut() {
+            seq.in_flight = false;
+        }
+        let mut effects = self.reap();
+        let active: Vec<RequestId> = self.seqs.keys().rev().copied().collect();
+        for id in active {
+            self.requeue(id, Requeue::PlanChanged, &mut effects);
+        }
+        self.epoch = epoch;
+        self.stages = stages;
+        self.kv = None;
+        self.kv_generation += 1;
+        effects
+    }
+
+    /// Forgets finished and cancelled sequences with no batch in flight and releases them on every stage.
+    pub(super) fn reap(&mut self) -> Vec<Effect> {
+        let mut effects = Vec::new();
+        let gone: Vec<RequestId> =
+            self.seqs.iter().filter(|(_, s)| s.gone() && !s.in_flight).map(|(id, _)| *id).collect();
+        if gone.is_empty() {
+            return effects;
+        }
+        let seqs = &self.seqs;
+        self.waiting.retain(|id| seqs.get(id).is_some_and(|s| !s.gone()));
+        let mut blocks = 0;
+        let mut held = Vec::new();
+        for id in gone {
+            let Some(mut seq) = self.seqs.remove(&id) else { continue };
+            self.by_seq_id.remove(&seq.seq_id);
+            effects.push(Effect::Ended { req: id });
+            if seq.running {
+                blocks += seq.blocks;
+                if let Some(kv) = &mut self.kv {
+                    kv.release(&mut seq.blocks);
+                }
+                held.push(seq.seq_id);
+            }
+        }
+        if !held.is_empty() {
+            effects.push(Effect::Release { seq_ids: held, blocks, generation: self.kv_generation });
+        }
+        effects
+    }
+
+    /// Queue depth and KV use.
+    pub(super) fn gauges(&self) -> Gauges {
+        let (mut running, mut waiting) = (0, 0);
+        for seq in self.seqs.values().filter(|s| !s.gone()) {
+            if seq.running {
+                running += 1;
+            } else {
+                waiting += 1;
+            }
+        }
+        let (kv_total, kv_free) = self.kv.as_ref().map_or((0, 0), |kv| (kv.total(), kv.free()));
+        Gauges { running, waiting, kv_total, kv_free }
+    }
+}
+
+/// Ends `seq` with `error` unless it already ended.
+fn fail(id: RequestId, seq: &mut Seq, error: ServiceError, effects: &mut Vec<Effect>) {
+    if !seq.done {
+        seq.done = true;
+        effects.push(Effect::Fail { req: id, error });
+    }
+}
+
+/// Micro-batches kept in flight through `stages` stages: stages + 1 = 2 for one stage (one computing, one on the
+/// wire), else [`MICRO_BATCHES_PER_STAGE`] per stage.
+fn in_flight(stages: usize) -> usize {
+    if stages <= 1 { 2 } else { MICRO_BATCHES_PER_STAGE * stages }
+}
