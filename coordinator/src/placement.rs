@@ -6,6 +6,7 @@
 
 use std::path::Path;
 
+use strata_engine::layout::ModelLayout;
 use strata_engine::loader::ModelFiles;
 use strata_proto::NodeId;
 
@@ -32,32 +33,21 @@ impl ModelShape {
     /// Sizes a model from its files: real tensor byte sizes (quantized types included), f32 KV cache.
     pub fn from_model_path(path: &Path, kv_reserve_tokens: u64) -> crate::Result<Self> {
         let files = ModelFiles::open(path)?;
-        let cfg = files.config().clone();
-        let bytes = |name: &str| -> crate::Result<u64> { Ok(files.tensor(name)?.bytes.len() as u64) };
-        let mut layer_bytes = 0u64;
-        for i in 0..cfg.num_layers {
-            let p = format!("model.layers.{i}");
-            let mut sum = 0u64;
-            for t in ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"] {
-                sum += bytes(&format!("{p}.{t}.weight"))?;
-            }
-            for t in ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"] {
-                sum += bytes(&format!("{p}.{t}.weight"))?;
-            }
-            // Norms and biases are held as f32 vectors.
-            let vectors = 2 * cfg.hidden_size + if cfg.attention_bias { cfg.q_dim() + 2 * cfg.kv_dim() } else { 0 };
-            sum += 4 * vectors as u64;
-            layer_bytes = layer_bytes.max(sum);
+        let layout = ModelLayout::new(files.config());
+        let as_stored = |dtype| dtype;
+        let mut layer_bytes = 0;
+        for i in 0..files.config().num_layers {
+            layer_bytes =
+                layer_bytes.max(layout.layer_matrix_bytes(&files, i, &as_stored)? + layout.layer_vector_bytes());
         }
-        let embed_bytes = bytes("model.embed_tokens.weight")?;
-        let untied = !cfg.tie_word_embeddings && files.contains("lm_head.weight");
-        let head_bytes = 4 * cfg.hidden_size as u64 + if untied { bytes("lm_head.weight")? } else { embed_bytes };
+        // The last stage may not hold the embeddings, so a tied head counts in full.
+        let head_bytes = layout.head_bytes(&files, &as_stored, false)?;
         Ok(ModelShape {
-            num_layers: cfg.num_layers,
-            layer_bytes,
-            embed_bytes,
-            head_bytes,
-            kv_bytes_per_token_layer: 2 * cfg.kv_dim() as u64 * 4,
+            num_layers: files.config().num_layers,
+            layer_bytes: layer_bytes as u64,
+            embed_bytes: layout.embed_bytes(&files, &as_stored)? as u64,
+            head_bytes: head_bytes as u64,
+            kv_bytes_per_token_layer: layout.kv_bytes_per_token_layer(4) as u64,
             kv_reserve_tokens,
         })
     }
@@ -295,6 +285,52 @@ mod tests {
             seconds_per_layer: secs,
             state: NodeState::Ready,
         }
+    }
+
+    /// A tiny Qwen2-shaped Hugging Face directory (`testing::tiny_config` with q/k/v biases, untied head, bf16
+    /// matrices): hidden 64, MLP 96, q 64, kv 32, vocab 300.
+    fn qwen_like(dir: &Path) -> anyhow::Result<std::path::PathBuf> {
+        let mut config = strata_engine::testing::tiny_config();
+        config.architecture = strata_engine::config::Architecture::Qwen2;
+        config.attention_bias = true;
+        let spec = strata_engine::testing::TinySpec { config, dtype: strata_engine::tensor::DType::BF16, seed: 3 };
+        strata_engine::testing::write_hf(dir, &spec, &strata_engine::testing::random_weights(&spec))?;
+        Ok(dir.to_path_buf())
+    }
+
+    /// Sizes computed by hand from each model's shape; the same numbers the per-tensor formula placement used
+    /// before it went through the engine's layout module gave.
+    #[test]
+    fn model_sizes_come_from_the_engine_layout() -> anyhow::Result<()> {
+        let shape = |layers, layer, embed, head, kv| ModelShape {
+            num_layers: layers,
+            layer_bytes: layer,
+            embed_bytes: embed,
+            head_bytes: head,
+            kv_bytes_per_token_layer: kv,
+            kv_reserve_tokens: 7,
+        };
+        // SmolLM2-135M Q4_1 GGUF: hidden 576, MLP 1536, q 576, kv 192; Q4_1 layers (20 bytes per 32), a Q8_0
+        // embedding table (34 per 32) of 49152 × 576 that the tied head reuses, f32 norms and KV.
+        let q4_1 = |n: u64| n / 32 * 20;
+        let smol_layer = q4_1(2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576) + 2 * 576 * 4;
+        let smol_embed = 49152 * 576 / 32 * 34;
+        let expected = shape(30, smol_layer, smol_embed, 576 * 4 + smol_embed, 2 * 192 * 4);
+        assert_eq!(ModelShape::from_model_path(&strata_testkit::smollm2(), 7)?, expected);
+        // The same shape as f32 synthetic weights.
+        let layer = (2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576 + 2 * 576) * 4;
+        let expected = shape(30, layer, 49152 * 576 * 4, (576 + 49152 * 576) * 4, 2 * 192 * 4);
+        assert_eq!(ModelShape::from_model_path(Path::new("random:smollm2"), 7)?, expected);
+        // random:tiny in bf16, untied: hidden 128, MLP 256, q 128, kv 64, vocab 512.
+        let layer = (2 * 128 * 128 + 2 * 64 * 128 + 3 * 256 * 128) * 2 + 2 * 128 * 4;
+        let expected = shape(4, layer, 512 * 128 * 2, 128 * 4 + 512 * 128 * 2, 2 * 64 * 4);
+        assert_eq!(ModelShape::from_model_path(Path::new("random:tiny:bf16"), 7)?, expected);
+        // A Qwen2-shaped safetensors directory: its q/k/v biases count with the norms.
+        let dir = tempfile::tempdir()?;
+        let layer = (2 * 64 * 64 + 2 * 32 * 64 + 3 * 96 * 64) * 2 + (2 * 64 + 64 + 2 * 32) * 4;
+        let expected = shape(4, layer, 300 * 64 * 2, 64 * 4 + 300 * 64 * 2, 2 * 32 * 4);
+        assert_eq!(ModelShape::from_model_path(&qwen_like(dir.path())?, 7)?, expected);
+        Ok(())
     }
 
     fn check_invariants(m: &ModelShape, nodes: &[NodeCapacity], stages: &[StageAssignment]) {

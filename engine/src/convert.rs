@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use crate::layout::{ModelLayout, TensorId};
 use crate::loader::ModelFiles;
 use crate::tensor::DType;
 use crate::{Error, Result};
@@ -15,30 +16,7 @@ pub fn to_hf_dir(files: &ModelFiles, out: &Path, dtype: DType) -> Result<()> {
     }
     let cfg = files.config();
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-    let mut names = vec!["model.embed_tokens.weight".to_string(), "model.norm.weight".to_string()];
-    if !cfg.tie_word_embeddings {
-        names.push("lm_head.weight".into());
-    }
-    for l in 0..cfg.num_layers {
-        for leaf in [
-            "input_layernorm.weight",
-            "post_attention_layernorm.weight",
-            "self_attn.q_proj.weight",
-            "self_attn.k_proj.weight",
-            "self_attn.v_proj.weight",
-            "self_attn.o_proj.weight",
-            "mlp.gate_proj.weight",
-            "mlp.up_proj.weight",
-            "mlp.down_proj.weight",
-        ] {
-            names.push(format!("model.layers.{l}.{leaf}"));
-        }
-        if cfg.attention_bias {
-            for p in ["q_proj", "k_proj", "v_proj"] {
-                names.push(format!("model.layers.{l}.self_attn.{p}.bias"));
-            }
-        }
-    }
+    let names: Vec<String> = ModelLayout::new(cfg).tensors().into_iter().map(TensorId::hf_name).collect();
     let mut tensors = Vec::with_capacity(names.len());
     for name in names {
         let t = files.tensor(&name)?;

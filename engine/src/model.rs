@@ -7,6 +7,7 @@ use std::sync::Arc;
 use crate::backend::{AttnSeq, AttnShape, Backend};
 use crate::config::ModelConfig;
 use crate::kv_cache::KvCache;
+use crate::layout::{LayerTensor, ModelLayout, TensorId};
 use crate::loader::ModelFiles;
 use crate::offload::{OffloadBudget, OffloadPlan, plan_offload};
 use crate::tensor::{DType, HostTensor};
@@ -52,20 +53,6 @@ pub struct LoadOptions<'a> {
     pub offload: Option<OffloadBudget>,
 }
 
-/// The seven matrices of a decoder layer, by Hugging Face name suffix, with their `[out, in]` shapes.
-fn layer_matrices(cfg: &ModelConfig) -> [(&'static str, [usize; 2]); 7] {
-    let (h, q, kv, i) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size);
-    [
-        ("self_attn.q_proj.weight", [q, h]),
-        ("self_attn.k_proj.weight", [kv, h]),
-        ("self_attn.v_proj.weight", [kv, h]),
-        ("self_attn.o_proj.weight", [h, q]),
-        ("mlp.gate_proj.weight", [i, h]),
-        ("mlp.up_proj.weight", [i, h]),
-        ("mlp.down_proj.weight", [h, i]),
-    ]
-}
-
 /// Decides which of the stage's layers are offloaded, from tensor metadata only (nothing is read).
 fn plan_layers<B: Backend>(
     files: &ModelFiles,
@@ -76,40 +63,15 @@ fn plan_layers<B: Backend>(
     let Some(budget) = opts.offload else {
         return Ok(OffloadPlan::all_resident(range.len()));
     };
-    let cfg = files.config();
-    let device_bytes = |name: &str| -> Result<usize> {
-        let (dtype, shape) = files.tensor_meta(name)?;
-        let dtype = match opts.dtype {
+    // What the loader does to each tensor: float weights take `opts.dtype`, then the backend's storage type.
+    let storage = |dtype: DType| {
+        backend.storage_dtype(match opts.dtype {
             Some(d) if !dtype.is_quantized() => d,
             _ => dtype,
-        };
-        let n: usize = shape.iter().product();
-        Ok(backend.storage_dtype(dtype).bytes_for(n).unwrap_or(0))
+        })
     };
-    let mut layer_bytes = Vec::with_capacity(range.len());
-    for i in range.clone() {
-        let mut b = 0;
-        for (name, _) in layer_matrices(cfg) {
-            b += device_bytes(&format!("model.layers.{i}.{name}"))?;
-        }
-        layer_bytes.push(b);
-    }
-    // Norms and biases stay resident; count them (in f32, an upper bound) with the embeddings and head.
-    let vectors_per_layer = 2 * cfg.hidden_size + if cfg.attention_bias { cfg.q_dim() + 2 * cfg.kv_dim() } else { 0 };
-    let mut fixed = range.len() * vectors_per_layer * 4;
-    let embed = "model.embed_tokens.weight";
-    if range.start == 0 {
-        fixed += device_bytes(embed)?;
-    }
-    if range.end == cfg.num_layers {
-        fixed += cfg.hidden_size * 4;
-        if !cfg.tie_word_embeddings && files.contains("lm_head.weight") {
-            fixed += device_bytes("lm_head.weight")?;
-        } else if range.start != 0 {
-            fixed += device_bytes(embed)?;
-        }
-    }
-    plan_offload(&layer_bytes, fixed, Some(budget))
+    let bytes = ModelLayout::new(files.config()).stage_bytes(files, range, &storage)?;
+    plan_offload(&bytes.layers, bytes.fixed(), Some(budget))
 }
 
 struct Layer<B: Backend> {
@@ -149,6 +111,7 @@ impl<B: Backend> Layer<B> {
 
 struct Loader<'a, 'b, B: Backend> {
     files: &'a ModelFiles,
+    layout: ModelLayout<'a>,
     backend: &'a B,
     opts: &'a LoadOptions<'b>,
     done: usize,
@@ -164,14 +127,15 @@ impl<B: Backend> Loader<'_, '_, B> {
         }
     }
 
-    fn matrix(&mut self, name: &str, shape: [usize; 2]) -> Result<B::Mat> {
-        self.matrix_on(name, shape, false)
+    fn matrix(&mut self, id: TensorId) -> Result<B::Mat> {
+        self.matrix_on(id, false)
     }
 
     /// Loads a matrix; `offloaded` ones stay in host memory (see [`Backend::upload_matrix_offloaded`]).
-    fn matrix_on(&mut self, name: &str, shape: [usize; 2], offloaded: bool) -> Result<B::Mat> {
-        let mut t = self.files.tensor(name)?;
-        t.expect_shape(name, &shape)?;
+    fn matrix_on(&mut self, id: TensorId, offloaded: bool) -> Result<B::Mat> {
+        let name = id.hf_name();
+        let mut t = self.files.tensor(&name)?;
+        t.expect_shape(&name, &self.layout.shape(id))?;
         if let Some(d) = self.opts.dtype
             && !t.dtype.is_quantized()
         {
@@ -183,12 +147,19 @@ impl<B: Backend> Loader<'_, '_, B> {
         Ok(m)
     }
 
-    fn vector(&mut self, name: &str, len: usize) -> Result<B::Vector> {
-        let t: HostTensor = self.files.tensor(name)?;
-        t.expect_shape(name, &[len])?;
-        self.bytes += len * 4;
+    fn vector(&mut self, id: TensorId) -> Result<B::Vector> {
+        let name = id.hf_name();
+        let shape = self.layout.shape(id);
+        let t: HostTensor = self.files.tensor(&name)?;
+        t.expect_shape(&name, &shape)?;
+        self.bytes += shape[0] * 4;
         self.tick();
         self.backend.upload_vector(&t.to_f32())
+    }
+
+    /// A layer's bias vector, when the architecture has it.
+    fn bias(&mut self, id: TensorId) -> Result<Option<B::Vector>> {
+        if self.layout.contains(id) { self.vector(id).map(Some) } else { Ok(None) }
     }
 }
 
@@ -203,50 +174,38 @@ impl<B: Backend> StageModel<B> {
         backend.check_model(&cfg)?;
         let (first, last) = (range.start == 0, range.end == cfg.num_layers);
         let offload = plan_layers(files, &range, &*backend, opts)?;
-        let per_layer = if cfg.attention_bias { 12 } else { 9 };
-        let total = range.len() * per_layer + usize::from(first) + 2 * usize::from(last);
-        let mut l = Loader { files, backend: &*backend, opts, done: 0, total, bytes: 0 };
-        let (h, q_dim, kv_dim) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim());
-        let embed_name = "model.embed_tokens.weight";
-        let embed = if first { Some(Arc::new(l.matrix(embed_name, [cfg.vocab_size, h])?)) } else { None };
+        let layout = ModelLayout::new(files.config());
+        let per_layer: usize = range.clone().map(|i| layout.layer_tensors(i).count()).sum();
+        let total = per_layer + usize::from(first) + 2 * usize::from(last);
+        let mut l = Loader { files, layout, backend: &*backend, opts, done: 0, total, bytes: 0 };
+        let embed = if first { Some(Arc::new(l.matrix(TensorId::Embed)?)) } else { None };
         let mut layers = Vec::with_capacity(range.len());
         for (offset, i) in range.clone().enumerate() {
-            let p = format!("model.layers.{i}");
-            let bias = |l: &mut Loader<'_, '_, B>, name: &str, n: usize| -> Result<Option<B::Vector>> {
-                if cfg.attention_bias { l.vector(&format!("{p}.self_attn.{name}.bias"), n).map(Some) } else { Ok(None) }
-            };
             let off = offload.is_offloaded(offset);
-            let [q, k, v, o, gate, up, down] = layer_matrices(&cfg);
-            let mat = |l: &mut Loader<'_, '_, B>, (name, shape): (&str, [usize; 2])| {
-                l.matrix_on(&format!("{p}.{name}"), shape, off)
-            };
+            let t = |t: LayerTensor| TensorId::Layer(i, t);
             layers.push(Layer {
-                attn_norm: l.vector(&format!("{p}.input_layernorm.weight"), h)?,
-                q: mat(&mut l, q)?,
-                k: mat(&mut l, k)?,
-                v: mat(&mut l, v)?,
-                q_bias: bias(&mut l, "q_proj", q_dim)?,
-                k_bias: bias(&mut l, "k_proj", kv_dim)?,
-                v_bias: bias(&mut l, "v_proj", kv_dim)?,
-                o: mat(&mut l, o)?,
-                mlp_norm: l.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                gate: mat(&mut l, gate)?,
-                up: mat(&mut l, up)?,
-                down: mat(&mut l, down)?,
+                attn_norm: l.vector(t(LayerTensor::AttnNorm))?,
+                q: l.matrix_on(t(LayerTensor::Q), off)?,
+                k: l.matrix_on(t(LayerTensor::K), off)?,
+                v: l.matrix_on(t(LayerTensor::V), off)?,
+                q_bias: l.bias(t(LayerTensor::QBias))?,
+                k_bias: l.bias(t(LayerTensor::KBias))?,
+                v_bias: l.bias(t(LayerTensor::VBias))?,
+                o: l.matrix_on(t(LayerTensor::O), off)?,
+                mlp_norm: l.vector(t(LayerTensor::MlpNorm))?,
+                gate: l.matrix_on(t(LayerTensor::Gate), off)?,
+                up: l.matrix_on(t(LayerTensor::Up), off)?,
+                down: l.matrix_on(t(LayerTensor::Down), off)?,
             });
         }
         let (norm, lm_head) = if last {
-            let norm = l.vector("model.norm.weight", h)?;
-            let head = if cfg.tie_word_embeddings || !files.contains("lm_head.weight") {
-                match &embed {
-                    Some(e) => {
-                        l.tick();
-                        e.clone()
-                    }
-                    None => Arc::new(l.matrix(embed_name, [cfg.vocab_size, h])?),
+            let norm = l.vector(TensorId::FinalNorm)?;
+            let head = match (layout.head(files), &embed) {
+                (TensorId::Embed, Some(e)) => {
+                    l.tick();
+                    e.clone()
                 }
-            } else {
-                Arc::new(l.matrix("lm_head.weight", [cfg.vocab_size, h])?)
+                (head, _) => Arc::new(l.matrix(head)?),
             };
             (Some(norm), Some(head))
         } else {
@@ -314,7 +273,7 @@ impl<B: Backend> StageModel<B> {
 
     /// KV bytes per cached token for this stage (keys and values).
     pub fn kv_bytes_per_token(&self) -> usize {
-        self.layers.len() * 2 * self.config.kv_dim() * self.backend.kv_elem_bytes()
+        self.layers.len() * ModelLayout::new(&self.config).kv_bytes_per_token_layer(self.backend.kv_elem_bytes())
     }
 
     /// Runs the stage on a batch. Returns hidden states `[tokens, hidden]`, or on the last stage logits for

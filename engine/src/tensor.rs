@@ -7,10 +7,8 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use memmap2::Mmap;
 
+use crate::quant;
 use crate::{Error, Result};
-
-/// Elements per block of the GGML block-quantized types.
-pub const QK: usize = 32;
 
 /// Element types a weight can be stored in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -21,31 +19,26 @@ pub enum DType {
     F16,
     /// bfloat16.
     BF16,
-    /// GGML Q8_0: blocks of 32 × i8 with an f16 scale.
+    /// GGML Q8_0 ([`quant::Q8_0`]).
     Q8_0,
-    /// GGML Q4_0: blocks of 32 × 4-bit with an f16 scale, offset 8.
+    /// GGML Q4_0 ([`quant::Q4_0`]).
     Q4_0,
-    /// GGML Q4_1: blocks of 32 × 4-bit with an f16 scale and an f16 minimum.
+    /// GGML Q4_1 ([`quant::Q4_1`]).
     Q4_1,
 }
 
 impl DType {
-    /// Elements per storage block (1 for float types).
+    /// Elements per storage block (1 for float types; see [`quant::BlockFormat`]).
     pub fn block_elems(self) -> usize {
-        match self {
-            DType::F32 | DType::F16 | DType::BF16 => 1,
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => QK,
-        }
+        quant::format(self).map_or(1, |f| f.block_elems)
     }
 
-    /// Bytes per storage block.
+    /// Bytes per storage block (the element size for float types).
     pub fn block_bytes(self) -> usize {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
-            DType::Q8_0 => 34,
-            DType::Q4_0 => 18,
-            DType::Q4_1 => 20,
+            q => quant::format(q).map_or(0, |f| f.block_bytes),
         }
     }
 
@@ -56,7 +49,7 @@ impl DType {
 
     /// Whether this is a block-quantized type.
     pub fn is_quantized(self) -> bool {
-        self.block_elems() > 1
+        quant::format(self).is_some()
     }
 
     /// Parses the names used on the command line and in safetensors headers.
@@ -79,9 +72,7 @@ impl fmt::Display for DType {
             DType::F32 => "f32",
             DType::F16 => "f16",
             DType::BF16 => "bf16",
-            DType::Q8_0 => "q8_0",
-            DType::Q4_0 => "q4_0",
-            DType::Q4_1 => "q4_1",
+            q => quant::format(*q).map_or("?", |f| f.name),
         })
     }
 }
@@ -170,7 +161,7 @@ impl HostTensor {
     pub fn new(name: &str, dtype: DType, shape: Vec<usize>, bytes: Bytes) -> Result<Self> {
         let n: usize = shape.iter().product();
         let row = shape.last().copied().unwrap_or(1);
-        let expected = if dtype.is_quantized() && row % QK != 0 { None } else { dtype.bytes_for(n) };
+        let expected = if !row.is_multiple_of(dtype.block_elems()) { None } else { dtype.bytes_for(n) };
         match expected {
             Some(b) if b == bytes.len() => Ok(HostTensor { dtype, shape, bytes }),
             _ => Err(Error::Shape {
@@ -208,9 +199,7 @@ impl HostTensor {
             DType::BF16 => bytemuck::cast_slice::<u8, bf16>(b).iter().map(|x| x.to_f32()).collect(),
             q => {
                 let mut out = vec![0f32; self.elems()];
-                for (blk, dst) in b.chunks_exact(q.block_bytes()).zip(out.chunks_exact_mut(QK)) {
-                    dequantize_block(q, blk, dst);
-                }
+                quant::dequantize(q, b, &mut out);
                 out
             }
         }
@@ -254,49 +243,9 @@ pub fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
 
-/// Dequantizes one GGML block into 32 floats.
-pub fn dequantize_block(dtype: DType, blk: &[u8], dst: &mut [f32]) {
-    match dtype {
-        DType::Q8_0 => {
-            let d = f16_at(blk, 0);
-            for (o, &q) in dst.iter_mut().zip(&blk[2..34]) {
-                *o = d * (q as i8) as f32;
-            }
-        }
-        DType::Q4_0 => {
-            let d = f16_at(blk, 0);
-            for j in 0..16 {
-                dst[j] = d * ((blk[2 + j] & 0x0f) as i32 - 8) as f32;
-                dst[j + 16] = d * ((blk[2 + j] >> 4) as i32 - 8) as f32;
-            }
-        }
-        DType::Q4_1 => {
-            let (d, m) = (f16_at(blk, 0), f16_at(blk, 2));
-            for j in 0..16 {
-                dst[j] = d * (blk[4 + j] & 0x0f) as f32 + m;
-                dst[j + 16] = d * (blk[4 + j] >> 4) as f32 + m;
-            }
-        }
-        _ => unreachable!("dequantize_block called with float type {dtype}"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn q4_1_block_dequantizes_low_then_high_nibbles() {
-        let mut blk = vec![0u8; 20];
-        blk[0..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
-        blk[2..4].copy_from_slice(&f16::from_f32(-1.0).to_le_bytes());
-        blk[4] = 0x3a; // low 10, high 3
-        let mut out = [0f32; 32];
-        dequantize_block(DType::Q4_1, &blk, &mut out);
-        assert_eq!(out[0], 0.5 * 10.0 - 1.0);
-        assert_eq!(out[16], 0.5 * 3.0 - 1.0);
-        assert_eq!(out[1], -1.0);
-    }
 
     #[test]
     fn rejects_wrong_byte_length() {

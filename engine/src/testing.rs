@@ -9,7 +9,9 @@ use half::{bf16, f16};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use crate::config::ModelConfig;
-use crate::tensor::{DType, QK};
+use crate::layout::{LayerTensor, ModelLayout, TensorId};
+use crate::quant;
+use crate::tensor::DType;
 use crate::{Error, Result};
 
 /// A tiny model's shape and storage.
@@ -35,36 +37,34 @@ pub fn random_weights(spec: &TinySpec) -> Weights {
         let v = (0..rows * cols).map(|_| rng.random_range(-0.17f32..0.17)).collect();
         w.insert(name, (vec![rows, cols], v));
     };
-    let (h, q, kv, i) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-    mat(&mut rng, "model.embed_tokens.weight".into(), c.vocab_size, h);
-    if !c.tie_word_embeddings {
-        mat(&mut rng, "lm_head.weight".into(), c.vocab_size, h);
+    let layout = ModelLayout::new(c);
+    // Draw order (matrices, then vectors) fixes the weights a seed gives; tests across the workspace rely on it.
+    let mut matrices = vec![TensorId::Embed];
+    if layout.contains(TensorId::LmHead) {
+        matrices.push(TensorId::LmHead);
     }
     for l in 0..c.num_layers {
-        let p = format!("model.layers.{l}");
-        mat(&mut rng, format!("{p}.self_attn.q_proj.weight"), q, h);
-        mat(&mut rng, format!("{p}.self_attn.k_proj.weight"), kv, h);
-        mat(&mut rng, format!("{p}.self_attn.v_proj.weight"), kv, h);
-        mat(&mut rng, format!("{p}.self_attn.o_proj.weight"), h, q);
-        mat(&mut rng, format!("{p}.mlp.gate_proj.weight"), i, h);
-        mat(&mut rng, format!("{p}.mlp.up_proj.weight"), i, h);
-        mat(&mut rng, format!("{p}.mlp.down_proj.weight"), h, i);
+        matrices.extend(LayerTensor::MATRICES.map(|t| TensorId::Layer(l, t)));
     }
-    let mut vec_ = |name: String, n: usize, around: f32| {
+    for id in matrices {
+        let shape = layout.shape(id);
+        mat(&mut rng, id.hf_name(), shape[0], shape[1]);
+    }
+    let mut vec_ = |id: TensorId, around: f32| {
+        let n = layout.shape(id)[0];
         let v = (0..n).map(|_| around + rng.random_range(-0.1f32..0.1)).collect();
-        w.insert(name, (vec![n], v));
+        w.insert(id.hf_name(), (vec![n], v));
     };
     for l in 0..c.num_layers {
-        let p = format!("model.layers.{l}");
-        vec_(format!("{p}.input_layernorm.weight"), h, 1.0);
-        vec_(format!("{p}.post_attention_layernorm.weight"), h, 1.0);
-        if c.attention_bias {
-            vec_(format!("{p}.self_attn.q_proj.bias"), q, 0.0);
-            vec_(format!("{p}.self_attn.k_proj.bias"), kv, 0.0);
-            vec_(format!("{p}.self_attn.v_proj.bias"), kv, 0.0);
+        for t in LayerTensor::VECTORS {
+            let id = TensorId::Layer(l, t);
+            if layout.contains(id) {
+                // Norms scale around 1, biases shift around 0.
+                vec_(id, if matches!(t, LayerTensor::AttnNorm | LayerTensor::MlpNorm) { 1.0 } else { 0.0 });
+            }
         }
     }
-    vec_("model.norm.weight".into(), h, 1.0);
+    vec_(TensorId::FinalNorm, 1.0);
     w
 }
 
@@ -103,68 +103,6 @@ pub fn write_hf(dir: &Path, spec: &TinySpec, weights: &Weights) -> Result<()> {
     let path = dir.join("model.safetensors");
     safetensors::serialize_to_file(views, None, &path)
         .map_err(|e| Error::Safetensors { path: path.clone(), reason: e.to_string() })
-}
-
-/// Quantizes a row-major matrix into GGML blocks of `dtype` (Q8_0, Q4_0 or Q4_1), the way llama.cpp does.
-pub fn quantize(dtype: DType, v: &[f32]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for b in v.chunks_exact(QK) {
-        match dtype {
-            DType::Q8_0 => {
-                let amax = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-                let d = amax / 127.0;
-                let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-                out.extend(b.iter().map(|x| ((x * id).round() as i8) as u8));
-            }
-            DType::Q4_0 => {
-                let max = b.iter().fold(0f32, |m, &x| if x.abs() > m.abs() { x } else { m });
-                let d = max / -8.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-                let q = |x: f32| ((x * id + 8.5) as i32).clamp(0, 15) as u8;
-                out.extend((0..16).map(|j| q(b[j]) | (q(b[j + 16]) << 4)));
-            }
-            DType::Q4_1 => {
-                let (min, max) = b.iter().fold((f32::MAX, f32::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
-                let d = (max - min) / 15.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-                out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
-                let q = |x: f32| (((x - min) * id + 0.5) as i32).clamp(0, 15) as u8;
-                out.extend((0..16).map(|j| q(b[j]) | (q(b[j + 16]) << 4)));
-            }
-            other => panic!("quantize: {other} is not a block type"),
-        }
-    }
-    out
-}
-
-fn ggml_code(d: DType) -> u32 {
-    match d {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::Q4_0 => 2,
-        DType::Q4_1 => 3,
-        DType::Q8_0 => 8,
-        DType::BF16 => 30,
-    }
-}
-
-fn gguf_name(hf: &str) -> String {
-    hf.replace("model.embed_tokens", "token_embd")
-        .replace("model.norm", "output_norm")
-        .replace("lm_head", "output")
-        .replace("model.layers.", "blk.")
-        .replace("input_layernorm", "attn_norm")
-        .replace("post_attention_layernorm", "ffn_norm")
-        .replace("self_attn.q_proj", "attn_q")
-        .replace("self_attn.k_proj", "attn_k")
-        .replace("self_attn.v_proj", "attn_v")
-        .replace("self_attn.o_proj", "attn_output")
-        .replace("mlp.gate_proj", "ffn_gate")
-        .replace("mlp.up_proj", "ffn_up")
-        .replace("mlp.down_proj", "ffn_down")
 }
 
 /// llama.cpp's Q/K row permutation (Hugging Face halves → interleaved pairs).
@@ -248,21 +186,22 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, weights: &Weights, ov: &GgufOver
     let mut infos = Vec::new();
     let mut data = Vec::new();
     let mut first_matrix = true;
+    let layout = ModelLayout::new(c);
     for (name, (shape, v)) in weights {
+        let id =
+            TensorId::from_hf_name(name).ok_or_else(|| Error::MissingTensor(format!("{name} (not a layout name)")))?;
         let mut v = v.clone();
-        if name.ends_with("q_proj.weight") {
-            v = permute_rows(&v, shape[0], shape[1], c.num_heads);
-        } else if name.ends_with("k_proj.weight") {
-            v = permute_rows(&v, shape[0], shape[1], c.num_kv_heads);
+        if let Some(heads) = layout.gguf_permuted_heads(id) {
+            v = permute_rows(&v, shape[0], shape[1], heads);
         }
         let dtype = if shape.len() == 2 { spec.dtype } else { DType::F32 };
         let bytes = match dtype {
             DType::F32 => bytemuck::cast_slice(&v).to_vec(),
             DType::F16 => v.iter().flat_map(|&x| f16::from_f32(x).to_le_bytes()).collect(),
             DType::BF16 => v.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes()).collect(),
-            q => quantize(q, &v),
+            q => quant::quantize(q, &v),
         };
-        let mut code = ggml_code(dtype);
+        let mut code = quant::ggml_type(dtype);
         if shape.len() == 2 && first_matrix {
             code = ov.bogus_type_code.unwrap_or(code);
             first_matrix = false;
@@ -270,7 +209,7 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, weights: &Weights, ov: &GgufOver
         while data.len() % 32 != 0 {
             data.push(0);
         }
-        let mut info = s(&gguf_name(name));
+        let mut info = s(&id.gguf_name());
         info.extend_from_slice(&(shape.len() as u32).to_le_bytes());
         for d in shape.iter().rev() {
             info.extend_from_slice(&(*d as u64).to_le_bytes());

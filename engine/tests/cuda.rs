@@ -15,9 +15,9 @@ use strata_engine::generate::Engine;
 use strata_engine::loader::ModelFiles;
 use strata_engine::model::{LoadOptions, LogitRows, SeqChunk, StageInput, StageModel};
 use strata_engine::offload::OffloadBudget;
+use strata_engine::quant::quantize;
 use strata_engine::sampling::argmax;
 use strata_engine::tensor::{Bytes, DType, HostTensor};
-use strata_engine::testing::quantize;
 
 fn cuda(act: DType) -> Result<CudaBackend> {
     let opts = CudaOptions { act_dtype: Some(act), ..CudaOptions::from_env(0, |k| std::env::var(k).ok()) };
@@ -98,7 +98,7 @@ fn check_ops(act: DType) -> Result<()> {
     close("rope", act, &gpu.act_to_host(&rg)?, &rc.data)?;
 
     // Every matmul route: cuBLAS for float weights; gemv (m <= 8), gemm and dequantize + cuBLAS (m >= 64).
-    for dtype in [act, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+    for dtype in std::iter::once(act).chain(strata_engine::quant::FORMATS.map(|f| f.dtype)) {
         let n = 96;
         let wv = rand_vec(&mut rng, n * cols, 0.2);
         let t = matrix(dtype, n, cols, &wv)?;

@@ -7,6 +7,8 @@ use std::sync::Arc;
 use memmap2::Mmap;
 
 use crate::config::{Architecture, ModelConfig};
+use crate::layout::{ModelLayout, TensorId};
+use crate::quant;
 use crate::tensor::{Bytes, DType, HostTensor};
 use crate::{Error, Result};
 
@@ -168,19 +170,14 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// The element type of a tensor's `ggml_type`, or a name for the error when strata does not read it.
 fn ggml_type(code: u32) -> std::result::Result<DType, String> {
-    Ok(match code {
-        0 => DType::F32,
-        1 => DType::F16,
-        2 => DType::Q4_0,
-        3 => DType::Q4_1,
-        8 => DType::Q8_0,
-        30 => DType::BF16,
-        6 => return Err("Q5_0".into()),
-        7 => return Err("Q5_1".into()),
-        9 => return Err("Q8_1".into()),
-        10..=15 => return Err(format!("K-quant type {code}")),
-        other => return Err(format!("ggml type {other}")),
+    quant::from_ggml_type(code).ok_or_else(|| match code {
+        6 => "Q5_0".into(),
+        7 => "Q5_1".into(),
+        9 => "Q8_1".into(),
+        10..=15 => format!("K-quant type {code}"),
+        other => format!("ggml type {other}"),
     })
 }
 
@@ -254,26 +251,24 @@ impl GgufSource {
 
     /// Whether a tensor (by Hugging Face name) exists.
     pub fn contains(&self, hf_name: &str) -> bool {
-        gguf_name(hf_name).is_some_and(|(n, _)| self.tensors.contains_key(&n))
+        gguf_name(hf_name).is_some_and(|n| self.tensors.contains_key(&n))
     }
 
     /// Storage type and shape of a tensor by Hugging Face name (the permutation keeps the shape).
     pub fn meta(&self, hf_name: &str) -> Option<(DType, Vec<usize>)> {
-        let (name, _) = gguf_name(hf_name)?;
-        self.tensors.get(&name).map(|t| (t.dtype, t.shape.clone()))
+        self.tensors.get(&gguf_name(hf_name)?).map(|t| (t.dtype, t.shape.clone()))
     }
 
     /// Reads a tensor by its Hugging Face name, undoing llama.cpp's Q/K row permutation.
     pub fn tensor(&self, hf_name: &str) -> Result<HostTensor> {
-        let (name, unpermute) = gguf_name(hf_name).ok_or_else(|| Error::MissingTensor(hf_name.to_string()))?;
+        let id = TensorId::from_hf_name(hf_name).ok_or_else(|| Error::MissingTensor(hf_name.to_string()))?;
+        let name = id.gguf_name();
         let info = self.tensors.get(&name).ok_or_else(|| Error::MissingTensor(format!("{hf_name} ({name})")))?;
         let bytes = Bytes::mapped(self.map.clone(), info.offset, info.len);
         let t = HostTensor::new(&name, info.dtype, info.shape.clone(), bytes)
             .map_err(|e| Error::Gguf { path: self.path.clone(), reason: e.to_string() })?;
-        let heads = match unpermute {
-            Permute::None => return Ok(t),
-            Permute::Q => self.config.num_heads,
-            Permute::K => self.config.num_kv_heads,
+        let Some(heads) = ModelLayout::new(&self.config).gguf_permuted_heads(id) else {
+            return Ok(t);
         };
         if t.shape.len() != 2 || t.shape[0] % heads != 0 || (t.shape[0] / heads) % 2 != 0 {
             return Err(Error::ShapeMismatch {
@@ -301,39 +296,9 @@ fn unpermute_rows(rows: usize, heads: usize) -> Vec<usize> {
     src
 }
 
-#[derive(Clone, Copy)]
-enum Permute {
-    None,
-    Q,
-    K,
-}
-
-fn gguf_name(hf: &str) -> Option<(String, Permute)> {
-    let fixed = match hf {
-        "model.embed_tokens.weight" => Some("token_embd.weight"),
-        "model.norm.weight" => Some("output_norm.weight"),
-        "lm_head.weight" => Some("output.weight"),
-        _ => None,
-    };
-    if let Some(f) = fixed {
-        return Some((f.to_string(), Permute::None));
-    }
-    let rest = hf.strip_prefix("model.layers.")?;
-    let (layer, leaf) = rest.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
-    let (g, p) = match leaf {
-        "input_layernorm.weight" => ("attn_norm.weight", Permute::None),
-        "post_attention_layernorm.weight" => ("ffn_norm.weight", Permute::None),
-        "self_attn.q_proj.weight" => ("attn_q.weight", Permute::Q),
-        "self_attn.k_proj.weight" => ("attn_k.weight", Permute::K),
-        "self_attn.v_proj.weight" => ("attn_v.weight", Permute::None),
-        "self_attn.o_proj.weight" => ("attn_output.weight", Permute::None),
-        "mlp.gate_proj.weight" => ("ffn_gate.weight", Permute::None),
-        "mlp.up_proj.weight" => ("ffn_up.weight", Permute::None),
-        "mlp.down_proj.weight" => ("ffn_down.weight", Permute::None),
-        _ => return None,
-    };
-    Some((format!("blk.{layer}.{g}"), p))
+/// The GGUF name of a tensor known by its Hugging Face name.
+fn gguf_name(hf: &str) -> Option<String> {
+    TensorId::from_hf_name(hf).map(TensorId::gguf_name)
 }
 
 fn config_from_metadata(
@@ -411,12 +376,5 @@ mod tests {
         }
         let back: Vec<usize> = unpermute_rows(heads * d, heads).iter().map(|&r| gguf[r]).collect();
         assert_eq!(back, hf);
-    }
-
-    #[test]
-    fn maps_layer_names() {
-        let (n, _) = gguf_name("model.layers.12.mlp.down_proj.weight").expect("known");
-        assert_eq!(n, "blk.12.ffn_down.weight");
-        assert!(gguf_name("model.layers.x.mlp.down_proj.weight").is_none());
     }
 }

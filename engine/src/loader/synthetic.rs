@@ -8,6 +8,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::config::{Architecture, ModelConfig};
+use crate::layout::{ModelLayout, TensorId};
 use crate::tensor::{Bytes, DType, HostTensor};
 use crate::{Error, Result};
 
@@ -109,31 +110,11 @@ impl SyntheticSource {
         &self.config
     }
 
-    /// Shape and storage type of a tensor, if the model has it.
+    /// Shape and storage type of a tensor, if the model has it: matrices in the model's type, vectors f32.
     pub fn meta(&self, name: &str) -> Option<(DType, Vec<usize>)> {
-        let c = &self.config;
-        let (h, q, kv, i) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let mat = |r: usize, k: usize| Some((self.dtype, vec![r, k]));
-        match name {
-            "model.embed_tokens.weight" => return mat(c.vocab_size, h),
-            "lm_head.weight" if !c.tie_word_embeddings => return mat(c.vocab_size, h),
-            "model.norm.weight" => return Some((DType::F32, vec![h])),
-            _ => {}
-        }
-        let rest = name.strip_prefix("model.layers.")?;
-        let (layer, field) = rest.split_once('.')?;
-        if layer.parse::<usize>().ok()? >= c.num_layers {
-            return None;
-        }
-        match field {
-            "input_layernorm.weight" | "post_attention_layernorm.weight" => Some((DType::F32, vec![h])),
-            "self_attn.q_proj.weight" => mat(q, h),
-            "self_attn.k_proj.weight" | "self_attn.v_proj.weight" => mat(kv, h),
-            "self_attn.o_proj.weight" => mat(h, q),
-            "mlp.gate_proj.weight" | "mlp.up_proj.weight" => mat(i, h),
-            "mlp.down_proj.weight" => mat(h, i),
-            _ => None,
-        }
+        let layout = ModelLayout::new(&self.config);
+        let id = TensorId::from_hf_name(name).filter(|&id| layout.contains(id))?;
+        Some((if id.is_matrix() { self.dtype } else { DType::F32 }, layout.shape(id)))
     }
 
     /// Whether a tensor exists.

@@ -7,7 +7,8 @@ use rayon::prelude::*;
 use super::qgemm::{self, PackedActs};
 use super::simd::{self, Isa, Q8Block, quantize_row};
 use super::{CpuMatrix, CpuTensor};
-use crate::tensor::{DType, QK};
+use crate::quant::QK;
+use crate::tensor::DType;
 use crate::{Error, Result};
 
 /// Output rows handed to one task: enough to amortize scheduling, few enough to balance two cores.
@@ -192,11 +193,7 @@ pub fn embed(w: &CpuMatrix, ids: &[u32]) -> Result<CpuTensor> {
                     *d = h.to_f32();
                 }
             }
-            q => {
-                for (blk, d) in src.chunks_exact(q.block_bytes()).zip(dst.chunks_exact_mut(QK)) {
-                    crate::tensor::dequantize_block(q, blk, d);
-                }
-            }
+            q => crate::quant::dequantize(q, src, dst),
         }
     }
     Ok(CpuTensor { data: out, rows: ids.len(), cols: k })
@@ -213,7 +210,7 @@ mod tests {
             DType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             DType::F16 => v.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect(),
             DType::BF16 => v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
-            q => crate::testing::quantize(q, v),
+            q => crate::quant::quantize(q, v),
         };
         CpuMatrix { rows, cols, dtype, bytes: Bytes::owned(&bytes) }
     }
@@ -223,7 +220,8 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(21);
         let (n, k) = (37, 96);
         let isa = Isa::detect();
-        for dtype in [DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        let quantized = crate::quant::FORMATS.map(|f| f.dtype);
+        for dtype in [DType::F32, DType::F16, DType::BF16].into_iter().chain(quantized) {
             let wv: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
             let (w, w2) = (matrix(dtype, n, k, &wv), matrix(dtype, 5, k, &wv[..5 * k]));
             let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();

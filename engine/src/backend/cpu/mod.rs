@@ -2,6 +2,7 @@
 //! It is the reference every other backend and the distributed path are checked against.
 
 mod attention;
+mod kernels;
 mod matmul;
 mod qgemm;
 pub mod simd;

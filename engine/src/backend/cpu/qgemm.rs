@@ -5,7 +5,8 @@
 //! never changes a result.
 
 use super::simd::Q8Block;
-use crate::tensor::{DType, QK};
+use crate::quant::QK;
+use crate::tensor::DType;
 
 /// Tokens interleaved in one activation group (the tile's token dimension).
 pub const GROUP: usize = 8;
@@ -70,6 +71,7 @@ pub unsafe fn rows_by_tokens(
         "qgemm operands do not match"
     );
     // Per-block scales of one row × one group, rewritten by every tile (aligned for 256-bit stores).
+    let k = super::kernels::kernels(dtype);
     let mut scales = vec![Align32([0f32; GROUP]); blocks];
     let sc = scales.as_mut_ptr() as *mut f32;
     // Token groups are visited in runs that fit in L1 (with room for the weight rows), all rows per run: with
@@ -86,17 +88,7 @@ pub unsafe fn rows_by_tokens(
                 // SAFETY: AVX2/FMA/F16C were detected; row r lies in `w`, the group's blocks in `acts`, `scales` holds
                 // `blocks` aligned groups of floats (asserted above), and the caller vouches for outputs
                 // (g·8 + t, r) for t < tokens.
-                unsafe {
-                    match dtype {
-                        DType::Q8_0 => {
-                            x86::dispatch::<{ super::simd::Q8_0 }>(tokens, wp, ap, blocks, sc, op, token_stride)
-                        }
-                        DType::Q4_0 => {
-                            x86::dispatch::<{ super::simd::Q4_0 }>(tokens, wp, ap, blocks, sc, op, token_stride)
-                        }
-                        _ => x86::dispatch::<{ super::simd::Q4_1 }>(tokens, wp, ap, blocks, sc, op, token_stride),
-                    }
-                }
+                unsafe { (k.tile)(tokens, wp, ap, blocks, sc, op, token_stride) }
             }
         }
     }
@@ -111,7 +103,7 @@ const L1_ACT_BYTES: usize = 16 * 1024;
 struct Align32([f32; GROUP]);
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use super::{GROUP, Q8x8};
     use crate::backend::cpu::simd::x86::{block_bytes, hsum, unpack};
     use crate::backend::cpu::simd::{Q4_0, Q8_0};
@@ -230,10 +222,10 @@ mod tests {
         let blocks = 5;
         let k = blocks * QK;
         // Every tile width: tokens 1..=17 (whole and partial groups of 8).
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        for dtype in crate::quant::FORMATS.map(|f| f.dtype) {
             for rows in 1..=5 {
                 let wf: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-                let w = crate::testing::quantize(dtype, &wf);
+                let w = crate::quant::quantize(dtype, &wf);
                 let row_bytes = w.len() / rows;
                 for tokens in 1..=17 {
                     let x: Vec<f32> = (0..tokens * k).map(|_| rng.random_range(-2.0f32..2.0)).collect();

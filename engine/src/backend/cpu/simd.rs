@@ -1,7 +1,9 @@
 //! Dot-product kernels: a portable scalar version of each (the oracle) and AVX2/FMA/F16C versions picked
 //! at runtime.
 
-use crate::tensor::{DType, QK, f16_at};
+use super::kernels::kernels;
+use crate::quant::QK;
+use crate::tensor::DType;
 
 /// An activation block quantized to 8 bits for integer dot products with quantized weights.
 #[derive(Debug, Clone, Copy)]
@@ -115,23 +117,18 @@ pub(super) const Q4_1: u8 = 2;
 /// at a time. `xq` holds the rows' blocks back to back, `blocks` per row. The reference arithmetic of the AVX2
 /// kernels: `dot_quant_rows` (one token) and `qgemm` (several) reproduce it bit for bit.
 pub fn dot_quant(isa: Isa, dtype: DType, w: &[u8], xq: &[Q8Block], blocks: usize, out: &mut [f32]) {
+    let k = kernels(dtype);
     for (t, o) in out.iter_mut().enumerate() {
         let a = &xq[t * blocks..(t + 1) * blocks];
         #[cfg(target_arch = "x86_64")]
         if isa == Isa::Avx2 {
             // SAFETY: Avx2 is only chosen after runtime detection; `w` holds `blocks` blocks of `dtype` and `a`
             // holds `blocks` blocks (checked by the caller's shapes).
-            *o = unsafe {
-                match dtype {
-                    DType::Q8_0 => x86::dot_quant_one::<Q8_0>(w, a, blocks),
-                    DType::Q4_0 => x86::dot_quant_one::<Q4_0>(w, a, blocks),
-                    _ => x86::dot_quant_one::<Q4_1>(w, a, blocks),
-                }
-            };
+            *o = unsafe { (k.dot_one)(w, a, blocks) };
             continue;
         }
         let _ = isa;
-        *o = dot_quant_scalar(dtype, w, a);
+        *o = (k.scalar_dot)(w, a);
     }
 }
 
@@ -149,6 +146,7 @@ pub fn dot_quant_rows(
 ) {
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 {
+        let k = kernels(dtype);
         let mut r = 0;
         while r < out.len() {
             let n = if out.len() - r >= 8 {
@@ -162,16 +160,10 @@ pub fn dot_quant_rows(
             let o = &mut out[r..r + n];
             // SAFETY: Avx2 is only chosen after runtime detection; `rows` holds `n` rows of `blocks` blocks.
             unsafe {
-                match (dtype, n) {
-                    (DType::Q8_0, 8) => x86::dot_rows_n::<8, Q8_0>(rows, row_bytes, xq, blocks, o),
-                    (DType::Q4_0, 8) => x86::dot_rows_n::<8, Q4_0>(rows, row_bytes, xq, blocks, o),
-                    (_, 8) => x86::dot_rows_n::<8, Q4_1>(rows, row_bytes, xq, blocks, o),
-                    (DType::Q8_0, 4) => x86::dot_rows_n::<4, Q8_0>(rows, row_bytes, xq, blocks, o),
-                    (DType::Q4_0, 4) => x86::dot_rows_n::<4, Q4_0>(rows, row_bytes, xq, blocks, o),
-                    (_, 4) => x86::dot_rows_n::<4, Q4_1>(rows, row_bytes, xq, blocks, o),
-                    (DType::Q8_0, _) => o[0] = x86::dot_quant_one::<Q8_0>(rows, xq, blocks),
-                    (DType::Q4_0, _) => o[0] = x86::dot_quant_one::<Q4_0>(rows, xq, blocks),
-                    (_, _) => o[0] = x86::dot_quant_one::<Q4_1>(rows, xq, blocks),
+                match n {
+                    8 => (k.dot_rows8)(rows, row_bytes, xq, blocks, o),
+                    4 => (k.dot_rows4)(rows, row_bytes, xq, blocks, o),
+                    _ => o[0] = (k.dot_one)(rows, xq, blocks),
                 }
             }
             r += n;
@@ -185,26 +177,7 @@ pub fn dot_quant_rows(
 
 /// The portable reference for [`dot_quant`], one activation row.
 pub fn dot_quant_scalar(dtype: DType, w: &[u8], a: &[Q8Block]) -> f32 {
-    let mut sum = 0f32;
-    for (blk, ab) in w.chunks_exact(dtype.block_bytes()).zip(a) {
-        sum += match dtype {
-            DType::Q8_0 => {
-                let isum: i32 = blk[2..].iter().zip(&ab.qs).map(|(&q, &x)| (q as i8) as i32 * x as i32).sum();
-                f16_at(blk, 0) * ab.d * isum as f32
-            }
-            DType::Q4_0 => f16_at(blk, 0) * (ab.d * nibble_dot(&blk[2..18], &ab.qs) as f32 - 8.0 * ab.s),
-            _ => f16_at(blk, 0) * ab.d * nibble_dot(&blk[4..20], &ab.qs) as f32 + f16_at(blk, 2) * ab.s,
-        };
-    }
-    sum
-}
-
-fn nibble_dot(qs: &[u8], a: &[i8; QK]) -> i32 {
-    let mut isum = 0i32;
-    for j in 0..16 {
-        isum += (qs[j] & 0x0f) as i32 * a[j] as i32 + (qs[j] >> 4) as i32 * a[j + 16] as i32;
-    }
-    isum
+    (kernels(dtype).scalar_dot)(w, a)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -450,8 +423,8 @@ mod tests {
         let x = rand_vec(&mut rng, blocks * 32);
         let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; 32] }; blocks];
         quantize_row(&x, &mut xq);
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
-            let w = crate::testing::quantize(dtype, &rand_vec(&mut rng, rows * blocks * 32));
+        for dtype in crate::quant::FORMATS.map(|f| f.dtype) {
+            let w = crate::quant::quantize(dtype, &rand_vec(&mut rng, rows * blocks * 32));
             let row_bytes = w.len() / rows;
             let mut many = vec![0f32; rows];
             dot_quant_rows(isa, dtype, &w, row_bytes, &xq, blocks, &mut many);
@@ -471,9 +444,7 @@ mod tests {
         let x = rand_vec(&mut rng, n);
         let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; 32] }; n / 32];
         quantize_row(&x, &mut xq);
-        for (dtype, bb) in
-            [(crate::tensor::DType::Q8_0, 34), (crate::tensor::DType::Q4_0, 18), (crate::tensor::DType::Q4_1, 20)]
-        {
+        for (dtype, bb) in crate::quant::FORMATS.map(|f| (f.dtype, f.block_bytes)) {
             let mut w: Vec<u8> = (0..n / 32 * bb).map(|_| rng.random()).collect();
             for blk in w.chunks_exact_mut(bb) {
                 blk[0..2].copy_from_slice(&half::f16::from_f32(rng.random_range(0.01..0.1)).to_le_bytes());
@@ -486,7 +457,7 @@ mod tests {
             let (fast, slow) = (fast[0], dot_quant_scalar(dtype, &w, &xq));
             let mut wf = vec![0f32; n];
             for (blk, dst) in w.chunks_exact(bb).zip(wf.chunks_exact_mut(32)) {
-                crate::tensor::dequantize_block(dtype, blk, dst);
+                crate::quant::dequantize(dtype, blk, dst);
             }
             let exact: f32 = wf.iter().zip(&x).map(|(a, b)| a * b).sum();
             assert!((fast - slow).abs() < 1e-3, "{dtype}: simd {fast} vs scalar {slow}");

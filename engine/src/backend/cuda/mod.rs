@@ -31,7 +31,7 @@ pub use self::compile::{cache_file_name, default_cache_dir, find_cuda_include, f
 use self::staging::{HostWeight, Staging};
 use super::{AttnSeq, AttnShape, Backend};
 use crate::config::ModelConfig;
-use crate::tensor::{DType, HostTensor, QK};
+use crate::tensor::{DType, HostTensor};
 use crate::{Error, Result};
 
 /// Wraps a CUDA-side error with what was being done.
@@ -272,10 +272,11 @@ impl CudaBackend {
             return Err(Error::Shape { op: "upload_matrix", reason: format!("expected 2-D, got {:?}", t.shape) });
         }
         if t.dtype.is_quantized() {
-            if !t.shape[1].is_multiple_of(QK) {
+            let block = t.dtype.block_elems();
+            if !t.shape[1].is_multiple_of(block) {
                 return Err(Error::Shape {
                     op: "upload_matrix",
-                    reason: format!("{} weights need a multiple of {QK} columns, got {}", t.dtype, t.shape[1]),
+                    reason: format!("{} weights need a multiple of {block} columns, got {}", t.dtype, t.shape[1]),
                 });
             }
             return Ok(t.clone());
