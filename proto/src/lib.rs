@@ -1,11 +1,13 @@
 //! strata's cluster contract: the `strata.v1` gRPC services (public `Coordinator`, internal `Stage`), wire id
-//! newtypes, the closed set of error codes and their mapping to gRPC status, the hidden-state codec, and W3C trace
-//! context propagation through gRPC metadata. See `docs/protocol.md`.
+//! newtypes, checked conversions of layer ranges into the wire's integers, the closed set of error codes and
+//! their mapping to gRPC status, the hidden-state codec, and W3C trace context propagation through gRPC
+//! metadata. See `docs/protocol.md`.
 
 pub mod codec;
 pub mod error;
 pub mod ids;
 pub mod introspection;
+mod layers;
 pub mod status;
 pub mod tls;
 pub mod trace;
@@ -23,6 +25,7 @@ pub use codec::{decode_to_f32, dtype_size, encode_f32, validate_hidden};
 pub use error::{ProtoError, Result};
 pub use ids::{NodeId, PlanEpoch, SeqId};
 pub use introspection::{COORDINATOR_SERVICE, STAGE_SERVICE, health_service, reflection_service, set_serving};
+pub use layers::{WireLayers, wire_u32};
 pub use status::{ErrorCode, ServiceError};
 #[cfg(feature = "clap")]
 pub use tls::TlsArgs;

@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
+use strata_engine::{Device, FloatDtype, HiddenDtype, LayerRange};
 use strata_proto::TlsArgs;
-use strata_stage_worker::{Device, FloatDtype, HiddenDtype, LayerRange, RegistrationOptions, WorkerConfig};
+use strata_stage_worker::{RegistrationOptions, WorkerConfig};
 use tokio_util::sync::CancellationToken;
 
 /// Serve one contiguous layer range of a model over strata's Stage gRPC service.
