@@ -6,12 +6,12 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde::Serialize;
+use strata_engine::OnBackend;
 use strata_engine::backend::Backend;
 use strata_engine::generate::Engine;
 use strata_engine::model::SeqChunk;
 use strata_engine::sampling::argmax;
 use strata_proto::TlsArgs;
-use strata_stage_worker::device::OnBackend;
 
 use crate::load::{DeviceArgs, load};
 
@@ -110,10 +110,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
 }
 
 impl OnBackend for BenchArgs {
-    type Out = Result<()>;
+    type Out = ();
+    type Error = anyhow::Error;
 
-    fn run<B: Backend>(self, backend: Arc<B>) -> strata_stage_worker::Result<Result<()>> {
-        Ok(bench(self, backend))
+    fn run<B: Backend>(self, backend: Arc<B>) -> Result<()> {
+        bench(self, backend)
     }
 }
 

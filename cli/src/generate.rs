@@ -5,11 +5,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
+use strata_engine::OnBackend;
 use strata_engine::backend::Backend;
 use strata_engine::generate::{Engine, GenerateRequest};
 use strata_engine::sampling::SamplingParams;
 use strata_engine::tokenizer::{ChatMessage, Tokenizer};
-use strata_stage_worker::device::OnBackend;
 
 use crate::load::{DeviceArgs, load};
 
@@ -109,10 +109,11 @@ pub fn run(a: GenerateArgs) -> Result<()> {
 }
 
 impl OnBackend for GenerateArgs {
-    type Out = Result<()>;
+    type Out = ();
+    type Error = anyhow::Error;
 
-    fn run<B: Backend>(self, backend: Arc<B>) -> strata_stage_worker::Result<Result<()>> {
-        Ok(generate(self, backend))
+    fn run<B: Backend>(self, backend: Arc<B>) -> Result<()> {
+        generate(self, backend)
     }
 }
 

@@ -1,4 +1,4 @@
-//! Opening a model for the CLI: dtype parsing, a progress bar on terminals, conversion.
+//! Opening a model for the CLI: the device flags, a progress bar on terminals, conversion.
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -10,16 +10,7 @@ use strata_engine::loader::ModelFiles;
 use strata_engine::model::{LoadOptions, StageModel};
 use strata_engine::tensor::DType;
 use strata_engine::tokenizer::Tokenizer;
-use strata_stage_worker::device::{DeviceSpec, OnBackend, on_device};
-use strata_stage_worker::{Device, FloatDtype};
-
-/// Parses `f32|f16|bf16`.
-pub fn parse_dtype(s: &str) -> Result<DType, String> {
-    match DType::parse(s) {
-        Some(d) if !d.is_quantized() => Ok(d),
-        _ => Err(format!("unknown dtype {s:?} (expected f32, f16 or bf16)")),
-    }
-}
+use strata_engine::{Device, DeviceSpec, FloatDtype, OnBackend, on_device};
 
 /// Where `generate` and `bench` run, shared by both.
 #[derive(clap::Args, Debug, Clone)]
@@ -37,9 +28,9 @@ pub struct DeviceArgs {
 
 impl DeviceArgs {
     /// Opens the device and runs `work` on it.
-    pub fn run<W: OnBackend<Out = Result<()>>>(&self, work: W) -> Result<()> {
+    pub fn run<W: OnBackend<Out = (), Error = anyhow::Error>>(&self, work: W) -> Result<()> {
         let spec = DeviceSpec { device: self.device, threads: self.threads, dtype: self.dtype, gpu_memory_limit: None };
-        on_device(&spec, work)?
+        on_device(&spec, work)
     }
 }
 
@@ -92,8 +83,8 @@ pub struct ConvertArgs {
     #[arg(long)]
     out: PathBuf,
     /// Matrix storage type.
-    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
-    dtype: DType,
+    #[arg(long, default_value = "f32")]
+    dtype: FloatDtype,
 }
 
 /// Runs `strata convert`.
@@ -102,7 +93,7 @@ pub fn convert(a: ConvertArgs) -> Result<()> {
     if !matches!(files, ModelFiles::Gguf(_)) {
         bail!("{} is not a GGUF file", a.model.display());
     }
-    strata_engine::convert::to_hf_dir(&files, &a.out, a.dtype)?;
+    strata_engine::convert::to_hf_dir(&files, &a.out, a.dtype.to_engine())?;
     eprintln!("wrote {}", a.out.display());
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! `Generate` and the OpenAI-compatible HTTP endpoints) take, so they accept and refuse exactly the same requests.
 
 use strata_engine::generate::{GenerateRequest as EngineRequest, validate_request};
+use strata_engine::sampling::SamplingParams;
 use strata_engine::tokenizer::ChatMessage;
 use strata_proto::pb;
 
@@ -82,10 +83,11 @@ pub fn prepare(model: &ModelInfo, params: GenerateParams) -> Result<SeqRequest> 
         )));
     }
     let max_tokens = params.max_tokens.unwrap_or_else(|| DEFAULT_MAX_TOKENS.min(model.context - prompt_ids.len()));
+    let s = &params.sampling;
     let engine_req = EngineRequest {
         prompt_ids,
         max_tokens,
-        sampling: engine_sampling(&params.sampling),
+        sampling: SamplingParams::with_zeros_off(s.temperature, s.top_k, s.top_p, s.seed, s.repetition_penalty),
         stop: params.stop.clone(),
     };
     validate_request(&engine_req, model.vocab_size, model.context)
@@ -107,17 +109,6 @@ fn no_tokenizer() -> String {
 fn encode(model: &ModelInfo, text: &str) -> std::result::Result<Vec<u32>, String> {
     let tok = model.tokenizer.as_ref().ok_or_else(no_tokenizer)?;
     tok.encode(text).map_err(|e| format!("tokenizing: {e}"))
-}
-
-/// Wire sampling params (zeros mean "off") as the engine's.
-pub(crate) fn engine_sampling(p: &pb::SamplingParams) -> strata_engine::sampling::SamplingParams {
-    strata_engine::sampling::SamplingParams {
-        temperature: p.temperature,
-        top_k: p.top_k as usize,
-        top_p: if p.top_p == 0.0 { 1.0 } else { p.top_p },
-        seed: p.seed,
-        repetition_penalty: if p.repetition_penalty == 0.0 { 1.0 } else { p.repetition_penalty },
-    }
 }
 
 /// A fresh id for a request that came without one (logs, traces, response ids).

@@ -99,6 +99,22 @@ pub enum Error {
     /// The requested device or backend is not available here.
     #[error("device unavailable: {0}")]
     Device(String),
+    /// A CUDA device was asked for, but this build has only the CPU backend.
+    #[error("device {device}: this build has no CUDA support (build with --features cuda)")]
+    CudaNotCompiled {
+        /// The device asked for.
+        device: String,
+    },
+    /// A value given as text or on the wire (a device, a dtype, a layer range) is not valid.
+    #[error("invalid {what} {value:?}: expected {expected}")]
+    InvalidValue {
+        /// What the value names.
+        what: &'static str,
+        /// The value as given.
+        value: String,
+        /// What would have been accepted.
+        expected: &'static str,
+    },
 }
 
 impl Error {

@@ -1,20 +1,29 @@
 //! strata's model engine: loading Llama-family models by layer range (Hugging Face safetensors or GGUF),
-//! the backend trait with its CPU reference implementation, the paged KV cache, tokenization and sampling.
+//! the backend trait with its CPU reference implementation, the paged KV cache, tokenization and sampling, and
+//! the types users name for them (device, float dtype, layer range). Test model builders are behind the
+//! `testing` feature.
 
 pub mod backend;
 pub mod config;
 pub mod convert;
+mod device;
+mod dtype;
 mod error;
 pub mod generate;
 pub mod kv_cache;
 pub mod layout;
+mod layer_range;
 pub mod loader;
 pub mod model;
 pub mod offload;
 pub mod quant;
 pub mod sampling;
 pub mod tensor;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod tokenizer;
 
+pub use device::{Device, DeviceSpec, OnBackend, on_device};
+pub use dtype::{FloatDtype, HiddenDtype};
 pub use error::{Error, Result};
+pub use layer_range::LayerRange;

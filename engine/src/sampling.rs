@@ -27,6 +27,26 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
+    /// Settings as the wire carries them (`strata.v1.SamplingParams`): proto3 cannot tell an unset number from
+    /// 0, so 0 turns top-k, top-p and the repetition penalty off. The one conversion from the wire's fields;
+    /// not validated (see [`SamplingParams::validate`]).
+    pub fn with_zeros_off(
+        temperature: f32,
+        top_k: u32,
+        top_p: f32,
+        seed: Option<u64>,
+        repetition_penalty: f32,
+    ) -> Self {
+        SamplingParams {
+            temperature,
+            // A k beyond the address space keeps every token, as k = 0 does.
+            top_k: usize::try_from(top_k).unwrap_or(0),
+            top_p: if top_p == 0.0 { 1.0 } else { top_p },
+            seed,
+            repetition_penalty: if repetition_penalty == 0.0 { 1.0 } else { repetition_penalty },
+        }
+    }
+
     /// Rejects values that make no sense.
     pub fn validate(&self) -> Result<()> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
@@ -208,6 +228,15 @@ mod tests {
     fn repetition_penalty_demotes_seen_tokens() {
         let mut s = Sampler::new(SamplingParams { repetition_penalty: 2.0, ..Default::default() });
         assert_eq!(s.sample(&mut [3.0, 2.0], &[0]), 1);
+    }
+
+    #[test]
+    fn zeros_from_the_wire_mean_off() {
+        assert_eq!(SamplingParams::with_zeros_off(0.0, 0, 0.0, None, 0.0), SamplingParams::default());
+        let p = SamplingParams::with_zeros_off(0.7, 40, 0.9, Some(3), 1.1);
+        let expected =
+            SamplingParams { temperature: 0.7, top_k: 40, top_p: 0.9, seed: Some(3), repetition_penalty: 1.1 };
+        assert_eq!(p, expected);
     }
 
     #[test]

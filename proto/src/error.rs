@@ -57,6 +57,16 @@ pub enum ProtoError {
         /// Columns requested.
         cols: u64,
     },
+    /// A value does not fit its wire field, or a layer range to send is empty.
+    #[error("{what} {value} cannot go on the wire: {reason}")]
+    WireValue {
+        /// What the value is.
+        what: &'static str,
+        /// The value.
+        value: String,
+        /// Why it cannot be sent.
+        reason: &'static str,
+    },
     /// The reflection service could not be built from the descriptor set.
     #[error("reflection service: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),

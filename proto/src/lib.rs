@@ -1,6 +1,7 @@
 //! strata's cluster contract: the `strata.v1` gRPC services (public `Coordinator`, internal `Stage`), wire id
-//! newtypes, the closed set of error codes and their mapping to gRPC status, the hidden-state codec, and W3C trace
-//! context propagation through gRPC metadata. See `docs/protocol.md`.
+//! newtypes, checked conversions of layer ranges into the wire's integers, the closed set of error codes and
+//! their mapping to gRPC status, the hidden-state codec, and W3C trace context propagation through gRPC
+//! metadata. See `docs/protocol.md`.
 
 pub mod codec;
 pub mod error;
@@ -10,6 +11,7 @@ pub mod introspection;
 pub mod logging;
 #[cfg(feature = "clap")]
 pub mod shutdown;
+mod layers;
 pub mod status;
 pub mod tls;
 pub mod trace;
@@ -31,6 +33,7 @@ pub use introspection::{COORDINATOR_SERVICE, STAGE_SERVICE, health_service, refl
 pub use logging::{LogArgs, LogFormat};
 #[cfg(feature = "clap")]
 pub use shutdown::{shutdown_signal, shutdown_token};
+pub use layers::{WireLayers, wire_u32};
 pub use status::{ErrorCode, ServiceError};
 #[cfg(feature = "clap")]
 pub use tls::TlsArgs;

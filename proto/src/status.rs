@@ -217,7 +217,11 @@ impl From<ProtoError> for ServiceError {
             | ProtoError::ValueCount { .. }
             | ProtoError::TooLarge { .. }
             | ProtoError::Address(_) => ErrorCode::InvalidArgument,
-            ProtoError::Reflection(_) | ProtoError::SetParent(_) | ProtoError::Tls(_) => ErrorCode::Internal,
+            // A value this side holds does not fit the wire: our fault, not the request's.
+            ProtoError::WireValue { .. }
+            | ProtoError::Reflection(_)
+            | ProtoError::SetParent(_)
+            | ProtoError::Tls(_) => ErrorCode::Internal,
         };
         ServiceError::new(code, err.to_string())
     }

@@ -5,9 +5,10 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
+use strata_engine::{Device, FloatDtype, HiddenDtype, LayerRange};
 use strata_membership::{check_cluster_name, parse_endpoints};
 use strata_proto::{LogArgs, TlsArgs};
-use strata_stage_worker::{Device, FloatDtype, HiddenDtype, LayerRange, RegistrationOptions, WorkerConfig};
+use strata_stage_worker::{RegistrationOptions, WorkerConfig};
 
 /// Serve one contiguous layer range of a model over strata's Stage gRPC service.
 #[derive(Debug, Parser)]

@@ -1,166 +1,12 @@
 //! The worker's configuration: one struct, deserializable, validated before anything is loaded.
 
-use std::fmt;
 use std::path::PathBuf;
-use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
-use strata_engine::tensor::DType;
-use strata_proto::pb::Dtype;
+use strata_engine::{Device, FloatDtype, HiddenDtype, LayerRange};
 use strata_proto::{Tls, TlsFiles};
 
 use crate::error::{Error, Result};
-
-/// Half-open range of transformer layers `start..end`, written `"START..END"`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
-pub struct LayerRange {
-    /// First layer (inclusive).
-    pub start: usize,
-    /// One past the last layer.
-    pub end: usize,
-}
-
-impl LayerRange {
-    /// The range as `start..end`.
-    pub fn to_range(self) -> std::ops::Range<usize> {
-        self.start..self.end
-    }
-}
-
-impl FromStr for LayerRange {
-    type Err = Error;
-
-    fn from_str(s: &str) -> Result<Self> {
-        let bad = || Error::Config(format!("layer range {s:?} must look like START..END (e.g. 0..12)"));
-        let (a, b) = s.trim().split_once("..").ok_or_else(bad)?;
-        let start = a.trim().parse().map_err(|_| bad())?;
-        let end = b.trim().parse().map_err(|_| bad())?;
-        if start >= end {
-            return Err(Error::Config(format!("layer range {start}..{end} is empty")));
-        }
-        Ok(LayerRange { start, end })
-    }
-}
-
-impl TryFrom<String> for LayerRange {
-    type Error = Error;
-
-    fn try_from(s: String) -> Result<Self> {
-        s.parse()
-    }
-}
-
-impl From<LayerRange> for String {
-    fn from(r: LayerRange) -> Self {
-        r.to_string()
-    }
-}
-
-impl fmt::Display for LayerRange {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}..{}", self.start, self.end)
-    }
-}
-
-/// A float element type: of the hidden states a stage sends downstream, or of the weights it stores.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum FloatDtype {
-    /// 32-bit floats: exact, the default.
-    #[default]
-    F32,
-    /// IEEE half precision: half the traffic.
-    F16,
-    /// bfloat16: half the traffic, f32's range.
-    Bf16,
-}
-
-/// The element type of hidden states sent downstream.
-pub type HiddenDtype = FloatDtype;
-
-impl FloatDtype {
-    /// The wire dtype.
-    pub fn to_pb(self) -> Dtype {
-        match self {
-            FloatDtype::F32 => Dtype::F32,
-            FloatDtype::F16 => Dtype::F16,
-            FloatDtype::Bf16 => Dtype::Bf16,
-        }
-    }
-
-    /// The engine's type.
-    pub fn to_engine(self) -> DType {
-        match self {
-            FloatDtype::F32 => DType::F32,
-            FloatDtype::F16 => DType::F16,
-            FloatDtype::Bf16 => DType::BF16,
-        }
-    }
-}
-
-impl FromStr for FloatDtype {
-    type Err = Error;
-
-    fn from_str(s: &str) -> Result<Self> {
-        match s.to_ascii_lowercase().as_str() {
-            "f32" => Ok(FloatDtype::F32),
-            "f16" => Ok(FloatDtype::F16),
-            "bf16" => Ok(FloatDtype::Bf16),
-            _ => Err(Error::Config(format!("dtype {s:?} must be f32, f16 or bf16"))),
-        }
-    }
-}
-
-/// The compute device, written `cpu` or `cuda:N`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
-pub enum Device {
-    /// The CPU backend.
-    #[default]
-    Cpu,
-    /// A CUDA GPU by ordinal.
-    Cuda(u32),
-}
-
-impl FromStr for Device {
-    type Err = Error;
-
-    fn from_str(s: &str) -> Result<Self> {
-        let s = s.trim().to_ascii_lowercase();
-        if s == "cpu" {
-            return Ok(Device::Cpu);
-        }
-        let ordinal = if s == "cuda" { Some("0") } else { s.strip_prefix("cuda:") };
-        match ordinal.map(str::parse) {
-            Some(Ok(n)) => Ok(Device::Cuda(n)),
-            _ => Err(Error::Config(format!("device {s:?} must be cpu or cuda:N"))),
-        }
-    }
-}
-
-impl TryFrom<String> for Device {
-    type Error = Error;
-
-    fn try_from(s: String) -> Result<Self> {
-        s.parse()
-    }
-}
-
-impl From<Device> for String {
-    fn from(d: Device) -> Self {
-        d.to_string()
-    }
-}
-
-impl fmt::Display for Device {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Device::Cpu => f.write_str("cpu"),
-            Device::Cuda(n) => write!(f, "cuda:{n}"),
-        }
-    }
-}
 
 fn default_kv_blocks() -> usize {
     256
@@ -244,7 +90,7 @@ impl WorkerConfig {
     pub fn validate(&self) -> Result<LayerRange> {
         self.validate_common()?;
         let layers = self.layers.ok_or(Error::NoLayers)?;
-        if layers.start >= layers.end {
+        if layers.is_empty() {
             return Err(Error::Config(format!("layer range {layers} is empty")));
         }
         if layers.start > 0 && self.stage_index.is_none() {
@@ -260,11 +106,7 @@ impl WorkerConfig {
         if self.node_id.trim().is_empty() {
             return Err(Error::Config("node_id must not be empty".into()));
         }
-        if let Device::Cuda(n) = self.device
-            && !cfg!(feature = "cuda")
-        {
-            return Err(Error::CudaNotCompiled { device: format!("cuda:{n}") });
-        }
+        self.device.check_compiled()?;
         match (self.gpu_memory_limit, self.device) {
             (Some(0), _) => return Err(Error::Config("gpu_memory_limit must be more than 0 bytes".into())),
             (Some(_), Device::Cpu) => {
@@ -321,25 +163,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn layer_ranges_parse_and_print() -> Result<()> {
-        let r: LayerRange = "2..5".parse()?;
-        assert_eq!((r.start, r.end), (2, 5));
-        assert_eq!(r.to_string(), "2..5");
-        assert!("5..2".parse::<LayerRange>().is_err());
-        assert!("3".parse::<LayerRange>().is_err());
-        assert!("a..b".parse::<LayerRange>().is_err());
-        Ok(())
-    }
-
-    #[test]
-    fn devices_parse() -> Result<()> {
-        assert_eq!("cpu".parse::<Device>()?, Device::Cpu);
-        assert_eq!("cuda:1".parse::<Device>()?, Device::Cuda(1));
-        assert!("tpu".parse::<Device>().is_err());
-        Ok(())
-    }
-
-    #[test]
     fn config_deserializes_with_defaults_and_rejects_unknown_fields() -> std::result::Result<(), serde_json::Error> {
         let cfg: WorkerConfig =
             serde_json::from_str(r#"{"node_id":"a","model":"/m","layers":"0..4","hidden_dtype":"bf16"}"#)?;
@@ -350,7 +173,6 @@ mod tests {
             r#"{"node_id":"a","model":"/m","device":"cuda:1","dtype":"f16","gpu_memory_limit":1000}"#,
         )?;
         assert_eq!((gpu.device, gpu.dtype, gpu.gpu_memory_limit), (Device::Cuda(1), Some(FloatDtype::F16), Some(1000)));
-        assert_eq!(FloatDtype::Bf16.to_engine(), DType::BF16);
         assert!(serde_json::from_str::<WorkerConfig>(r#"{"node_id":"a","model":"/m","colour":1}"#).is_err());
         assert!(serde_json::from_str::<WorkerConfig>(r#"{"node_id":"a","model":"/m","layers":"4..1"}"#).is_err());
         Ok(())
@@ -364,7 +186,7 @@ mod tests {
         if cfg!(feature = "cuda") {
             assert!(gpu.validate().is_ok(), "a cuda build accepts cuda:N (the device is opened at load)");
         } else {
-            assert!(matches!(gpu.validate(), Err(Error::CudaNotCompiled { .. })));
+            assert!(matches!(gpu.validate(), Err(Error::Engine(strata_engine::Error::CudaNotCompiled { .. }))));
         }
         assert!(WorkerConfig { gpu_memory_limit: Some(1 << 30), ..ok.clone() }.validate().is_err(), "cpu");
         assert!(WorkerConfig { gpu_memory_limit: Some(0), ..gpu.clone() }.validate().is_err());

@@ -1,78 +1,22 @@
-//! Opening the compute device a worker config names (`cpu` or `cuda:N`) and the load options that go with it.
-//! Model code is generic over the backend, so callers pass a [`OnBackend`] visitor that runs with whichever
-//! backend was opened.
+//! What a worker's config asks of its device: the [`DeviceSpec`] to open (the engine opens it, see
+//! [`strata_engine::on_device`]), the GPU memory its KV cache takes, and the load options that go with it.
 
-use std::sync::Arc;
-
+use strata_engine::DeviceSpec;
 use strata_engine::backend::Backend;
-use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::config::ModelConfig;
 use strata_engine::model::LoadOptions;
 use strata_engine::offload::OffloadBudget;
 
-use crate::config::{Device, FloatDtype, WorkerConfig};
-use crate::error::{Error, Result};
+use crate::config::WorkerConfig;
 
 /// GPU memory kept free besides weights and KV cache: activations of the largest batch, attention partials,
 /// dequantized weight scratch and cuBLAS workspace.
 pub const GPU_WORKSPACE_BYTES: usize = 512 << 20;
 
-/// Work to run with an opened backend, whatever its type.
-pub trait OnBackend {
-    /// What the work produces.
-    type Out;
-    /// Runs the work on `backend`.
-    fn run<B: Backend>(self, backend: Arc<B>) -> Result<Self::Out>;
-}
-
-/// What opening a device needs (a worker takes it from its config; `strata generate`/`bench` from flags).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct DeviceSpec {
-    /// The device.
-    pub device: Device,
-    /// CPU threads (0: one per core); CPU only.
-    pub threads: usize,
-    /// Float weight type; on a GPU also the activation type (default bf16, f16 before sm_80).
-    pub dtype: Option<FloatDtype>,
-    /// Device memory limit in bytes; GPU only.
-    pub gpu_memory_limit: Option<u64>,
-}
-
 impl From<&WorkerConfig> for DeviceSpec {
     fn from(c: &WorkerConfig) -> Self {
         DeviceSpec { device: c.device, threads: c.threads, dtype: c.dtype, gpu_memory_limit: c.gpu_memory_limit }
     }
-}
-
-/// Opens the device `spec` names and runs `work` on it. A `cuda:N` device in a build without the `cuda`
-/// feature is an error, as is a machine without an NVIDIA driver.
-pub fn on_device<W: OnBackend>(spec: &DeviceSpec, work: W) -> Result<W::Out> {
-    match spec.device {
-        Device::Cpu => work.run(Arc::new(CpuBackend::new(spec.threads)?)),
-        Device::Cuda(n) => run_cuda(spec, n, work),
-    }
-}
-
-#[cfg(feature = "cuda")]
-fn run_cuda<W: OnBackend>(config: &DeviceSpec, ordinal: u32, work: W) -> Result<W::Out> {
-    use strata_engine::backend::cuda::{CudaBackend, CudaOptions};
-    let memory_limit = config
-        .gpu_memory_limit
-        .map(usize::try_from)
-        .transpose()
-        .map_err(|_| Error::Config("gpu_memory_limit does not fit this platform's address space".into()))?;
-    // The kernel cache and CUDA header locations follow the usual variables (XDG_CACHE_HOME, CUDA_HOME, ...).
-    let opts = CudaOptions {
-        act_dtype: config.dtype.map(|d| d.to_engine()),
-        memory_limit,
-        ..CudaOptions::from_env(ordinal as usize, |k| std::env::var(k).ok())
-    };
-    work.run(Arc::new(CudaBackend::new(opts)?))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn run_cuda<W: OnBackend>(_config: &DeviceSpec, ordinal: u32, _work: W) -> Result<W::Out> {
-    Err(Error::CudaNotCompiled { device: format!("cuda:{ordinal}") })
 }
 
 /// Device bytes the KV cache of `layers` layers takes with `config`'s capacity.
@@ -97,31 +41,33 @@ pub fn load_options<B: Backend>(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
+    use strata_engine::backend::cpu::CpuBackend;
+    use strata_engine::{Device, FloatDtype, LayerRange, OnBackend, on_device};
+
     use super::*;
-    use crate::config::{FloatDtype, LayerRange};
+    use crate::error::{Error, Result};
 
     struct Name;
     impl OnBackend for Name {
         type Out = String;
+        type Error = Error;
         fn run<B: Backend>(self, backend: Arc<B>) -> Result<String> {
             Ok(backend.name())
         }
     }
 
     #[test]
-    fn cpu_opens_and_cuda_needs_a_build_and_a_driver() -> Result<()> {
+    fn a_worker_config_names_the_device_to_open() -> Result<()> {
         let cpu = WorkerConfig { threads: 1, ..WorkerConfig::new("n", "/m", Some(LayerRange { start: 0, end: 1 })) };
         assert!(on_device(&(&cpu).into(), Name)?.starts_with("cpu"));
-        let gpu = WorkerConfig { device: Device::Cuda(0), ..cpu };
-        match on_device(&(&gpu).into(), Name) {
-            // A machine with a GPU and a cuda build opens it.
-            Ok(name) => assert!(name.starts_with("cuda:0")),
-            Err(e) if cfg!(feature = "cuda") => {
-                assert!(e.to_string().contains("CUDA"), "{e}");
-            }
-            Err(e) => {
-                assert_eq!(e.to_string(), "device cuda:0: this build has no CUDA support (build with --features cuda)")
-            }
+        let gpu = WorkerConfig { device: Device::Cuda(0), dtype: Some(FloatDtype::F16), ..cpu };
+        let spec = DeviceSpec::from(&gpu);
+        assert_eq!((spec.device, spec.threads, spec.dtype), (Device::Cuda(0), 1, Some(FloatDtype::F16)));
+        if !cfg!(feature = "cuda") {
+            let err = on_device(&spec, Name).err().map(|e| e.to_string()).unwrap_or_default();
+            assert_eq!(err, "engine: device cuda:0: this build has no CUDA support (build with --features cuda)");
         }
         Ok(())
     }

@@ -64,11 +64,6 @@ impl Downstream {
         Ok(Downstream { address, tx, channel })
     }
 
-    /// The next stage's address.
-    pub fn address(&self) -> &str {
-        &self.address
-    }
-
     /// Queues a batch for the next stage; the receiver gets its response (or why there is none).
     pub async fn send(&self, batch: pb::ForwardRequest) -> oneshot::Receiver<DownstreamReply> {
         let (reply, rx) = oneshot::channel();

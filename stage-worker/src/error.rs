@@ -16,12 +16,6 @@ pub enum Error {
     /// The membership registry (etcd or embedded) failed.
     #[error("registry: {0}")]
     Registry(#[from] strata_membership::Error),
-    /// A CUDA device was asked for, but this build has only the CPU backend.
-    #[error("device {device}: this build has no CUDA support (build with --features cuda)")]
-    CudaNotCompiled {
-        /// The device asked for.
-        device: String,
-    },
     /// Loading the model or building the backend failed.
     #[error("engine: {0}")]
     Engine(#[from] strata_engine::Error),

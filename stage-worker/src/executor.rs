@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use strata_engine::HiddenDtype;
 use strata_engine::backend::Backend;
 use strata_engine::kv_cache::KvCache;
 use strata_engine::model::{LogitRows, SeqChunk, StageInput, StageModel};
@@ -14,7 +15,6 @@ use strata_proto::pb;
 use strata_proto::{ServiceError, decode_to_f32, encode_f32};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::config::HiddenDtype;
 use crate::error::{Error, Result, engine_to_service};
 use crate::sampler::{SeqSamplers, engine_params};
 
@@ -67,10 +67,6 @@ type Releases = Arc<Mutex<Vec<PendingRelease>>>;
 pub struct StageFacts {
     /// Layers held.
     pub layers: std::ops::Range<usize>,
-    /// Whether the stage embeds token ids.
-    pub is_first: bool,
-    /// Whether the stage samples.
-    pub is_last: bool,
     /// KV cache capacity in blocks.
     pub kv_total_blocks: u64,
     /// Tokens per KV block.
@@ -106,8 +102,6 @@ impl ExecutorHandle {
         let kv = model.new_kv_cache(kv_blocks, block_size)?;
         let facts = Arc::new(StageFacts {
             layers: model.range(),
-            is_first: model.is_first(),
-            is_last: model.is_last(),
             kv_total_blocks: kv.num_blocks() as u64,
             block_size: u32::try_from(block_size).map_err(|_| Error::Config("block_size is too large".into()))?,
             weight_bytes: model.weight_bytes() as u64,
@@ -121,7 +115,7 @@ impl ExecutorHandle {
             model,
             kv,
             samplers: SeqSamplers::default(),
-            hidden_dtype: hidden_dtype.to_pb(),
+            hidden_dtype: wire_dtype(hidden_dtype),
             plan_epoch,
             kv_free: kv_free.clone(),
             releases: releases.clone(),
@@ -161,6 +155,15 @@ impl ExecutorHandle {
     /// Fixed facts about the stage.
     pub fn facts(&self) -> &StageFacts {
         &self.facts
+    }
+}
+
+/// The wire's name for the element type of hidden states.
+fn wire_dtype(d: HiddenDtype) -> pb::Dtype {
+    match d {
+        HiddenDtype::F32 => pb::Dtype::F32,
+        HiddenDtype::F16 => pb::Dtype::F16,
+        HiddenDtype::Bf16 => pb::Dtype::Bf16,
     }
 }
 

@@ -6,24 +6,25 @@
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), strata_stage_worker::Error> {
-//! use strata_stage_worker::{LayerRange, WorkerConfig};
+//! use strata_engine::LayerRange;
+//! use strata_stage_worker::WorkerConfig;
 //! let config = WorkerConfig::new("node-a", "/models/m.gguf", Some("0..30".parse::<LayerRange>()?));
 //! let listener = tokio::net::TcpListener::bind("0.0.0.0:7000").await?;
 //! strata_stage_worker::run(config, listener, tokio_util::sync::CancellationToken::new()).await
 //! # }
 //! ```
 
-pub mod config;
-pub mod device;
-pub mod downstream;
+mod config;
+mod device;
+mod downstream;
 mod error;
-pub mod executor;
-pub mod registration;
-pub mod sampler;
-pub mod server;
+mod executor;
+mod registration;
+mod sampler;
+mod server;
 mod worker;
 
-pub use config::{Device, FloatDtype, HiddenDtype, LayerRange, WorkerConfig};
-pub use error::{Error, Result, engine_to_service};
+pub use config::WorkerConfig;
+pub use error::{Error, Result};
 pub use registration::{RegistrationOptions, run_registered};
-pub use worker::{LoadedStage, Worker, run, serve_slot};
+pub use worker::{Worker, run};

@@ -10,13 +10,14 @@ use std::time::{Duration, Instant};
 use strata_engine::backend::Backend;
 use strata_engine::loader::ModelFiles;
 use strata_engine::model::{LogitRows, SeqChunk, StageInput, StageModel};
+use strata_engine::{Device, LayerRange, OnBackend, on_device};
 use strata_membership::{Backoff, NodeRecord, NodeRegistration, NodeState, Plan, Registry};
 use strata_proto::{NodeId, PlanEpoch};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Device, LayerRange, WorkerConfig};
-use crate::device::{OnBackend, load_options, on_device};
+use crate::config::WorkerConfig;
+use crate::device::load_options;
 use crate::error::{Error, Result};
 use crate::server::StageSlot;
 use crate::worker::{LoadedStage, serve_slot};
@@ -93,6 +94,7 @@ struct MeasureLayer<'a> {
 
 impl OnBackend for MeasureLayer<'_> {
     type Out = f64;
+    type Error = Error;
 
     fn run<B: Backend>(self, backend: Arc<B>) -> Result<f64> {
         let opts = load_options(self.config, self.files.config(), 1, &*backend);

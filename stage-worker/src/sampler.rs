@@ -10,13 +10,7 @@ use strata_proto::pb;
 /// Converts wire sampling params (zeros mean "off") into the engine's, validated.
 pub fn engine_params(p: Option<&pb::SamplingParams>) -> Result<SamplingParams, ServiceError> {
     let Some(p) = p else { return Ok(SamplingParams::default()) };
-    let params = SamplingParams {
-        temperature: p.temperature,
-        top_k: p.top_k as usize,
-        top_p: if p.top_p == 0.0 { 1.0 } else { p.top_p },
-        seed: p.seed,
-        repetition_penalty: if p.repetition_penalty == 0.0 { 1.0 } else { p.repetition_penalty },
-    };
+    let params = SamplingParams::with_zeros_off(p.temperature, p.top_k, p.top_p, p.seed, p.repetition_penalty);
     params.validate().map_err(|e| ServiceError::invalid_argument(e.to_string()))?;
     Ok(params)
 }
@@ -71,16 +65,6 @@ impl SeqSamplers {
     pub fn release(&mut self, seq_id: u64) {
         self.seqs.remove(&seq_id);
     }
-
-    /// Number of sequences with state.
-    pub fn len(&self) -> usize {
-        self.seqs.len()
-    }
-
-    /// Whether no sequence has state.
-    pub fn is_empty(&self) -> bool {
-        self.seqs.is_empty()
-    }
 }
 
 fn log_sum_exp(xs: &[f32]) -> f32 {
@@ -114,7 +98,7 @@ mod tests {
         assert!((lp.unwrap_or(f32::NAN) - expected).abs() < 1e-6);
         assert!(s.sample(2, &mut [0.0], false).is_err());
         s.release(1);
-        assert!(s.is_empty());
+        assert!(s.sample(1, &mut [0.0], false).is_err(), "a released sequence has no state");
         Ok(())
     }
 

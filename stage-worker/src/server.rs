@@ -6,7 +6,7 @@ use std::sync::{Arc, RwLock};
 
 use strata_proto::pb;
 use strata_proto::pb::stage_server::Stage;
-use strata_proto::{ServiceError, set_parent_from_metadata};
+use strata_proto::{ServiceError, WireLayers, set_parent_from_metadata, wire_u32};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -161,11 +161,11 @@ impl Stage for StageService {
             }));
         };
         let facts = stage.executor.facts();
-        let layer = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        let layers = WireLayers::try_from(facts.layers.clone())?;
         Ok(Response::new(pb::StageStatus {
             node_id: self.node_id.clone(),
-            layer_start: layer(facts.layers.start),
-            layer_end: layer(facts.layers.end),
+            layer_start: layers.start,
+            layer_end: layers.end,
             plan_epoch: stage.plan_epoch,
             kv_total_blocks: facts.kv_total_blocks,
             kv_free_blocks: stage.executor.kv_free_blocks(),
@@ -173,7 +173,7 @@ impl Stage for StageService {
             inflight_batches,
             device: facts.device.clone(),
             weight_bytes: facts.weight_bytes,
-            offloaded_layers: layer(facts.offloaded_layers.len()),
+            offloaded_layers: wire_u32("offloaded layer count", facts.offloaded_layers.len())?,
         }))
     }
 }

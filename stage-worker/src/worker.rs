@@ -7,6 +7,7 @@ use std::sync::Arc;
 use strata_engine::backend::Backend;
 use strata_engine::loader::ModelFiles;
 use strata_engine::model::StageModel;
+use strata_engine::{LayerRange, OnBackend, on_device};
 use strata_membership::Registry;
 use strata_proto::pb::stage_server::StageServer;
 use strata_proto::{STAGE_SERVICE, Tls, health_service, reflection_service, set_serving};
@@ -15,8 +16,8 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::server::TcpIncoming;
 
-use crate::config::{LayerRange, WorkerConfig};
-use crate::device::{OnBackend, load_options, on_device};
+use crate::config::WorkerConfig;
+use crate::device::load_options;
 use crate::downstream::{Downstream, MAX_MESSAGE_BYTES};
 use crate::error::{Error, Result};
 use crate::executor::ExecutorHandle;
@@ -89,6 +90,7 @@ struct LoadStage<'a> {
 
 impl OnBackend for LoadStage<'_> {
     type Out = ExecutorHandle;
+    type Error = Error;
 
     fn run<B: Backend>(self, backend: Arc<B>) -> Result<ExecutorHandle> {
         let cfg = self.config;

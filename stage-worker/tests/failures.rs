@@ -165,7 +165,7 @@ async fn status_and_health_describe_the_stage() -> Result<()> {
 async fn bad_configs_fail_before_serving() -> Result<()> {
     let model = common::tiny_model()?;
     let mut cuda = stage_config(model.path(), 0, 0..4, None);
-    cuda.device = strata_stage_worker::Device::Cuda(0);
+    cuda.device = strata_engine::Device::Cuda(0);
     let started = Worker::start(cuda, "127.0.0.1:0").await;
     if cfg!(feature = "cuda") {
         // A cuda build fails only where there is no GPU, naming what is missing.

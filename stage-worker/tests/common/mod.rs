@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
+use strata_engine::LayerRange;
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::generate::Engine;
 use strata_engine::loader::ModelFiles;
@@ -18,7 +19,7 @@ use strata_engine::tensor::DType;
 use strata_engine::testing::{TinySpec, random_weights, tiny_config, write_hf};
 use strata_proto::pb;
 use strata_proto::pb::stage_client::StageClient;
-use strata_stage_worker::{LayerRange, Worker, WorkerConfig};
+use strata_stage_worker::{Worker, WorkerConfig};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
