@@ -378,3 +378,29 @@ fn admission_refuses_what_can_never_fit_and_more_than_the_queue_holds() -> Resul
     assert_eq!(code(s.admit(&request(&[3], 1))), Ok(()));
     Ok(())
 }
+
+#[test]
+fn victims_are_taken_youngest_first_until_the_step_fits_or_none_is_left() -> Result<(), ServiceError> {
+    let now = Instant::now();
+    // Two stages, 5 blocks of 1 token: four 1-token prompts run, then each needs a second block and one is free.
+    let mut s = scheduler(2, 5, 1, 512);
+    let ids: Vec<RequestId> = (0..4).map(|i| s.admit(&request(&[i + 1], 4))).collect::<Result<_, _>>()?;
+    for batch in sent(&s.schedule(now)) {
+        s.apply_response(answer(&batch), now);
+    }
+    // a takes the free block; b preempts d, then c (their blocks are not free until released), and waits.
+    let fx = s.schedule(now);
+    assert_eq!(batches(&fx), vec![vec![(1, 1, 1, false)]]);
+    assert_eq!(
+        fx[1..],
+        [
+            Effect::Requeued { req: ids[3], why: Requeue::KvFull },
+            Effect::Release { seq_ids: vec![4], blocks: 1, generation: 1 },
+            Effect::Requeued { req: ids[2], why: Requeue::KvFull },
+            Effect::Release { seq_ids: vec![3], blocks: 1, generation: 1 },
+        ]
+    );
+    // Both wait in admission order, ahead of anything newer.
+    assert_eq!(s.waiting.iter().copied().collect::<Vec<_>>(), [ids[2], ids[3]]);
+    Ok(())
+}
