@@ -85,6 +85,19 @@ fn only_batch(effects: &[Effect]) -> pb::ForwardRequest {
     sent.remove(0)
 }
 
+/// Two stages (4 batches in flight), 5 blocks of 1 token: four 1-token prompts take 4 blocks and go out in a batch
+/// each, one block is free.
+fn four_running_on_five_blocks(
+    now: Instant,
+) -> Result<(Scheduler, Vec<RequestId>, Vec<pb::ForwardRequest>), ServiceError> {
+    let mut s = scheduler(2, 5, 1, 512);
+    let ids: Vec<RequestId> = (0..4).map(|i| s.admit(&request(&[i + 1], 4))).collect::<Result<_, _>>()?;
+    let fx = s.schedule(now);
+    assert_eq!(seq_ids(&fx), vec![vec![1], vec![2], vec![3], vec![4]]);
+    assert_eq!(s.gauges().kv_free, 1);
+    Ok((s, ids, sent(&fx)))
+}
+
 #[test]
 fn every_batch_takes_an_equal_share_of_the_running_set_oldest_first() -> Result<(), ServiceError> {
     let now = Instant::now();
@@ -177,13 +190,8 @@ fn a_waiting_sequence_joins_only_if_one_percent_of_the_blocks_stays_free() -> Re
 #[test]
 fn a_full_cache_preempts_the_youngest_sequence_not_in_flight_and_recomputes_it() -> Result<(), ServiceError> {
     let now = Instant::now();
-    // Two stages (4 batches in flight), 5 blocks of 1 token: four 1-token prompts take 4, one block is free.
-    let mut s = scheduler(2, 5, 1, 512);
-    let ids: Vec<RequestId> = (0..4).map(|i| s.admit(&request(&[i + 1], 4))).collect::<Result<_, _>>()?;
+    let (mut s, ids, first) = four_running_on_five_blocks(now)?;
     let (a, c, d) = (ids[0], ids[2], ids[3]);
-    let fx = s.schedule(now);
-    assert_eq!(seq_ids(&fx), vec![vec![1], vec![2], vec![3], vec![4]]);
-    let first = sent(&fx);
     for batch in &first[..3] {
         s.apply_response(answer(batch), now);
     }
@@ -376,5 +384,29 @@ fn admission_refuses_what_can_never_fit_and_more_than_the_queue_holds() -> Resul
     // A cancelled request no longer counts.
     s.cancel(a);
     assert_eq!(code(s.admit(&request(&[3], 1))), Ok(()));
+    Ok(())
+}
+
+#[test]
+fn victims_are_taken_youngest_first_until_the_step_fits_or_none_is_left() -> Result<(), ServiceError> {
+    let now = Instant::now();
+    let (mut s, ids, first) = four_running_on_five_blocks(now)?;
+    for batch in &first {
+        s.apply_response(answer(batch), now);
+    }
+    // a takes the free block; b preempts d, then c (their blocks are not free until released), and waits.
+    let fx = s.schedule(now);
+    assert_eq!(batches(&fx), vec![vec![(1, 1, 1, false)]]);
+    assert_eq!(
+        fx[1..],
+        [
+            Effect::Requeued { req: ids[3], why: Requeue::KvFull },
+            Effect::Release { seq_ids: vec![4], blocks: 1, generation: 1 },
+            Effect::Requeued { req: ids[2], why: Requeue::KvFull },
+            Effect::Release { seq_ids: vec![3], blocks: 1, generation: 1 },
+        ]
+    );
+    // Both wait in admission order, ahead of anything newer.
+    assert_eq!(s.waiting.iter().copied().collect::<Vec<_>>(), [ids[2], ids[3]]);
     Ok(())
 }
