@@ -129,7 +129,8 @@ mod tests {
         assert_eq!(LayerRange::try_from(1..4usize)?, LayerRange { start: 1, end: 4 });
         assert_eq!(LayerRange::try_from(0..u32::MAX)?.end, u32::MAX as usize);
         assert!(LayerRange::try_from(4..4usize).is_err());
-        assert!(LayerRange::try_from(7..2u32).is_err());
+        let (hi, lo) = (7u32, 2u32);
+        assert!(LayerRange::try_from(hi..lo).is_err(), "a reversed range is refused");
         assert!(LayerRange { start: 3, end: 3 }.is_empty());
         Ok(())
     }

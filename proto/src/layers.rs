@@ -51,7 +51,8 @@ mod tests {
         assert_eq!(WireLayers::try_from(2..5)?, WireLayers { start: 2, end: 5 });
         assert_eq!(Range::<u32>::from(WireLayers::try_from(0..1)?), 0..1);
         assert!(WireLayers::try_from(3..3).is_err());
-        assert!(WireLayers::try_from(4..1).is_err());
+        let (hi, lo) = (4, 1);
+        assert!(WireLayers::try_from(hi..lo).is_err(), "a reversed range is refused");
         let max = u32::MAX as usize;
         assert_eq!(WireLayers::try_from(0..max)?.end, u32::MAX);
         assert_eq!(wire_u32("n", max)?, u32::MAX);

@@ -7,11 +7,11 @@ pub mod codec;
 pub mod error;
 pub mod ids;
 pub mod introspection;
+mod layers;
 #[cfg(feature = "clap")]
 pub mod logging;
 #[cfg(feature = "clap")]
 pub mod shutdown;
-mod layers;
 pub mod status;
 pub mod tls;
 pub mod trace;
@@ -29,11 +29,11 @@ pub use codec::{decode_to_f32, dtype_size, encode_f32, validate_hidden};
 pub use error::{ProtoError, Result};
 pub use ids::{NodeId, PlanEpoch, SeqId};
 pub use introspection::{COORDINATOR_SERVICE, STAGE_SERVICE, health_service, reflection_service, set_serving};
+pub use layers::{WireLayers, wire_u32};
 #[cfg(feature = "clap")]
 pub use logging::{LogArgs, LogFormat};
 #[cfg(feature = "clap")]
 pub use shutdown::{shutdown_signal, shutdown_token};
-pub use layers::{WireLayers, wire_u32};
 pub use status::{ErrorCode, ServiceError};
 #[cfg(feature = "clap")]
 pub use tls::TlsArgs;
