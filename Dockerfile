@@ -105,7 +105,7 @@ ENV CUDA_HOME=/usr/local/cuda \
     STRATA_MODEL=/models/model \
     STRATA_DEVICE=cuda:0 \
     STRATA_HEALTH_PORT=50061 \
-    RUST_LOG=info
+    STRATA_LOG=info
 USER 10001:10001
 WORKDIR /var/lib/strata
 EXPOSE 50061
@@ -139,7 +139,7 @@ ENV STRATA_GRPC=0.0.0.0:50051 \
     STRATA_HTTP=0.0.0.0:8080 \
     STRATA_MODEL=/models/model \
     STRATA_HEALTH_URL=http://127.0.0.1:8080/health \
-    RUST_LOG=info
+    STRATA_LOG=info
 USER 10001:10001
 WORKDIR /var/lib/strata
 EXPOSE 50051 8080

@@ -289,7 +289,6 @@ fn state_name(s: i32) -> &'static str {
         Ok(pb::NodeState::Ready) => "READY",
         Ok(pb::NodeState::Draining) => "DRAINING",
         Ok(pb::NodeState::Cordoned) => "CORDONED",
-        Ok(pb::NodeState::Dead) => "DEAD",
         _ => "UNKNOWN",
     }
 }

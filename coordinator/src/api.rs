@@ -18,10 +18,10 @@ use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status};
 
 use crate::coordinator::{ClusterView, cordon_node, drain_node, uncordon_node};
-use crate::membership::{NodeRecord, Registry};
 use crate::pipeline::{Pipeline, SeqEvent, SeqRequest};
 use crate::request::{self, GenerateParams, Prompt};
 use crate::{Error, Result};
+use strata_membership::{NodeRecord, Registry};
 
 /// A boxed future returned by [`NodeAdmin`].
 pub type AdminFuture<'a> = Pin<Box<dyn Future<Output = Result<NodeRecord>> + Send + 'a>>;
@@ -70,7 +70,8 @@ pub fn service_error(err: &Error) -> ServiceError {
         }
         Error::Membership(M::Decode { .. } | M::Encode { .. } | M::Compacted { .. })
         | Error::Bind { .. }
-        | Error::Tls(_) => ServiceError::internal(message),
+        | Error::Tls(_)
+        | Error::Wire(_) => ServiceError::internal(message),
     }
 }
 

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use strata_proto::{NodeId, PlanEpoch, pb};
+use strata_proto::{NodeId, PlanEpoch, WireLayers, pb, wire_u32};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -335,8 +335,11 @@ impl<R: Registry> Coordinator<R> {
                 state: n.state,
             })
             .collect();
-        let stages: Vec<PlanStage> = match placement::plan(&self.shape, &capacities) {
-            Ok(s) => s.iter().map(plan_stage).collect(),
+        let placed = placement::plan(&self.shape, &capacities).map_err(Error::Placement).and_then(|stages| {
+            stages.iter().map(plan_stage).collect::<Result<Vec<PlanStage>, _>>().map_err(Error::Wire)
+        });
+        let stages = match placed {
+            Ok(s) => s,
             Err(e) => {
                 tracing::error!(error = %e, "no placement; keeping the current plan");
                 self.view.update(|s| s.placement_error = Some(e.to_string()));
@@ -353,11 +356,10 @@ impl<R: Registry> Coordinator<R> {
                 epoch: expected.next(),
                 stages: stages.clone(),
                 model: self.model_name.clone(),
-                num_layers: u32::try_from(self.shape.num_layers).unwrap_or(u32::MAX),
+                num_layers: wire_u32("layer count", self.shape.num_layers).map_err(Error::Wire)?,
             };
-            // SAFE POINT. No traffic is served yet, so the plan is switched at once. Once the data path exists it
-            // must quiesce here: stop admitting batches under `expected`, wait for (or fail) the batches in
-            // flight, then write; sequences are re-prefilled under the new epoch (docs/protocol.md, plan epochs).
+            // Written at once: the pipeline keeps serving the old plan until every stage has loaded this one, then
+            // recomputes the active sequences under it (serving::ready_plan; docs/architecture.md, plan epochs).
             match self.registry.write_plan(&next, expected).await {
                 Ok(()) => {
                     tracing::info!(epoch = %next.epoch, stages = next.stages.len(), "plan written");
@@ -422,14 +424,15 @@ impl<R: Registry> Coordinator<R> {
     }
 }
 
-/// A placed stage as the plan stores it.
-fn plan_stage(s: &StageAssignment) -> PlanStage {
-    PlanStage {
+/// A placed stage as the plan stores it (the wire's `u32` layer indices, checked).
+fn plan_stage(s: &StageAssignment) -> Result<PlanStage, strata_proto::ProtoError> {
+    let layers = WireLayers::try_from(s.layer_start..s.layer_end)?;
+    Ok(PlanStage {
         node_id: s.node_id.clone(),
         address: s.address.clone(),
-        layer_start: u32::try_from(s.layer_start).unwrap_or(u32::MAX),
-        layer_end: u32::try_from(s.layer_end).unwrap_or(u32::MAX),
-    }
+        layer_start: layers.start,
+        layer_end: layers.end,
+    })
 }
 
 /// Sleeps for `delay`; returns true if `shutdown` fired first.

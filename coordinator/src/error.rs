@@ -49,4 +49,7 @@ pub enum Error {
     /// Placement failed.
     #[error(transparent)]
     Placement(#[from] PlacementError),
+    /// A value does not fit its wire field (a layer index or count beyond `u32`).
+    #[error(transparent)]
+    Wire(strata_proto::ProtoError),
 }

@@ -17,10 +17,6 @@ mod serving;
 pub mod stage_client;
 pub mod tls_listener;
 
-// The registry is its own crate (the stage workers use it too); the modules that plan and serve name it
-// `crate::membership`.
-use strata_membership as membership;
-
 pub use config::CoordinatorConfig;
 pub use coordinator::{
     ClusterSnapshot, ClusterView, Coordinator, cordon_node, drain_node, run, run_with_registry, uncordon_node,

@@ -10,7 +10,7 @@ use strata_engine::layout::ModelLayout;
 use strata_engine::loader::ModelFiles;
 use strata_proto::NodeId;
 
-use crate::membership::NodeState;
+use strata_membership::NodeState;
 
 /// What placement needs to know about the model.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -11,8 +11,8 @@ use crate::Result;
 use crate::api::{self, CoordinatorApi, NodeAdmin};
 use crate::coordinator::{ClusterSnapshot, ClusterView, Coordinator};
 use crate::http::{self, HttpState};
-use crate::membership::{NodeState, Plan, Registry};
 use crate::pipeline::{ModelInfo, Pipeline, SchedulerLimits};
+use strata_membership::{NodeState, Plan, Registry};
 
 /// The bound listeners of the public APIs, and the TLS they serve (also used towards the stages).
 pub(crate) struct Listeners {
@@ -93,7 +93,7 @@ mod tests {
     use strata_proto::NodeId;
 
     use super::*;
-    use crate::membership::{NodeRecord, PlanStage};
+    use strata_membership::{NodeRecord, PlanStage};
 
     fn node(id: &str, state: NodeState, loaded: u64) -> NodeRecord {
         NodeRecord {

@@ -63,7 +63,8 @@ impl Assignment {
         Some(Assignment {
             epoch: plan.epoch,
             stage_index: u32::try_from(index).ok()?,
-            layers: LayerRange { start: stage.layer_start as usize, end: stage.layer_end as usize },
+            // Checked: a stored plan with an empty stage gives this node nothing to load, not an empty model.
+            layers: LayerRange::try_from(stage.layer_start..stage.layer_end).ok()?,
             next: plan.stages.get(index + 1).map(|s| s.address.clone()),
         })
     }

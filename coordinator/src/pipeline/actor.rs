@@ -17,9 +17,9 @@ use super::kv_budget::KvBudget;
 use super::output::{SeqOutput, Verdict};
 use super::scheduler::{Effect, RequestId, Requeue, Scheduler};
 use super::{Command, Finish, ModelInfo, SchedulerLimits, SeqEvent, SeqRequest, StepTiming};
-use crate::membership::Plan;
 use crate::metrics::Metrics;
 use crate::stage_client::{self, ForwardStream, TracedStageClient};
+use strata_membership::Plan;
 
 /// Events buffered per sequence before the actor waits for its caller.
 const EVENT_BUFFER: usize = 64;

@@ -33,8 +33,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::membership::Plan;
 use crate::metrics::Metrics;
+use strata_membership::Plan;
 
 /// Commands waiting for the actor.
 const COMMAND_BUFFER: usize = 256;
