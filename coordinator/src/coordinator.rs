@@ -357,6 +357,7 @@ impl<R: Registry> Coordinator<R> {
                 stages: stages.clone(),
                 model: self.model_name.clone(),
                 num_layers: wire_u32("layer count", self.shape.num_layers).map_err(Error::Wire)?,
+                term: 0,
             };
             // Written at once: the pipeline keeps serving the old plan until every stage has loaded this one, then
             // recomputes the active sequences under it (serving::ready_plan; docs/architecture.md, plan epochs).

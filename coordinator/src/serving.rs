@@ -35,7 +35,7 @@ pub(crate) async fn lead_and_serve<R: Registry>(
 ) -> Result<()> {
     let stop = shutdown.child_token();
     let view = coordinator.view();
-    let empty = Plan { epoch: PlanEpoch(0), stages: Vec::new(), model: model.name.clone(), num_layers: 0 };
+    let empty = Plan { epoch: PlanEpoch(0), stages: Vec::new(), model: model.name.clone(), num_layers: 0, term: 0 };
     let Listeners { grpc, http, tls } = listeners;
     let pipeline = Arc::new(Pipeline::start_with(model, empty, limits, tls.clone(), stop.clone()));
     tokio::spawn(follow_ready_plans(view.clone(), pipeline.clone(), stop.clone()));
@@ -120,6 +120,7 @@ mod tests {
             stages: vec![stage("a", (0, 2)), stage("b", (2, 4))],
             model: "m".into(),
             num_layers: 4,
+            term: 0,
         };
         let mut s = ClusterSnapshot {
             nodes: vec![node("a", NodeState::Ready, 2), node("b", NodeState::Ready, 1)],

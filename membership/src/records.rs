@@ -108,6 +108,11 @@ pub struct Plan {
     pub model: String,
     /// Number of layers of the model.
     pub num_layers: u32,
+    /// Leadership term of the coordinator that wrote it (the create revision of its election key; 0: written
+    /// without an election, e.g. a static plan). A new leader writes a new plan under its term, and the write is
+    /// fenced by it, so stages learn the term from the plan as well as from batches.
+    #[serde(default)]
+    pub term: u64,
 }
 
 impl Plan {
@@ -165,6 +170,7 @@ mod tests {
             stages: vec![PlanStage { node_id: "a".into(), address: "a:1".into(), layer_start: 0, layer_end: 4 }],
             model: "m".into(),
             num_layers: 4,
+            term: 0,
         };
         let text = serde_json::to_string(&plan)?;
         assert_eq!(serde_json::from_str::<Plan>(&text)?, plan);

@@ -23,7 +23,7 @@ fn plan(epoch: u64, ids: &[&str]) -> Plan {
             layer_end: i as u32 + 1,
         })
         .collect();
-    Plan { epoch: PlanEpoch(epoch), stages, model: "m".into(), num_layers: ids.len() as u32 }
+    Plan { epoch: PlanEpoch(epoch), stages, model: "m".into(), num_layers: ids.len() as u32, term: 0 }
 }
 
 /// A node record: 1 GiB, 10 ms per layer, nothing loaded yet.

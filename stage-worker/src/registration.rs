@@ -299,7 +299,13 @@ mod tests {
     fn plan() -> Plan {
         let stage =
             |id: &str, a, b| PlanStage { node_id: id.into(), address: format!("{id}:1"), layer_start: a, layer_end: b };
-        Plan { epoch: PlanEpoch(4), stages: vec![stage("a", 0, 3), stage("b", 3, 4)], model: "m".into(), num_layers: 4 }
+        Plan {
+            epoch: PlanEpoch(4),
+            stages: vec![stage("a", 0, 3), stage("b", 3, 4)],
+            model: "m".into(),
+            num_layers: 4,
+            term: 0,
+        }
     }
 
     #[test]

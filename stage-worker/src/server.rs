@@ -174,6 +174,7 @@ impl Stage for StageService {
             device: facts.device.clone(),
             weight_bytes: facts.weight_bytes,
             offloaded_layers: wire_u32("offloaded layer count", facts.offloaded_layers.len())?,
+            term: 0,
         }))
     }
 }

@@ -63,13 +63,14 @@ async fn release_frees_kv_on_every_stage() -> Result<()> {
         ensure!(s.kv_free_blocks == s.kv_total_blocks - 3, "{} holds 2 + 1 blocks of 4 tokens: {s:?}", s.node_id);
     }
     let mut c = client(&workers[0]).await?;
-    let released = c.release(pb::ReleaseRequest { seq_ids: vec![10, 11, 99], propagate: true }).await?.into_inner();
+    let released =
+        c.release(pb::ReleaseRequest { seq_ids: vec![10, 11, 99], propagate: true, term: 0 }).await?.into_inner();
     ensure!(released.released == 2);
     for w in &workers {
         let s = status(w).await?;
         ensure!(s.kv_free_blocks == s.kv_total_blocks, "{} still holds blocks: {s:?}", s.node_id);
     }
-    let again = c.release(pb::ReleaseRequest { seq_ids: vec![10, 11], propagate: true }).await?.into_inner();
+    let again = c.release(pb::ReleaseRequest { seq_ids: vec![10, 11], propagate: true, term: 0 }).await?.into_inner();
     ensure!(again.released == 0, "release is idempotent");
     // A released sequence can start over at position 0.
     stream.send(prefill(3, 10, &[1, 2])).await?;

@@ -51,7 +51,7 @@ fn stage(worker: &Worker, id: &str, layers: std::ops::Range<u32>) -> PlanStage {
 }
 
 fn plan(epoch: u64, stages: Vec<PlanStage>) -> Plan {
-    Plan { epoch: PlanEpoch(epoch), stages, model: "tiny".into(), num_layers: 4 }
+    Plan { epoch: PlanEpoch(epoch), stages, model: "tiny".into(), num_layers: 4, term: 0 }
 }
 
 /// The greedy first token of `PROMPT` from the single-process engine.

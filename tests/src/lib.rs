@@ -74,6 +74,7 @@ pub fn static_plan(model: &str, num_layers: usize, stages: &[(String, Range<usiz
         epoch: PlanEpoch(1),
         model: model.to_owned(),
         num_layers: u32::try_from(num_layers).unwrap_or(u32::MAX),
+        term: 0,
         stages: stages
             .iter()
             .enumerate()

@@ -328,7 +328,7 @@ impl Actor {
             return;
         };
         tokio::spawn(async move {
-            let req = pb::ReleaseRequest { seq_ids, propagate: true };
+            let req = pb::ReleaseRequest { seq_ids, propagate: true, term: 0 };
             match tokio::time::timeout(RELEASE_TIMEOUT, client.release(req)).await {
                 Ok(Ok(_)) => {}
                 Ok(Err(status)) => tracing::warn!(error = %status, "release failed"),

@@ -461,7 +461,7 @@ impl Scheduler {
             seq.pos += u32::try_from(len).unwrap_or(u32::MAX);
             seq.in_flight = true;
         }
-        pb::ForwardRequest { plan_epoch: self.epoch, batch_id, chunks, token_ids, hidden: None }
+        pb::ForwardRequest { plan_epoch: self.epoch, batch_id, chunks, token_ids, hidden: None, term: 0 }
     }
 
     /// A stage's response to a batch, arriving at `now`: per-sequence timing, then its tokens or its error.
