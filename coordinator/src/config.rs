@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize};
 use strata_membership::{check_cluster_name, check_endpoints};
 use strata_proto::{Tls, TlsFiles};
 
-use crate::pipeline::SchedulerLimits;
+use crate::pipeline::{PipelineOptions, SchedulerLimits, Timeouts};
+use crate::stage_client::Keepalive;
 use crate::{Error, Result};
 
 /// Everything the coordinator needs to start.
@@ -51,6 +52,27 @@ pub struct CoordinatorConfig {
     /// Tokens per micro-batch; longer prompts are prefilled in chunks of this size.
     #[serde(default = "default_max_batch_tokens")]
     pub max_batch_tokens: usize,
+    /// A micro-batch unanswered this long means a stage hangs: its sequences are recomputed elsewhere.
+    #[serde(default = "default_batch_timeout")]
+    pub batch_timeout_ms: u64,
+    /// How long requests wait for a working pipeline (a new plan, a leader) before they fail with `UNAVAILABLE`.
+    #[serde(default = "default_recovery_timeout")]
+    pub recovery_timeout_ms: u64,
+    /// How long a stage may take to answer `Status` when the pipeline connects before it is a suspect.
+    #[serde(default = "default_probe_timeout")]
+    pub probe_timeout_ms: u64,
+    /// How long a stage the pipeline could not reach stays out of placement (unless it registers again).
+    #[serde(default = "default_suspect")]
+    pub suspect_ms: u64,
+    /// HTTP/2 keep-alive ping interval towards the stages.
+    #[serde(default = "default_keepalive_interval")]
+    pub keepalive_interval_ms: u64,
+    /// How long a keep-alive ping may go unanswered before the stage's connection is closed.
+    #[serde(default = "default_keepalive_timeout")]
+    pub keepalive_timeout_ms: u64,
+    /// On SIGTERM, how long in-flight requests get to finish (new ones are refused) before the rest fail.
+    #[serde(default = "default_shutdown_grace")]
+    pub shutdown_grace_ms: u64,
     /// TLS for both APIs and for the connections to the stages. With a CA, gRPC callers must present a certificate
     /// it signed and stages must present one too (mutual TLS); the HTTP API never asks for a client certificate.
     #[serde(default)]
@@ -71,6 +93,27 @@ fn default_connect_timeout() -> u64 {
 }
 fn default_kv_reserve() -> u64 {
     2048
+}
+fn default_batch_timeout() -> u64 {
+    30_000
+}
+fn default_recovery_timeout() -> u64 {
+    120_000
+}
+fn default_probe_timeout() -> u64 {
+    2_000
+}
+fn default_suspect() -> u64 {
+    30_000
+}
+fn default_keepalive_interval() -> u64 {
+    1_000
+}
+fn default_keepalive_timeout() -> u64 {
+    2_000
+}
+fn default_shutdown_grace() -> u64 {
+    30_000
 }
 fn default_max_concurrent() -> usize {
     SchedulerLimits::default().max_concurrent_requests
@@ -96,6 +139,13 @@ impl CoordinatorConfig {
             kv_reserve_tokens: default_kv_reserve(),
             max_concurrent_requests: default_max_concurrent(),
             max_batch_tokens: default_max_batch_tokens(),
+            batch_timeout_ms: default_batch_timeout(),
+            recovery_timeout_ms: default_recovery_timeout(),
+            probe_timeout_ms: default_probe_timeout(),
+            suspect_ms: default_suspect(),
+            keepalive_interval_ms: default_keepalive_interval(),
+            keepalive_timeout_ms: default_keepalive_timeout(),
+            shutdown_grace_ms: default_shutdown_grace(),
             tls: None,
         }
     }
@@ -122,6 +172,16 @@ impl CoordinatorConfig {
         if self.connect_timeout_ms == 0 {
             return bad("connect_timeout_ms must be positive".into());
         }
+        let timeouts = [
+            ("batch_timeout_ms", self.batch_timeout_ms),
+            ("recovery_timeout_ms", self.recovery_timeout_ms),
+            ("probe_timeout_ms", self.probe_timeout_ms),
+            ("keepalive_interval_ms", self.keepalive_interval_ms),
+            ("keepalive_timeout_ms", self.keepalive_timeout_ms),
+        ];
+        if let Some((name, _)) = timeouts.iter().find(|(_, v)| *v == 0) {
+            return bad(format!("{name} must be positive"));
+        }
         if self.max_concurrent_requests == 0 || self.max_batch_tokens == 0 {
             return bad("max_concurrent_requests and max_batch_tokens must be at least 1".into());
         }
@@ -145,6 +205,34 @@ impl CoordinatorConfig {
             max_concurrent_requests: self.max_concurrent_requests,
             max_batch_tokens: self.max_batch_tokens,
         }
+    }
+
+    /// How the pipeline runs (its suspects channel unset).
+    pub fn pipeline_options(&self, tls: Option<Tls>) -> PipelineOptions {
+        PipelineOptions {
+            limits: self.scheduler_limits(),
+            tls,
+            timeouts: Timeouts {
+                batch: Duration::from_millis(self.batch_timeout_ms),
+                recovery: Duration::from_millis(self.recovery_timeout_ms),
+                probe: Duration::from_millis(self.probe_timeout_ms),
+            },
+            keepalive: Keepalive {
+                interval: Duration::from_millis(self.keepalive_interval_ms),
+                timeout: Duration::from_millis(self.keepalive_timeout_ms),
+            },
+            suspects: None,
+        }
+    }
+
+    /// How long an unreachable stage stays out of placement.
+    pub fn suspect_for(&self) -> Duration {
+        Duration::from_millis(self.suspect_ms)
+    }
+
+    /// How long in-flight requests get on SIGTERM.
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_millis(self.shutdown_grace_ms)
     }
 
     /// The leader lease TTL.

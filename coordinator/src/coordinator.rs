@@ -1,19 +1,21 @@
 //! The coordinator's control loop: campaign for leadership, watch the nodes, place the model and write each new
 //! plan with the next epoch; finish drains once the stages have loaded the plan that excludes the drained node.
+//! Stages the pipeline could not reach ([`Suspect`]s) are left out of placement for a while (or until they
+//! register again), so a crashed or hung stage is planned around at once, not only when its lease expires.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use strata_proto::{NodeId, PlanEpoch, WireLayers, pb, wire_u32};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use strata_membership::{
     Backoff, EmbeddedRegistry, EtcdRegistry, Leadership, NodeEvent, NodeRecord, NodeState, Plan, PlanStage, Registry,
 };
 
-use crate::pipeline::{ModelInfo, model_name};
+use crate::pipeline::{ModelInfo, Suspect, model_name};
 use crate::placement::{self, ModelShape, NodeCapacity, StageAssignment};
 use crate::serving::{Listeners, lead_and_serve};
 use crate::{CoordinatorConfig, Error, Result};
@@ -163,9 +165,10 @@ pub async fn run_with_registry<R: Registry>(
     let tls = config.tls()?;
     let grpc = bind("gRPC", config.grpc_addr).await?;
     let http = bind("HTTP", config.http_addr).await?;
-    let limits = config.scheduler_limits();
+    let options = config.pipeline_options(tls.clone());
+    let grace = config.shutdown_grace();
     let coordinator = Coordinator::new(registry.clone(), config, shape, model_name);
-    lead_and_serve(coordinator, registry, model, limits, Listeners { grpc, http, tls }, shutdown).await
+    lead_and_serve(coordinator, registry, model, options, grace, Listeners { grpc, http, tls }, shutdown).await
 }
 
 async fn bind(api: &'static str, addr: std::net::SocketAddr) -> Result<tokio::net::TcpListener> {
@@ -201,6 +204,7 @@ pub struct Coordinator<R: Registry> {
     shape: ModelShape,
     model_name: String,
     view: ClusterView,
+    suspects: Option<mpsc::Receiver<Suspect>>,
 }
 
 /// State of one leadership term.
@@ -209,12 +213,27 @@ struct LeaderState {
     plan: Option<Plan>,
     /// Draining nodes and the epoch whose loading completes their drain.
     pending_drains: BTreeMap<NodeId, PlanEpoch>,
+    /// Nodes left out of placement because the pipeline could not reach them, and until when.
+    suspects: BTreeMap<NodeId, Instant>,
+}
+
+/// What wakes the leader up.
+enum Input {
+    Node(Option<NodeEvent>),
+    Suspect(Suspect),
+    SuspicionOver,
 }
 
 impl<R: Registry> Coordinator<R> {
     /// A coordinator over `registry` for a model of `shape`.
     pub fn new(registry: R, config: CoordinatorConfig, shape: ModelShape, model_name: String) -> Self {
-        Self { registry, config, shape, model_name, view: ClusterView::new() }
+        Self { registry, config, shape, model_name, view: ClusterView::new(), suspects: None }
+    }
+
+    /// Plans around the stages reported on `suspects` (the pipeline's [`Suspect`]s).
+    pub fn with_suspects(mut self, suspects: mpsc::Receiver<Suspect>) -> Self {
+        self.suspects = Some(suspects);
+        self
     }
 
     /// The view this coordinator publishes.
@@ -224,7 +243,8 @@ impl<R: Registry> Coordinator<R> {
 
     /// Campaigns, leads while elected, campaigns again when leadership is lost; returns on `shutdown`
     /// (resigning, so a standby takes over at once).
-    pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
+    pub async fn run(mut self, shutdown: CancellationToken) -> Result<()> {
+        let mut suspects = self.suspects.take();
         let candidate = self.config.candidate_name();
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
@@ -244,7 +264,7 @@ impl<R: Registry> Coordinator<R> {
                 }
             };
             self.view.update(|s| s.leader = true);
-            let outcome = self.lead(&leadership, &shutdown).await;
+            let outcome = self.lead(&leadership, &shutdown, &mut suspects).await;
             self.view.update(|s| s.leader = false);
             match outcome {
                 Ok(Term::Shutdown) => {
@@ -266,24 +286,60 @@ impl<R: Registry> Coordinator<R> {
         }
     }
 
-    async fn lead(&self, leadership: &Leadership<R>, shutdown: &CancellationToken) -> Result<Term> {
+    async fn lead(
+        &self,
+        leadership: &Leadership<R>,
+        shutdown: &CancellationToken,
+        suspects: &mut Option<mpsc::Receiver<Suspect>>,
+    ) -> Result<Term> {
         let mut watch = self.registry.watch_nodes().await?;
         let mut term = LeaderState {
             nodes: watch.initial().iter().map(|n| (n.node_id.clone(), n.clone())).collect(),
             plan: self.registry.get_plan().await?,
             pending_drains: BTreeMap::new(),
+            suspects: BTreeMap::new(),
         };
+        // Reports from before this term are about plans this leader did not serve.
+        if let Some(rx) = suspects.as_mut() {
+            while rx.try_recv().is_ok() {}
+        }
         self.publish(&term);
         self.reconcile(&mut term).await?;
         loop {
-            let event = tokio::select! {
+            let expiry = term.suspects.values().min().copied();
+            let input = tokio::select! {
                 () = shutdown.cancelled() => return Ok(Term::Shutdown),
                 () = leadership.lost() => return Ok(Term::Lost),
-                e = watch.next() => e,
+                e = watch.next() => Input::Node(e),
+                Some(s) = next_suspect(suspects) => Input::Suspect(s),
+                () = sleep_until(expiry), if expiry.is_some() => Input::SuspicionOver,
             };
-            let Some(event) = event else { return Ok(Term::Lost) };
+            let event = match input {
+                Input::Node(Some(event)) => event,
+                Input::Node(None) => return Ok(Term::Lost),
+                Input::Suspect(s) => {
+                    if self.suspect(&mut term, s) {
+                        self.reconcile(&mut term).await?;
+                    }
+                    continue;
+                }
+                Input::SuspicionOver => {
+                    let now = Instant::now();
+                    term.suspects.retain(|id, until| {
+                        let keep = *until > now;
+                        if !keep {
+                            tracing::info!(node = %id, "suspicion over: the node may be placed again");
+                        }
+                        keep
+                    });
+                    self.reconcile(&mut term).await?;
+                    continue;
+                }
+            };
             let replan = match event {
                 NodeEvent::Added(rec) => {
+                    // Registered again: whatever made it unreachable is over (a restart, a resumed process).
+                    term.suspects.remove(&rec.node_id);
                     let ready = rec.state == NodeState::Ready;
                     term.nodes.insert(rec.node_id.clone(), rec);
                     ready
@@ -304,6 +360,19 @@ impl<R: Registry> Coordinator<R> {
                 self.finish_drains(&mut term).await?;
             }
         }
+    }
+
+    /// Leaves a stage the pipeline could not reach out of placement for the suspect period; returns whether that
+    /// calls for a new plan (it is in the current one).
+    fn suspect(&self, term: &mut LeaderState, s: Suspect) -> bool {
+        if !term.plan.as_ref().is_some_and(|p| p.stage_of(&s.node_id).is_some()) {
+            return false;
+        }
+        let until = Instant::now() + self.config.suspect_for();
+        if term.suspects.insert(s.node_id.clone(), until).is_none() {
+            tracing::warn!(node = %s.node_id, epoch = s.epoch, reason = %s.reason, "stage unreachable: planning around it");
+        }
+        true
     }
 
     fn publish(&self, term: &LeaderState) {
@@ -332,7 +401,8 @@ impl<R: Registry> Coordinator<R> {
                 address: n.address.clone(),
                 memory_bytes: n.memory_bytes,
                 seconds_per_layer: n.layer_seconds,
-                state: n.state,
+                // A suspect is placed like a cordoned node: not at all.
+                state: if term.suspects.contains_key(&n.node_id) { NodeState::Cordoned } else { n.state },
             })
             .collect();
         let placed = placement::plan(&self.shape, &capacities).map_err(Error::Placement).and_then(|stages| {
@@ -434,6 +504,22 @@ fn plan_stage(s: &StageAssignment) -> Result<PlanStage, strata_proto::ProtoError
         layer_start: layers.start,
         layer_end: layers.end,
     })
+}
+
+/// The next suspect the pipeline reports; never, without a channel.
+async fn next_suspect(rx: &mut Option<mpsc::Receiver<Suspect>>) -> Option<Suspect> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Sleeps until `at`; forever when `None`.
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(tokio::time::Instant::from_std(at)).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Sleeps for `delay`; returns true if `shutdown` fired first.

@@ -22,5 +22,7 @@ pub use coordinator::{
     ClusterSnapshot, ClusterView, Coordinator, cordon_node, drain_node, run, run_with_registry, uncordon_node,
 };
 pub use error::{Error, Result};
-pub use pipeline::{ModelInfo, Pipeline, SchedulerLimits, SeqEvent, SeqRequest, StepTiming};
+pub use pipeline::{
+    ModelInfo, Pipeline, PipelineOptions, SchedulerLimits, SeqEvent, SeqRequest, StepTiming, Suspect, Timeouts,
+};
 pub use placement::{ModelShape, NodeCapacity, PlacementError, StageAssignment};

@@ -42,6 +42,30 @@ struct Args {
     /// Tokens per micro-batch (prompts longer than this are prefilled in chunks).
     #[arg(long, env = "STRATA_MAX_BATCH_TOKENS", default_value_t = 512)]
     max_batch_tokens: usize,
+    /// TTL of the leader lease in seconds: a standby takes over this long after the leader dies.
+    #[arg(long, env = "STRATA_LEASE_TTL_SECS", default_value_t = 5)]
+    lease_ttl_secs: u64,
+    /// A micro-batch unanswered this long (ms) means a stage hangs; its sequences are recomputed elsewhere.
+    #[arg(long, env = "STRATA_BATCH_TIMEOUT_MS", default_value_t = 30_000)]
+    batch_timeout_ms: u64,
+    /// How long (ms) requests wait for a working pipeline after a fault before they fail with UNAVAILABLE.
+    #[arg(long, env = "STRATA_RECOVERY_TIMEOUT_MS", default_value_t = 120_000)]
+    recovery_timeout_ms: u64,
+    /// How long (ms) a stage may take to answer Status when the pipeline connects before it is a suspect.
+    #[arg(long, env = "STRATA_PROBE_TIMEOUT_MS", default_value_t = 2_000)]
+    probe_timeout_ms: u64,
+    /// How long (ms) a stage the pipeline could not reach stays out of placement (unless it registers again).
+    #[arg(long, env = "STRATA_SUSPECT_MS", default_value_t = 30_000)]
+    suspect_ms: u64,
+    /// HTTP/2 keep-alive ping interval (ms) towards the stages.
+    #[arg(long, env = "STRATA_KEEPALIVE_INTERVAL_MS", default_value_t = 1_000)]
+    keepalive_interval_ms: u64,
+    /// How long (ms) a keep-alive ping may go unanswered before a stage's connection is closed.
+    #[arg(long, env = "STRATA_KEEPALIVE_TIMEOUT_MS", default_value_t = 2_000)]
+    keepalive_timeout_ms: u64,
+    /// On SIGTERM, how long (ms) in-flight requests get to finish before the rest fail; new ones are refused.
+    #[arg(long, env = "STRATA_SHUTDOWN_GRACE_MS", default_value_t = 30_000)]
+    shutdown_grace_ms: u64,
     /// TLS for both APIs (HTTPS on the HTTP one) and for dialling the stages.
     #[command(flatten)]
     tls: TlsArgs,
@@ -62,6 +86,14 @@ async fn main() -> anyhow::Result<()> {
     config.connect_timeout_ms = args.connect_timeout_ms;
     config.max_concurrent_requests = args.max_concurrent_requests;
     config.max_batch_tokens = args.max_batch_tokens;
+    config.lease_ttl_secs = args.lease_ttl_secs;
+    config.batch_timeout_ms = args.batch_timeout_ms;
+    config.recovery_timeout_ms = args.recovery_timeout_ms;
+    config.probe_timeout_ms = args.probe_timeout_ms;
+    config.suspect_ms = args.suspect_ms;
+    config.keepalive_interval_ms = args.keepalive_interval_ms;
+    config.keepalive_timeout_ms = args.keepalive_timeout_ms;
+    config.shutdown_grace_ms = args.shutdown_grace_ms;
     config.tls = args.tls.files()?;
     strata_coordinator::run(config, shutdown_token()).await?;
     Ok(())

@@ -49,8 +49,12 @@ pub struct Metrics {
     pub prompt_tokens: Counter,
     /// Tokens generated and streamed to callers.
     pub generation_tokens: Counter,
-    /// Sequences sent back to the queue to be recomputed (`kv_full`, `stage_out_of_kv`, `plan_changed`).
+    /// Sequences sent back to the queue to be recomputed (`kv_full`, `stage_out_of_kv`, `plan_changed`,
+    /// `stage_failed`).
     pub preemptions: Family<Reason, Counter>,
+    /// Times the stages failed under the pipeline and every sequence was requeued (`batch_failed`,
+    /// `stream_broken`, `batch_overdue`).
+    pub stage_failures: Family<Reason, Counter>,
     /// KV blocks of the tightest stage, as the scheduler budgets them.
     pub kv_blocks_capacity: Gauge,
     /// Of those, blocks no sequence holds.
@@ -92,6 +96,7 @@ impl Metrics {
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
             preemptions: Family::default(),
+            stage_failures: Family::default(),
             kv_blocks_capacity: Gauge::default(),
             kv_blocks_free: Gauge::default(),
             plan_epoch: Gauge::default(),
@@ -117,6 +122,11 @@ impl Metrics {
         r.register("prompt_tokens", "Prompt tokens of admitted requests", m.prompt_tokens.clone());
         r.register("generation_tokens", "Tokens generated and streamed to callers", m.generation_tokens.clone());
         r.register("preemptions", "Sequences queued again for recompute, by reason", m.preemptions.clone());
+        r.register(
+            "stage_failures",
+            "Stage failures that requeued every sequence for recompute, by reason",
+            m.stage_failures.clone(),
+        );
         r.register("kv_blocks_capacity", "KV blocks of the tightest stage", m.kv_blocks_capacity.clone());
         r.register("kv_blocks_free", "KV blocks no sequence holds", m.kv_blocks_free.clone());
         r.register("plan_epoch", "Plan epoch being served", m.plan_epoch.clone());
@@ -151,7 +161,7 @@ impl Metrics {
 
     /// Preemptions of every reason since start.
     pub fn preemptions_total(&self) -> u64 {
-        ["kv_full", "stage_out_of_kv", "plan_changed"]
+        ["kv_full", "stage_out_of_kv", "plan_changed", "stage_failed"]
             .into_iter()
             .map(|reason| self.preemptions.get_or_create(&Reason { reason }).get())
             .sum()

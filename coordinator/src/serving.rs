@@ -1,17 +1,25 @@
 //! Runs the control loop and the public APIs (gRPC and HTTP) together: the APIs are served from the start, and
-//! the data path switches to each plan once every stage of it is READY and has loaded that plan's epoch.
+//! the data path switches to each plan once every stage of it is READY and has loaded that plan's epoch; it stops
+//! serving (its requests wait, new ones are refused) while this coordinator does not lead.
+//!
+//! Shutdown is graceful: when `shutdown` fires the APIs stop accepting connections and the pipeline refuses new
+//! requests, the ones in flight get the grace period to finish, and only then does the control loop stop (and
+//! resign, so a standby takes over without waiting for the lease). Resigning first would let the standby's newer
+//! term fence off the batches still in flight here.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use strata_proto::{PlanEpoch, Tls};
 use tokio::net::TcpListener;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::Result;
 use crate::api::{self, CoordinatorApi, NodeAdmin};
 use crate::coordinator::{ClusterSnapshot, ClusterView, Coordinator};
 use crate::http::{self, HttpState};
-use crate::pipeline::{ModelInfo, Pipeline, SchedulerLimits};
+use crate::pipeline::{ModelInfo, Pipeline, PipelineOptions};
 use strata_membership::{NodeState, Plan, Registry};
 
 /// The bound listeners of the public APIs, and the TLS they serve (also used towards the stages).
@@ -24,24 +32,31 @@ pub(crate) struct Listeners {
     pub tls: Option<Tls>,
 }
 
-/// Leads (or stands by) with `coordinator` until `shutdown`, serving both APIs meanwhile.
+/// Leads (or stands by) with `coordinator` until `shutdown` and the grace period after it, serving both APIs
+/// meanwhile.
 pub(crate) async fn lead_and_serve<R: Registry>(
     coordinator: Coordinator<R>,
     registry: R,
     model: ModelInfo,
-    limits: SchedulerLimits,
+    options: PipelineOptions,
+    grace: Duration,
     listeners: Listeners,
     shutdown: CancellationToken,
 ) -> Result<()> {
-    let stop = shutdown.child_token();
+    // Not a child of `shutdown`: the pipeline and the control loop outlive it by the grace period.
+    let stop = CancellationToken::new();
+    let (suspects_tx, suspects_rx) = mpsc::channel(SUSPECTS_BUFFER);
+    let coordinator = coordinator.with_suspects(suspects_rx);
     let view = coordinator.view();
-    let empty = Plan { epoch: PlanEpoch(0), stages: Vec::new(), model: model.name.clone(), num_layers: 0, term: 0 };
+    let empty = no_plan(&model.name);
     let Listeners { grpc, http, tls } = listeners;
-    let pipeline = Arc::new(Pipeline::start_with(model, empty, limits, tls.clone(), stop.clone()));
+    let options = PipelineOptions { tls: tls.clone(), suspects: Some(suspects_tx), ..options };
+    let pipeline = Arc::new(Pipeline::start_with(model, empty, options, stop.clone()));
     tokio::spawn(follow_ready_plans(view.clone(), pipeline.clone(), stop.clone()));
+    tokio::spawn(graceful_stop(pipeline.clone(), grace, shutdown.clone(), stop.clone()));
     let admin: Arc<dyn NodeAdmin> = Arc::new(registry);
-    let http = tokio::spawn(http::serve(http, HttpState::new(pipeline.clone()), tls.clone(), stop.clone()));
-    let grpc = tokio::spawn(api::serve(grpc, CoordinatorApi::new(pipeline, view, Some(admin)), tls, stop.clone()));
+    let http = tokio::spawn(http::serve(http, HttpState::new(pipeline.clone()), tls.clone(), shutdown.clone()));
+    let grpc = tokio::spawn(api::serve(grpc, CoordinatorApi::new(pipeline, view, Some(admin)), tls, shutdown.clone()));
     let result = coordinator.run(stop.clone()).await;
     stop.cancel();
     for (name, server) in [("gRPC", grpc), ("HTTP", http)] {
@@ -54,18 +69,45 @@ pub(crate) async fn lead_and_serve<R: Registry>(
     result
 }
 
-/// Hands the pipeline every new plan that is ready to serve.
+/// Suspects reported by the pipeline, waiting for the control loop.
+const SUSPECTS_BUFFER: usize = 64;
+
+/// The plan of a coordinator that serves nothing (standing by, or deposed).
+fn no_plan(model: &str) -> Plan {
+    Plan { epoch: PlanEpoch(0), stages: Vec::new(), model: model.to_owned(), num_layers: 0, term: 0 }
+}
+
+/// On `shutdown`: the pipeline refuses new requests and the ones in flight get `grace` to finish; then `stop`.
+async fn graceful_stop(pipeline: Arc<Pipeline>, grace: Duration, shutdown: CancellationToken, stop: CancellationToken) {
+    tokio::select! {
+        () = stop.cancelled() => return,
+        () = shutdown.cancelled() => {}
+    }
+    tracing::info!(?grace, "shutting down: refusing new requests, finishing the ones in flight");
+    match tokio::time::timeout(grace, pipeline.quiesce()).await {
+        Ok(_) => tracing::info!("every request finished"),
+        Err(_) => tracing::warn!(?grace, "grace period over; failing the requests still running"),
+    }
+    stop.cancel();
+}
+
+/// Hands the pipeline every new plan that is ready to serve while this coordinator leads, and a plan without
+/// stages when it stops leading.
 async fn follow_ready_plans(view: ClusterView, pipeline: Arc<Pipeline>, stop: CancellationToken) {
     let mut rx = view.subscribe();
-    let mut served = PlanEpoch(0);
+    let mut served: (PlanEpoch, u64) = (PlanEpoch(0), 0);
     loop {
-        let ready = {
+        let next = {
             let snapshot = rx.borrow_and_update();
-            ready_plan(&snapshot)
+            if snapshot.leader { ready_plan(&snapshot) } else { Some(no_plan(&pipeline.model().name)) }
         };
-        if let Some(plan) = ready.filter(|p| p.epoch != served) {
-            served = plan.epoch;
-            tracing::info!(epoch = %served, stages = plan.stages.len(), "serving through the new plan");
+        if let Some(plan) = next.filter(|p| (p.epoch, p.term) != served) {
+            served = (plan.epoch, plan.term);
+            if plan.stages.is_empty() {
+                tracing::warn!("not the leader: the data path stops serving until this coordinator leads again");
+            } else {
+                tracing::info!(epoch = %plan.epoch, term = plan.term, stages = plan.stages.len(), "serving through the new plan");
+            }
             if pipeline.set_plan(plan).await.is_err() {
                 return;
             }

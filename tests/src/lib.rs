@@ -14,7 +14,9 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use strata_coordinator::api::{self, CoordinatorApi};
 use strata_coordinator::http::{self, HttpState};
-use strata_coordinator::{ClusterSnapshot, ClusterView, ModelInfo, Pipeline, SchedulerLimits};
+use strata_coordinator::{
+    ClusterSnapshot, ClusterView, ModelInfo, Pipeline, PipelineOptions, SchedulerLimits, Timeouts,
+};
 use strata_engine::LayerRange;
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::generate::{Engine, GenerateRequest};
@@ -60,11 +62,19 @@ pub struct StageSizing {
     pub block_size: usize,
     /// The coordinator's scheduler limits.
     pub limits: SchedulerLimits,
+    /// The coordinator's timeouts.
+    pub timeouts: Timeouts,
 }
 
 impl Default for StageSizing {
     fn default() -> Self {
-        StageSizing { threads: 1, kv_blocks: 64, block_size: 4, limits: SchedulerLimits::default() }
+        StageSizing {
+            threads: 1,
+            kv_blocks: 64,
+            block_size: 4,
+            limits: SchedulerLimits::default(),
+            timeouts: Timeouts::default(),
+        }
     }
 }
 
@@ -139,37 +149,31 @@ impl TestCluster {
         let stages: Vec<(String, Range<usize>)> =
             workers.iter().zip(bounds.windows(2)).map(|(wk, w)| (wk.local_addr().to_string(), w[0]..w[1])).collect();
         let tls = tls.map(|files| files.load()).transpose()?;
-        let mut cluster = Self::coordinator_tls(model, &stages, sizing.limits, tls).await?;
+        let options =
+            PipelineOptions { limits: sizing.limits, timeouts: sizing.timeouts, tls, ..PipelineOptions::default() };
+        let mut cluster = Self::coordinator_with(model, &stages, options).await?;
         cluster.workers = workers;
         Ok(cluster)
     }
 
     /// Starts only the coordinator, with a static plan through `stages` (which may not exist).
     pub async fn coordinator(model: &Path, stages: &[(String, Range<usize>)]) -> Result<Self> {
-        Self::coordinator_with(model, stages, SchedulerLimits::default()).await
+        Self::coordinator_with(model, stages, PipelineOptions::default()).await
     }
 
-    /// Like [`TestCluster::coordinator`], with scheduler `limits`.
+    /// Like [`TestCluster::coordinator`], the pipeline run as `options` say (its TLS also serves the APIs).
     pub async fn coordinator_with(
         model: &Path,
         stages: &[(String, Range<usize>)],
-        limits: SchedulerLimits,
+        options: PipelineOptions,
     ) -> Result<Self> {
-        Self::coordinator_tls(model, stages, limits, None).await
-    }
-
-    async fn coordinator_tls(
-        model: &Path,
-        stages: &[(String, Range<usize>)],
-        limits: SchedulerLimits,
-        tls: Option<Tls>,
-    ) -> Result<Self> {
+        let tls = options.tls.clone();
         let info = ModelInfo::open(model)?;
         let num_layers = stages.last().map_or(0, |s| s.1.end);
         let plan = static_plan(&info.name, num_layers, stages);
         let shutdown = CancellationToken::new();
         let view = ClusterView::from_snapshot(ClusterSnapshot { plan: Some(plan.clone()), ..Default::default() });
-        let pipeline = Arc::new(Pipeline::start_with(info, plan, limits, tls.clone(), shutdown.clone()));
+        let pipeline = Arc::new(Pipeline::start_with(info, plan, options, shutdown.clone()));
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let http_listener = TcpListener::bind("127.0.0.1:0").await?;

@@ -3,6 +3,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
+use strata_coordinator::{PipelineOptions, Timeouts};
 use strata_proto::pb;
 use strata_proto::tonic_health::pb::HealthCheckRequest;
 use strata_proto::tonic_health::pb::health_check_response::ServingStatus;
@@ -128,13 +129,17 @@ async fn invalid_requests_are_invalid_argument() -> Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_stage_0_is_unavailable_quickly() -> Result<()> {
+async fn a_request_waits_for_a_working_plan_and_fails_only_after_the_recovery_timeout() -> Result<()> {
     let model = tiny_model()?;
     let dead = {
         let l = std::net::TcpListener::bind("127.0.0.1:0")?;
         l.local_addr()?.to_string()
     };
-    let cluster = TestCluster::coordinator(model.path(), &[(dead, 0..4)]).await?;
+    // Nothing answers and nothing replans: UNAVAILABLE once the recovery timeout is over, naming the stage.
+    let recovery = Duration::from_millis(800);
+    let timeouts = Timeouts { recovery, ..Timeouts::default() };
+    let options = PipelineOptions { timeouts, ..PipelineOptions::default() };
+    let cluster = TestCluster::coordinator_with(model.path(), &[(dead.clone(), 0..4)], options).await?;
     let mut client = cluster.client().await?;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.addr))?.connect().await?;
     let mut health = HealthClient::new(channel);
@@ -143,14 +148,22 @@ async fn a_dead_stage_0_is_unavailable_quickly() -> Result<()> {
     let started = Instant::now();
     let err = generate(&mut client, ids_request(&PROMPT, 4)).await.expect_err("no stage to reach");
     assert_eq!(err.code(), Code::Unavailable, "{err}");
-    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert!(err.message().contains(&dead) && err.message().contains("recovery"), "{err}");
+    assert!(started.elapsed() >= recovery && started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+    cluster.stop().await?;
 
-    // A new plan through live stages: the next request connects to the new stage 0.
+    // With the default (long) recovery timeout the request waits; a new plan through live stages serves it,
+    // with the same tokens as one process.
+    let cluster = TestCluster::coordinator(model.path(), &[(dead, 0..4)]).await?;
+    let mut client = cluster.client().await?;
+    let waiting = tokio::spawn(async move { generate(&mut client, ids_request(&PROMPT, 4)).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!waiting.is_finished(), "the request must wait for a plan, not fail");
     let live = TestCluster::start(model.path(), &[0, 2, 4], StageSizing::default()).await?;
     let stages =
         live.workers.iter().zip([0..2, 2..4]).map(|(w, r)| (w.local_addr().to_string(), r)).collect::<Vec<_>>();
     cluster.pipeline.set_plan(static_plan(&cluster.pipeline.model().name, 4, &stages)).await?;
-    let got = generate(&mut client, ids_request(&PROMPT, 4)).await?;
+    let got = waiting.await??;
     assert_eq!(got.token_ids, reference(model.path(), 1, &PROMPT, 4)?);
     live.stop().await?;
     cluster.stop().await

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use serde_json::{Value, json};
-use strata_coordinator::SchedulerLimits;
+use strata_coordinator::{PipelineOptions, SchedulerLimits, Timeouts};
 use strata_proto::pb;
 use strata_tests::http_client::{self, EventStream};
 use strata_tests::{
@@ -270,7 +270,10 @@ async fn health_is_ok_through_every_stage_and_503_once_one_dies() -> Result<()> 
 async fn an_unreachable_stage_0_is_503() -> Result<()> {
     let model = tiny_model()?;
     let dead = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.to_string();
-    let cluster = TestCluster::coordinator(model.path(), &[(dead, 0..4)]).await?;
+    // Requests wait this long for a working pipeline (nothing replans a static plan), then fail.
+    let timeouts = Timeouts { recovery: Duration::from_millis(500), ..Timeouts::default() };
+    let options = PipelineOptions { timeouts, ..PipelineOptions::default() };
+    let cluster = TestCluster::coordinator_with(model.path(), &[(dead, 0..4)], options).await?;
     let reply = http_client::post(cluster.http_addr, "/v1/completions", &json!({"prompt": PROMPT})).await?;
     let error = expect_error(&reply, 503, "no stage 0")?;
     assert_eq!(error["type"], "server_error");

@@ -1,35 +1,42 @@
-//! The pipeline actor: the I/O around the [`Scheduler`]. It owns the `Forward` stream to stage 0 and the stage
-//! client, the callers' event channels and their [`SeqOutput`]s, and the metrics; it feeds commands, responses and
-//! finished releases into the scheduler and executes the [`Effect`]s it returns. Only this task touches that
-//! state, so none of it needs a lock.
+//! The pipeline actor: the I/O around the [`Scheduler`]. It owns the `Forward` stream to stage 0 and the clients
+//! of the stages, the callers' event channels and their [`SeqOutput`]s, and the metrics; it feeds commands,
+//! responses, finished releases, connection attempts and timers into the scheduler and executes the [`Effect`]s
+//! it returns. Only this task touches that state, so none of it needs a lock, and nothing here awaits stage I/O:
+//! connecting runs in a spawned task ([`link`](super::link)), batches go out with `try_send`, releases are spawned.
+//!
+//! When the stages fail (a batch error, a broken stream, a batch overdue) the scheduler requeues every sequence
+//! and the actor drops the stream and probes the stages again at once, then with backoff; the stages that do not
+//! answer are reported as suspects so the control loop plans around them, and the sequences are recomputed
+//! through whichever pipeline comes next. Work fails only when no pipeline is found within the recovery timeout.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use strata_proto::{ErrorCode, ServiceError, Tls, pb};
-use tokio::sync::mpsc;
+use strata_membership::{Backoff, Plan};
+use strata_proto::{ErrorCode, ServiceError, pb};
+use tokio::sync::{mpsc, oneshot};
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
 use super::kv_budget::KvBudget;
+use super::link::{Connected, Dialer, Failed, Suspect};
 use super::output::{SeqOutput, Verdict};
 use super::scheduler::{Effect, RequestId, Requeue, Scheduler};
-use super::{Command, Finish, ModelInfo, SchedulerLimits, SeqEvent, SeqRequest, StepTiming};
+use super::{Command, Finish, ModelInfo, PipelineOptions, SeqEvent, SeqRequest, StepTiming, Timeouts};
 use crate::metrics::Metrics;
-use crate::stage_client::{self, ForwardStream, TracedStageClient};
-use strata_membership::Plan;
+use crate::stage_client::{ForwardStream, TracedStageClient};
 
 /// Events buffered per sequence before the actor waits for its caller.
 const EVENT_BUFFER: usize = 64;
 /// How long a `Release` may take. Its blocks stay reserved until it returns, so this only bounds how long a
 /// stage that never answers can hold them.
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(60);
-/// How long asking a stage for its status may take.
-const STATUS_TIMEOUT: Duration = Duration::from_secs(5);
 /// Finished `Release` calls waiting for the actor.
 const RELEASED_BUFFER: usize = 256;
+/// Reconnection attempts back off from the first delay to the cap.
+const RETRY_FIRST: Duration = Duration::from_millis(50);
+const RETRY_CAP: Duration = Duration::from_secs(1);
 
 /// The caller's side of a request.
 struct Caller {
@@ -55,41 +62,75 @@ impl Caller {
     }
 }
 
+/// A request waiting for the stages' KV budget before it can be validated and queued.
+struct PendingSubmit {
+    req: SeqRequest,
+    span: tracing::Span,
+    reply: oneshot::Sender<Result<mpsc::Receiver<SeqEvent>, ServiceError>>,
+}
+
+/// The result of one connection attempt, tagged with the attempt it answers.
+type Attempt = (u64, Result<Connected, Failed>);
+
 pub(super) struct Actor {
     model: Arc<ModelInfo>,
     plan: Plan,
     scheduler: Scheduler,
     callers: HashMap<RequestId, Caller>,
-    client: Option<TracedStageClient>,
+    /// Clients of every stage of the plan last connected (releases go to each), and the stream to its stage 0.
+    clients: Vec<TracedStageClient>,
     stream: Option<ForwardStream>,
+    dialer: Dialer,
+    timeouts: Timeouts,
+    /// The latest connection attempt (older answers are ignored) and whether it is still running.
+    attempt: u64,
+    connecting: bool,
+    attempts_tx: mpsc::Sender<Attempt>,
+    attempts_rx: mpsc::Receiver<Attempt>,
+    /// When to try connecting again, after a failed attempt.
+    retry_at: Option<Instant>,
+    backoff: Backoff,
+    /// Since when work has been waiting without a pipeline, and why the last attempt failed.
+    stalled_since: Option<Instant>,
+    last_error: Option<ServiceError>,
+    pending: VecDeque<PendingSubmit>,
+    suspects: Option<mpsc::Sender<Suspect>>,
+    /// Set once a graceful shutdown began: new requests are refused; the senders hear when nothing is left.
+    quiescing: Option<Vec<oneshot::Sender<()>>>,
     /// Finished releases: (budget generation, blocks).
     released_tx: mpsc::Sender<(u64, usize)>,
     released_rx: mpsc::Receiver<(u64, usize)>,
-    /// How the stages are dialled.
-    tls: Option<Tls>,
     metrics: Arc<Metrics>,
 }
 
 impl Actor {
-    pub(super) fn new(
-        model: Arc<ModelInfo>,
-        plan: Plan,
-        limits: SchedulerLimits,
-        tls: Option<Tls>,
-        metrics: Arc<Metrics>,
-    ) -> Self {
+    pub(super) fn new(model: Arc<ModelInfo>, plan: Plan, options: PipelineOptions, metrics: Arc<Metrics>) -> Self {
         let (released_tx, released_rx) = mpsc::channel(RELEASED_BUFFER);
+        let (attempts_tx, attempts_rx) = mpsc::channel(4);
         publish_plan(&metrics, &plan);
+        let PipelineOptions { limits, tls, timeouts, keepalive, suspects } = options;
         Actor {
             model,
-            scheduler: Scheduler::new(limits, plan.epoch.0, plan.stages.len()),
+            scheduler: Scheduler::new(limits, plan.epoch.0, plan.term, plan.stages.len()),
             plan,
             callers: HashMap::new(),
-            client: None,
+            clients: Vec::new(),
             stream: None,
+            dialer: Dialer { tls, keepalive, probe_timeout: timeouts.probe },
+            timeouts,
+            attempt: 0,
+            connecting: false,
+            attempts_tx,
+            attempts_rx,
+            retry_at: None,
+            backoff: Backoff::new(RETRY_FIRST, RETRY_CAP),
+            stalled_since: None,
+            last_error: None,
+            pending: VecDeque::new(),
+            suspects,
+            quiescing: None,
             released_tx,
             released_rx,
-            tls,
             metrics,
         }
     }
@@ -98,38 +139,95 @@ impl Actor {
         loop {
             self.notice_cancelled();
             let effects = self.scheduler.reap();
-            self.apply(effects).await;
-            if self.stream.is_none() && self.scheduler.has_waiting() {
-                // Sequences carried over from an old plan (or a broken stream) wait for the new stage 0.
-                if let Err(e) = self.ensure_connected().await {
-                    let mut effects = self.scheduler.fail_all(&e);
-                    effects.extend(self.scheduler.reap());
-                    self.apply(effects).await;
-                }
-            }
+            self.apply(effects);
+            let now = Instant::now();
+            self.check_overdue(now);
+            self.check_recovery(now);
+            self.drive_link(now);
             if self.stream.is_some() {
-                let effects = self.scheduler.schedule(Instant::now());
-                self.apply(effects).await;
+                let effects = self.scheduler.schedule(now);
+                self.apply(effects);
             }
+            self.notify_quiesced();
             self.publish_gauges();
             let waiting = self.scheduler.batches_in_flight() > 0;
+            let wake = tokio::time::Instant::from_std(self.next_wakeup(now));
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 cmd = commands.recv() => match cmd {
                     None => break,
-                    Some(Command::Submit { req, span, reply }) => {
-                        let result = self.admit(req, span).await;
-                        let _ = reply.send(result);
-                    }
-                    Some(Command::SetPlan(plan)) => self.set_plan(plan).await,
+                    Some(cmd) => self.command(cmd),
                 },
-                resp = next_response(&mut self.stream), if waiting => self.on_response(resp).await,
+                resp = next_response(&mut self.stream), if waiting => self.on_response(resp),
                 Some((generation, n)) = self.released_rx.recv() => self.scheduler.released(generation, n),
+                Some((attempt, result)) = self.attempts_rx.recv() => self.on_attempt(attempt, result),
+                () = tokio::time::sleep_until(wake) => {}
             }
         }
-        let mut effects = self.scheduler.fail_all(&ServiceError::unavailable("the coordinator is shutting down"));
-        effects.extend(self.scheduler.reap());
-        self.apply(effects).await;
+        self.fail_everything(ServiceError::unavailable("the coordinator is shutting down"));
+    }
+
+    fn command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit { req, span, reply } => self.submit(PendingSubmit { req, span, reply }),
+            Command::SetPlan(plan) => self.set_plan(plan),
+            Command::Quiesce(done) => {
+                tracing::info!(active = self.callers.len(), "quiescing: new requests are refused");
+                self.quiescing.get_or_insert_with(Vec::new).push(done);
+            }
+        }
+    }
+
+    /// Admits `p` now if the stages' budget is known, else keeps it until the pipeline is connected.
+    fn submit(&mut self, p: PendingSubmit) {
+        let refuse = if self.quiescing.is_some() {
+            Some(ServiceError::unavailable("the coordinator is shutting down; retry on another coordinator"))
+        } else if self.plan.stages.is_empty() {
+            Some(ServiceError::unavailable(
+                "no plan is being served (this coordinator is not the leader, or no stages are ready)",
+            ))
+        } else if self.pending.len() >= self.scheduler.max_concurrent_requests() {
+            Some(ServiceError::resource_exhausted("overloaded: too many requests wait for the stages; retry later"))
+        } else {
+            None
+        };
+        if let Some(error) = refuse {
+            self.metrics.rejected(if error.code == ErrorCode::ResourceExhausted {
+                "overloaded"
+            } else {
+                "unavailable"
+            });
+            let _ = p.reply.send(Err(error));
+            return;
+        }
+        if self.stream.is_some() && self.scheduler.has_budget() {
+            let result = self.admit(p.req, p.span);
+            let _ = p.reply.send(result);
+        } else {
+            self.pending.push_back(p);
+        }
+    }
+
+    fn admit(&mut self, req: SeqRequest, span: tracing::Span) -> Result<mpsc::Receiver<SeqEvent>, ServiceError> {
+        self.notice_cancelled();
+        let result = span.in_scope(|| self.scheduler.admit(&req));
+        let id = match result {
+            Ok(id) => id,
+            Err(e) => {
+                self.metrics.rejected(match e.code {
+                    ErrorCode::ResourceExhausted => "overloaded",
+                    ErrorCode::InvalidArgument => "too_long",
+                    _ => "unavailable",
+                });
+                return Err(e);
+            }
+        };
+        self.metrics.requests_admitted.inc();
+        let (tx, rx) = mpsc::channel(EVENT_BUFFER.max(req.max_tokens + 2).min(4096));
+        self.metrics.prompt_tokens.inc_by(req.prompt_ids.len() as u64);
+        let output = SeqOutput::new(&req);
+        self.callers.insert(id, Caller { tx, span, output, admitted: Instant::now(), last_token: None, ended: None });
+        Ok(rx)
     }
 
     /// Tells the scheduler about callers that dropped their receiver.
@@ -142,117 +240,194 @@ impl Actor {
     }
 
     /// Switches to `plan` if it differs: the scheduler requeues every active sequence, their releases go to the
-    /// old stages, and the next loop connects to the new stage 0.
-    async fn set_plan(&mut self, plan: Plan) {
-        if plan.epoch == self.plan.epoch && plan.stages == self.plan.stages {
+    /// old stages, and the link to the new stages is made at once.
+    fn set_plan(&mut self, plan: Plan) {
+        if plan.epoch == self.plan.epoch && plan.term == self.plan.term && plan.stages == self.plan.stages {
             return;
         }
-        tracing::info!(epoch = %plan.epoch, stages = plan.stages.len(), "switching to a new plan");
+        tracing::info!(epoch = %plan.epoch, term = plan.term, stages = plan.stages.len(), "switching to a new plan");
         self.notice_cancelled();
-        let effects = self.scheduler.set_plan(plan.epoch.0, plan.stages.len());
-        // Free what the old stages hold (they may keep serving another epoch) before forgetting the client.
-        self.apply(effects).await;
+        let effects = self.scheduler.set_plan(plan.epoch.0, plan.term, plan.stages.len());
+        // Free what the old stages hold (they may keep serving another epoch) before forgetting their clients.
+        self.apply(effects);
         publish_plan(&self.metrics, &plan);
         self.plan = plan;
-        self.client = None;
+        self.clients.clear();
         self.stream = None;
-    }
-
-    /// Opens the `Forward` stream to stage 0 and learns the KV capacity of every stage.
-    async fn ensure_connected(&mut self) -> Result<(), ServiceError> {
-        if self.stream.is_some() && self.scheduler.has_budget() {
-            return Ok(());
-        }
-        let Some(stage0) = self.plan.stages.first() else {
-            return Err(ServiceError::unavailable("the plan has no stages"));
-        };
-        let mut statuses = Vec::with_capacity(self.plan.stages.len());
-        for stage in &self.plan.stages {
-            let mut client = stage_client::connect(&stage.address, self.tls.as_ref()).await?;
-            let status = tokio::time::timeout(STATUS_TIMEOUT, client.status(pb::StageStatusRequest {}))
-                .await
-                .map_err(|_| ServiceError::unavailable(format!("stage {}: status timed out", stage.address)))?
-                .map_err(ServiceError::from)?;
-            statuses.push(status.into_inner());
-        }
-        let kv = KvBudget::from_statuses(&statuses)?;
-        let mut client = stage_client::connect(&stage0.address, self.tls.as_ref()).await?;
-        let stream = stage_client::open_forward(&mut client).await?;
-        tracing::info!(
-            address = %stage0.address,
-            epoch = %self.plan.epoch,
-            kv_blocks = kv.total(),
-            block_size = kv.block_size(),
-            "Forward stream to stage 0 open"
-        );
-        self.client = Some(client);
-        self.stream = Some(stream);
-        self.scheduler.set_budget(kv);
-        Ok(())
-    }
-
-    async fn admit(&mut self, req: SeqRequest, span: tracing::Span) -> Result<mpsc::Receiver<SeqEvent>, ServiceError> {
-        let result = self.try_admit(req, span).await;
-        match &result {
-            Ok(_) => {
-                self.metrics.requests_admitted.inc();
+        self.attempt += 1;
+        self.connecting = false;
+        self.retry_at = None;
+        self.backoff.reset();
+        if self.plan.stages.is_empty() {
+            // Deposed or standing by: callers should go to the leader now; running sequences wait for a plan.
+            let error = ServiceError::unavailable("this coordinator stopped serving (it is not the leader)");
+            for p in self.pending.drain(..) {
+                let _ = p.reply.send(Err(error.clone()));
             }
-            Err(e) => self.metrics.rejected(match e.code {
-                ErrorCode::ResourceExhausted => "overloaded",
-                ErrorCode::InvalidArgument => "too_long",
-                _ => "unavailable",
-            }),
-        };
-        result
+        }
     }
 
-    async fn try_admit(
-        &mut self,
-        req: SeqRequest,
-        span: tracing::Span,
-    ) -> Result<mpsc::Receiver<SeqEvent>, ServiceError> {
-        self.ensure_connected().instrument(span.clone()).await?;
-        self.notice_cancelled();
-        let id = span.in_scope(|| self.scheduler.admit(&req))?;
-        let (tx, rx) = mpsc::channel(EVENT_BUFFER.max(req.max_tokens + 2).min(4096));
-        self.metrics.prompt_tokens.inc_by(req.prompt_ids.len() as u64);
-        let output = SeqOutput::new(&req);
-        self.callers.insert(id, Caller { tx, span, output, admitted: Instant::now(), last_token: None, ended: None });
-        Ok(rx)
+    /// Starts a connection attempt when work waits without a pipeline and the backoff allows.
+    fn drive_link(&mut self, now: Instant) {
+        let work = self.scheduler.has_waiting() || !self.pending.is_empty();
+        if self.stream.is_some() || !work {
+            if self.stream.is_some() {
+                self.stalled_since = None;
+            }
+            return;
+        }
+        self.stalled_since.get_or_insert(now);
+        if self.connecting || self.plan.stages.is_empty() || self.retry_at.is_some_and(|t| t > now) {
+            return;
+        }
+        self.attempt += 1;
+        self.connecting = true;
+        let (attempt, dialer, plan, tx) =
+            (self.attempt, self.dialer.clone(), self.plan.clone(), self.attempts_tx.clone());
+        tokio::spawn(async move {
+            let result = dialer.connect(&plan).await;
+            let _ = tx.send((attempt, result)).await;
+        });
     }
 
-    async fn on_response(&mut self, resp: Option<Result<pb::ForwardResponse, tonic::Status>>) {
+    fn on_attempt(&mut self, attempt: u64, result: Result<Connected, Failed>) {
+        if attempt != self.attempt {
+            return; // made for a plan that has been replaced since
+        }
+        self.connecting = false;
+        match result {
+            Ok(Connected { clients, stream, budget }) => {
+                tracing::info!(
+                    epoch = %self.plan.epoch,
+                    kv_blocks = budget.total(),
+                    block_size = budget.block_size(),
+                    "Forward stream to stage 0 open"
+                );
+                self.on_connected(clients, stream, budget);
+            }
+            Err(Failed { error, suspects }) => {
+                let delay = self.backoff.next_delay();
+                tracing::warn!(error = %error, suspects = suspects.len(), retry_in = ?delay, "cannot reach the stages");
+                for s in suspects {
+                    if let Some(tx) = &self.suspects {
+                        let _ = tx.try_send(s);
+                    }
+                }
+                self.last_error = Some(error);
+                self.retry_at = Some(Instant::now() + delay);
+            }
+        }
+    }
+
+    fn on_connected(&mut self, clients: Vec<TracedStageClient>, stream: ForwardStream, budget: KvBudget) {
+        self.clients = clients;
+        self.stream = Some(stream);
+        self.scheduler.set_budget(budget);
+        self.backoff.reset();
+        self.retry_at = None;
+        self.stalled_since = None;
+        self.last_error = None;
+        while let Some(p) = self.pending.pop_front() {
+            let result = self.admit(p.req, p.span);
+            let _ = p.reply.send(result);
+        }
+    }
+
+    /// A batch unanswered for the batch timeout means a stage hangs (or its link does): treat it as a failure.
+    fn check_overdue(&mut self, now: Instant) {
+        let Some(sent) = self.scheduler.oldest_batch_sent() else { return };
+        if now.saturating_duration_since(sent) >= self.timeouts.batch {
+            let error = ServiceError::deadline_exceeded(format!(
+                "a micro-batch went unanswered for {:?} (--batch-timeout-ms)",
+                self.timeouts.batch
+            ));
+            let effects = self.scheduler.stall(&error);
+            self.apply(effects);
+        }
+    }
+
+    /// Work that found no pipeline within the recovery timeout fails.
+    fn check_recovery(&mut self, now: Instant) {
+        let Some(since) = self.stalled_since else { return };
+        if now.saturating_duration_since(since) < self.timeouts.recovery {
+            return;
+        }
+        let why = self.last_error.as_ref().map_or_else(|| "no plan".to_owned(), |e| e.message.clone());
+        let error = ServiceError::unavailable(format!(
+            "no stage pipeline to serve through for {:?} (--recovery-timeout-ms): {why}",
+            self.timeouts.recovery
+        ));
+        tracing::error!(error = %error, "giving up on the waiting requests");
+        self.fail_everything(error);
+        self.stalled_since = None;
+    }
+
+    fn fail_everything(&mut self, error: ServiceError) {
+        let mut effects = self.scheduler.fail_all(&error);
+        effects.extend(self.scheduler.reap());
+        self.apply(effects);
+        for p in self.pending.drain(..) {
+            let _ = p.reply.send(Err(error.clone()));
+        }
+    }
+
+    /// When the loop must wake up even if nothing arrives: the next retry, batch deadline or recovery deadline.
+    fn next_wakeup(&self, now: Instant) -> Instant {
+        let mut wake = now + Duration::from_secs(3600);
+        if self.stream.is_none() && !self.connecting {
+            if let Some(t) = self.retry_at {
+                wake = wake.min(t);
+            }
+        }
+        if let Some(sent) = self.scheduler.oldest_batch_sent() {
+            wake = wake.min(sent + self.timeouts.batch);
+        }
+        if let Some(since) = self.stalled_since {
+            wake = wake.min(since + self.timeouts.recovery);
+        }
+        wake.max(now)
+    }
+
+    /// Tells those waiting for a graceful shutdown that nothing is left to do.
+    fn notify_quiesced(&mut self) {
+        if self.scheduler.is_idle() && self.pending.is_empty() {
+            if let Some(waiters) = self.quiescing.as_mut() {
+                for done in waiters.drain(..) {
+                    let _ = done.send(());
+                }
+            }
+        }
+    }
+
+    fn on_response(&mut self, resp: Option<Result<pb::ForwardResponse, tonic::Status>>) {
         let effects = match resp {
             Some(Ok(r)) => self.scheduler.apply_response(r, Instant::now()),
-            Some(Err(status)) => self.stream_broken(ServiceError::from(status)),
-            None => self.stream_broken(ServiceError::unavailable("stage 0 closed the Forward stream")),
+            Some(Err(status)) => self.scheduler.stall(&ServiceError::from(status)),
+            None => self.scheduler.stall(&ServiceError::unavailable("stage 0 closed the Forward stream")),
         };
-        self.apply(effects).await;
-    }
-
-    fn stream_broken(&mut self, err: ServiceError) -> Vec<Effect> {
-        tracing::warn!(error = %err, in_flight = self.scheduler.batches_in_flight(), "Forward stream to stage 0 broke");
-        self.stream = None;
-        self.scheduler.fail_all(&err)
+        self.apply(effects);
     }
 
     /// Executes the scheduler's effects in order (and those of a stream that breaks on sending).
-    async fn apply(&mut self, effects: Vec<Effect>) {
+    fn apply(&mut self, effects: Vec<Effect>) {
         let mut effects = VecDeque::from(effects);
         while let Some(effect) = effects.pop_front() {
             match effect {
                 Effect::Send(batch) => {
-                    // A stream that broke on an earlier batch of this round already failed this one's sequences.
+                    // A stream that broke on an earlier batch of this round already requeued this one's sequences.
                     let Some(stream) = &self.stream else { continue };
-                    let (batch_id, tokens) = (batch.batch_id, batch.token_ids.len());
-                    let sent = stream.tx.send(batch).await.is_ok();
-                    self.metrics.batch_tokens.observe(tokens as f64);
-                    if !sent {
-                        let error = ServiceError::unavailable("the Forward stream to stage 0 closed");
-                        effects.extend(self.stream_broken(error));
+                    let tokens = batch.token_ids.len();
+                    // The stream's buffer holds more batches than are ever in flight, so it is full only when stage
+                    // 0 stopped reading: a failure, like a closed stream.
+                    if let Err(e) = stream.tx.try_send(batch) {
+                        let error = ServiceError::unavailable(match e {
+                            mpsc::error::TrySendError::Full(_) => "stage 0 stopped reading the Forward stream",
+                            mpsc::error::TrySendError::Closed(_) => "the Forward stream to stage 0 closed",
+                        });
+                        effects.extend(self.scheduler.stall(&error));
                         continue;
                     }
-                    tracing::trace!(batch_id, "batch sent");
+                    self.metrics.batch_tokens.observe(tokens as f64);
                 }
                 Effect::Release { seq_ids, blocks, generation } => self.release(seq_ids, blocks, generation),
                 Effect::Token { req, token, timing } => self.on_token(req, &token, timing),
@@ -264,12 +439,28 @@ impl Actor {
                 Effect::Requeued { why, .. } => match why {
                     Requeue::KvFull => self.metrics.preempted("kv_full"),
                     Requeue::StageOutOfKv => self.metrics.preempted("stage_out_of_kv"),
+                    Requeue::StageFailed => self.metrics.preempted("stage_failed"),
                     Requeue::PlanChanged => {}
                 },
                 Effect::BatchReturned { elapsed } => Metrics::observe(&self.metrics.batch_duration, elapsed),
+                Effect::Stalled { error } => self.stalled(error),
                 Effect::Ended { req } => self.forget(req),
             }
         }
+    }
+
+    /// The stages failed: drop the stream and probe them again at once.
+    fn stalled(&mut self, error: ServiceError) {
+        let reason = match error.code {
+            ErrorCode::DeadlineExceeded => "batch_overdue",
+            ErrorCode::FailedPrecondition => "stale_plan",
+            _ => "unavailable",
+        };
+        self.metrics.stage_failures.get_or_create(&crate::metrics::Reason { reason }).inc();
+        self.stream = None;
+        self.last_error = Some(error);
+        self.retry_at = None;
+        self.stalled_since.get_or_insert_with(Instant::now);
     }
 
     /// Streams a sampled token to its caller and tells the scheduler if the sequence ended there.
@@ -314,26 +505,29 @@ impl Actor {
     fn publish_gauges(&self) {
         let g = self.scheduler.gauges();
         self.metrics.running.set(g.running);
-        self.metrics.waiting.set(g.waiting);
+        self.metrics.waiting.set(g.waiting + self.pending.len() as i64);
         self.metrics.kv_blocks_capacity.set(g.kv_total as i64);
         self.metrics.kv_blocks_free.set(g.kv_free as i64);
     }
 
-    /// Frees `seq_ids` on every stage in the background; their `blocks` of budget `generation` return to the
-    /// budget when it finishes.
+    /// Frees `seq_ids` on every stage in the background (each stage directly, so a dead stage does not keep the
+    /// others from freeing theirs); their `blocks` of budget `generation` return to the budget when it finishes.
     fn release(&self, seq_ids: Vec<u64>, blocks: usize, generation: u64) {
         let released = self.released_tx.clone();
-        let Some(mut client) = self.client.clone() else {
-            let _ = released.try_send((generation, blocks));
-            return;
-        };
+        let clients = self.clients.clone();
+        let term = self.plan.term;
         tokio::spawn(async move {
-            let req = pb::ReleaseRequest { seq_ids, propagate: true, term: 0 };
-            match tokio::time::timeout(RELEASE_TIMEOUT, client.release(req)).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(status)) => tracing::warn!(error = %status, "release failed"),
-                Err(_) => tracing::warn!("release timed out"),
-            }
+            let calls = clients.into_iter().map(|mut client| {
+                let req = pb::ReleaseRequest { seq_ids: seq_ids.clone(), propagate: false, term };
+                async move {
+                    match tokio::time::timeout(RELEASE_TIMEOUT, client.release(req)).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(status)) => tracing::debug!(error = %status, "release failed"),
+                        Err(_) => tracing::debug!("release timed out"),
+                    }
+                }
+            });
+            futures_util::future::join_all(calls).await;
             // Even a failed release gives the blocks back: a stage that still holds them answers
             // RESOURCE_EXHAUSTED, and that batch is preempted and retried.
             let _ = released.send((generation, blocks)).await;

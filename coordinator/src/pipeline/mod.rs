@@ -7,23 +7,29 @@
 //! no stage waits while work exists; each response feeds the sampled tokens back (EOS, `max_tokens` and stop strings
 //! are checked in [`output`]) and streams them to the callers. When the KV cache is full the youngest running sequence is
 //! preempted: released on every stage and later recomputed from its prompt and the tokens it already produced.
-//! Finished, cancelled and failed sequences are released on every stage once no batch of theirs is in flight. A
-//! broken stream fails the sequences it carried; the next request reconnects. A new plan epoch abandons the batches
-//! in flight and requeues every active sequence to be recomputed the same way (its callers see no error), then
-//! reconnects to the new stage 0.
+//! Finished, cancelled and failed sequences are released on every stage once no batch of theirs is in flight.
+//!
+//! Faults lose nothing: a stage that fails a batch for want of a stage, a broken stream or a batch unanswered for
+//! the batch timeout requeues every active sequence the same way, and the actor probes the stages again (in the
+//! background; stage I/O never blocks the loop), reports the ones that do not answer as [`Suspect`]s so the
+//! control loop plans around them, and recomputes through the next pipeline it can connect; work fails (with
+//! `UNAVAILABLE`) only when none is found within the recovery timeout. A new plan epoch abandons the batches in
+//! flight and requeues every active sequence likewise (its callers see no error), then connects to the new stages.
 //!
 //! Who owns what: [`scheduler`] is the policy and its bookkeeping, synchronous and without I/O (queue, running set,
 //! KV budget, batches in flight → effects); [`output`] turns a sequence's sampled tokens into events (detokenizing,
 //! stop strings, EOS and `max_tokens`); [`actor`] is the task around them (the `select!` loop, the stream and
-//! client, the callers' channels, metrics).
+//! client, the callers' channels, metrics); [`link`] connects to a plan's stages.
 
 mod actor;
 mod kv_budget;
+mod link;
 mod output;
 mod scheduler;
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use strata_engine::loader::ModelFiles;
@@ -34,6 +40,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::metrics::Metrics;
+use crate::stage_client::Keepalive;
+pub use link::Suspect;
 use strata_membership::Plan;
 
 /// Commands waiting for the actor.
@@ -53,6 +61,40 @@ impl Default for SchedulerLimits {
     fn default() -> Self {
         Self { max_concurrent_requests: 128, max_batch_tokens: 512 }
     }
+}
+
+/// How long the pipeline waits for the stages before it calls them failed, and for a pipeline before it fails work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// A micro-batch unanswered this long means a stage (or a link) hangs: every sequence is requeued.
+    pub batch: Duration,
+    /// Requests wait this long for a working pipeline (a new plan after a crash, a leader after a failover)
+    /// before they fail with `UNAVAILABLE`.
+    pub recovery: Duration,
+    /// How long one stage may take to answer `Status` when the pipeline connects; slower stages are suspects.
+    pub probe: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts { batch: Duration::from_secs(30), recovery: Duration::from_secs(120), probe: Duration::from_secs(2) }
+    }
+}
+
+/// How a [`Pipeline`] runs: scheduler limits, TLS and keep-alive towards the stages, timeouts, and where to report
+/// stages it could not reach.
+#[derive(Debug, Clone, Default)]
+pub struct PipelineOptions {
+    /// Scheduler limits.
+    pub limits: SchedulerLimits,
+    /// TLS towards the stages; `None`: plaintext.
+    pub tls: Option<Tls>,
+    /// Timeouts.
+    pub timeouts: Timeouts,
+    /// HTTP/2 keep-alive towards the stages.
+    pub keepalive: Keepalive,
+    /// Where stages that failed are reported (the control loop plans around them); `None`: nowhere.
+    pub suspects: Option<mpsc::Sender<Suspect>>,
 }
 
 /// Where the time of a sequence's steps went, summed over the micro-batches that carried it.
@@ -200,6 +242,8 @@ pub(crate) enum Command {
         reply: oneshot::Sender<Result<mpsc::Receiver<SeqEvent>, ServiceError>>,
     },
     SetPlan(Plan),
+    /// Refuse new requests; answer once none is left.
+    Quiesce(oneshot::Sender<()>),
 }
 
 /// Handle to the pipeline actor. Cheap to share behind an `Arc`; the actor stops when `shutdown` fires or every
@@ -212,23 +256,18 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    /// Starts the actor serving through `plan` with the default [`SchedulerLimits`].
+    /// Starts the actor serving through `plan` with the default [`PipelineOptions`].
     pub fn start(model: ModelInfo, plan: Plan, shutdown: CancellationToken) -> Self {
-        Self::start_with(model, plan, SchedulerLimits::default(), None, shutdown)
+        Self::start_with(model, plan, PipelineOptions::default(), shutdown)
     }
 
-    /// Starts the actor serving through `plan` under `limits`, dialling the stages over TLS with `tls`.
-    pub fn start_with(
-        model: ModelInfo,
-        plan: Plan,
-        limits: SchedulerLimits,
-        tls: Option<Tls>,
-        shutdown: CancellationToken,
-    ) -> Self {
+    /// Starts the actor serving through `plan` as `options` say.
+    pub fn start_with(model: ModelInfo, plan: Plan, options: PipelineOptions, shutdown: CancellationToken) -> Self {
         let model = Arc::new(model);
         let (tx, rx) = mpsc::channel(COMMAND_BUFFER);
         let metrics = Arc::new(Metrics::new());
-        let actor = actor::Actor::new(model.clone(), plan, limits, tls.clone(), metrics.clone());
+        let tls = options.tls.clone();
+        let actor = actor::Actor::new(model.clone(), plan, options, metrics.clone());
         tokio::spawn(actor.run(rx, shutdown).instrument(tracing::info_span!("pipeline")));
         Pipeline { tx, model, metrics, tls }
     }
@@ -253,10 +292,19 @@ impl Pipeline {
         &self.model
     }
 
-    /// Switches to `plan` if its epoch or stages differ: batches in flight are abandoned, active sequences are
-    /// recomputed from their prompt and output through the new stages, and the next loop connects to its stage 0.
+    /// Switches to `plan` if its epoch, term or stages differ: batches in flight are abandoned, active sequences are
+    /// recomputed from their prompt and output through the new stages, and the actor connects to them. A plan
+    /// without stages stops serving (a deposed leader): new requests are refused and running ones wait for a plan.
     pub async fn set_plan(&self, plan: Plan) -> Result<(), ServiceError> {
         self.tx.send(Command::SetPlan(plan)).await.map_err(|_| stopped())
+    }
+
+    /// Stops admitting (new requests get `UNAVAILABLE`) and resolves once every admitted request has ended: the
+    /// first half of a graceful shutdown.
+    pub async fn quiesce(&self) -> Result<(), ServiceError> {
+        let (done, rx) = oneshot::channel();
+        self.tx.send(Command::Quiesce(done)).await.map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())
     }
 
     /// Starts generating for `req`; events arrive on the returned receiver. Dropping it cancels the sequence.

@@ -15,113 +15,43 @@
 //!   is never preempted.
 //!
 //! What the stages say is bookkeeping, not policy: a stage that refuses a batch for want of KV gets it requeued
-//! (at most [`MAX_STAGE_REFUSALS`] times per sequence), a failed batch fails its requests, a new plan requeues
-//! every active sequence. Whether a sampled token ends its sequence (EOS, `max_tokens`, stop strings) is decided
+//! (at most [`MAX_STAGE_REFUSALS`] times per sequence); a batch the stages failed to run through no fault of its
+//! own (a stage down, hung, or on another plan epoch or term) stalls the pipeline ([`Scheduler::stall`]): every
+//! active sequence is requeued to be recomputed from its prompt and output once the actor has a pipeline again
+//! (at most [`MAX_STAGE_FAILURES`] times per sequence), so callers see no error and the same tokens; a batch the
+//! stages reject as malformed or fail internally fails its requests; a new plan requeues every active sequence. Whether a sampled token ends its sequence (EOS, `max_tokens`, stop strings) is decided
 //! by `output`; the actor reports the end back with [`Scheduler::finish`] before it schedules again.
 //!
 //! A new policy is one new file beside this one with the same inputs and [`Effect`] output (the actor calls
 //! nothing else), its tests on plain data beside it, and a swap of the `Scheduler` type in `actor.rs`.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use strata_proto::{ErrorCode, ServiceError, pb};
 
 use super::kv_budget::KvBudget;
 use super::{SchedulerLimits, SeqRequest, StepTiming};
 
+mod effect;
 #[cfg(test)]
 mod tests;
+
+pub(super) use effect::{Effect, Gauges, RequestId, Requeue};
 
 /// A sequence whose batches a stage refused for want of KV this often fails instead of being recomputed again
 /// (the stage holds less than it reported). Preemptions the coordinator decides itself are not limited: the
 /// oldest sequence is never preempted, so it always progresses.
 const MAX_STAGE_REFUSALS: u32 = 16;
+/// A sequence that was running through this many stage failures fails instead of being recomputed again (a batch
+/// that itself crashes stages must not take the cluster down forever). A crash costs each sequence one.
+const MAX_STAGE_FAILURES: u32 = 8;
 /// Micro-batches in flight per stage when there are several stages. Stages + 1 keeps a pipeline busy only when
 /// every batch costs the same; a batch carrying a prompt chunk costs 10-100× a decode step, and with one spare batch
 /// the other stages drain and wait behind it. More, smaller batches absorb that, but since the CPU kernels unpack
 /// each weight block once for up to 8 tokens a batch of 2 costs nearly what a batch of 8 does: at 16 streams a
 /// 2-stage cluster measured 113 tok/s with 8 batches in flight, 140-153 with 4, 137 with 2 (2026-11-30).
 const MICRO_BATCHES_PER_STAGE: usize = 2;
-
-/// A request for as long as it lives, across recomputes (which change its sequence id on the wire). Ordered by
-/// admission: the oldest runs first and is preempted last.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub(super) struct RequestId(u64);
-
-/// Why a sequence goes back to the queue.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Requeue {
-    /// The KV cache is full (a preemption).
-    KvFull,
-    /// A stage refused its batch for want of KV (it holds less than it reported).
-    StageOutOfKv,
-    /// The plan changed under it.
-    PlanChanged,
-}
-
-/// What the actor must do after an input, in order.
-#[derive(Debug, Clone, PartialEq)]
-pub(super) enum Effect {
-    /// Send this micro-batch on the `Forward` stream.
-    Send(pb::ForwardRequest),
-    /// Free `seq_ids` on every stage; then report `blocks` of budget `generation` with [`Scheduler::released`].
-    Release {
-        /// Wire sequence ids.
-        seq_ids: Vec<u64>,
-        /// Blocks they held in the budget.
-        blocks: usize,
-        /// The budget they belong to: a release of an older budget (plan) is ignored.
-        generation: u64,
-    },
-    /// A token was sampled for `req`: hand it to the request's output, and call [`Scheduler::finish`] if that
-    /// ends the sequence. Until then the sequence continues from this token.
-    Token {
-        /// The request.
-        req: RequestId,
-        /// The token as the last stage sampled it.
-        token: pb::SampledToken,
-        /// The request's step timing so far (for its final event).
-        timing: StepTiming,
-    },
-    /// `req` failed; it is forgotten once [`Effect::Ended`] follows.
-    Fail {
-        /// The request.
-        req: RequestId,
-        /// What went wrong.
-        error: ServiceError,
-    },
-    /// `req` went back to the queue.
-    Requeued {
-        /// The request.
-        req: RequestId,
-        /// Why.
-        why: Requeue,
-    },
-    /// A micro-batch came back after `elapsed`.
-    BatchReturned {
-        /// Send-to-response time.
-        elapsed: Duration,
-    },
-    /// `req` is forgotten: it ended (or its caller left) and nothing of it is in flight.
-    Ended {
-        /// The request.
-        req: RequestId,
-    },
-}
-
-/// Queue depth and KV use, for the gauges.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Gauges {
-    /// Sequences holding KV.
-    pub(super) running: i64,
-    /// Sequences queued.
-    pub(super) waiting: i64,
-    /// Blocks of the tightest stage (0 without a budget).
-    pub(super) kv_total: usize,
-    /// Of those, blocks neither held nor being released.
-    pub(super) kv_free: usize,
-}
 
 struct Seq {
     /// The sequence id on the wire; a new one on every recompute.
@@ -139,6 +69,8 @@ struct Seq {
     running: bool,
     /// Batches of this sequence a stage refused for want of KV.
     refusals: u32,
+    /// Stage failures it was running through.
+    failures: u32,
     sampling: pb::SamplingParams,
     logprobs: bool,
     in_flight: bool,
@@ -164,8 +96,9 @@ struct InFlight {
 /// The scheduler's state. See the module documentation for the policy.
 pub(super) struct Scheduler {
     limits: SchedulerLimits,
-    /// Plan epoch stamped on every batch, and the stage count that sizes [`in_flight`].
+    /// Plan epoch and leadership term stamped on every batch, and the stage count that sizes [`in_flight`].
     epoch: u64,
+    term: u64,
     stages: usize,
     kv: Option<KvBudget>,
     /// Bumped with every new budget, so that a late release of an old one is ignored.
@@ -183,11 +116,12 @@ pub(super) struct Scheduler {
 }
 
 impl Scheduler {
-    /// A scheduler for a plan of `stages` stages at `epoch`, with no KV budget yet.
-    pub(super) fn new(limits: SchedulerLimits, epoch: u64, stages: usize) -> Self {
+    /// A scheduler for a plan of `stages` stages at `epoch`, written in leadership `term`, with no KV budget yet.
+    pub(super) fn new(limits: SchedulerLimits, epoch: u64, term: u64, stages: usize) -> Self {
         Scheduler {
             limits,
             epoch,
+            term,
             stages,
             kv: None,
             kv_generation: 0,
@@ -217,6 +151,16 @@ impl Scheduler {
         if let Some(kv) = self.kv.as_mut().filter(|_| generation == self.kv_generation) {
             kv.released(blocks);
         }
+    }
+
+    /// Whether no request is queued or running (a graceful shutdown waits for this).
+    pub(super) fn is_idle(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    /// The most requests queued or running at once.
+    pub(super) fn max_concurrent_requests(&self) -> usize {
+        self.limits.max_concurrent_requests
     }
 
     /// Whether requests are queued (the actor reconnects for them after a broken stream or a new plan).
@@ -264,6 +208,7 @@ impl Scheduler {
                 blocks: 0,
                 running: false,
                 refusals: 0,
+                failures: 0,
                 sampling: req.sampling,
                 logprobs: req.logprobs,
                 in_flight: false,
@@ -406,8 +351,10 @@ impl Scheduler {
     fn requeue(&mut self, id: RequestId, why: Requeue, effects: &mut Vec<Effect>) {
         let Some(seq) = self.seqs.get_mut(&id) else { return };
         effects.push(Effect::Requeued { req: id, why });
-        if why == Requeue::StageOutOfKv {
-            seq.refusals += 1;
+        match why {
+            Requeue::StageOutOfKv => seq.refusals += 1,
+            Requeue::StageFailed if seq.running => seq.failures += 1,
+            _ => {}
         }
         tracing::debug!(seq = seq.seq_id, tokens = seq.pos, ?why, "requeueing for recompute");
         let blocks = seq.blocks;
@@ -417,11 +364,20 @@ impl Scheduler {
         seq.blocks = 0;
         self.by_seq_id.remove(&seq.seq_id);
         effects.push(Effect::Release { seq_ids: vec![seq.seq_id], blocks, generation: self.kv_generation });
-        if seq.refusals > MAX_STAGE_REFUSALS {
-            let error = ServiceError::resource_exhausted(format!(
+        let error = if seq.refusals > MAX_STAGE_REFUSALS {
+            Some(ServiceError::resource_exhausted(format!(
                 "a stage refused this sequence's batches {} times for want of KV cache",
                 seq.refusals
-            ));
+            )))
+        } else if seq.failures > MAX_STAGE_FAILURES {
+            Some(ServiceError::unavailable(format!(
+                "the stages failed {} times while this sequence ran; giving up on it",
+                seq.failures
+            )))
+        } else {
+            None
+        };
+        if let Some(error) = error {
             fail(id, seq, error, effects);
             self.seqs.remove(&id);
             self.waiting.retain(|w| *w != id);
@@ -461,7 +417,7 @@ impl Scheduler {
             seq.pos += u32::try_from(len).unwrap_or(u32::MAX);
             seq.in_flight = true;
         }
-        pb::ForwardRequest { plan_epoch: self.epoch, batch_id, chunks, token_ids, hidden: None, term: 0 }
+        pb::ForwardRequest { plan_epoch: self.epoch, batch_id, chunks, token_ids, hidden: None, term: self.term }
     }
 
     /// A stage's response to a batch, arriving at `now`: per-sequence timing, then its tokens or its error.
@@ -492,6 +448,10 @@ impl Scheduler {
                 }
                 return effects;
             }
+            if is_stage_fault(err.code) {
+                effects.extend(self.stall(&err));
+                return effects;
+            }
             tracing::warn!(batch_id = resp.batch_id, error = %err, "batch failed");
             for id in &batch.reqs {
                 if let Some(seq) = self.seqs.get_mut(id) {
@@ -514,7 +474,40 @@ impl Scheduler {
         effects
     }
 
-    /// The `Forward` stream broke (or could not be opened): every request fails with `err`.
+    /// The stages failed with `err` (a batch failed for want of a stage, the stream broke or a batch is overdue):
+    /// batches in flight are abandoned, finished sequences are reaped, and every active sequence is queued (in its
+    /// original order) to be recomputed from its prompt and output, charging a failure to each one that was
+    /// running. The budget is dropped until [`Scheduler::set_budget`]; the releases returned go to the same stages.
+    pub(super) fn stall(&mut self, err: &ServiceError) -> Vec<Effect> {
+        tracing::warn!(error = %err, in_flight = self.batches.len(), "stages failed: requeueing every sequence");
+        let mut effects = self.abandon_and_requeue(Requeue::StageFailed);
+        self.kv = None;
+        self.kv_generation += 1;
+        effects.push(Effect::Stalled { error: err.clone() });
+        effects
+    }
+
+    /// When the oldest batch in flight was sent (the actor's batch deadline).
+    pub(super) fn oldest_batch_sent(&self) -> Option<Instant> {
+        self.batches.values().map(|b| b.sent).min()
+    }
+
+    /// Abandons the batches in flight, reaps what ended, and requeues every remaining sequence for `why`, youngest
+    /// first, each to the front of the queue, so the queue keeps admission order.
+    fn abandon_and_requeue(&mut self, why: Requeue) -> Vec<Effect> {
+        self.batches.clear();
+        for seq in self.seqs.values_mut() {
+            seq.in_flight = false;
+        }
+        let mut effects = self.reap();
+        let active: Vec<RequestId> = self.seqs.keys().rev().copied().collect();
+        for id in active {
+            self.requeue(id, why, &mut effects);
+        }
+        effects
+    }
+
+    /// Nothing can serve (shutdown, or no pipeline within the recovery timeout): every request fails with `err`.
     pub(super) fn fail_all(&mut self, err: &ServiceError) -> Vec<Effect> {
         let mut effects = Vec::new();
         for (id, seq) in &mut self.seqs {
@@ -529,17 +522,10 @@ impl Scheduler {
     /// every active sequence is queued (in its original order) to be recomputed from its prompt and output under
     /// the new one. The budget is dropped until [`Scheduler::set_budget`]. The releases returned go to the old
     /// stages (they may keep serving another epoch).
-    pub(super) fn set_plan(&mut self, epoch: u64, stages: usize) -> Vec<Effect> {
-        self.batches.clear();
-        for seq in self.seqs.values_mut() {
-            seq.in_flight = false;
-        }
-        let mut effects = self.reap();
-        let active: Vec<RequestId> = self.seqs.keys().rev().copied().collect();
-        for id in active {
-            self.requeue(id, Requeue::PlanChanged, &mut effects);
-        }
+    pub(super) fn set_plan(&mut self, epoch: u64, term: u64, stages: usize) -> Vec<Effect> {
+        let effects = self.abandon_and_requeue(Requeue::PlanChanged);
         self.epoch = epoch;
+        self.term = term;
         self.stages = stages;
         self.kv = None;
         self.kv_generation += 1;
@@ -597,6 +583,15 @@ fn fail(id: RequestId, seq: &mut Seq, error: ServiceError, effects: &mut Vec<Eff
         seq.done = true;
         effects.push(Effect::Fail { req: id, error });
     }
+}
+
+/// Whether a batch error means the stages could not run it (down, hung, restarting, on another plan epoch or
+/// leadership term), so its sequences are recomputed, rather than that the batch itself is bad.
+fn is_stage_fault(code: ErrorCode) -> bool {
+    matches!(
+        code,
+        ErrorCode::Unavailable | ErrorCode::FailedPrecondition | ErrorCode::DeadlineExceeded | ErrorCode::Cancelled
+    )
 }
 
 /// Micro-batches kept in flight through `stages` stages: stages + 1 = 2 for one stage (one computing, one on the

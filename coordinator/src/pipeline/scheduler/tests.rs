@@ -22,7 +22,7 @@ fn request(prompt: &[u32], max_tokens: usize) -> SeqRequest {
 /// A scheduler over `stages` stages whose tightest one holds `blocks` KV blocks of `block_size` tokens.
 fn scheduler(stages: usize, blocks: usize, block_size: usize, max_batch_tokens: usize) -> Scheduler {
     let limits = SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens };
-    let mut s = Scheduler::new(limits, EPOCH, stages);
+    let mut s = Scheduler::new(limits, EPOCH, 0, stages);
     s.set_budget(KvBudget::new(block_size, blocks));
     s
 }
@@ -313,7 +313,7 @@ fn a_new_plan_requeues_every_sequence_to_recompute_through_the_new_stages() -> R
     s.apply_response(answer(&old[0]), now);
     let c = s.admit(&request(&[5], 4))?;
     // Youngest first, each to the front of the queue: the queue keeps admission order. b was in flight.
-    let fx = s.set_plan(EPOCH + 1, 1);
+    let fx = s.set_plan(EPOCH + 1, 0, 1);
     assert_eq!(
         fx,
         [
@@ -372,7 +372,7 @@ fn blocks_of_an_ended_sequence_stay_held_until_its_release_returns() -> Result<(
 #[test]
 fn admission_refuses_what_can_never_fit_and_more_than_the_queue_holds() -> Result<(), ServiceError> {
     let limits = SchedulerLimits { max_concurrent_requests: 2, max_batch_tokens: 512 };
-    let mut s = Scheduler::new(limits, EPOCH, 1);
+    let mut s = Scheduler::new(limits, EPOCH, 0, 1);
     let code = |r: Result<RequestId, ServiceError>| r.map(|_| ()).map_err(|e| e.code);
     assert_eq!(code(s.admit(&request(&[1], 1))), Err(ErrorCode::Unavailable), "no budget yet");
     s.set_budget(KvBudget::new(4, 4));
@@ -408,5 +408,92 @@ fn victims_are_taken_youngest_first_until_the_step_fits_or_none_is_left() -> Res
     );
     // Both wait in admission order, ahead of anything newer.
     assert_eq!(s.waiting.iter().copied().collect::<Vec<_>>(), [ids[2], ids[3]]);
+    Ok(())
+}
+
+#[test]
+fn a_stage_failure_requeues_every_sequence_to_recompute_and_stalls_until_a_new_budget() -> Result<(), ServiceError> {
+    let now = Instant::now();
+    let mut s = scheduler(1, 100, 4, 512);
+    let a = s.admit(&request(&[1, 2], 4))?;
+    let b = s.admit(&request(&[3], 4))?;
+    let fx = s.schedule(now);
+    let first = sent(&fx);
+    assert_eq!(seq_ids(&fx), vec![vec![1], vec![2]]);
+    assert_eq!(s.oldest_batch_sent(), Some(now));
+    assert_eq!(tokens(&s.apply_response(answer(&first[0]), now)), vec![(1, 1001)]);
+    // b's batch fails because a stage is gone: both are requeued (youngest first, to the front), their KV released,
+    // nothing is failed, and the pipeline stalls.
+    let error = ServiceError::unavailable("next stage 127.0.0.1:9 is unreachable");
+    let fx = s.apply_response(refuse(&first[1], error.clone()), now);
+    assert_eq!(
+        fx[1..],
+        [
+            Effect::Requeued { req: b, why: Requeue::StageFailed },
+            Effect::Release { seq_ids: vec![2], blocks: 1, generation: 1 },
+            Effect::Requeued { req: a, why: Requeue::StageFailed },
+            Effect::Release { seq_ids: vec![1], blocks: 1, generation: 1 },
+            Effect::Stalled { error },
+        ]
+    );
+    assert!(!s.has_budget() && s.has_waiting() && s.batches_in_flight() == 0);
+    assert!(s.schedule(now).is_empty(), "nothing runs without a budget");
+    // A new pipeline: a recomputes its prompt and the token it already produced, under new sequence ids (given in
+    // requeue order, youngest first).
+    s.set_budget(KvBudget::new(4, 100));
+    let fx = s.schedule(now);
+    assert_eq!(batches(&fx), vec![vec![(4, 0, 3, false)], vec![(3, 0, 1, false)]]);
+    assert_eq!(sent(&fx)[0].token_ids, vec![1, 2, 1001]);
+    assert!(sent(&fx).iter().all(|batch| batch.plan_epoch == EPOCH));
+    Ok(())
+}
+
+#[test]
+fn epoch_term_and_hang_errors_stall_but_a_bad_batch_fails_its_requests() -> Result<(), ServiceError> {
+    let now = Instant::now();
+    for (error, stalls) in [
+        (ServiceError::failed_precondition("stage serves plan epoch 8, not 7"), true),
+        (ServiceError::deadline_exceeded("batch unanswered"), true),
+        (ServiceError::invalid_argument("hidden states have the wrong shape"), false),
+        (ServiceError::internal("a kernel failed"), false),
+    ] {
+        let mut s = scheduler(1, 100, 4, 512);
+        let a = s.admit(&request(&[1, 2], 4))?;
+        let batch = only_batch(&s.schedule(now));
+        let fx = s.apply_response(refuse(&batch, error.clone()), now);
+        let stalled = fx.iter().any(|e| matches!(e, Effect::Stalled { .. }));
+        let failed = fx.contains(&Effect::Fail { req: a, error: error.clone() });
+        assert_eq!((stalled, failed), (stalls, !stalls), "{error}: {fx:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_sequence_running_through_too_many_stage_failures_fails_instead_of_looping() -> Result<(), ServiceError> {
+    let now = Instant::now();
+    let mut s = scheduler(1, 100, 4, 512);
+    let a = s.admit(&request(&[1, 2], 4))?;
+    let error = ServiceError::unavailable("stage 0 closed the Forward stream");
+    for round in 1..=MAX_STAGE_FAILURES {
+        assert_eq!(s.schedule(now).len(), 1, "round {round}");
+        let fx = s.stall(&error);
+        assert!(fx.contains(&Effect::Requeued { req: a, why: Requeue::StageFailed }), "round {round}: {fx:?}");
+        assert!(!fx.iter().any(|e| matches!(e, Effect::Fail { .. })), "round {round}: {fx:?}");
+        s.set_budget(KvBudget::new(4, 100));
+    }
+    s.schedule(now);
+    let fx = s.stall(&error);
+    assert!(
+        fx.iter()
+            .any(|e| matches!(e, Effect::Fail { req, error } if *req == a && error.code == ErrorCode::Unavailable)),
+        "{fx:?}"
+    );
+    // A sequence that only waited (never running through a failure) is not charged.
+    s.set_budget(KvBudget::new(4, 100));
+    let b = s.admit(&request(&[5], 4))?;
+    for _ in 0..=MAX_STAGE_FAILURES {
+        let fx = s.stall(&error);
+        assert!(!fx.iter().any(|e| matches!(e, Effect::Fail { req, .. } if *req == b)), "{fx:?}");
+    }
     Ok(())
 }

@@ -1,0 +1,128 @@
+//! The actor's link to the stages of its plan, made off the actor's task so that no stage I/O ever blocks the
+//! scheduler loop: every stage is asked for its status at once (each within the probe timeout), the stages that
+//! do not answer are named as suspects for the control loop to plan around, a stage already on another plan
+//! epoch or leadership term means the plan is changing (wait for the next one), and the `Forward` stream to stage
+//! 0 is opened only when every stage is fine.
+
+use std::time::Duration;
+
+use strata_proto::{NodeId, ServiceError, Tls, pb};
+
+use super::kv_budget::KvBudget;
+use crate::stage_client::{self, ForwardStream, Keepalive, TracedStageClient};
+use strata_membership::Plan;
+
+/// A stage the pipeline could not reach: the control loop leaves it out of the next plan for a while.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Suspect {
+    /// The stage's node.
+    pub node_id: NodeId,
+    /// The plan epoch it failed under.
+    pub epoch: u64,
+    /// What failed, for the logs.
+    pub reason: String,
+}
+
+/// An open link: a client of every stage (for releases), the `Forward` stream to stage 0, and the stages' KV
+/// budget.
+pub(super) struct Connected {
+    pub(super) clients: Vec<TracedStageClient>,
+    pub(super) stream: ForwardStream,
+    pub(super) budget: KvBudget,
+}
+
+/// Why a link could not be made, and the stages to blame (none when the plan is just changing).
+#[derive(Debug)]
+pub(super) struct Failed {
+    pub(super) error: ServiceError,
+    pub(super) suspects: Vec<Suspect>,
+}
+
+/// How connections to the stages are made.
+#[derive(Debug, Clone)]
+pub(super) struct Dialer {
+    pub(super) tls: Option<Tls>,
+    pub(super) keepalive: Keepalive,
+    /// How long one stage may take to answer `Status`.
+    pub(super) probe_timeout: Duration,
+}
+
+impl Dialer {
+    /// Probes every stage of `plan` and opens the `Forward` stream to its stage 0.
+    pub(super) async fn connect(&self, plan: &Plan) -> Result<Connected, Failed> {
+        if plan.stages.is_empty() {
+            let error = ServiceError::unavailable(
+                "no plan is being served (this coordinator is not the leader, or no stages are ready)",
+            );
+            return Err(Failed { error, suspects: Vec::new() });
+        }
+        let probes = plan.stages.iter().map(|stage| async move {
+            let status = self.status(&stage.address).await;
+            (stage, status)
+        });
+        let results = futures_util::future::join_all(probes).await;
+        let mut statuses = Vec::with_capacity(results.len());
+        let mut suspects = Vec::new();
+        let mut first_error = None;
+        for (stage, result) in results {
+            match result {
+                Ok(found) => statuses.push((stage, found)),
+                Err(error) => {
+                    suspects.push(Suspect {
+                        node_id: stage.node_id.clone(),
+                        epoch: plan.epoch.0,
+                        reason: error.to_string(),
+                    });
+                    first_error.get_or_insert(error);
+                }
+            }
+        }
+        if let Some(error) = first_error {
+            return Err(Failed { error, suspects });
+        }
+        for (stage, (_, status)) in &statuses {
+            // A stage on another epoch has moved on (or not yet) to a plan this pipeline does not serve; a stage that
+            // saw a higher term obeys a newer leader. Neither is a fault: wait for the plan to settle.
+            if status.plan_epoch != 0 && status.plan_epoch != plan.epoch.0 {
+                let error = ServiceError::failed_precondition(format!(
+                    "stage {} serves plan epoch {}, not {}: the plan is changing",
+                    stage.node_id, status.plan_epoch, plan.epoch
+                ));
+                return Err(Failed { error, suspects: Vec::new() });
+            }
+            if status.term > plan.term {
+                let error = ServiceError::failed_precondition(format!(
+                    "stage {} follows leadership term {}, newer than this plan's {}",
+                    stage.node_id, status.term, plan.term
+                ));
+                return Err(Failed { error, suspects: Vec::new() });
+            }
+        }
+        let (clients, statuses): (Vec<TracedStageClient>, Vec<pb::StageStatus>) =
+            statuses.into_iter().map(|(_, found)| found).unzip();
+        let budget = KvBudget::from_statuses(&statuses).map_err(|error| Failed { error, suspects: Vec::new() })?;
+        let stage0 = &plan.stages[0];
+        let mut client = clients[0].clone();
+        let stream = stage_client::open_forward(&mut client).await.map_err(|error| Failed {
+            suspects: vec![Suspect { node_id: stage0.node_id.clone(), epoch: plan.epoch.0, reason: error.to_string() }],
+            error,
+        })?;
+        Ok(Connected { clients, stream, budget })
+    }
+
+    /// Connects to the stage at `address` and asks for its status, within the probe timeout.
+    async fn status(&self, address: &str) -> Result<(TracedStageClient, pb::StageStatus), ServiceError> {
+        let ask = async {
+            let mut client = stage_client::connect(address, self.tls.as_ref(), self.keepalive).await?;
+            let status = client.status(pb::StageStatusRequest {}).await.map_err(ServiceError::from)?;
+            Ok::<_, ServiceError>((client, status.into_inner()))
+        };
+        match tokio::time::timeout(self.probe_timeout, ask).await {
+            Ok(result) => result.map_err(|e| ServiceError::unavailable(format!("stage {address}: {}", e.message))),
+            Err(_) => Err(ServiceError::unavailable(format!(
+                "stage {address} did not answer Status within {:?}",
+                self.probe_timeout
+            ))),
+        }
+    }
+}
