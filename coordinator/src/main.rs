@@ -42,6 +42,9 @@ struct Args {
     /// Tokens per micro-batch (prompts longer than this are prefilled in chunks).
     #[arg(long, env = "STRATA_MAX_BATCH_TOKENS", default_value_t = 512)]
     max_batch_tokens: usize,
+    /// Name this coordinator campaigns under (default `coordinator-<pid>`; the chart uses the pod name).
+    #[arg(long, env = "STRATA_CANDIDATE")]
+    candidate: Option<String>,
     /// TTL of the leader lease in seconds: a standby takes over this long after the leader dies.
     #[arg(long, env = "STRATA_LEASE_TTL_SECS", default_value_t = 5)]
     lease_ttl_secs: u64,
@@ -86,6 +89,7 @@ async fn main() -> anyhow::Result<()> {
     config.connect_timeout_ms = args.connect_timeout_ms;
     config.max_concurrent_requests = args.max_concurrent_requests;
     config.max_batch_tokens = args.max_batch_tokens;
+    config.candidate = args.candidate;
     config.lease_ttl_secs = args.lease_ttl_secs;
     config.batch_timeout_ms = args.batch_timeout_ms;
     config.recovery_timeout_ms = args.recovery_timeout_ms;
