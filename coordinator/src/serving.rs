@@ -1,6 +1,8 @@
 //! Runs the control loop and the public APIs (gRPC and HTTP) together: the APIs are served from the start, and
-//! the data path switches to each plan once every stage of it is READY and has loaded that plan's epoch; it stops
-//! serving (its requests wait, new ones are refused) while this coordinator does not lead.
+//! the data path switches to each plan once every stage of it is READY and has loaded that plan's epoch. A leader
+//! that loses its lease (etcd unreachable) keeps serving the plan it has: the stages fence off its batches as soon as
+//! a newer leader's plan or batch reaches them (leadership terms), and only then does its pipeline stop serving, so
+//! an etcd outage alone fails nothing.
 //!
 //! Shutdown is graceful: when `shutdown` fires the APIs stop accepting connections and the pipeline refuses new
 //! requests, the ones in flight get the grace period to finish, and only then does the control loop stop (and
@@ -91,23 +93,18 @@ async fn graceful_stop(pipeline: Arc<Pipeline>, grace: Duration, shutdown: Cance
     stop.cancel();
 }
 
-/// Hands the pipeline every new plan that is ready to serve while this coordinator leads, and a plan without
-/// stages when it stops leading.
+/// Hands the pipeline every new plan that is ready to serve while this coordinator leads.
 async fn follow_ready_plans(view: ClusterView, pipeline: Arc<Pipeline>, stop: CancellationToken) {
     let mut rx = view.subscribe();
     let mut served: (PlanEpoch, u64) = (PlanEpoch(0), 0);
     loop {
-        let next = {
+        let ready = {
             let snapshot = rx.borrow_and_update();
-            if snapshot.leader { ready_plan(&snapshot) } else { Some(no_plan(&pipeline.model().name)) }
+            ready_plan(&snapshot)
         };
-        if let Some(plan) = next.filter(|p| (p.epoch, p.term) != served) {
+        if let Some(plan) = ready.filter(|p| (p.epoch, p.term) != served) {
             served = (plan.epoch, plan.term);
-            if plan.stages.is_empty() {
-                tracing::warn!("not the leader: the data path stops serving until this coordinator leads again");
-            } else {
-                tracing::info!(epoch = %plan.epoch, term = plan.term, stages = plan.stages.len(), "serving through the new plan");
-            }
+            tracing::info!(epoch = %plan.epoch, term = plan.term, stages = plan.stages.len(), "serving through the new plan");
             if pipeline.set_plan(plan).await.is_err() {
                 return;
             }

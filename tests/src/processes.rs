@@ -159,8 +159,13 @@ pub async fn status(url: &str) -> Result<pb::ClusterStatusResponse> {
 
 /// Sends `signal` (`-KILL`, `-STOP`, `-CONT`, `-TERM`) to `process`.
 pub fn signal(process: &Process, signal: &str) -> Result<()> {
-    let status = Command::new("kill").args([signal, &process.id().to_string()]).status()?;
-    ensure!(status.success(), "kill {signal} {} failed", process.id());
+    signal_pid(process.id(), signal)
+}
+
+/// Sends `signal` to process `pid`.
+pub fn signal_pid(pid: u32, signal: &str) -> Result<()> {
+    let status = Command::new("kill").args([signal, &pid.to_string()]).status()?;
+    ensure!(status.success(), "kill {signal} {pid} failed");
     Ok(())
 }
 

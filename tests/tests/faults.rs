@@ -1,7 +1,7 @@
 //! Faults and membership changes under load with real processes: etcd, three `stage-worker` processes and a
 //! `coordinator` process, 16 concurrent streamed `Generate` calls (half greedy, half seeded sampling). Once every
 //! stream is producing tokens a stage is killed with SIGKILL (first, middle or last), frozen with SIGSTOP, drained,
-//! or a fourth worker joins: every request still completes, with exactly the tokens of an undisturbed run and no
+//! a fourth worker joins, or etcd is frozen for 30 s: every request still completes, with exactly the tokens of an undisturbed run and no
 //! error. A failure is seen at once (a failed batch, a broken stream, keep-alive or the batch deadline, not the
 //! lease), the stage is planned around and the sequences are recomputed.
 
@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use strata_proto::pb;
 use strata_proto::pb::coordinator_client::CoordinatorClient;
-use strata_tests::processes::{ProcessCluster, STREAMS, load, signal};
+use strata_tests::processes::{ProcessCluster, STREAMS, load, signal, signal_pid};
 use strata_tests::smollm2;
 use tokio::sync::Notify;
 
@@ -22,6 +22,7 @@ enum Fault {
     Stop(usize),
     Drain(usize),
     Join,
+    PauseEtcd(Duration),
 }
 
 /// Starts a cluster, records an undisturbed run, then runs again with `fault` injected mid-generation and checks
@@ -52,6 +53,14 @@ async fn survives(model: &Path, fault: Fault, max_tokens: u32) -> Result<(Proces
         }
         Fault::Join => {
             cluster.add_worker("w3")?;
+        }
+        Fault::PauseEtcd(pause) => {
+            let pid = cluster.etcd.pid().context("etcd is not running")?;
+            signal_pid(pid, "-STOP")?;
+            tokio::spawn(async move {
+                tokio::time::sleep(pause).await;
+                let _ = signal_pid(pid, "-CONT");
+            });
         }
     }
     eprintln!("{fault:?}: injected");
@@ -126,5 +135,26 @@ async fn a_worker_joining_under_load_fails_nothing() -> Result<()> {
     let (cluster, _) = survives(&smollm2(), Fault::Join, 64).await?;
     let s = cluster.wait_for_stages(4).await.with_context(|| cluster.logs())?;
     ensure!(s.stages.iter().any(|st| st.node_id == "w3"), "{s:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_frozen_for_30_s_under_load_fails_nothing_and_planning_resumes() -> Result<()> {
+    let pause = Duration::from_secs(30);
+    let (mut cluster, _) = survives(&smollm2(), Fault::PauseEtcd(pause), 32).await?;
+    // Planning resumes once etcd is back: a new worker gets layers, and requests are served through it.
+    let deadline = Instant::now() + pause + Duration::from_secs(10);
+    while !cluster.etcd.healthy() {
+        ensure!(Instant::now() < deadline, "etcd did not come back");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    cluster.add_worker("w3")?;
+    let s = cluster.wait_for_stages(4).await.with_context(|| cluster.logs())?;
+    ensure!(s.stages.iter().any(|st| st.node_id == "w3"), "{s:?}");
+    let leader = cluster.leader().await?;
+    let after = load(cluster.coordinators[leader].url.clone(), 8, Arc::new(Notify::new())).await?;
+    for (i, r) in after.iter().enumerate() {
+        ensure!(r.is_ok(), "stream {i} after etcd came back: {r:?}\n{}", cluster.logs());
+    }
     Ok(())
 }

@@ -97,6 +97,8 @@ pub(super) struct Actor {
     suspects: Option<mpsc::Sender<Suspect>>,
     /// Set once a graceful shutdown began: new requests are refused; the senders hear when nothing is left.
     quiescing: Option<Vec<oneshot::Sender<()>>>,
+    /// Set when the stages follow a newer coordinator: refuse everything until this one leads again (a new plan).
+    deposed: Option<ServiceError>,
     /// Finished releases: (budget generation, blocks).
     released_tx: mpsc::Sender<(u64, usize)>,
     released_rx: mpsc::Receiver<(u64, usize)>,
@@ -129,6 +131,7 @@ impl Actor {
             pending: VecDeque::new(),
             suspects,
             quiescing: None,
+            deposed: None,
             released_tx,
             released_rx,
             metrics,
@@ -180,7 +183,9 @@ impl Actor {
 
     /// Admits `p` now if the stages' budget is known, else keeps it until the pipeline is connected.
     fn submit(&mut self, p: PendingSubmit) {
-        let refuse = if self.quiescing.is_some() {
+        let refuse = if let Some(error) = &self.deposed {
+            Some(error.clone())
+        } else if self.quiescing.is_some() {
             Some(ServiceError::unavailable("the coordinator is shutting down; retry on another coordinator"))
         } else if self.plan.stages.is_empty() {
             Some(ServiceError::unavailable(
@@ -258,6 +263,7 @@ impl Actor {
         self.connecting = false;
         self.retry_at = None;
         self.backoff.reset();
+        self.deposed = None;
         if self.plan.stages.is_empty() {
             // Deposed or standing by: callers should go to the leader now; running sequences wait for a plan.
             let error = ServiceError::unavailable("this coordinator stopped serving (it is not the leader)");
@@ -277,7 +283,11 @@ impl Actor {
             return;
         }
         self.stalled_since.get_or_insert(now);
-        if self.connecting || self.plan.stages.is_empty() || self.retry_at.is_some_and(|t| t > now) {
+        if self.connecting
+            || self.deposed.is_some()
+            || self.plan.stages.is_empty()
+            || self.retry_at.is_some_and(|t| t > now)
+        {
             return;
         }
         self.attempt += 1;
@@ -305,7 +315,14 @@ impl Actor {
                 );
                 self.on_connected(clients, stream, budget);
             }
-            Err(Failed { error, suspects }) => {
+            Err(Failed { error, deposed: true, .. }) => {
+                // The stages fence this coordinator's batches off: its callers should go to the leader now rather
+                // than wait for a plan it will not get.
+                tracing::warn!(error = %error, "deposed: failing every request so that callers retry on the leader");
+                self.fail_everything(error.clone());
+                self.deposed = Some(error);
+            }
+            Err(Failed { error, suspects, .. }) => {
                 let delay = self.backoff.next_delay();
                 tracing::warn!(error = %error, suspects = suspects.len(), retry_in = ?delay, "cannot reach the stages");
                 for s in suspects {

@@ -36,6 +36,14 @@ pub(super) struct Connected {
 pub(super) struct Failed {
     pub(super) error: ServiceError,
     pub(super) suspects: Vec<Suspect>,
+    /// A stage follows a newer leadership term than the plan's: another coordinator leads now.
+    pub(super) deposed: bool,
+}
+
+impl Failed {
+    fn new(error: ServiceError, suspects: Vec<Suspect>) -> Self {
+        Failed { error, suspects, deposed: false }
+    }
 }
 
 /// How connections to the stages are made.
@@ -54,7 +62,7 @@ impl Dialer {
             let error = ServiceError::unavailable(
                 "no plan is being served (this coordinator is not the leader, or no stages are ready)",
             );
-            return Err(Failed { error, suspects: Vec::new() });
+            return Err(Failed::new(error, Vec::new()));
         }
         let probes = plan.stages.iter().map(|stage| async move {
             let status = self.status(&stage.address).await;
@@ -78,7 +86,7 @@ impl Dialer {
             }
         }
         if let Some(error) = first_error {
-            return Err(Failed { error, suspects });
+            return Err(Failed::new(error, suspects));
         }
         for (stage, (_, status)) in &statuses {
             // A stage on another epoch has moved on (or not yet) to a plan this pipeline does not serve; a stage that
@@ -88,24 +96,25 @@ impl Dialer {
                     "stage {} serves plan epoch {}, not {}: the plan is changing",
                     stage.node_id, status.plan_epoch, plan.epoch
                 ));
-                return Err(Failed { error, suspects: Vec::new() });
+                return Err(Failed::new(error, Vec::new()));
             }
             if status.term > plan.term {
-                let error = ServiceError::failed_precondition(format!(
-                    "stage {} follows leadership term {}, newer than this plan's {}",
+                let error = ServiceError::unavailable(format!(
+                    "another coordinator leads now (stage {} follows leadership term {}, newer than this one's {}); \
+                     retry on the leader",
                     stage.node_id, status.term, plan.term
                 ));
-                return Err(Failed { error, suspects: Vec::new() });
+                return Err(Failed { error, suspects: Vec::new(), deposed: true });
             }
         }
         let (clients, statuses): (Vec<TracedStageClient>, Vec<pb::StageStatus>) =
             statuses.into_iter().map(|(_, found)| found).unzip();
-        let budget = KvBudget::from_statuses(&statuses).map_err(|error| Failed { error, suspects: Vec::new() })?;
+        let budget = KvBudget::from_statuses(&statuses).map_err(|error| Failed::new(error, Vec::new()))?;
         let stage0 = &plan.stages[0];
         let mut client = clients[0].clone();
-        let stream = stage_client::open_forward(&mut client).await.map_err(|error| Failed {
-            suspects: vec![Suspect { node_id: stage0.node_id.clone(), epoch: plan.epoch.0, reason: error.to_string() }],
-            error,
+        let stream = stage_client::open_forward(&mut client).await.map_err(|error| {
+            let suspect = Suspect { node_id: stage0.node_id.clone(), epoch: plan.epoch.0, reason: error.to_string() };
+            Failed::new(error, vec![suspect])
         })?;
         Ok(Connected { clients, stream, budget })
     }

@@ -158,7 +158,8 @@ impl EtcdServer {
         bail!("etcd on port {} did not become healthy", self.port)
     }
 
-    fn healthy(&self) -> bool {
+    /// Whether etcd answers its `/health` endpoint as healthy now.
+    pub fn healthy(&self) -> bool {
         let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.port)) else { return false };
         let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
         if s.write_all(b"GET /health HTTP/1.0\r\nHost: localhost\r\n\r\n").is_err() {
@@ -184,6 +185,11 @@ impl EtcdServer {
             etcdctl(&["lease", "revoke", id])?;
         }
         Ok(ids.len())
+    }
+
+    /// The etcd process id, while it runs (to freeze it with SIGSTOP).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     /// The client URL (`http://127.0.0.1:<port>`).
