@@ -4,6 +4,7 @@
 //! stream; a small HTTP(S) client (`http_client`).
 
 pub mod http_client;
+pub mod netns;
 pub mod processes;
 
 use std::net::SocketAddr;

@@ -1,6 +1,8 @@
 //! A cluster of real processes for fault tests: an etcd server, `stage-worker` processes and one or more
-//! `coordinator` processes (the first to campaign leads, the others stand by), all on 127.0.0.1; signals to freeze
-//! or kill them; and a load of concurrent streamed `Generate` calls that records every token and when it came.
+//! `coordinator` processes (the first to campaign leads, the others stand by), on 127.0.0.1 or with every worker
+//! in its own network namespace (its own address, reached over a bridge: separate hosts on one machine); signals
+//! to freeze or kill them; and a load of concurrent streamed `Generate` calls that records every token and when it
+//! came.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -14,6 +16,8 @@ use strata_proto::pb::coordinator_client::CoordinatorClient;
 use strata_testkit::{EtcdServer, Process, free_port, workspace_bin};
 use tokio::sync::Notify;
 use tonic::transport::Channel;
+
+use crate::netns::Network;
 
 /// Concurrent streams of a [`load`].
 pub const STREAMS: usize = 16;
@@ -41,6 +45,8 @@ pub struct ProcessCluster {
     pub workers: Vec<(String, Process)>,
     /// Every coordinator started, in start order.
     pub coordinators: Vec<CoordinatorProcess>,
+    /// The namespaces the workers run in (worker `i` in host `i`), if any. Dropped last: after the processes.
+    pub network: Option<Network>,
     model: PathBuf,
 }
 
@@ -48,12 +54,22 @@ impl ProcessCluster {
     /// Starts etcd, workers `w0..w{workers-1}` and `coordinators` coordinators, and waits until a plan with
     /// `workers` stages is served.
     pub async fn start(model: &Path, workers: usize, coordinators: usize) -> Result<Self> {
-        let mut cluster = ProcessCluster {
-            etcd: EtcdServer::start()?,
-            workers: Vec::new(),
-            coordinators: Vec::new(),
-            model: model.into(),
+        Self::start_with(model, workers, coordinators, None).await
+    }
+
+    /// Like [`ProcessCluster::start`], worker `i` running in `network`'s namespace `i` (etcd listens on the
+    /// bridge).
+    pub async fn start_in(model: &Path, workers: usize, coordinators: usize, network: Network) -> Result<Self> {
+        Self::start_with(model, workers, coordinators, Some(network)).await
+    }
+
+    async fn start_with(model: &Path, workers: usize, coordinators: usize, network: Option<Network>) -> Result<Self> {
+        let etcd = match &network {
+            Some(net) => EtcdServer::start_on(&net.gateway)?,
+            None => EtcdServer::start()?,
         };
+        let mut cluster =
+            ProcessCluster { etcd, workers: Vec::new(), coordinators: Vec::new(), network, model: model.into() };
         for i in 0..workers {
             cluster.add_worker(&format!("w{i}"))?;
         }
@@ -64,11 +80,18 @@ impl ProcessCluster {
         Ok(cluster)
     }
 
-    /// Starts a worker `id` (1 thread, 256 KV blocks).
+    /// Starts a worker `id` (1 thread, 256 KV blocks), in the next free namespace when there is a network.
     pub fn add_worker(&mut self, id: &str) -> Result<()> {
-        let mut cmd = Command::new(workspace_bin("stage-worker")?);
+        let bin = workspace_bin("stage-worker")?;
+        let (mut cmd, host) = match &self.network {
+            Some(net) => {
+                let i = self.workers.len();
+                (net.command(i, &bin)?, net.hosts.get(i).context("no free namespace")?.addr.clone())
+            }
+            None => (Command::new(bin), "127.0.0.1".to_owned()),
+        };
         cmd.args(["--etcd", &self.etcd.endpoint(), "--cluster", "faults", "--node-id", id])
-            .args(["--listen", &format!("127.0.0.1:{}", free_port()?), "--threads", "1", "--kv-blocks", "256"])
+            .args(["--listen", &format!("{host}:{}", free_port()?), "--threads", "1", "--kv-blocks", "256"])
             .arg("--model")
             .arg(&self.model)
             .env("STRATA_LOG", "info");
@@ -128,6 +151,11 @@ impl ProcessCluster {
         let s = self.wait_for_stages(stages).await?;
         let id = s.stages.get(index).context("no such stage")?.node_id.clone();
         self.workers.iter_mut().find(|(name, _)| *name == id).map(|(_, p)| p).context("stage is not a worker")
+    }
+
+    /// The position of worker `id` among the workers (= its namespace, with a network).
+    pub fn worker_index(&self, id: &str) -> Option<usize> {
+        self.workers.iter().position(|(name, _)| name == id)
     }
 
     /// Every process's output, for failure messages.

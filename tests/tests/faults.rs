@@ -1,7 +1,8 @@
 //! Faults and membership changes under load with real processes: etcd, three `stage-worker` processes and a
 //! `coordinator` process, 16 concurrent streamed `Generate` calls (half greedy, half seeded sampling). Once every
 //! stream is producing tokens a stage is killed with SIGKILL (first, middle or last), frozen with SIGSTOP, drained,
-//! a fourth worker joins, or etcd is frozen for 30 s: every request still completes, with exactly the tokens of an undisturbed run and no
+//! a fourth worker joins, or etcd is frozen for 30 s; with every worker in its own network namespace (separate
+//! hosts), a crash, a pulled cable (`ip link set down`) and a drain: every request still completes, with exactly the tokens of an undisturbed run and no
 //! error. A failure is seen at once (a failed batch, a broken stream, keep-alive or the batch deadline, not the
 //! lease), the stage is planned around and the sequences are recomputed.
 
@@ -12,6 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use strata_proto::pb;
 use strata_proto::pb::coordinator_client::CoordinatorClient;
+use strata_tests::netns::Network;
 use strata_tests::processes::{ProcessCluster, STREAMS, load, signal, signal_pid};
 use strata_tests::smollm2;
 use tokio::sync::Notify;
@@ -23,12 +25,27 @@ enum Fault {
     Drain(usize),
     Join,
     PauseEtcd(Duration),
+    /// Take the link of the namespace holding stage `i` down (needs a network).
+    Cut(usize),
 }
 
 /// Starts a cluster, records an undisturbed run, then runs again with `fault` injected mid-generation and checks
 /// that nothing was lost; returns the longest time from the fault to a stream's next token.
 async fn survives(model: &Path, fault: Fault, max_tokens: u32) -> Result<(ProcessCluster, Duration)> {
-    let mut cluster = ProcessCluster::start(model, 3, 1).await?;
+    survives_in(model, fault, max_tokens, None).await
+}
+
+/// Like [`survives`], every worker in its own namespace of `network` when there is one.
+async fn survives_in(
+    model: &Path,
+    fault: Fault,
+    max_tokens: u32,
+    network: Option<Network>,
+) -> Result<(ProcessCluster, Duration)> {
+    let mut cluster = match network {
+        Some(net) => ProcessCluster::start_in(model, 3, 1, net).await?,
+        None => ProcessCluster::start(model, 3, 1).await?,
+    };
     let url = cluster.coordinators[0].url.clone();
     let baseline = load(url.clone(), max_tokens, Arc::new(Notify::new())).await?;
     let baseline: Vec<Vec<u32>> =
@@ -53,6 +70,12 @@ async fn survives(model: &Path, fault: Fault, max_tokens: u32) -> Result<(Proces
         }
         Fault::Join => {
             cluster.add_worker("w3")?;
+        }
+        Fault::Cut(i) => {
+            let s = cluster.wait_for_stages(3).await?;
+            let id = &s.stages.get(i).context("no such stage")?.node_id;
+            let host = cluster.worker_index(id).context("stage is not a worker")?;
+            cluster.network.as_ref().context("cutting a link needs a network")?.cut(host)?;
         }
         Fault::PauseEtcd(pause) => {
             let pid = cluster.etcd.pid().context("etcd is not running")?;
@@ -155,6 +178,22 @@ async fn etcd_frozen_for_30_s_under_load_fails_nothing_and_planning_resumes() ->
     let after = load(cluster.coordinators[leader].url.clone(), 8, Arc::new(Notify::new())).await?;
     for (i, r) in after.iter().enumerate() {
         ensure!(r.is_ok(), "stream {i} after etcd came back: {r:?}\n{}", cluster.logs());
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_separate_hosts_a_crash_a_pulled_cable_and_a_drain_lose_nothing() -> Result<()> {
+    for fault in [Fault::Kill(1), Fault::Cut(1), Fault::Drain(1)] {
+        let network = match Network::create(3) {
+            Ok(net) => net,
+            Err(e) => {
+                eprintln!("SKIPPED: network namespaces cannot be created here ({e:#}); run the tests as root");
+                return Ok(());
+            }
+        };
+        let (_, recovery) = survives_in(&smollm2(), fault, 32, Some(network)).await?;
+        ensure!(recovery < Duration::from_secs(30), "{fault:?}: {recovery:?}");
     }
     Ok(())
 }

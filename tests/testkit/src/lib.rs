@@ -108,15 +108,28 @@ impl Drop for Process {
 /// A throwaway single-member etcd: its own data dir and ports, killed on drop.
 pub struct EtcdServer {
     child: Option<Child>,
+    host: String,
     port: u16,
     peer: u16,
     dir: tempfile::TempDir,
 }
 
 impl EtcdServer {
-    /// Starts etcd and waits until `/health` says it is healthy.
+    /// Starts etcd on 127.0.0.1 and waits until `/health` says it is healthy.
     pub fn start() -> Result<Self> {
-        let mut server = Self { child: None, port: free_port()?, peer: free_port()?, dir: tempfile::tempdir()? };
+        Self::start_on("127.0.0.1")
+    }
+
+    /// Starts etcd serving clients on `host` (an address of this machine, e.g. a bridge that network namespaces
+    /// reach it through) and waits until it is healthy.
+    pub fn start_on(host: &str) -> Result<Self> {
+        let mut server = Self {
+            child: None,
+            host: host.to_owned(),
+            port: free_port()?,
+            peer: free_port()?,
+            dir: tempfile::tempdir()?,
+        };
         server.restart()?;
         Ok(server)
     }
@@ -160,7 +173,7 @@ impl EtcdServer {
 
     /// Whether etcd answers its `/health` endpoint as healthy now.
     pub fn healthy(&self) -> bool {
-        let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.port)) else { return false };
+        let Ok(mut s) = TcpStream::connect((self.host.as_str(), self.port)) else { return false };
         let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
         if s.write_all(b"GET /health HTTP/1.0\r\nHost: localhost\r\n\r\n").is_err() {
             return false;
@@ -194,7 +207,7 @@ impl EtcdServer {
 
     /// The client URL (`http://127.0.0.1:<port>`).
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        format!("http://{}:{}", self.host, self.port)
     }
 }
 
