@@ -65,9 +65,9 @@ pub fn service_error(err: &Error) -> ServiceError {
         Error::Membership(M::StaleEpoch { .. } | M::EpochNotNext { .. }) | Error::Placement(_) => {
             ServiceError::failed_precondition(message)
         }
-        Error::Membership(M::EtcdUnreachable { .. } | M::Etcd { .. } | M::LeaseExpired(_) | M::Contention { .. }) => {
-            ServiceError::unavailable(message)
-        }
+        Error::Membership(
+            M::EtcdUnreachable { .. } | M::Etcd { .. } | M::LeaseExpired(_) | M::Contention { .. } | M::Deposed { .. },
+        ) => ServiceError::unavailable(message),
         Error::Membership(M::Decode { .. } | M::Encode { .. } | M::Compacted { .. })
         | Error::Bind { .. }
         | Error::Tls(_)

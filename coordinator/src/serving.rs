@@ -143,6 +143,7 @@ mod tests {
             layer_seconds: 0.001,
             state,
             plan_epoch_loaded: PlanEpoch(loaded),
+            load_failed_epoch: PlanEpoch(0),
         }
     }
 

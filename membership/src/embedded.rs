@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
-use crate::{Condition, Error, KeyValue, Keys, LeaseId, LeaseMode, Registry, Result, WATCH_CHANNEL, WatchEvent};
+use crate::{Condition, Error, Fence, KeyValue, Keys, LeaseId, LeaseMode, Registry, Result, WATCH_CHANNEL, WatchEvent};
 
 /// Events kept for watches that start in the past.
 const HISTORY: usize = 4096;
@@ -63,6 +63,7 @@ impl Store {
             value: e.value.clone(),
             create_revision: e.create_revision,
             mod_revision: e.mod_revision,
+            lease: e.lease.unwrap_or(0),
         })
     }
 
@@ -184,7 +185,14 @@ impl Registry for EmbeddedRegistry {
         Ok((kvs.collect(), s.revision))
     }
 
-    async fn put(&self, key: &str, value: Vec<u8>, condition: Option<Condition>, lease: LeaseMode) -> Result<bool> {
+    async fn put(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        condition: Option<Condition>,
+        lease: LeaseMode,
+        fence: Option<&Fence>,
+    ) -> Result<bool> {
         let mut s = self.lock();
         let current = s.kvs.get(key);
         let holds = match condition {
@@ -192,7 +200,8 @@ impl Registry for EmbeddedRegistry {
             Some(Condition::Absent) => current.is_none(),
             Some(Condition::ModRevision(rev)) => current.is_some_and(|e| e.mod_revision == rev),
         };
-        if !holds {
+        let fenced = fence.is_none_or(|f| s.kvs.get(&f.key).is_some_and(|e| e.create_revision == f.create_revision));
+        if !holds || !fenced {
             return Ok(false);
         }
         let lease = match lease {

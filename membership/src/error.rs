@@ -63,6 +63,13 @@ pub enum Error {
         /// The epoch actually stored (0 when there is no plan).
         found: PlanEpoch,
     },
+    /// A fenced write by a leader whose term is over: the leader key it was elected under is gone (another
+    /// candidate may lead now). The writer must stop acting as leader.
+    #[error("deposed: the leadership of term {term} is over")]
+    Deposed {
+        /// The term the write was made under.
+        term: u64,
+    },
     /// A new plan's epoch is not exactly one past the previous one.
     #[error("plan epoch {new} does not follow {previous}")]
     EpochNotNext {

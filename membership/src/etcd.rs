@@ -8,7 +8,7 @@ use etcd_client::{
 use tokio::sync::mpsc;
 
 use crate::{
-    Backoff, Condition, Error, KeyValue, Keys, LeaseId, LeaseMode, Registry, Result, WATCH_CHANNEL, WatchEvent,
+    Backoff, Condition, Error, Fence, KeyValue, Keys, LeaseId, LeaseMode, Registry, Result, WATCH_CHANNEL, WatchEvent,
     check_endpoints,
 };
 
@@ -31,6 +31,7 @@ fn kv_of(kv: &etcd_client::KeyValue) -> KeyValue {
         value: kv.value().to_vec(),
         create_revision: kv.create_revision(),
         mod_revision: kv.mod_revision(),
+        lease: kv.lease(),
     }
 }
 
@@ -123,7 +124,14 @@ impl Registry for EtcdRegistry {
         Ok((resp.kvs().iter().map(kv_of).collect(), revision))
     }
 
-    async fn put(&self, key: &str, value: Vec<u8>, condition: Option<Condition>, lease: LeaseMode) -> Result<bool> {
+    async fn put(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        condition: Option<Condition>,
+        lease: LeaseMode,
+        fence: Option<&Fence>,
+    ) -> Result<bool> {
         let options = match lease {
             LeaseMode::None => None,
             LeaseMode::Attach(id) => Some(PutOptions::new().with_lease(id)),
@@ -131,15 +139,21 @@ impl Registry for EtcdRegistry {
         };
         let mut client = self.client.clone();
         let op = || format!("put {key}");
-        let Some(condition) = condition else {
+        let mut compares = Vec::with_capacity(2);
+        match condition {
+            None => {}
+            Some(Condition::Absent) => compares.push(Compare::version(key, CompareOp::Equal, 0)),
+            Some(Condition::ModRevision(rev)) => compares.push(Compare::mod_revision(key, CompareOp::Equal, rev)),
+        }
+        // A missing key compares with create revision 0, which no fence names: the fence fails.
+        if let Some(f) = fence {
+            compares.push(Compare::create_revision(f.key.as_str(), CompareOp::Equal, f.create_revision));
+        }
+        if compares.is_empty() {
             client.put(key, value, options).await.map_err(Error::etcd(op()))?;
             return Ok(true);
-        };
-        let compare = match condition {
-            Condition::Absent => Compare::version(key, CompareOp::Equal, 0),
-            Condition::ModRevision(rev) => Compare::mod_revision(key, CompareOp::Equal, rev),
-        };
-        let txn = Txn::new().when(vec![compare]).and_then(vec![TxnOp::put(key, value, options)]);
+        }
+        let txn = Txn::new().when(compares).and_then(vec![TxnOp::put(key, value, options)]);
         let resp = client.txn(txn).await.map_err(Error::etcd(op()))?;
         Ok(resp.succeeded())
     }

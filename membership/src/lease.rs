@@ -47,7 +47,7 @@ async fn put_record<R: Registry>(registry: &R, record: &NodeRecord, ttl: Duratio
     let key = registry.keys().node(&record.node_id);
     let value = encode(&key, record)?;
     let lease = registry.grant_lease(ttl).await?;
-    registry.put(&key, value, None, LeaseMode::Attach(lease)).await?;
+    registry.put(&key, value, None, LeaseMode::Attach(lease), None).await?;
     Ok(lease)
 }
 
@@ -148,6 +148,7 @@ pub struct Leadership<R: Registry> {
     registry: R,
     candidate: String,
     lease: LeaseId,
+    term: u64,
     lost: CancellationToken,
     stop: CancellationToken,
 }
@@ -156,13 +157,22 @@ pub(super) async fn campaign<R: Registry>(registry: R, candidate: String, ttl: D
     let key = registry.keys().leader();
     loop {
         let lease = registry.grant_lease(ttl).await?;
-        if registry.put(&key, candidate.clone().into_bytes(), Some(Condition::Absent), LeaseMode::Attach(lease)).await?
-        {
-            let lost = CancellationToken::new();
-            let stop = CancellationToken::new();
-            tokio::spawn(keep_leader_alive(registry.clone(), lease, ttl, lost.clone(), stop.clone()));
-            tracing::info!(candidate, "elected leader");
-            return Ok(Leadership { registry, candidate, lease, lost, stop });
+        let put =
+            registry.put(&key, candidate.clone().into_bytes(), Some(Condition::Absent), LeaseMode::Attach(lease), None);
+        if put.await? {
+            // The term is the key's create revision; the key may already be gone again (lease lost in between),
+            // in which case this election does not count.
+            match registry.get(&key).await? {
+                Some(kv) if kv.lease == lease && kv.create_revision > 0 => {
+                    let term = kv.create_revision.unsigned_abs();
+                    let lost = CancellationToken::new();
+                    let stop = CancellationToken::new();
+                    tokio::spawn(keep_leader_alive(registry.clone(), lease, ttl, lost.clone(), stop.clone()));
+                    tracing::info!(candidate, term, "elected leader");
+                    return Ok(Leadership { registry, candidate, lease, term, lost, stop });
+                }
+                _ => tracing::warn!(candidate, "the leader key was lost right after the election; campaigning again"),
+            }
         }
         let _ = registry.revoke_lease(lease).await;
         let Some(current) = registry.get(&key).await? else { continue };
@@ -231,6 +241,13 @@ impl<R: Registry> Leadership<R> {
     /// This leader's candidate name.
     pub fn candidate(&self) -> &str {
         &self.candidate
+    }
+
+    /// This leadership's term: the create revision of the leader key this candidate created. It grows with
+    /// every election, so stages and fenced plan writes ([`Registry::write_plan`] with `Plan::term`) can tell
+    /// a newer leader from a deposed one.
+    pub fn term(&self) -> u64 {
+        self.term
     }
 
     /// Whether the leadership has been lost (lease expired or unrefreshable for a TTL).

@@ -44,6 +44,8 @@ pub struct KeyValue {
     pub create_revision: i64,
     /// Store revision of the key's last modification.
     pub mod_revision: i64,
+    /// The lease the key is attached to (0: none).
+    pub lease: LeaseId,
 }
 
 /// The condition of a conditional put.
@@ -53,6 +55,16 @@ pub enum Condition {
     Absent,
     /// The key must exist with this modification revision.
     ModRevision(i64),
+}
+
+/// A second guard on a conditional put: `key` must exist with this create revision. It fences writes by a
+/// leader: its election key is created once per election, so a deposed leader's fence can never hold again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fence {
+    /// The guarding key (the leader key).
+    pub key: String,
+    /// The create revision it must still have.
+    pub create_revision: i64,
 }
 
 /// What a put does with the key's lease.
@@ -106,13 +118,15 @@ pub trait Registry: Clone + Send + Sync + 'static {
     /// Reads every key under `prefix`, sorted by key, and the store revision of the read.
     fn list(&self, prefix: &str) -> impl Future<Output = Result<(Vec<KeyValue>, i64)>> + Send;
 
-    /// Writes `key` if `condition` holds (always, when `None`); returns whether it was written.
+    /// Writes `key` if `condition` holds (always, when `None`) and, in the same transaction, `fence` holds
+    /// (when given); returns whether it was written.
     fn put(
         &self,
         key: &str,
         value: Vec<u8>,
         condition: Option<Condition>,
         lease: LeaseMode,
+        fence: Option<&Fence>,
     ) -> impl Future<Output = Result<bool>> + Send;
 
     /// Deletes a key (absent keys are fine).
@@ -165,7 +179,7 @@ pub trait Registry: Clone + Send + Sync + 'static {
                 let mut record: NodeRecord = decode(&kv)?;
                 change(&mut record);
                 let value = encode(&key, &record)?;
-                if self.put(&key, value, Some(Condition::ModRevision(kv.mod_revision)), LeaseMode::Keep).await? {
+                if self.put(&key, value, Some(Condition::ModRevision(kv.mod_revision)), LeaseMode::Keep, None).await? {
                     return Ok(record);
                 }
             }
@@ -195,11 +209,24 @@ pub trait Registry: Clone + Send + Sync + 'static {
 
     /// Stores `plan` only if the stored epoch is `expected` (0: no plan yet) and `plan.epoch` is the next one.
     /// A concurrent writer makes it fail with [`Error::StaleEpoch`].
+    ///
+    /// A plan with a term (`plan.term > 0`, the writer's [`Leadership::term`]) is also fenced: it is written
+    /// only if the leader key still exists with that create revision, checked in the same transaction as the
+    /// epoch. A leader that lost its key (another candidate won since) gets [`Error::Deposed`] and must not
+    /// write again under that term. Term 0 writes are not fenced.
     fn write_plan(&self, plan: &Plan, expected: PlanEpoch) -> impl Future<Output = Result<()>> + Send {
         async move {
             if plan.epoch != expected.next() {
                 return Err(Error::EpochNotNext { previous: expected, new: plan.epoch });
             }
+            let fence = match plan.term {
+                0 => None,
+                term => Some(Fence {
+                    key: self.keys().leader(),
+                    // No leader key can have a create revision past i64::MAX: such a term is never current.
+                    create_revision: i64::try_from(term).map_err(|_| Error::Deposed { term })?,
+                }),
+            };
             let key = self.keys().plan();
             let value = encode(&key, plan)?;
             let current = self.get(&key).await?;
@@ -207,12 +234,17 @@ pub trait Registry: Clone + Send + Sync + 'static {
                 Some(kv) => (decode::<Plan>(kv)?.epoch, Condition::ModRevision(kv.mod_revision)),
                 None => (PlanEpoch(0), Condition::Absent),
             };
+            // A deposed writer is told so first: it must stop, not re-read and replan.
             if found != expected {
+                check_fence(self, fence.as_ref(), plan.term).await?;
                 return Err(Error::StaleEpoch { expected, found });
             }
-            if self.put(&key, value, Some(condition), LeaseMode::None).await? {
+            if self.put(&key, value, Some(condition), LeaseMode::None, fence.as_ref()).await? {
                 return Ok(());
             }
+            // Which compare failed: a key with that create revision exists over one unbroken interval, so if
+            // it exists now it also did at the transaction, and the epoch compare failed.
+            check_fence(self, fence.as_ref(), plan.term).await?;
             let found = self.get_plan().await?.map_or(PlanEpoch(0), |p| p.epoch);
             Err(Error::StaleEpoch { expected, found })
         }
@@ -232,6 +264,15 @@ pub trait Registry: Clone + Send + Sync + 'static {
     /// The current leader's candidate name, if any.
     fn leader(&self) -> impl Future<Output = Result<Option<String>>> + Send {
         async move { Ok(self.get(&self.keys().leader()).await?.map(|kv| String::from_utf8_lossy(&kv.value).into_owned())) }
+    }
+}
+
+/// `Err(Deposed { term })` unless `fence` (if any) holds now.
+async fn check_fence<R: Registry>(registry: &R, fence: Option<&Fence>, term: u64) -> Result<()> {
+    let Some(fence) = fence else { return Ok(()) };
+    match registry.get(&fence.key).await? {
+        Some(kv) if kv.create_revision == fence.create_revision => Ok(()),
+        _ => Err(Error::Deposed { term }),
     }
 }
 

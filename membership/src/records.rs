@@ -48,6 +48,9 @@ pub enum NodeState {
     Draining,
     /// Excluded from planning (also the end state of a drain: safe to remove).
     Cordoned,
+    /// The worker's executor failed (it panicked): it answers batches with `UNAVAILABLE` and is not placed. A
+    /// new plan that still assigns it layers reloads them and makes it READY again, and so does `UncordonNode`.
+    Failed,
 }
 
 impl From<NodeState> for pb::NodeState {
@@ -57,6 +60,7 @@ impl From<NodeState> for pb::NodeState {
             NodeState::Ready => pb::NodeState::Ready,
             NodeState::Draining => pb::NodeState::Draining,
             NodeState::Cordoned => pb::NodeState::Cordoned,
+            NodeState::Failed => pb::NodeState::Failed,
         }
     }
 }
@@ -80,6 +84,11 @@ pub struct NodeRecord {
     /// Epoch of the plan the worker has loaded (0: none).
     #[serde(default)]
     pub plan_epoch_loaded: PlanEpoch,
+    /// The last plan epoch whose layers the worker could not load (0: none). Set when a load fails (the worker
+    /// keeps serving `plan_epoch_loaded`), left as is by later successful loads: a failure is news while it is
+    /// greater than `plan_epoch_loaded`, and the coordinator can roll back to a plan without the failed range.
+    #[serde(default)]
+    pub load_failed_epoch: PlanEpoch,
 }
 
 /// One stage of a stored plan.
@@ -159,11 +168,19 @@ mod tests {
             layer_seconds: 0.002,
             state: NodeState::Ready,
             plan_epoch_loaded: PlanEpoch(3),
+            load_failed_epoch: PlanEpoch(4),
         };
         let text = serde_json::to_string(&rec)?;
         assert!(text.contains(r#""state":"READY""#) && text.contains(r#""plan_epoch_loaded":3"#), "{text}");
+        assert!(text.contains(r#""load_failed_epoch":4"#), "{text}");
         assert_eq!(serde_json::from_str::<NodeRecord>(&text)?, rec);
         assert!(serde_json::from_str::<NodeRecord>(&text.replace("READY", "SLEEPY")).is_err());
+        let failed = serde_json::from_str::<NodeRecord>(&text.replace("READY", "FAILED"))?;
+        assert_eq!(failed.state, NodeState::Failed);
+        assert_eq!(pb::NodeState::from(failed.state), pb::NodeState::Failed);
+        // Records written before the field existed read as "no failed load".
+        let old = text.replace(r#","load_failed_epoch":4"#, "");
+        assert_eq!(serde_json::from_str::<NodeRecord>(&old)?.load_failed_epoch, PlanEpoch(0));
 
         let plan = Plan {
             epoch: PlanEpoch(2),

@@ -241,6 +241,7 @@ mod tests {
             layer_seconds: 1.0,
             state,
             plan_epoch_loaded: PlanEpoch(0),
+            load_failed_epoch: PlanEpoch(0),
         }
     }
 
@@ -274,6 +275,7 @@ mod tests {
                 value: crate::encode("k", r)?,
                 create_revision: 1,
                 mod_revision: rev,
+                lease: 0,
             }))
         };
         let mut known = Known::new();

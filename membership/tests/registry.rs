@@ -13,6 +13,11 @@ const TTL: Duration = Duration::from_secs(1);
 const WAIT: Duration = Duration::from_secs(5);
 
 fn plan(epoch: u64, ids: &[&str]) -> Plan {
+    fenced_plan(epoch, ids, 0)
+}
+
+/// A plan written under leadership `term` (0: unfenced).
+fn fenced_plan(epoch: u64, ids: &[&str], term: u64) -> Plan {
     let stages = ids
         .iter()
         .enumerate()
@@ -23,7 +28,7 @@ fn plan(epoch: u64, ids: &[&str]) -> Plan {
             layer_end: i as u32 + 1,
         })
         .collect();
-    Plan { epoch: PlanEpoch(epoch), stages, model: "m".into(), num_layers: ids.len() as u32, term: 0 }
+    Plan { epoch: PlanEpoch(epoch), stages, model: "m".into(), num_layers: ids.len() as u32, term }
 }
 
 /// A node record: 1 GiB, 10 ms per layer, nothing loaded yet.
@@ -36,6 +41,7 @@ fn node(id: &str, state: NodeState) -> NodeRecord {
         layer_seconds: 0.01,
         state,
         plan_epoch_loaded: PlanEpoch(0),
+        load_failed_epoch: PlanEpoch(0),
     }
 }
 
@@ -123,6 +129,52 @@ async fn one_leader_and_failover<R: Registry>(reg: R) -> anyhow::Result<()> {
     Ok(())
 }
 
+async fn terms_grow_and_fence_plan_writes<R: Registry>(reg: R) -> anyhow::Result<()> {
+    let first = reg.campaign("c1", TTL).await?;
+    let t1 = first.term();
+    ensure!(t1 > 0, "an election has a term");
+    reg.write_plan(&fenced_plan(1, &["a"], t1), PlanEpoch(0)).await?;
+    first.resign().await?;
+
+    // With no leader at all, a write under the old term is fenced out.
+    match reg.write_plan(&fenced_plan(2, &["a"], t1), PlanEpoch(1)).await {
+        Err(Error::Deposed { term }) if term == t1 => {}
+        other => bail!("expected Deposed with no leader key, got {other:?}"),
+    }
+    let second = reg.campaign("c2", TTL).await?;
+    let t2 = second.term();
+    ensure!(t2 > t1, "terms grow across elections: {t1} then {t2}");
+    // The deposed leader read the right epoch: only the fence (checked in the same transaction) stops it.
+    match reg.write_plan(&fenced_plan(2, &["old"], t1), PlanEpoch(1)).await {
+        Err(Error::Deposed { term }) if term == t1 => {}
+        other => bail!("expected the deposed leader's write to fail with Deposed, got {other:?}"),
+    }
+    ensure!(reg.get_plan().await?.map(|p| p.epoch) == Some(PlanEpoch(1)), "the deposed write landed");
+    reg.write_plan(&fenced_plan(2, &["a", "b"], t2), PlanEpoch(1)).await?;
+    // The current leader with a stale epoch is told StaleEpoch, not Deposed; a deposed one with a stale epoch
+    // is told Deposed (it must stop, not replan).
+    ensure!(
+        matches!(reg.write_plan(&fenced_plan(2, &["a"], t2), PlanEpoch(1)).await, Err(Error::StaleEpoch { .. })),
+        "stale epoch under the current term"
+    );
+    ensure!(
+        matches!(reg.write_plan(&fenced_plan(2, &["a"], t1), PlanEpoch(1)).await, Err(Error::Deposed { .. })),
+        "stale epoch under an old term"
+    );
+    // Term 0 writes are not fenced, as before terms existed.
+    reg.write_plan(&plan(3, &["a"]), PlanEpoch(2)).await?;
+
+    // A leader that dies without resigning is deposed once a new candidate wins after its lease expired.
+    drop(second);
+    let third = tokio::time::timeout(WAIT, reg.campaign("c3", TTL)).await.context("c3 not elected")??;
+    ensure!(third.term() > t2, "terms grow: {t2} then {}", third.term());
+    ensure!(matches!(reg.write_plan(&fenced_plan(4, &["a"], t2), PlanEpoch(3)).await, Err(Error::Deposed { .. })));
+    reg.write_plan(&fenced_plan(4, &["c"], third.term()), PlanEpoch(3)).await?;
+    ensure!(reg.get_plan().await? == Some(fenced_plan(4, &["c"], third.term())));
+    third.resign().await?;
+    Ok(())
+}
+
 macro_rules! on_both_registries {
     ($($name:ident),* $(,)?) => {
         mod etcd {
@@ -152,4 +204,5 @@ on_both_registries!(
     lease_expiry_removes_node,
     plan_cas_rejects_stale_epoch_and_watch_sees_newest,
     one_leader_and_failover,
+    terms_grow_and_fence_plan_writes,
 );

@@ -37,5 +37,6 @@ pub fn node(id: &str, state: NodeState) -> NodeRecord {
         layer_seconds: 0.01,
         state,
         plan_epoch_loaded: PlanEpoch(0),
+        load_failed_epoch: PlanEpoch(0),
     }
 }
