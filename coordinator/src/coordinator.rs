@@ -1,7 +1,12 @@
 //! The coordinator's control loop: campaign for leadership, watch the nodes, place the model and write each new
 //! plan with the next epoch; finish drains once the stages have loaded the plan that excludes the drained node.
-//! Stages the pipeline could not reach ([`Suspect`]s) are left out of placement for a while (or until they
-//! register again), so a crashed or hung stage is planned around at once, not only when its lease expires.
+//! Stages the pipeline could not reach ([`Suspect`]s), and workers that could not load the range a plan gave them,
+//! are left out of placement for a while (or until they register again), so a crashed, hung or failing stage is
+//! planned around at once, not only when its lease expires.
+//!
+//! Every plan carries the leader's term (its election's revision) and its write is fenced by it: a new leader
+//! writes a plan under its own term first thing, even with unchanged stages, so the stages learn the term and
+//! refuse the batches of the leader before; a deposed leader's write fails and it campaigns again.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -215,6 +220,8 @@ struct LeaderState {
     pending_drains: BTreeMap<NodeId, PlanEpoch>,
     /// Nodes left out of placement because the pipeline could not reach them, and until when.
     suspects: BTreeMap<NodeId, Instant>,
+    /// This leadership's term, written into every plan.
+    leadership_term: u64,
 }
 
 /// What wakes the leader up.
@@ -298,13 +305,17 @@ impl<R: Registry> Coordinator<R> {
             plan: self.registry.get_plan().await?,
             pending_drains: BTreeMap::new(),
             suspects: BTreeMap::new(),
+            leadership_term: leadership.term(),
         };
+        tracing::info!(term = term.leadership_term, "leading");
         // Reports from before this term are about plans this leader did not serve.
         if let Some(rx) = suspects.as_mut() {
             while rx.try_recv().is_ok() {}
         }
         self.publish(&term);
-        self.reconcile(&mut term).await?;
+        if let Some(lost) = deposed(self.reconcile(&mut term).await)? {
+            return Ok(lost);
+        }
         loop {
             let expiry = term.suspects.values().min().copied();
             let input = tokio::select! {
@@ -318,8 +329,10 @@ impl<R: Registry> Coordinator<R> {
                 Input::Node(Some(event)) => event,
                 Input::Node(None) => return Ok(Term::Lost),
                 Input::Suspect(s) => {
-                    if self.suspect(&mut term, s) {
-                        self.reconcile(&mut term).await?;
+                    if self.suspect(&mut term, s)
+                        && let Some(lost) = deposed(self.reconcile(&mut term).await)?
+                    {
+                        return Ok(lost);
                     }
                     continue;
                 }
@@ -332,7 +345,9 @@ impl<R: Registry> Coordinator<R> {
                         }
                         keep
                     });
-                    self.reconcile(&mut term).await?;
+                    if let Some(lost) = deposed(self.reconcile(&mut term).await)? {
+                        return Ok(lost);
+                    }
                     continue;
                 }
             };
@@ -345,19 +360,28 @@ impl<R: Registry> Coordinator<R> {
                     ready
                 }
                 NodeEvent::Updated(rec) => {
+                    let failed_load = term
+                        .plan
+                        .as_ref()
+                        .is_some_and(|p| rec.load_failed_epoch == p.epoch && p.stage_of(&rec.node_id).is_some());
+                    if failed_load {
+                        let reason = format!("could not load its layers of plan epoch {}", rec.load_failed_epoch);
+                        let epoch = rec.load_failed_epoch.0;
+                        self.suspect(&mut term, Suspect { node_id: rec.node_id.clone(), epoch, reason });
+                    }
                     let prev = term.nodes.insert(rec.node_id.clone(), rec.clone());
                     // Speed re-measurements alone do not move layers; membership and capacity changes do.
-                    prev.is_none_or(|p| {
-                        p.state != rec.state || p.address != rec.address || p.memory_bytes != rec.memory_bytes
-                    })
+                    failed_load
+                        || prev.is_none_or(|p| {
+                            p.state != rec.state || p.address != rec.address || p.memory_bytes != rec.memory_bytes
+                        })
                 }
                 NodeEvent::Removed(id) => term.nodes.remove(&id).is_some(),
             };
             self.publish(&term);
-            if replan {
-                self.reconcile(&mut term).await?;
-            } else {
-                self.finish_drains(&mut term).await?;
+            let done = if replan { self.reconcile(&mut term).await } else { self.finish_drains(&mut term).await };
+            if let Some(lost) = deposed(done)? {
+                return Ok(lost);
             }
         }
     }
@@ -418,7 +442,9 @@ impl<R: Registry> Coordinator<R> {
         };
         self.view.update(|s| s.placement_error = None);
         for _ in 0..3 {
-            if term.plan.as_ref().is_some_and(|p| p.stages == stages) {
+            // Same stages under this leader's term: nothing to write. A plan of an older term is rewritten as is,
+            // so that the stages learn the new term.
+            if term.plan.as_ref().is_some_and(|p| p.stages == stages && p.term == term.leadership_term) {
                 break;
             }
             let expected = term.plan.as_ref().map_or(PlanEpoch(0), |p| p.epoch);
@@ -427,13 +453,13 @@ impl<R: Registry> Coordinator<R> {
                 stages: stages.clone(),
                 model: self.model_name.clone(),
                 num_layers: wire_u32("layer count", self.shape.num_layers).map_err(Error::Wire)?,
-                term: 0,
+                term: term.leadership_term,
             };
             // Written at once: the pipeline keeps serving the old plan until every stage has loaded this one, then
             // recomputes the active sequences under it (serving::ready_plan; docs/architecture.md, plan epochs).
             match self.registry.write_plan(&next, expected).await {
                 Ok(()) => {
-                    tracing::info!(epoch = %next.epoch, stages = next.stages.len(), "plan written");
+                    tracing::info!(epoch = %next.epoch, term = next.term, stages = next.stages.len(), "plan written");
                     term.plan = Some(next);
                     break;
                 }
@@ -492,6 +518,19 @@ impl<R: Registry> Coordinator<R> {
         }
         self.publish(term);
         Ok(())
+    }
+}
+
+/// `Ok(Some(Term::Lost))` when `result` says another coordinator leads now (a fenced plan write failed), so the
+/// caller steps down instead of treating it as an error.
+fn deposed(result: Result<()>) -> Result<Option<Term>> {
+    match result {
+        Ok(()) => Ok(None),
+        Err(Error::Membership(strata_membership::Error::Deposed { term })) => {
+            tracing::warn!(term, "deposed: another coordinator leads now");
+            Ok(Some(Term::Lost))
+        }
+        Err(e) => Err(e),
     }
 }
 

@@ -193,6 +193,7 @@ async fn membership<R: Registry>(
         layer_seconds: 0.0,
         state: NodeState::Joining,
         plan_epoch_loaded: PlanEpoch(0),
+        load_failed_epoch: PlanEpoch(0),
     };
     let registration = registry.register_node(record, options.lease_ttl).await?;
     let cfg = config.clone();
