@@ -1,12 +1,13 @@
 //! strata's cluster contract: the `strata.v1` gRPC services (public `Coordinator`, internal `Stage`), wire id
 //! newtypes, checked conversions of layer ranges into the wire's integers, the closed set of error codes and
-//! their mapping to gRPC status, the hidden-state codec, and W3C trace context propagation through gRPC
-//! metadata. See `docs/protocol.md`.
+//! their mapping to gRPC status, the hidden-state codec, W3C trace context propagation through gRPC metadata,
+//! and the HTTP/2 keepalive of every long-lived connection. See `docs/protocol.md`.
 
 pub mod codec;
 pub mod error;
 pub mod ids;
 pub mod introspection;
+pub mod keepalive;
 mod layers;
 #[cfg(feature = "clap")]
 pub mod logging;
@@ -29,6 +30,7 @@ pub use codec::{decode_to_f32, dtype_size, encode_f32, validate_hidden};
 pub use error::{ProtoError, Result};
 pub use ids::{NodeId, PlanEpoch, SeqId};
 pub use introspection::{COORDINATOR_SERVICE, STAGE_SERVICE, health_service, reflection_service, set_serving};
+pub use keepalive::Keepalive;
 pub use layers::{WireLayers, wire_u32};
 #[cfg(feature = "clap")]
 pub use logging::{LogArgs, LogFormat};

@@ -7,7 +7,7 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use strata_engine::{Device, FloatDtype, HiddenDtype, LayerRange};
 use strata_membership::{check_cluster_name, parse_endpoints};
-use strata_proto::{LogArgs, TlsArgs};
+use strata_proto::{Keepalive, LogArgs, TlsArgs};
 use strata_stage_worker::{RegistrationOptions, WorkerConfig};
 
 /// Serve one contiguous layer range of a model over strata's Stage gRPC service.
@@ -75,6 +75,17 @@ pub struct Args {
     /// Memory available for weights and KV cache, in bytes (suffixes K, M, G, Ki, Mi, Gi accepted).
     #[arg(long, env = "STRATA_MEMORY_LIMIT")]
     memory_limit: Option<String>,
+    /// Milliseconds between HTTP/2 keepalive PINGs on the Stage server's connections and the link to the next
+    /// stage.
+    #[arg(long, env = "STRATA_KEEPALIVE_INTERVAL_MS", default_value_t = Keepalive::DEFAULT_INTERVAL_MS)]
+    keepalive_interval_ms: u64,
+    /// Milliseconds a keepalive PING may go unanswered before the connection (and its streams) is closed, so a
+    /// hung peer fails its batches with UNAVAILABLE instead of stalling them.
+    #[arg(long, env = "STRATA_KEEPALIVE_TIMEOUT_MS", default_value_t = Keepalive::DEFAULT_TIMEOUT_MS)]
+    keepalive_timeout_ms: u64,
+    /// Testing hook: the executor panics before running a batch after this many (fault-injection tests only).
+    #[arg(long, env = "STRATA_FAULT_PANIC_AFTER_BATCHES", hide = true)]
+    fault_panic_after_batches: Option<u64>,
     /// TLS for the Stage API and for dialling the next stage.
     #[command(flatten)]
     tls: TlsArgs,
@@ -140,6 +151,9 @@ impl Args {
             dtype: self.dtype,
             gpu_memory_limit,
             tls: self.tls.files()?,
+            keepalive_interval_ms: self.keepalive_interval_ms,
+            keepalive_timeout_ms: self.keepalive_timeout_ms,
+            fault_panic_after_batches: self.fault_panic_after_batches,
             ..WorkerConfig::new(self.node_id, self.model, self.layers)
         };
         match registry {
@@ -274,5 +288,20 @@ mod tests {
         assert!(Args::try_parse_from(bad_dtype).is_err());
         assert!(Args::try_parse_from(["stage-worker", "--node-id", "n", "--model", "/m", "--layers", "4..2"]).is_err());
         assert_eq!(parse_bytes("2Gi").ok(), Some(2 << 30));
+        assert!(args(&["--layers", "0..4", "--keepalive-timeout-ms", "0"]).into_config().is_err());
+    }
+
+    #[test]
+    fn keepalive_defaults_and_flags_reach_the_config() -> anyhow::Result<()> {
+        let launch = args(&["--layers", "0..4"]).into_config()?;
+        assert_eq!(launch.config.keepalive()?, Keepalive::DEFAULT);
+        assert_eq!((launch.config.keepalive_interval_ms, launch.config.keepalive_timeout_ms), (1000, 2000));
+        let launch = args(&["--layers", "0..4", "--keepalive-interval-ms", "250", "--keepalive-timeout-ms", "500"])
+            .into_config()?;
+        assert_eq!(
+            launch.config.keepalive()?,
+            Keepalive { interval: Duration::from_millis(250), timeout: Duration::from_millis(500) }
+        );
+        Ok(())
     }
 }

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 use strata_engine::{Device, FloatDtype, HiddenDtype, LayerRange};
-use strata_proto::{Tls, TlsFiles};
+use strata_proto::{Keepalive, Tls, TlsFiles};
 
 use crate::error::{Error, Result};
 
@@ -14,6 +14,14 @@ fn default_kv_blocks() -> usize {
 
 fn default_block_size() -> usize {
     16
+}
+
+fn default_keepalive_interval_ms() -> u64 {
+    Keepalive::DEFAULT_INTERVAL_MS
+}
+
+fn default_keepalive_timeout_ms() -> u64 {
+    Keepalive::DEFAULT_TIMEOUT_MS
 }
 
 /// Everything a stage worker needs to serve.
@@ -63,6 +71,18 @@ pub struct WorkerConfig {
     /// signed. `None`: plaintext.
     #[serde(default)]
     pub tls: Option<TlsFiles>,
+    /// Milliseconds between HTTP/2 keepalive PINGs on the Stage server's connections and on the link to the next
+    /// stage.
+    #[serde(default = "default_keepalive_interval_ms")]
+    pub keepalive_interval_ms: u64,
+    /// Milliseconds a PING may go unanswered before the connection is closed (a hung peer's streams then fail
+    /// with `UNAVAILABLE`).
+    #[serde(default = "default_keepalive_timeout_ms")]
+    pub keepalive_timeout_ms: u64,
+    /// Testing hook: the executor panics when it is about to run a batch after this many, to exercise how a
+    /// worker takes itself out of service. Never set in production.
+    #[serde(default)]
+    pub fault_panic_after_batches: Option<u64>,
 }
 
 impl WorkerConfig {
@@ -83,6 +103,9 @@ impl WorkerConfig {
             dtype: None,
             gpu_memory_limit: None,
             tls: None,
+            keepalive_interval_ms: default_keepalive_interval_ms(),
+            keepalive_timeout_ms: default_keepalive_timeout_ms(),
+            fault_panic_after_batches: None,
         }
     }
 
@@ -125,7 +148,18 @@ impl WorkerConfig {
         {
             return Err(Error::Config("next must be an address, or absent on the last stage".into()));
         }
+        self.keepalive()?;
         Ok(())
+    }
+
+    /// The HTTP/2 keepalive of the server and of the link to the next stage.
+    pub fn keepalive(&self) -> Result<Keepalive> {
+        Keepalive::from_millis(self.keepalive_interval_ms, self.keepalive_timeout_ms).ok_or_else(|| {
+            Error::Config(format!(
+                "keepalive interval and timeout must be at least 1 ms (got {} and {})",
+                self.keepalive_interval_ms, self.keepalive_timeout_ms
+            ))
+        })
     }
 
     /// Loads and checks the TLS files; `None` when TLS is off. Errors name the file.
@@ -169,6 +203,8 @@ mod tests {
         assert_eq!(cfg.layers, Some(LayerRange { start: 0, end: 4 }));
         assert_eq!((cfg.block_size, cfg.hidden_dtype, cfg.device), (16, HiddenDtype::Bf16, Device::Cpu));
         assert_eq!((cfg.dtype, cfg.gpu_memory_limit), (None, None));
+        assert_eq!(cfg.keepalive().ok(), Some(Keepalive::DEFAULT));
+        assert_eq!(cfg.fault_panic_after_batches, None);
         let gpu: WorkerConfig = serde_json::from_str(
             r#"{"node_id":"a","model":"/m","device":"cuda:1","dtype":"f16","gpu_memory_limit":1000}"#,
         )?;
@@ -193,6 +229,7 @@ mod tests {
         assert!(matches!(WorkerConfig { layers: None, ..ok.clone() }.validate(), Err(Error::NoLayers)));
         assert!(WorkerConfig { node_id: " ".into(), ..ok.clone() }.validate().is_err());
         assert!(WorkerConfig { kv_blocks: 0, ..ok.clone() }.validate().is_err());
+        assert!(WorkerConfig { keepalive_timeout_ms: 0, ..ok.clone() }.validate().is_err());
         let middle = WorkerConfig { layers: Some(LayerRange { start: 1, end: 2 }), ..ok.clone() };
         assert!(middle.validate().is_err(), "stage_index required");
         assert!(ok.validate_against_model(LayerRange { start: 0, end: 2 }, 4).is_err(), "next missing");

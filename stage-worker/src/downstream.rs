@@ -1,5 +1,7 @@
 //! The link to the next stage: one long-lived `Forward` stream, opened on the first batch and reopened
-//! after a failure, shared by every upstream stream. Responses are matched to their batch by `batch_id`.
+//! after a failure, shared by every upstream stream. Responses are matched to their batch by `batch_id`. HTTP/2
+//! keepalive PINGs run on the connection even while it is idle, so a next stage that hangs (stopped, not
+//! crashed) closes the stream within the keepalive timeout and its batches fail `UNAVAILABLE`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -7,7 +9,7 @@ use std::time::Duration;
 
 use strata_proto::pb;
 use strata_proto::pb::stage_client::StageClient;
-use strata_proto::{ServiceError, Tls, trace_interceptor};
+use strata_proto::{Keepalive, ServiceError, Tls, trace_interceptor};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
@@ -50,18 +52,24 @@ pub struct Downstream {
 }
 
 impl Downstream {
-    /// Starts the link actor for the stage at `uri`, over TLS when `tls` is given (whatever the scheme); nothing
-    /// connects until the first batch or release.
-    pub fn spawn(uri: &str, tls: Option<&Tls>) -> Result<Self> {
+    /// Starts the link actor for the stage at `uri`, over TLS when `tls` is given (whatever the scheme), with
+    /// `keepalive` on its connection; nothing connects until the first batch or release.
+    pub fn spawn(uri: &str, tls: Option<&Tls>, keepalive: Keepalive) -> Result<Self> {
         let endpoint = strata_proto::endpoint(uri, tls)
             .map_err(|e| Error::Config(format!("next stage address {uri:?}: {e}")))?
             .connect_timeout(CONNECT_TIMEOUT)
             .tcp_nodelay(true);
+        let endpoint = keepalive.endpoint(endpoint);
         let channel = endpoint.connect_lazy();
         let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
         let address: Arc<str> = Arc::from(uri);
         tokio::spawn(link_actor(address.clone(), channel.clone(), rx));
         Ok(Downstream { address, tx, channel })
+    }
+
+    /// The next stage's address, as given to [`Downstream::spawn`].
+    pub fn address(&self) -> &str {
+        &self.address
     }
 
     /// Queues a batch for the next stage; the receiver gets its response (or why there is none).

@@ -1,9 +1,12 @@
 //! The compute actor: one OS thread owns the stage's model, its KV cache and (on the last stage) the
-//! per-sequence samplers, and runs commands in the order they arrive over a bounded channel.
+//! per-sequence samplers, and runs commands in the order they arrive over a bounded channel. Before each command
+//! it frees the sequences of older coordinator terms (see [`crate::term`]). A panic on the thread is contained:
+//! the handle reports the executor dead ([`ExecutorHandle::death`]) and every later batch is `UNAVAILABLE`.
 
 use std::collections::HashSet;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use strata_engine::HiddenDtype;
@@ -14,9 +17,12 @@ use strata_engine::sampling::SamplingParams;
 use strata_proto::pb;
 use strata_proto::{ServiceError, decode_to_f32, encode_f32};
 use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
 
+use crate::config::WorkerConfig;
 use crate::error::{Error, Result, engine_to_service};
 use crate::sampler::{SeqSamplers, engine_params};
+use crate::term::TermFence;
 
 /// Commands queued before the executor blocks the sender (backpressure on the `Forward` readers).
 const QUEUE_DEPTH: usize = 16;
@@ -80,6 +86,15 @@ pub struct StageFacts {
     pub offloaded_layers: std::ops::Range<usize>,
 }
 
+/// How the executor thread ended, once it has: `Some(why)` after a panic.
+#[derive(Default)]
+struct Death {
+    /// Cancelled when the thread stops running commands.
+    token: CancellationToken,
+    /// The panic message.
+    panic: OnceLock<String>,
+}
+
 /// A cheap, cloneable handle to the executor thread.
 #[derive(Clone)]
 pub struct ExecutorHandle {
@@ -87,19 +102,16 @@ pub struct ExecutorHandle {
     releases: Releases,
     kv_free: Arc<AtomicU64>,
     facts: Arc<StageFacts>,
+    death: Arc<Death>,
 }
 
 impl ExecutorHandle {
-    /// Starts the executor thread, which owns `model` and a KV cache of `kv_blocks` × `block_size` tokens.
-    /// It stops when every handle is dropped.
-    pub fn spawn<B: Backend>(
-        model: StageModel<B>,
-        kv_blocks: usize,
-        block_size: usize,
-        hidden_dtype: HiddenDtype,
-        plan_epoch: Option<u64>,
-    ) -> Result<Self> {
-        let kv = model.new_kv_cache(kv_blocks, block_size)?;
+    /// Starts the executor thread, which owns `model` and a KV cache of `config.kv_blocks` ×
+    /// `config.block_size` tokens, and frees its sequences whenever `term` rises. It stops when every handle
+    /// is dropped, or when it panics.
+    pub fn spawn<B: Backend>(model: StageModel<B>, config: &WorkerConfig, term: TermFence) -> Result<Self> {
+        let block_size = config.block_size;
+        let kv = model.new_kv_cache(config.kv_blocks, block_size)?;
         let facts = Arc::new(StageFacts {
             layers: model.range(),
             kv_total_blocks: kv.num_blocks() as u64,
@@ -111,26 +123,31 @@ impl ExecutorHandle {
         let kv_free = Arc::new(AtomicU64::new(kv.free_blocks() as u64));
         let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
         let releases = Releases::default();
-        let mut exec = Executor {
+        let death = Arc::new(Death::default());
+        let exec = Executor {
             model,
             kv,
             samplers: SeqSamplers::default(),
-            hidden_dtype: wire_dtype(hidden_dtype),
-            plan_epoch,
+            hidden_dtype: wire_dtype(config.hidden_dtype),
+            kv_term: term.current(),
+            term,
             kv_free: kv_free.clone(),
             releases: releases.clone(),
+            batches_run: 0,
+            panic_after_batches: config.fault_panic_after_batches,
         };
+        let thread_death = death.clone();
         std::thread::Builder::new()
             .name("strata-executor".into())
-            .spawn(move || exec.run(rx))
+            .spawn(move || run_contained(exec, rx, &thread_death))
             .map_err(|e| Error::Executor(format!("cannot start the executor thread: {e}")))?;
-        Ok(ExecutorHandle { tx, releases, kv_free, facts })
+        Ok(ExecutorHandle { tx, releases, kv_free, facts, death })
     }
 
     /// Queues a batch (waiting while the queue is full) and returns where its result will arrive.
     pub async fn submit(&self, batch: pb::ForwardRequest) -> Result<oneshot::Receiver<BatchResult>, ServiceError> {
         let (reply, rx) = oneshot::channel();
-        self.tx.send(Command::Forward { batch, reply }).await.map_err(|_| gone())?;
+        self.tx.send(Command::Forward { batch, reply }).await.map_err(|_| self.gone())?;
         Ok(rx)
     }
 
@@ -138,13 +155,39 @@ impl ExecutorHandle {
     /// guarantees none of their batches is queued); returns how many were known.
     pub async fn release(&self, seq_ids: Vec<u64>) -> Result<u32, ServiceError> {
         let (reply, rx) = oneshot::channel();
-        self.releases.lock().map_err(|_| gone())?.push(PendingRelease { seq_ids, reply });
-        match self.tx.try_send(Command::Wake) {
-            // A full queue means the executor will look at the pending releases before its next batch anyway.
-            Ok(()) | Err(mpsc::error::TrySendError::Full(_)) => {}
-            Err(mpsc::error::TrySendError::Closed(_)) => return Err(gone()),
+        self.releases.lock().map_err(|_| self.gone())?.push(PendingRelease { seq_ids, reply });
+        if !self.wake() {
+            return Err(self.gone());
         }
-        rx.await.map_err(|_| gone())
+        rx.await.map_err(|_| self.gone())
+    }
+
+    /// Makes the executor look at pending releases (and the term) now, even with no batch queued; false if it
+    /// has stopped.
+    fn wake(&self) -> bool {
+        // A full queue means the executor will look before its next batch anyway.
+        !matches!(self.tx.try_send(Command::Wake), Err(mpsc::error::TrySendError::Closed(_)))
+    }
+
+    /// Whether the executor thread has stopped (it panicked): nothing runs on this stage any more.
+    pub fn is_dead(&self) -> bool {
+        self.death.token.is_cancelled()
+    }
+
+    /// A token cancelled when the executor thread stops.
+    pub fn death(&self) -> CancellationToken {
+        self.death.token.clone()
+    }
+
+    /// The error for a batch or release that the executor can no longer run: `UNAVAILABLE`, so the caller
+    /// retries elsewhere (this worker takes itself out of placement and reloads when a plan asks it to).
+    pub fn gone(&self) -> ServiceError {
+        match self.death.panic.get() {
+            Some(why) => ServiceError::unavailable(format!(
+                "the stage's executor failed ({why}); this worker serves nothing until a plan reloads it"
+            )),
+            None => ServiceError::unavailable("the stage's executor has stopped"),
+        }
     }
 
     /// KV blocks free after the last command.
@@ -167,8 +210,22 @@ fn wire_dtype(d: HiddenDtype) -> pb::Dtype {
     }
 }
 
-fn gone() -> ServiceError {
-    ServiceError::internal("the stage's executor has stopped")
+/// Runs the executor until its channel closes, turning a panic into a recorded death: the thread ends, but
+/// the process and the other stages' work go on, and the worker reports itself failed.
+fn run_contained<B: Backend>(mut exec: Executor<B>, mut rx: mpsc::Receiver<Command>, death: &Death) {
+    let outcome = catch_unwind(AssertUnwindSafe(|| exec.run(&mut rx)));
+    if let Err(payload) = outcome {
+        let why = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".to_owned());
+        tracing::error!(error = %why, "the executor panicked; the stage is out of service");
+        let _ = death.panic.set(why);
+    }
+    // Set before the channel closes, so no batch sees a closed queue without the reason.
+    death.token.cancel();
+    drop(rx);
 }
 
 struct Executor<B: Backend> {
@@ -176,12 +233,40 @@ struct Executor<B: Backend> {
     kv: KvCache<B>,
     samplers: SeqSamplers,
     hidden_dtype: pb::Dtype,
-    plan_epoch: Option<u64>,
+    /// The worker's highest term seen.
+    term: TermFence,
+    /// The term the sequences in `kv` belong to; below `term`, they belong to a deposed leader.
+    kv_term: u64,
     kv_free: Arc<AtomicU64>,
     releases: Releases,
+    batches_run: u64,
+    /// Testing hook ([`WorkerConfig::fault_panic_after_batches`]).
+    panic_after_batches: Option<u64>,
 }
 
 impl<B: Backend> Executor<B> {
+    /// Frees every sequence if the worker has seen a newer term than the one they were admitted under.
+    fn sync_term(&mut self) {
+        let highest = self.term.current();
+        if highest <= self.kv_term {
+            return;
+        }
+        let seqs: Vec<u64> = self.kv.sequences().collect();
+        for &seq in &seqs {
+            self.kv.release(seq);
+        }
+        self.samplers = SeqSamplers::default();
+        if !seqs.is_empty() {
+            tracing::info!(
+                old = self.kv_term,
+                new = highest,
+                sequences = seqs.len(),
+                "new coordinator term: freed its predecessor's sequences"
+            );
+        }
+        self.kv_term = highest;
+    }
+
     /// Frees every pending release's sequences and answers how many were known.
     fn run_releases(&mut self) {
         let pending = match self.releases.lock() {
@@ -202,13 +287,18 @@ impl<B: Backend> Executor<B> {
         self.kv_free.store(self.kv.free_blocks() as u64, Ordering::Relaxed);
     }
 
-    fn run(&mut self, mut rx: mpsc::Receiver<Command>) {
+    fn run(&mut self, rx: &mut mpsc::Receiver<Command>) {
         while let Some(cmd) = rx.blocking_recv() {
+            self.sync_term();
             self.run_releases();
             match cmd {
                 Command::Forward { batch, reply } => {
                     let span = tracing::debug_span!("compute", batch_id = batch.batch_id, chunks = batch.chunks.len());
                     let _enter = span.enter();
+                    if self.panic_after_batches.is_some_and(|n| self.batches_run >= n) {
+                        panic!("injected fault: panic after {} batches (fault_panic_after_batches)", self.batches_run);
+                    }
+                    self.batches_run += 1;
                     let started = Instant::now();
                     let result = self.forward(&batch).map(|output| BatchOutput {
                         output,
@@ -273,14 +363,9 @@ impl<B: Backend> Executor<B> {
     }
 
     fn forward(&mut self, batch: &pb::ForwardRequest) -> Result<Output, ServiceError> {
-        if let Some(epoch) = self.plan_epoch
-            && batch.plan_epoch != epoch
-        {
-            return Err(ServiceError::failed_precondition(format!(
-                "batch {} was scheduled under plan epoch {}, this stage serves epoch {epoch}",
-                batch.batch_id, batch.plan_epoch
-            )));
-        }
+        // Checked again here: a newer term may have arrived (on another stream, or in a plan) after the service
+        // admitted this batch, and its sequences must not come back into the freed cache.
+        self.term.check(batch.term, format_args!("batch {}", batch.batch_id))?;
         let (chunks, n_tokens) = self.check_chunks(batch)?;
         let params = if self.model.is_last() {
             batch.chunks.iter().map(|c| engine_params(c.sampling.as_ref())).collect::<Result<Vec<_>, _>>()?

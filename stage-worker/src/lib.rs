@@ -22,6 +22,8 @@ mod executor;
 mod registration;
 mod sampler;
 mod server;
+mod slot;
+mod term;
 mod worker;
 
 pub use config::WorkerConfig;

@@ -1,8 +1,12 @@
 //! Registry-driven placement: a worker started without a layer range measures its speed, registers itself
 //! (JOINING, then READY) under a kept-alive lease, and serves whatever the coordinator's plan assigns it. A new
-//! plan naming the worker loads exactly its layer range and swaps the served stage between batches; a plan
-//! that leaves it out drops the weights while the worker stays registered. Registry outages are ridden out:
-//! the lease keep-alive and the plan watch retry on their own, and the current stage keeps serving.
+//! plan naming the worker with a new layer range loads exactly that range and swaps the served stage between
+//! batches; with the same range (and model) it keeps its executor, weights and KV cache, and only takes the new
+//! epoch, stage index and next stage. A plan that leaves it out drops the weights while the worker stays
+//! registered. A range it cannot load is recorded (`load_failed_epoch`) while it keeps serving what it had; an
+//! executor that dies turns the node FAILED until a plan reloads it. Each plan's term raises the worker's.
+//! Registry outages are ridden out: the lease keep-alive and the plan watch retry on their own, and the current
+//! stage keeps serving.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,15 +16,17 @@ use strata_engine::loader::ModelFiles;
 use strata_engine::model::{LogitRows, SeqChunk, StageInput, StageModel};
 use strata_engine::{Device, LayerRange, OnBackend, on_device};
 use strata_membership::{Backoff, NodeRecord, NodeRegistration, NodeState, Plan, Registry};
-use strata_proto::{NodeId, PlanEpoch};
+use strata_proto::{NodeId, PlanEpoch, Tls};
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::WorkerConfig;
 use crate::device::load_options;
 use crate::error::{Error, Result};
-use crate::server::StageSlot;
-use crate::worker::{LoadedStage, serve_slot};
+use crate::slot::StageSlot;
+use crate::term::TermFence;
+use crate::worker::{LoadedStage, retarget, serve_slot};
 
 /// Default TTL of the worker's lease.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(5);
@@ -47,6 +53,8 @@ impl Default for RegistrationOptions {
 pub struct Assignment {
     /// Epoch of the plan.
     pub epoch: PlanEpoch,
+    /// The model the plan serves.
+    pub model: String,
     /// Position of the stage in the pipeline.
     pub stage_index: u32,
     /// Layers to load.
@@ -62,11 +70,17 @@ impl Assignment {
         let stage = &plan.stages[index];
         Some(Assignment {
             epoch: plan.epoch,
+            model: plan.model.clone(),
             stage_index: u32::try_from(index).ok()?,
             // Checked: a stored plan with an empty stage gives this node nothing to load, not an empty model.
             layers: LayerRange::try_from(stage.layer_start..stage.layer_end).ok()?,
             next: plan.stages.get(index + 1).map(|s| s.address.clone()),
         })
+    }
+
+    /// Whether `self` can be served by the executor loaded for `other`: the same layers of the same model.
+    pub fn same_weights(&self, other: &Assignment) -> bool {
+        self.layers == other.layers && self.model == other.model
     }
 
     /// The worker config that serves this assignment.
@@ -162,9 +176,12 @@ pub async fn run_registered<R: Registry>(
         None => listener.local_addr()?.to_string(),
     };
     let tls = config.tls()?;
-    let slot = StageSlot::default();
-    let server = tokio::spawn(serve_slot(config.node_id.clone(), slot.clone(), listener, tls, shutdown.clone()));
-    let outcome = match membership(&config, &registry, &options, address, &slot, &shutdown).await {
+    let slot = StageSlot::empty(TermFence::default());
+    let server = {
+        let (config, tls, slot, shutdown) = (config.clone(), tls.clone(), slot.clone(), shutdown.clone());
+        tokio::spawn(async move { serve_slot(&config, tls, slot, listener, shutdown).await })
+    };
+    let outcome = match membership(&config, &registry, &options, address, &slot, tls, &shutdown).await {
         Err(e) if shutdown.is_cancelled() => {
             tracing::debug!(node = %config.node_id, error = %e, "registration cut short by shutdown");
             Ok(())
@@ -182,6 +199,7 @@ async fn membership<R: Registry>(
     options: &RegistrationOptions,
     address: String,
     slot: &StageSlot,
+    tls: Option<Tls>,
     shutdown: &CancellationToken,
 ) -> Result<()> {
     let node_id = NodeId::new(config.node_id.as_str());
@@ -207,64 +225,138 @@ async fn membership<R: Registry>(
     .await?;
     tracing::info!(node = %node_id, layer_seconds, memory_bytes = rec.memory_bytes, "node ready");
 
-    let mut plans = registry.watch_plan().await?;
-    let mut current: Option<Assignment> = None;
-    loop {
-        let plan = plans.borrow_and_update().clone();
-        if let Some(plan) = plan {
-            apply(config, &registration, slot, shutdown, &plan, &mut current).await?;
-        }
-        tokio::select! {
-            () = shutdown.cancelled() => break,
-            changed = plans.changed() => if changed.is_err() {
-                return Err(Error::Executor("the plan watch stopped".into()));
-            },
-        }
-    }
+    let plans = registry.watch_plan().await?;
+    let follower =
+        PlanFollower { config, registration: &registration, slot, tls, shutdown, current: None, failed: false };
+    follower.follow(plans).await?;
     if let Err(e) = registration.deregister().await {
         tracing::warn!(node = %node_id, error = %e, "could not deregister; the record expires with its lease");
     }
     Ok(())
 }
 
-/// Brings the served stage in line with `plan` and records the epoch applied.
-async fn apply<R: Registry>(
-    config: &WorkerConfig,
-    registration: &NodeRegistration<R>,
-    slot: &StageSlot,
-    shutdown: &CancellationToken,
-    plan: &Plan,
-    current: &mut Option<Assignment>,
-) -> Result<()> {
-    let wanted = Assignment::of(plan, registration.node_id());
-    if wanted == *current {
-        return Ok(());
-    }
-    match &wanted {
-        Some(a) => {
-            tracing::info!(node = %config.node_id, epoch = a.epoch.0, layers = %a.layers, next = ?a.next, "loading stage");
-            match LoadedStage::load(a.config(config)).await.and_then(LoadedStage::into_active) {
-                Ok(stage) => {
-                    slot.replace(Some(stage));
+/// Follows the plan for a registered worker: applies each new plan, and reports an executor death.
+struct PlanFollower<'a, R: Registry> {
+    config: &'a WorkerConfig,
+    registration: &'a NodeRegistration<R>,
+    slot: &'a StageSlot,
+    tls: Option<Tls>,
+    shutdown: &'a CancellationToken,
+    /// What the served stage was loaded for (`None`: nothing).
+    current: Option<Assignment>,
+    /// Whether the record says FAILED because the served stage's executor died.
+    failed: bool,
+}
+
+impl<R: Registry> PlanFollower<'_, R> {
+    /// Runs until `shutdown`; fails only if the plan watch stops.
+    async fn follow(mut self, mut plans: watch::Receiver<Option<Plan>>) -> Result<()> {
+        loop {
+            let plan = plans.borrow_and_update().clone();
+            if let Some(plan) = plan {
+                self.apply(&plan).await?;
+            }
+            // Until the next plan: report the executor's death if it dies meanwhile (or did during `apply`).
+            loop {
+                let death = self.slot.current().map(|s| s.executor.death()).filter(|_| !self.failed);
+                if death.as_ref().is_some_and(CancellationToken::is_cancelled) {
+                    self.report_failed().await?;
+                    continue;
                 }
-                Err(e) => {
-                    // Keep serving what we have; the coordinator sees the old epoch and can replan.
-                    tracing::error!(node = %config.node_id, epoch = a.epoch.0, error = %e, "cannot load the planned stage");
-                    return Ok(());
+                let died = async {
+                    match death {
+                        Some(d) => d.cancelled_owned().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    () = self.shutdown.cancelled() => return Ok(()),
+                    changed = plans.changed() => {
+                        if changed.is_err() {
+                            return Err(Error::Executor("the plan watch stopped".into()));
+                        }
+                        break;
+                    }
+                    () = died => {}
                 }
             }
         }
-        None => {
-            if current.is_some() {
-                tracing::info!(node = %config.node_id, epoch = plan.epoch.0, "not in the plan; dropping the weights");
-            }
-            slot.replace(None);
-        }
     }
-    *current = wanted;
-    let epoch = plan.epoch;
-    update(registration, shutdown, move |r| r.plan_epoch_loaded = epoch).await?;
-    Ok(())
+
+    /// Takes the node out of placement after its executor died: FAILED (unless an operator is already taking it
+    /// out, DRAINING or CORDONED). The stage stays in the slot and answers `UNAVAILABLE`.
+    async fn report_failed(&mut self) -> Result<()> {
+        tracing::error!(node = %self.config.node_id, "the executor died; marking the node FAILED");
+        self.failed = true;
+        update(self.registration, self.shutdown, |r| {
+            if matches!(r.state, NodeState::Ready | NodeState::Joining) {
+                r.state = NodeState::Failed;
+            }
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Brings the served stage in line with `plan` and records the epoch applied (or the epoch that failed).
+    async fn apply(&mut self, plan: &Plan) -> Result<()> {
+        // A newer leader's plan: the executor frees its predecessor's sequences.
+        self.slot.raise_term(plan.term).await;
+        let wanted = Assignment::of(plan, self.registration.node_id());
+        if wanted == self.current {
+            return Ok(());
+        }
+        let node = &self.config.node_id;
+        let mut fresh = false;
+        match &wanted {
+            Some(a) => {
+                let serving = self.slot.current().filter(|s| !s.executor.is_dead());
+                let keep = self.current.as_ref().is_some_and(|c| c.same_weights(a));
+                let config = a.config(self.config);
+                let (epoch, layers, next) = (a.epoch.0, &a.layers, &a.next);
+                let stage = match serving {
+                    Some(stage) if keep => {
+                        tracing::info!(node = %node, epoch, %layers, ?next, "same layers: keeping weights and KV");
+                        retarget(&stage, &config, self.tls.as_ref())
+                    }
+                    _ => {
+                        tracing::info!(node = %node, epoch, %layers, ?next, "loading stage");
+                        fresh = true;
+                        LoadedStage::load(config, self.slot.term().clone()).await.and_then(LoadedStage::into_active)
+                    }
+                };
+                match stage {
+                    Ok(stage) => {
+                        self.slot.replace(Some(stage));
+                    }
+                    Err(e) => {
+                        // Keep serving what we have; the record tells the coordinator, which can roll back.
+                        tracing::error!(node = %node, epoch = a.epoch.0, error = %e, "cannot load the planned stage");
+                        let epoch = a.epoch;
+                        update(self.registration, self.shutdown, move |r| r.load_failed_epoch = epoch).await?;
+                        return Ok(());
+                    }
+                }
+            }
+            None => {
+                if self.current.is_some() {
+                    tracing::info!(node = %node, epoch = plan.epoch.0, "not in the plan; dropping the weights");
+                }
+                self.slot.replace(None);
+            }
+        }
+        self.current = wanted;
+        let epoch = plan.epoch;
+        // A fresh executor replaces a dead one: schedulable again.
+        let recovered = fresh && std::mem::take(&mut self.failed);
+        update(self.registration, self.shutdown, move |r| {
+            r.plan_epoch_loaded = epoch;
+            if recovered && r.state == NodeState::Failed {
+                r.state = NodeState::Ready;
+            }
+        })
+        .await?;
+        Ok(())
+    }
 }
 
 /// Updates the node's record, retrying with backoff while the registry is unreachable (or the record is
@@ -317,6 +409,7 @@ mod tests {
             a,
             Some(Assignment {
                 epoch: PlanEpoch(4),
+                model: "m".into(),
                 stage_index: 0,
                 layers: LayerRange { start: 0, end: 3 },
                 next: Some("b:1".into())

@@ -1,8 +1,9 @@
-//! The `Stage` gRPC service: a thin layer that feeds micro-batches to the executor in arrival order, hands
-//! their outputs to the next stage (or answers with sampled tokens), and relays responses upstream.
+//! The `Stage` gRPC service: a thin layer that checks each micro-batch's plan epoch and coordinator term, feeds
+//! it to the executor in arrival order, hands its output to the next stage (or answers with sampled tokens), and
+//! relays responses upstream.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, RwLock};
 
 use strata_proto::pb;
 use strata_proto::pb::stage_server::Stage;
@@ -12,53 +13,11 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::downstream::Downstream;
-use crate::executor::{BatchResult, ExecutorHandle, Output};
+use crate::executor::{BatchResult, Output};
+use crate::slot::{ActiveStage, StageSlot};
 
 /// Responses buffered per upstream stream, and batches between its reader and dispatcher.
 const STREAM_DEPTH: usize = 64;
-
-/// A loaded stage as the service runs it: its executor, its link to the next stage and its place in the plan.
-pub struct ActiveStage {
-    /// Runs the stage's layers.
-    pub executor: ExecutorHandle,
-    /// The next stage; `None` on the last stage.
-    pub downstream: Option<Downstream>,
-    /// Position in the pipeline, reported in `StageTiming`.
-    pub stage_index: u32,
-    /// Plan epoch reported by `Status` (0: none).
-    pub plan_epoch: u64,
-}
-
-/// The stage a service serves now, replaceable while it serves: a batch runs on the stage current when it
-/// arrives and keeps it (and its weights) alive until answered, so a swap never cuts a batch in half.
-#[derive(Clone, Default)]
-pub struct StageSlot(Arc<RwLock<Option<Arc<ActiveStage>>>>);
-
-impl StageSlot {
-    /// A slot serving `stage`.
-    pub fn new(stage: ActiveStage) -> Self {
-        StageSlot(Arc::new(RwLock::new(Some(Arc::new(stage)))))
-    }
-
-    /// The stage served now, if any.
-    pub fn current(&self) -> Option<Arc<ActiveStage>> {
-        match self.0.read() {
-            Ok(g) => g.clone(),
-            Err(p) => p.into_inner().clone(),
-        }
-    }
-
-    /// Serves `stage` from the next batch on (`None`: no layers; batches are refused). Returns the old stage,
-    /// which stops once its in-flight batches are answered and the returned handle is dropped.
-    pub fn replace(&self, stage: Option<ActiveStage>) -> Option<Arc<ActiveStage>> {
-        let stage = stage.map(Arc::new);
-        match self.0.write() {
-            Ok(mut g) => std::mem::replace(&mut *g, stage),
-            Err(p) => std::mem::replace(&mut *p.into_inner(), stage),
-        }
-    }
-}
 
 /// The `Stage` service of one worker.
 pub struct StageService {
@@ -141,6 +100,9 @@ impl Stage for StageService {
 
     async fn release(&self, request: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
         let req = request.into_inner();
+        // A newer term frees everything of the older ones on the executor before this release runs; the
+        // propagated request keeps its term, so each stage does the same.
+        self.slot.term().admit(req.term, format_args!("release"))?;
         let stage = self.slot.current().ok_or_else(no_stage)?;
         let released = stage.executor.release(req.seq_ids.clone()).await?;
         if req.propagate
@@ -153,10 +115,12 @@ impl Stage for StageService {
 
     async fn status(&self, _request: Request<pb::StageStatusRequest>) -> Result<Response<pb::StageStatus>, Status> {
         let inflight_batches = self.inflight.load(Ordering::Relaxed);
+        let term = self.slot.term().current();
         let Some(stage) = self.slot.current() else {
             return Ok(Response::new(pb::StageStatus {
                 node_id: self.node_id.clone(),
                 inflight_batches,
+                term,
                 ..Default::default()
             }));
         };
@@ -166,7 +130,7 @@ impl Stage for StageService {
             node_id: self.node_id.clone(),
             layer_start: layers.start,
             layer_end: layers.end,
-            plan_epoch: stage.plan_epoch,
+            plan_epoch: stage.plan_epoch.unwrap_or(0),
             kv_total_blocks: facts.kv_total_blocks,
             kv_free_blocks: stage.executor.kv_free_blocks(),
             block_size: facts.block_size,
@@ -174,8 +138,20 @@ impl Stage for StageService {
             device: facts.device.clone(),
             weight_bytes: facts.weight_bytes,
             offloaded_layers: wire_u32("offloaded layer count", facts.offloaded_layers.len())?,
-            term: 0,
+            term,
         }))
+    }
+}
+
+/// Refuses a batch scheduled under another plan epoch than the stage serves (checked on arrival: a batch that
+/// was accepted before a swap to a new epoch still runs on the stage it arrived at).
+fn check_epoch(stage: &ActiveStage, batch: &pb::ForwardRequest) -> Result<(), ServiceError> {
+    match stage.plan_epoch {
+        Some(epoch) if batch.plan_epoch != epoch => Err(ServiceError::failed_precondition(format!(
+            "batch {} was scheduled under plan epoch {}, this stage serves epoch {epoch}",
+            batch.batch_id, batch.plan_epoch
+        ))),
+        _ => Ok(()),
     }
 }
 
@@ -204,10 +180,19 @@ async fn read_batches(
         };
         let guard = InflightGuard::new(&inflight);
         let batch_id = batch.batch_id;
-        let Some(stage) = slot.current() else {
-            let _ = out.send(Ok(error_response(batch_id, no_stage()))).await;
-            continue;
+        // The term first: a newer leader's batch raises it even on a stage with nothing loaded.
+        let admitted = slot.term().admit(batch.term, format_args!("batch {batch_id}"));
+        let stage = match admitted.and_then(|()| slot.current().ok_or_else(no_stage)) {
+            Ok(stage) => stage,
+            Err(err) => {
+                let _ = out.send(Ok(error_response(batch_id, err))).await;
+                continue;
+            }
         };
+        if let Err(err) = check_epoch(&stage, &batch) {
+            let _ = out.send(Ok(error_response(batch_id, err))).await;
+            continue;
+        }
         // The executor takes the hidden states; the rest travels on to the next stage.
         let hidden = batch.hidden.take();
         let meta = batch.clone();
@@ -243,8 +228,8 @@ impl Dispatcher {
                     continue;
                 }
                 Err(_) => {
-                    let err = ServiceError::internal("the executor dropped the batch");
-                    let _ = self.out.send(Ok(error_response(batch_id, err))).await;
+                    // Only a stopped (panicked) executor drops a batch unanswered.
+                    let _ = self.out.send(Ok(error_response(batch_id, stage.executor.gone()))).await;
                     continue;
                 }
             };

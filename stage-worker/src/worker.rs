@@ -1,5 +1,6 @@
 //! Starting and stopping a worker: load the stage, serve `Stage` + health + reflection on a bound listener
-//! until the shutdown token is cancelled.
+//! until the shutdown token is cancelled. The Stage service's health follows its executor: NOT_SERVING once it
+//! has died, SERVING again when a fresh stage replaces it.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -10,6 +11,7 @@ use strata_engine::model::StageModel;
 use strata_engine::{LayerRange, OnBackend, on_device};
 use strata_membership::Registry;
 use strata_proto::pb::stage_server::StageServer;
+use strata_proto::tonic_health::server::HealthReporter;
 use strata_proto::{STAGE_SERVICE, Tls, health_service, reflection_service, set_serving};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -22,26 +24,30 @@ use crate::downstream::{Downstream, MAX_MESSAGE_BYTES};
 use crate::error::{Error, Result};
 use crate::executor::ExecutorHandle;
 use crate::registration::{RegistrationOptions, run_registered};
-use crate::server::{ActiveStage, StageService, StageSlot};
+use crate::server::StageService;
+use crate::slot::{ActiveStage, StageSlot};
+use crate::term::TermFence;
 
 /// A stage whose weights are loaded and whose executor is running, ready to serve.
 pub struct LoadedStage {
     config: WorkerConfig,
     tls: Option<Tls>,
     executor: ExecutorHandle,
+    term: TermFence,
 }
 
 impl LoadedStage {
     /// Validates `config` (reading its TLS files), opens the model and loads its layer range onto the device (on a
-    /// blocking thread).
-    pub async fn load(config: WorkerConfig) -> Result<Self> {
+    /// blocking thread). The executor frees its sequences whenever `term` rises.
+    pub async fn load(config: WorkerConfig, term: TermFence) -> Result<Self> {
         let layers = config.validate()?;
         let tls = config.tls()?;
         let cfg = config.clone();
+        let exec_term = term.clone();
         let executor = tokio::task::spawn_blocking(move || -> Result<ExecutorHandle> {
             let files = ModelFiles::open(&cfg.model)?;
             cfg.validate_against_model(layers, files.config().num_layers)?;
-            on_device(&(&cfg).into(), LoadStage { config: &cfg, files: &files, layers })
+            on_device(&(&cfg).into(), LoadStage { config: &cfg, files: &files, layers, term: exec_term })
         })
         .await
         .map_err(|e| Error::Executor(format!("model loading panicked or was cancelled: {e}")))??;
@@ -55,30 +61,49 @@ impl LoadedStage {
             device = %facts.device,
             "stage loaded"
         );
-        Ok(LoadedStage { config, tls, executor })
+        Ok(LoadedStage { config, tls, executor, term })
     }
 
     /// The stage as the service runs it, connected to its next stage.
     pub fn into_active(self) -> Result<ActiveStage> {
-        let LoadedStage { config, tls, executor } = self;
-        let downstream = config.next_uri().map(|uri| Downstream::spawn(&uri, tls.as_ref())).transpose()?;
-        Ok(ActiveStage {
-            executor,
-            downstream,
-            stage_index: config.stage_index.unwrap_or(0),
-            plan_epoch: config.plan_epoch.unwrap_or(0),
-        })
+        let LoadedStage { config, tls, executor, term: _ } = self;
+        active_stage(&config, tls.as_ref(), executor)
     }
 
     /// Serves the stage on `listener` until `shutdown` is cancelled, then drains open streams.
     pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
-        let node_id = self.config.node_id.clone();
-        let next = self.config.next.clone();
-        tracing::info!(node = %node_id, next = ?next, tls = self.tls.is_some(), "stage ready");
-        let tls = self.tls.clone();
-        let slot = StageSlot::new(self.into_active()?);
-        serve_slot(node_id, slot, listener, tls, shutdown).await
+        tracing::info!(node = %self.config.node_id, next = ?self.config.next, tls = self.tls.is_some(), "stage ready");
+        let (config, tls, term) = (self.config.clone(), self.tls.clone(), self.term.clone());
+        let slot = StageSlot::new(self.into_active()?, term);
+        serve_slot(&config, tls, slot, listener, shutdown).await
     }
+}
+
+/// `executor` as the service runs it for `config`'s place in the plan: a fresh link to `config.next`.
+pub fn active_stage(config: &WorkerConfig, tls: Option<&Tls>, executor: ExecutorHandle) -> Result<ActiveStage> {
+    let keepalive = config.keepalive()?;
+    let downstream = config.next_uri().map(|uri| Downstream::spawn(&uri, tls, keepalive)).transpose()?;
+    Ok(ActiveStage {
+        executor,
+        downstream,
+        stage_index: config.stage_index.unwrap_or(0),
+        plan_epoch: config.plan_epoch,
+    })
+}
+
+/// `stage`'s executor (weights and KV cache kept) at `config`'s place in a new plan: its stage index and epoch,
+/// and its link to `config.next` (the same link if the address did not change).
+pub fn retarget(stage: &ActiveStage, config: &WorkerConfig, tls: Option<&Tls>) -> Result<ActiveStage> {
+    let downstream = match (&stage.downstream, config.next_uri()) {
+        (Some(link), Some(uri)) if link.address() == uri => Some(link.clone()),
+        (_, uri) => uri.map(|uri| Downstream::spawn(&uri, tls, config.keepalive()?)).transpose()?,
+    };
+    Ok(ActiveStage {
+        executor: stage.executor.clone(),
+        downstream,
+        stage_index: config.stage_index.unwrap_or(0),
+        plan_epoch: config.plan_epoch,
+    })
 }
 
 /// Loads a stage onto whichever backend the config opened and starts its executor.
@@ -86,6 +111,7 @@ struct LoadStage<'a> {
     config: &'a WorkerConfig,
     files: &'a ModelFiles,
     layers: LayerRange,
+    term: TermFence,
 }
 
 impl OnBackend for LoadStage<'_> {
@@ -96,47 +122,74 @@ impl OnBackend for LoadStage<'_> {
         let cfg = self.config;
         let opts = load_options(cfg, self.files.config(), self.layers.end - self.layers.start, &*backend);
         let model = StageModel::load(self.files, self.layers.to_range(), backend, &opts)?;
-        ExecutorHandle::spawn(model, cfg.kv_blocks, cfg.block_size, cfg.hidden_dtype, cfg.plan_epoch)
+        ExecutorHandle::spawn(model, cfg, self.term)
     }
 }
 
 /// Serves whatever stage `slot` holds (possibly none yet) on `listener` until `shutdown` is cancelled; over TLS
-/// when `tls` is given (with a CA, callers must present a certificate it signed).
+/// when `tls` is given (with a CA, callers must present a certificate it signed). Connections are kept alive
+/// with `config`'s HTTP/2 keepalive, so a hung client's streams end.
 pub async fn serve_slot(
-    node_id: String,
+    config: &WorkerConfig,
+    tls: Option<Tls>,
     slot: StageSlot,
     listener: TcpListener,
-    tls: Option<Tls>,
     shutdown: CancellationToken,
 ) -> Result<()> {
-    let service = StageService::new(node_id.clone(), slot, shutdown.clone());
+    let node_id = config.node_id.clone();
+    let keepalive = config.keepalive()?;
+    let service = StageService::new(node_id.clone(), slot.clone(), shutdown.clone());
     let (health_reporter, health) = health_service();
-    set_serving(&health_reporter, STAGE_SERVICE, true).await;
+    let health_task = tokio::spawn(report_health(slot, health_reporter, shutdown.clone()));
     let stage = StageServer::new(service)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let addr = listener.local_addr()?;
     tracing::info!(node = %node_id, %addr, tls = tls.is_some(), "serving");
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let stopping = shutdown.clone();
-    let reporter = health_reporter.clone();
-    strata_proto::tls::server(tls.as_ref())
-        .map_err(Error::Tls)?
+    let server = strata_proto::tls::server(tls.as_ref()).map_err(Error::Tls)?;
+    keepalive
+        .server(server)
         .add_service(health)
         .add_service(reflection_service()?)
         .add_service(stage)
         .serve_with_incoming_shutdown(incoming, async move {
-            stopping.cancelled().await;
-            set_serving(&reporter, STAGE_SERVICE, false).await;
+            // The health task reports NOT_SERVING as it stops.
+            let _ = health_task.await;
         })
         .await?;
     tracing::info!(node = %node_id, "stopped");
     Ok(())
 }
 
+/// Keeps the Stage service's health in line with the served stage: NOT_SERVING while its executor is dead (a
+/// load balancer or the coordinator stops sending), SERVING otherwise (with no stage, batches are refused but the
+/// worker is healthy, waiting for a plan); NOT_SERVING on shutdown. The only writer of that health status.
+async fn report_health(slot: StageSlot, reporter: HealthReporter, shutdown: CancellationToken) {
+    let mut stages = slot.subscribe();
+    loop {
+        let death = stages.borrow_and_update().as_ref().map(|s| s.executor.death());
+        let alive = death.as_ref().is_none_or(|d| !d.is_cancelled());
+        set_serving(&reporter, STAGE_SERVICE, alive).await;
+        let died = async {
+            match &death {
+                Some(d) if alive => d.cancelled().await,
+                _ => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            () = shutdown.cancelled() => break,
+            changed = stages.changed() => if changed.is_err() { break },
+            () = died => {}
+        }
+    }
+    set_serving(&reporter, STAGE_SERVICE, false).await;
+}
+
 /// Loads the stage described by `config` and serves it on `listener` until `shutdown` is cancelled.
 pub async fn run(config: WorkerConfig, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
-    LoadedStage::load(config).await?.serve(listener, shutdown).await
+    LoadedStage::load(config, TermFence::default()).await?.serve(listener, shutdown).await
 }
 
 /// A worker running in this process (tests, `strata local`): loaded, listening, stoppable.
@@ -157,7 +210,7 @@ impl Worker {
     /// Like [`Worker::start`], on an already-bound listener.
     pub async fn start_on(config: WorkerConfig, listener: TcpListener) -> Result<Self> {
         let addr = listener.local_addr()?;
-        let stage = LoadedStage::load(config).await?;
+        let stage = LoadedStage::load(config, TermFence::default()).await?;
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(stage.serve(listener, shutdown.clone()));
         Ok(Worker { addr, shutdown, task })

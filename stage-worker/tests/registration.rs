@@ -1,6 +1,7 @@
 //! Workers without a layer range: they register (embedded registry and real etcd), turn READY with a measured
-//! layer speed, load what each plan epoch assigns them, and keep serving through an etcd outage. (The coordinator
-//! planning registered workers is tested in `tests/tests/registered.rs`.)
+//! layer speed, load what each plan epoch assigns them (and only when the range changes), report a range they
+//! cannot load, take themselves out of placement when their executor dies, and keep serving through an etcd
+//! outage. (The coordinator planning registered workers is tested in `tests/tests/registered.rs`.)
 
 mod common;
 
@@ -10,7 +11,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use common::{Stream, chunk, status};
 use strata_membership::{EmbeddedRegistry, EtcdRegistry, NodeRecord, NodeState, Plan, PlanStage, Registry};
-use strata_proto::{NodeId, PlanEpoch, pb};
+use strata_proto::tonic_health::pb::health_check_response::ServingStatus;
+use strata_proto::tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+use strata_proto::{ErrorCode, NodeId, PlanEpoch, STAGE_SERVICE, ServiceError, pb};
 use strata_stage_worker::{RegistrationOptions, Worker, WorkerConfig};
 use strata_testkit::EtcdServer;
 
@@ -52,6 +55,54 @@ fn stage(worker: &Worker, id: &str, layers: std::ops::Range<u32>) -> PlanStage {
 
 fn plan(epoch: u64, stages: Vec<PlanStage>) -> Plan {
     Plan { epoch: PlanEpoch(epoch), stages, model: "tiny".into(), num_layers: 4, term: 0 }
+}
+
+/// Sends one batch of `tokens` for `seq` from position `start` under `epoch` and `term` on a fresh stream; returns
+/// the sampled token or the error code.
+async fn step(
+    worker: &Worker,
+    seq: u64,
+    start: u32,
+    tokens: &[u32],
+    epoch: u64,
+    term: u64,
+) -> Result<Result<u32, ErrorCode>> {
+    let mut stream = Stream::open(worker).await?;
+    stream
+        .send(pb::ForwardRequest {
+            batch_id: seq * 1000 + u64::from(start),
+            plan_epoch: epoch,
+            term,
+            chunks: vec![chunk(seq, start, tokens.len() as u32, false)],
+            token_ids: tokens.to_vec(),
+            ..Default::default()
+        })
+        .await?;
+    let resp = stream.recv().await?;
+    if let Some(err) = resp.error {
+        return Ok(Err(ServiceError::from(err).code));
+    }
+    Ok(Ok(resp.tokens.first().map(|t| t.token_id).context("no token in the response")?))
+}
+
+/// The gRPC health of `worker`'s Stage service.
+async fn stage_health(worker: &Worker) -> Result<ServingStatus> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", worker.local_addr()))?.connect().await?;
+    let mut health = HealthClient::new(channel);
+    let resp = health.check(HealthCheckRequest { service: STAGE_SERVICE.to_owned() }).await?.into_inner();
+    Ok(resp.status())
+}
+
+/// Waits until `worker`'s Stage health is `wanted`.
+async fn health_becomes(worker: &Worker, wanted: ServingStatus) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while stage_health(worker).await? != wanted {
+        if Instant::now() >= deadline {
+            bail!("Stage health did not become {wanted:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    Ok(())
 }
 
 /// The greedy first token of `PROMPT` from the single-process engine.
@@ -169,6 +220,116 @@ async fn a_worker_rides_out_an_etcd_outage() -> Result<()> {
     let rec =
         node_where(&registry, "w", |r| r.state == NodeState::Ready && r.plan_epoch_loaded == PlanEpoch(1)).await?;
     ensure!(rec.layer_seconds > 0.0, "{rec:?}");
+    w.shutdown().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_range_keeps_the_executor_and_its_kv() -> Result<()> {
+    let model = common::tiny_model()?;
+    let registry = EmbeddedRegistry::new("keep");
+    let (cfg, cfg2) = (registered_config(model.path(), "w"), registered_config(model.path(), "w2"));
+    let w = Worker::start_registered(cfg, registry.clone(), options(), "127.0.0.1:0").await?;
+    let w2 = Worker::start_registered(cfg2, registry.clone(), options(), "127.0.0.1:0").await?;
+    node_where(&registry, "w2", |r| r.state == NodeState::Ready).await?;
+    registry.write_plan(&plan(1, vec![stage(&w, "w", 0..4)]), PlanEpoch(0)).await?;
+    node_where(&registry, "w", |r| r.plan_epoch_loaded == PlanEpoch(1)).await?;
+    let first = step(&w, 1, 0, &PROMPT, 1, 0).await?.map_err(|c| anyhow::anyhow!("prefill failed: {c:?}"))?;
+    let held = status(&w).await?;
+    ensure!(held.kv_free_blocks == held.kv_total_blocks - 2, "5 tokens hold 2 blocks: {held:?}");
+
+    // Epoch 2, same range: no reload. The live sequence's KV is still there and it decodes on under epoch 2
+    // (a reloaded stage would answer NOT_FOUND); epoch 1 batches are refused now.
+    registry.write_plan(&plan(2, vec![stage(&w, "w", 0..4)]), PlanEpoch(1)).await?;
+    node_where(&registry, "w", |r| r.plan_epoch_loaded == PlanEpoch(2)).await?;
+    let st = status(&w).await?;
+    ensure!((st.plan_epoch, st.kv_free_blocks) == (2, held.kv_free_blocks), "{st:?}");
+    ensure!(step(&w, 1, 5, &[first], 2, 0).await?.is_ok(), "the kept sequence did not decode under epoch 2");
+    ensure!(step(&w, 2, 0, &PROMPT, 1, 0).await? == Err(ErrorCode::FailedPrecondition), "epoch 1 accepted");
+
+    // Epoch 3, same range, written (fenced) by an elected leader under its term: the executor is kept, and the
+    // term frees the previous (term 0) sequences at once.
+    let leader = registry.campaign("leader", Duration::from_secs(5)).await?;
+    let term = leader.term();
+    registry.write_plan(&Plan { term, ..plan(3, vec![stage(&w, "w", 0..4)]) }, PlanEpoch(2)).await?;
+    node_where(&registry, "w", |r| r.plan_epoch_loaded == PlanEpoch(3)).await?;
+    let st = status(&w).await?;
+    ensure!((st.plan_epoch, st.term, st.kv_free_blocks) == (3, term, st.kv_total_blocks), "{st:?}");
+    ensure!(step(&w, 1, 6, &[first], 3, term).await? == Err(ErrorCode::NotFound), "the old term's KV survived");
+    ensure!(step(&w, 1, 6, &[first], 3, 0).await? == Err(ErrorCode::FailedPrecondition), "term 0 after a term");
+    ensure!(step(&w, 3, 0, &PROMPT, 3, term).await?.is_ok());
+    ensure!(status(&w).await?.kv_free_blocks == st.kv_total_blocks - 2);
+
+    // Epoch 4 changes the range: a fresh load, with an empty cache.
+    registry.write_plan(&plan(4, vec![stage(&w, "w", 0..2), stage(&w2, "w2", 2..4)]), PlanEpoch(3)).await?;
+    for id in ["w", "w2"] {
+        node_where(&registry, id, |r| r.plan_epoch_loaded == PlanEpoch(4)).await?;
+    }
+    let st = status(&w).await?;
+    ensure!((st.layer_end, st.plan_epoch, st.kv_free_blocks) == (2, 4, st.kv_total_blocks), "{st:?}");
+    ensure!(status(&w2).await?.term == term, "the plan's term reached w2");
+    leader.resign().await?;
+    w.shutdown().await?;
+    w2.shutdown().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_range_that_cannot_load_is_recorded_and_the_old_one_served() -> Result<()> {
+    let model = common::tiny_model()?;
+    let etcd = EtcdServer::start()?;
+    let registry = EtcdRegistry::connect(&[etcd.endpoint()], "loadfail", Duration::from_secs(5)).await?;
+    let w = Worker::start_registered(registered_config(model.path(), "w"), registry.clone(), options(), "127.0.0.1:0")
+        .await?;
+    registry.write_plan(&plan(1, vec![stage(&w, "w", 0..4)]), PlanEpoch(0)).await?;
+    let rec = node_where(&registry, "w", |r| r.plan_epoch_loaded == PlanEpoch(1)).await?;
+    ensure!(rec.load_failed_epoch == PlanEpoch(0), "{rec:?}");
+
+    // Epoch 2 asks for layers the model does not have: the load fails, the record says so, epoch 1 serves on.
+    let bad = Plan { num_layers: 9, ..plan(2, vec![stage(&w, "w", 0..9)]) };
+    registry.write_plan(&bad, PlanEpoch(1)).await?;
+    let rec = node_where(&registry, "w", |r| r.load_failed_epoch == PlanEpoch(2)).await?;
+    ensure!(rec.plan_epoch_loaded == PlanEpoch(1) && rec.state == NodeState::Ready, "{rec:?}");
+    ensure!(step(&w, 1, 0, &PROMPT, 1, 0).await?.is_ok(), "epoch 1 stopped serving");
+    ensure!(status(&w).await?.plan_epoch == 1);
+
+    // A rollback plan with the old range loads (no reload needed) and leaves the failure on record.
+    registry.write_plan(&plan(3, vec![stage(&w, "w", 0..4)]), PlanEpoch(2)).await?;
+    let rec = node_where(&registry, "w", |r| r.plan_epoch_loaded == PlanEpoch(3)).await?;
+    ensure!(rec.load_failed_epoch == PlanEpoch(2), "{rec:?}");
+    ensure!(step(&w, 2, 0, &PROMPT, 3, 0).await?.is_ok());
+    w.shutdown().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_panic_takes_the_worker_out_until_a_plan_reloads_it() -> Result<()> {
+    let model = common::tiny_model()?;
+    let registry = EmbeddedRegistry::new("panic");
+    // The testing hook: the executor panics on its second batch.
+    let cfg = WorkerConfig { fault_panic_after_batches: Some(1), ..registered_config(model.path(), "w") };
+    let w = Worker::start_registered(cfg, registry.clone(), options(), "127.0.0.1:0").await?;
+    registry.write_plan(&plan(1, vec![stage(&w, "w", 0..4)]), PlanEpoch(0)).await?;
+    node_where(&registry, "w", |r| r.plan_epoch_loaded == PlanEpoch(1)).await?;
+    ensure!(stage_health(&w).await? == ServingStatus::Serving);
+    ensure!(step(&w, 1, 0, &PROMPT, 1, 0).await?.is_ok());
+
+    // The panic: the batch it hit and every later one are UNAVAILABLE (retryable), never INTERNAL.
+    for seq in [2, 3] {
+        ensure!(step(&w, seq, 0, &PROMPT, 1, 0).await? == Err(ErrorCode::Unavailable), "batch for seq {seq}");
+    }
+    health_becomes(&w, ServingStatus::NotServing).await?;
+    let rec = node_where(&registry, "w", |r| r.state == NodeState::Failed).await?;
+    ensure!(rec.plan_epoch_loaded == PlanEpoch(1), "{rec:?}");
+    let mut c = common::client_at(w.local_addr()).await?;
+    let release = c.release(pb::ReleaseRequest { seq_ids: vec![1], propagate: true, term: 0 }).await;
+    ensure!(release.as_ref().is_err_and(|s| s.code() == tonic::Code::Unavailable), "{release:?}");
+
+    // A new plan with the same range reloads (a fresh executor) and the node is READY again.
+    registry.write_plan(&plan(2, vec![stage(&w, "w", 0..4)]), PlanEpoch(1)).await?;
+    node_where(&registry, "w", |r| r.state == NodeState::Ready && r.plan_epoch_loaded == PlanEpoch(2)).await?;
+    health_becomes(&w, ServingStatus::Serving).await?;
+    ensure!(step(&w, 4, 0, &PROMPT, 2, 0).await?.is_ok(), "the fresh executor did not serve");
     w.shutdown().await?;
     Ok(())
 }

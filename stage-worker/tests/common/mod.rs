@@ -78,7 +78,12 @@ pub async fn stop_all(workers: Vec<Worker>) -> Result<()> {
 
 /// A plain client of a worker.
 pub async fn client(worker: &Worker) -> Result<StageClient<Channel>> {
-    Ok(StageClient::connect(format!("http://{}", worker.local_addr())).await?)
+    client_at(worker.local_addr()).await
+}
+
+/// A plain client of the stage at `addr`.
+pub async fn client_at(addr: std::net::SocketAddr) -> Result<StageClient<Channel>> {
+    Ok(StageClient::connect(format!("http://{addr}")).await?)
 }
 
 /// A `Forward` stream to a stage: send batches, receive responses.
