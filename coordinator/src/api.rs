@@ -276,7 +276,7 @@ async fn fill_stage_facts(nodes: &mut [pb::NodeInfo], tls: Option<&strata_proto:
         let tls = tls.cloned();
         asks.spawn(async move {
             let ask = async {
-                let keepalive = crate::stage_client::Keepalive::default();
+                let keepalive = strata_proto::Keepalive::DEFAULT;
                 let mut client = crate::stage_client::connect(&address, tls.as_ref(), keepalive).await.ok()?;
                 client.status(pb::StageStatusRequest {}).await.ok().map(tonic::Response::into_inner)
             };

@@ -6,10 +6,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use strata_membership::{check_cluster_name, check_endpoints};
-use strata_proto::{Tls, TlsFiles};
+use strata_proto::{Keepalive, Tls, TlsFiles};
 
 use crate::pipeline::{PipelineOptions, SchedulerLimits, Timeouts};
-use crate::stage_client::Keepalive;
 use crate::{Error, Result};
 
 /// Everything the coordinator needs to start.
@@ -107,10 +106,10 @@ fn default_suspect() -> u64 {
     30_000
 }
 fn default_keepalive_interval() -> u64 {
-    1_000
+    Keepalive::DEFAULT_INTERVAL_MS
 }
 fn default_keepalive_timeout() -> u64 {
-    2_000
+    Keepalive::DEFAULT_TIMEOUT_MS
 }
 fn default_shutdown_grace() -> u64 {
     30_000
@@ -217,10 +216,9 @@ impl CoordinatorConfig {
                 recovery: Duration::from_millis(self.recovery_timeout_ms),
                 probe: Duration::from_millis(self.probe_timeout_ms),
             },
-            keepalive: Keepalive {
-                interval: Duration::from_millis(self.keepalive_interval_ms),
-                timeout: Duration::from_millis(self.keepalive_timeout_ms),
-            },
+            // validate() refused zeros.
+            keepalive: Keepalive::from_millis(self.keepalive_interval_ms, self.keepalive_timeout_ms)
+                .unwrap_or_default(),
             suspects: None,
         }
     }

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use clap::Parser;
 use strata_coordinator::CoordinatorConfig;
 use strata_membership::parse_endpoints;
-use strata_proto::{LogArgs, TlsArgs, shutdown_token};
+use strata_proto::{Keepalive, LogArgs, TlsArgs, shutdown_token};
 
 /// strata coordinator: places the model on the stage workers registered in etcd.
 #[derive(Parser, Debug)]
@@ -61,10 +61,10 @@ struct Args {
     #[arg(long, env = "STRATA_SUSPECT_MS", default_value_t = 30_000)]
     suspect_ms: u64,
     /// HTTP/2 keep-alive ping interval (ms) towards the stages.
-    #[arg(long, env = "STRATA_KEEPALIVE_INTERVAL_MS", default_value_t = 1_000)]
+    #[arg(long, env = "STRATA_KEEPALIVE_INTERVAL_MS", default_value_t = Keepalive::DEFAULT_INTERVAL_MS)]
     keepalive_interval_ms: u64,
     /// How long (ms) a keep-alive ping may go unanswered before a stage's connection is closed.
-    #[arg(long, env = "STRATA_KEEPALIVE_TIMEOUT_MS", default_value_t = 2_000)]
+    #[arg(long, env = "STRATA_KEEPALIVE_TIMEOUT_MS", default_value_t = Keepalive::DEFAULT_TIMEOUT_MS)]
     keepalive_timeout_ms: u64,
     /// On SIGTERM, how long (ms) in-flight requests get to finish before the rest fail; new ones are refused.
     #[arg(long, env = "STRATA_SHUTDOWN_GRACE_MS", default_value_t = 30_000)]

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use strata_proto::pb::stage_client::StageClient;
-use strata_proto::{ServiceError, Tls, pb, trace_interceptor};
+use strata_proto::{Keepalive, ServiceError, Tls, pb, trace_interceptor};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::InterceptedService;
@@ -21,22 +21,6 @@ const STREAM_BUFFER: usize = 64;
 pub type TracedStageClient = StageClient<InterceptedService<Channel, fn(tonic::Request<()>) -> TracedResult>>;
 type TracedResult = Result<tonic::Request<()>, tonic::Status>;
 
-/// HTTP/2 keep-alive pings on the connections to the stages: a stage that stops answering them (hung, SIGSTOPped,
-/// cut off) fails its connection after `interval + timeout`, long before a lease expires.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Keepalive {
-    /// Time between pings.
-    pub interval: Duration,
-    /// How long a ping may go unanswered before the connection is closed.
-    pub timeout: Duration,
-}
-
-impl Default for Keepalive {
-    fn default() -> Self {
-        Keepalive { interval: Duration::from_secs(1), timeout: Duration::from_secs(2) }
-    }
-}
-
 /// Connects to the stage at `address` (`host:port`), over TLS with `tls`, pinging it as `keepalive` says.
 pub async fn connect(
     address: &str,
@@ -47,10 +31,8 @@ pub async fn connect(
     let endpoint = strata_proto::endpoint(address, tls)
         .map_err(|e| ServiceError::invalid_argument(format!("bad stage address {address:?}: {e}")))?
         .connect_timeout(CONNECT_TIMEOUT)
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(keepalive.interval)
-        .keep_alive_timeout(keepalive.timeout)
-        .keep_alive_while_idle(true);
+        .tcp_nodelay(true);
+    let endpoint = keepalive.endpoint(endpoint);
     let channel = tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect())
         .await
         .map_err(|_| unavailable(&"connect timed out"))?

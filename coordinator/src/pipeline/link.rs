@@ -6,10 +6,10 @@
 
 use std::time::Duration;
 
-use strata_proto::{NodeId, ServiceError, Tls, pb};
+use strata_proto::{Keepalive, NodeId, ServiceError, Tls, pb};
 
 use super::kv_budget::KvBudget;
-use crate::stage_client::{self, ForwardStream, Keepalive, TracedStageClient};
+use crate::stage_client::{self, ForwardStream, TracedStageClient};
 use strata_membership::Plan;
 
 /// A stage the pipeline could not reach: the control loop leaves it out of the next plan for a while.

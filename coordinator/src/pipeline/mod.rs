@@ -34,13 +34,12 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use strata_engine::loader::ModelFiles;
 use strata_engine::tokenizer::Tokenizer;
-use strata_proto::{ServiceError, Tls, pb};
+use strata_proto::{Keepalive, ServiceError, Tls, pb};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::metrics::Metrics;
-use crate::stage_client::Keepalive;
 pub use link::Suspect;
 use strata_membership::Plan;
 
