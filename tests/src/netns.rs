@@ -22,6 +22,7 @@ pub struct Host {
 /// A bridge and its namespaces.
 pub struct Network {
     bridge: String,
+    subnet: String,
     /// The bridge's address: the root namespace (etcd, the coordinator) as the namespaces reach it.
     pub gateway: String,
     /// The namespaces, in creation order.
@@ -42,8 +43,12 @@ impl Network {
     pub fn create(hosts: usize) -> Result<Self> {
         let id = std::process::id();
         let subnet = format!("10.{}.{}", 100 + (id / 250) % 100, id % 250);
-        let mut net =
-            Network { bridge: format!("sbr{id}"), gateway: format!("{subnet}.1"), hosts: Vec::with_capacity(hosts) };
+        let mut net = Network {
+            bridge: format!("sbr{id}"),
+            gateway: format!("{subnet}.1"),
+            subnet: subnet.clone(),
+            hosts: Vec::with_capacity(hosts),
+        };
         ip(&["link", "add", &net.bridge, "type", "bridge"])?;
         ip(&["addr", "add", &format!("{}/24", net.gateway), "dev", &net.bridge])?;
         ip(&["link", "set", &net.bridge, "up"])?;
@@ -79,6 +84,20 @@ impl Network {
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &h.netns]).arg(program);
         Ok(cmd)
+    }
+
+    /// Gives the root namespace another address on the bridge (`<subnet>.<last>`), e.g. for a service that one
+    /// namespace alone should lose ([`Network::blackhole`]) while the others, and the tests, still reach the rest.
+    pub fn add_root_address(&self, last: u8) -> Result<String> {
+        let addr = format!("{}.{last}", self.subnet);
+        ip(&["addr", "add", &format!("{addr}/32"), "dev", &self.bridge])?;
+        Ok(addr)
+    }
+
+    /// Makes `addr` unreachable from namespace `host` (its packets are dropped): a partition of just that path.
+    pub fn blackhole(&self, host: usize, addr: &str) -> Result<()> {
+        let h = self.hosts.get(host).context("no such namespace")?;
+        ip(&["netns", "exec", &h.netns, "ip", "route", "add", "blackhole", &format!("{addr}/32")])
     }
 
     /// Pulls namespace `host`'s cable: its link goes down, its packets are dropped without a reset.

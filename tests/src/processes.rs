@@ -64,8 +64,9 @@ impl ProcessCluster {
     }
 
     async fn start_with(model: &Path, workers: usize, coordinators: usize, network: Option<Network>) -> Result<Self> {
+        // With a network, etcd gets an address of its own on the bridge, so one namespace can lose etcd alone.
         let etcd = match &network {
-            Some(net) => EtcdServer::start_on(&net.gateway)?,
+            Some(net) => EtcdServer::start_on(&net.add_root_address(2)?)?,
             None => EtcdServer::start()?,
         };
         let mut cluster =
@@ -76,7 +77,9 @@ impl ProcessCluster {
         for _ in 0..coordinators {
             cluster.add_coordinator(&[&format!("--min-stages={workers}")])?;
         }
-        cluster.wait_for_stages(workers).await.with_context(|| cluster.logs())?;
+        if coordinators > 0 {
+            cluster.wait_for_stages(workers).await.with_context(|| cluster.logs())?;
+        }
         Ok(cluster)
     }
 
@@ -101,10 +104,23 @@ impl ProcessCluster {
 
     /// Starts a coordinator with `extra` flags; returns its index.
     pub fn add_coordinator(&mut self, extra: &[&str]) -> Result<usize> {
-        let grpc = format!("127.0.0.1:{}", free_port()?);
-        let http = format!("127.0.0.1:{}", free_port()?);
+        self.add_coordinator_in(None, extra)
+    }
+
+    /// Starts a coordinator with `extra` flags in the network's namespace `host` (or the root namespace); returns
+    /// its index.
+    pub fn add_coordinator_in(&mut self, host: Option<usize>, extra: &[&str]) -> Result<usize> {
+        let bin = workspace_bin("coordinator")?;
+        let (mut cmd, addr) = match (host, &self.network) {
+            (Some(i), Some(net)) => {
+                (net.command(i, &bin)?, net.hosts.get(i).context("no such namespace")?.addr.clone())
+            }
+            (Some(_), None) => bail!("a coordinator in a namespace needs a network"),
+            (None, _) => (Command::new(bin), "127.0.0.1".to_owned()),
+        };
+        let grpc = format!("{addr}:{}", free_port()?);
+        let http = format!("{addr}:{}", free_port()?);
         let index = self.coordinators.len();
-        let mut cmd = Command::new(workspace_bin("coordinator")?);
         cmd.args(["--etcd", &self.etcd.endpoint(), "--cluster", "faults", "--grpc", &grpc, "--http", &http])
             .args(COORDINATOR_FLAGS)
             .args(extra)

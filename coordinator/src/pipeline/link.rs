@@ -88,24 +88,25 @@ impl Dialer {
         if let Some(error) = first_error {
             return Err(Failed::new(error, suspects));
         }
-        for (stage, (_, status)) in &statuses {
-            // A stage on another epoch has moved on (or not yet) to a plan this pipeline does not serve; a stage that
-            // saw a higher term obeys a newer leader. Neither is a fault: wait for the plan to settle.
-            if status.plan_epoch != 0 && status.plan_epoch != plan.epoch.0 {
-                let error = ServiceError::failed_precondition(format!(
-                    "stage {} serves plan epoch {}, not {}: the plan is changing",
-                    stage.node_id, status.plan_epoch, plan.epoch
-                ));
-                return Err(Failed::new(error, Vec::new()));
-            }
-            if status.term > plan.term {
-                let error = ServiceError::unavailable(format!(
-                    "another coordinator leads now (stage {} follows leadership term {}, newer than this one's {}); \
-                     retry on the leader",
-                    stage.node_id, status.term, plan.term
-                ));
-                return Err(Failed { error, suspects: Vec::new(), deposed: true });
-            }
+        // A stage that saw a higher term obeys a newer leader: this coordinator is deposed, whatever else differs.
+        if let Some((stage, (_, status))) = statuses.iter().find(|(_, (_, s))| s.term > plan.term) {
+            let error = ServiceError::unavailable(format!(
+                "another coordinator leads now (stage {} follows leadership term {}, newer than this one's {}); \
+                 retry on the leader",
+                stage.node_id, status.term, plan.term
+            ));
+            return Err(Failed { error, suspects: Vec::new(), deposed: true });
+        }
+        // A stage on another epoch has moved on (or not yet) to a plan this pipeline does not serve: not a fault,
+        // wait for the plan to settle.
+        if let Some((stage, (_, status))) =
+            statuses.iter().find(|(_, (_, s))| s.plan_epoch != 0 && s.plan_epoch != plan.epoch.0)
+        {
+            let error = ServiceError::failed_precondition(format!(
+                "stage {} serves plan epoch {}, not {}: the plan is changing",
+                stage.node_id, status.plan_epoch, plan.epoch
+            ));
+            return Err(Failed::new(error, Vec::new()));
         }
         let (clients, statuses): (Vec<TracedStageClient>, Vec<pb::StageStatus>) =
             statuses.into_iter().map(|(_, found)| found).unzip();
