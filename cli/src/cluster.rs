@@ -11,7 +11,6 @@ use strata_stage_worker::{RegistrationOptions, Worker, WorkerConfig};
 use tokio_util::sync::CancellationToken;
 
 use crate::connect;
-use crate::generate::{Format, PromptArgs};
 
 /// Arguments of `strata local`.
 #[derive(clap::Args)]
@@ -132,123 +131,6 @@ pub fn local(a: LocalArgs) -> Result<()> {
         eprintln!("{} stages; requests are served once every stage is ready (GET /health); Ctrl-C to stop", a.stages);
         cluster.run_until(shutdown_signal()).await
     })
-}
-
-/// Arguments of `strata client generate`.
-#[derive(clap::Args)]
-pub struct ClientGenerateArgs {
-    /// Coordinator gRPC URL (`https://` for TLS).
-    #[arg(long, default_value = "http://127.0.0.1:50051", env = "STRATA_COORDINATOR")]
-    coordinator: String,
-    #[command(flatten)]
-    tls: TlsArgs,
-    #[command(flatten)]
-    prompt: PromptArgs,
-    /// Seconds to wait for the cluster to serve (retrying while it has no ready plan).
-    #[arg(long, default_value_t = 60)]
-    wait: u64,
-}
-
-fn sampling(p: &PromptArgs) -> pb::SamplingParams {
-    pb::SamplingParams {
-        temperature: p.temperature,
-        top_p: p.top_p,
-        top_k: u32::try_from(p.top_k).unwrap_or(u32::MAX),
-        seed: p.seed,
-        repetition_penalty: p.repetition_penalty,
-    }
-}
-
-/// Runs `strata client generate`: same flags and output as `strata generate`, through a coordinator.
-pub fn client_generate(a: ClientGenerateArgs) -> Result<()> {
-    let prompt = match (&a.prompt.prompt, &a.prompt.prompt_ids) {
-        (_, Some(ids)) => pb::generate_request::Prompt::Ids(pb::TokenIds { ids: ids.clone() }),
-        (Some(text), None) => pb::generate_request::Prompt::Text(text.clone()),
-        (None, None) => bail!("pass --prompt or --prompt-ids"),
-    };
-    let req = pb::GenerateRequest {
-        prompt: Some(prompt),
-        chat: a.prompt.chat,
-        max_tokens: u32::try_from(a.prompt.max_tokens).unwrap_or(u32::MAX),
-        sampling: Some(sampling(&a.prompt)),
-        stop: a.prompt.stop.clone(),
-        ..Default::default()
-    };
-    let endpoint = connect::endpoint(&a.coordinator, &a.tls)?;
-    let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    rt.block_on(async move {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(a.wait);
-        // The cluster may still be loading or switching plans: UNAVAILABLE (or no listener yet) before the first
-        // token is retried until --wait; once a token arrived, a failure is final.
-        let (mut stream, first) = loop {
-            let attempt = async {
-                let mut client = connect::connect(&endpoint).await?;
-                let mut stream = client.generate(req.clone()).await?.into_inner();
-                let mut early = Vec::new();
-                loop {
-                    let msg = stream.message().await?;
-                    let started = msg.as_ref().is_none_or(|m| !m.token_ids.is_empty() || m.finish_reason != 0);
-                    early.extend(msg);
-                    if started {
-                        break;
-                    }
-                }
-                Ok::<_, anyhow::Error>((stream, early))
-            };
-            match attempt.await {
-                Ok(s) => break s,
-                Err(e) if std::time::Instant::now() < deadline && retryable(&e) => {
-                    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
-                }
-                Err(e) => return Err(e).with_context(|| format!("generate via {}", a.coordinator)),
-            }
-        };
-        let (mut prompt_ids, mut token_ids, mut text, mut finish) = (Vec::new(), Vec::new(), String::new(), None);
-        use std::io::Write;
-        let mut stdout = std::io::stdout().lock();
-        let mut early = first.into_iter();
-        let mut next = early.next();
-        while let Some(msg) = next {
-            if !msg.prompt_ids.is_empty() {
-                prompt_ids = msg.prompt_ids.clone();
-            }
-            token_ids.extend_from_slice(&msg.token_ids);
-            text.push_str(&msg.text);
-            if a.prompt.format == Format::Text && !msg.text.is_empty() {
-                let _ = stdout.write_all(msg.text.as_bytes()).and_then(|_| stdout.flush());
-            }
-            if msg.finish_reason != 0 {
-                finish = Some(msg.finish_reason);
-            }
-            next = match early.next() {
-                Some(m) => Some(m),
-                None => stream.message().await.context("reading the response stream")?,
-            };
-        }
-        let finish_reason = match finish.and_then(|f| pb::FinishReason::try_from(f).ok()) {
-            Some(pb::FinishReason::Length) => "length",
-            Some(pb::FinishReason::Eos) => "eos",
-            Some(pb::FinishReason::Stop) => "stop",
-            Some(pb::FinishReason::Cancelled) => "cancelled",
-            _ => "error",
-        };
-        if a.prompt.format == Format::Text {
-            writeln!(stdout)?;
-        } else {
-            let v = serde_json::json!({
-                "prompt_ids": prompt_ids, "token_ids": token_ids, "text": text, "finish_reason": finish_reason,
-            });
-            writeln!(stdout, "{v}")?;
-        }
-        Ok(())
-    })
-}
-
-fn retryable(e: &anyhow::Error) -> bool {
-    match e.downcast_ref::<tonic::Status>() {
-        Some(s) => s.code() == tonic::Code::Unavailable,
-        None => e.downcast_ref::<tonic::transport::Error>().is_some(),
-    }
 }
 
 /// `strata nodes` subcommands.

@@ -2,10 +2,12 @@
 
 mod bench;
 mod bench_cluster;
+mod client;
 mod cluster;
 mod connect;
 mod generate;
 mod load;
+mod retry;
 
 use clap::{Parser, Subcommand};
 use strata_proto::LogArgs;
@@ -41,7 +43,7 @@ enum Command {
 #[derive(Subcommand)]
 enum ClientCommand {
     /// Generate through the cluster (same flags and output as `strata generate`).
-    Generate(cluster::ClientGenerateArgs),
+    Generate(client::ClientGenerateArgs),
 }
 
 fn main() {
@@ -52,7 +54,7 @@ fn main() {
         Command::Bench(a) => bench::run(a),
         Command::Convert(a) => load::convert(a),
         Command::Local(a) => cluster::local(a),
-        Command::Client(ClientCommand::Generate(a)) => cluster::client_generate(a),
+        Command::Client(ClientCommand::Generate(a)) => client::client_generate(a),
         Command::Nodes(c) => cluster::nodes(c),
     };
     if let Err(e) = result {
