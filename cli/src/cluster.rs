@@ -10,7 +10,7 @@ use strata_proto::{NodeId, TlsArgs, pb, shutdown_signal};
 use strata_stage_worker::{RegistrationOptions, Worker, WorkerConfig};
 use tokio_util::sync::CancellationToken;
 
-use crate::connect;
+use crate::{connect, drain};
 
 /// Arguments of `strata local`.
 #[derive(clap::Args)]
@@ -138,8 +138,8 @@ pub fn local(a: LocalArgs) -> Result<()> {
 pub enum NodesCommand {
     /// List nodes, the plan epoch and the stages.
     List(NodesTarget),
-    /// Move a node's layers elsewhere, then let it leave.
-    Drain(NodeAction),
+    /// Move a node's layers elsewhere and wait until it is CORDONED, out of the plan and holding no KV.
+    Drain(DrainArgs),
     /// Keep a node out of future plans.
     Cordon(NodeAction),
     /// Let a cordoned node back into plans.
@@ -165,7 +165,21 @@ pub struct NodeAction {
     target: NodesTarget,
 }
 
-fn state_name(s: i32) -> &'static str {
+/// Arguments of `strata nodes drain`.
+#[derive(clap::Args)]
+pub struct DrainArgs {
+    #[command(flatten)]
+    node: NodeAction,
+    /// Return as soon as the node is DRAINING instead of waiting for the drain to finish.
+    #[arg(long, env = "STRATA_DRAIN_NO_WAIT")]
+    no_wait: bool,
+    /// Seconds to wait for the drain to finish before failing with what is still pending.
+    #[arg(long, default_value_t = 300, env = "STRATA_DRAIN_TIMEOUT")]
+    timeout: u64,
+}
+
+/// A node state's name as `strata nodes list` prints it.
+pub(crate) fn state_name(s: i32) -> &'static str {
     match pb::NodeState::try_from(s) {
         Ok(pb::NodeState::Joining) => "JOINING",
         Ok(pb::NodeState::Ready) => "READY",
@@ -181,7 +195,8 @@ pub fn nodes(cmd: NodesCommand) -> Result<()> {
     rt.block_on(async move {
         let target = match &cmd {
             NodesCommand::List(t) => t,
-            NodesCommand::Drain(a) | NodesCommand::Cordon(a) | NodesCommand::Uncordon(a) => &a.target,
+            NodesCommand::Drain(d) => &d.node.target,
+            NodesCommand::Cordon(a) | NodesCommand::Uncordon(a) => &a.target,
         };
         let url = &target.coordinator;
         let endpoint = connect::endpoint(url, &target.tls)?;
@@ -211,11 +226,20 @@ pub fn nodes(cmd: NodesCommand) -> Result<()> {
                     );
                 }
             }
-            NodesCommand::Drain(a) | NodesCommand::Cordon(a) | NodesCommand::Uncordon(a) if a.id.is_empty() => {
+            NodesCommand::Drain(DrainArgs { node: a, .. }) | NodesCommand::Cordon(a) | NodesCommand::Uncordon(a)
+                if a.id.is_empty() =>
+            {
                 bail!("a node id is required")
             }
-            NodesCommand::Drain(a) => {
-                report(client.drain_node(pb::NodeRequest { node_id: a.id.clone() }).await, &a.id)?
+            NodesCommand::Drain(d) => {
+                let id = &d.node.id;
+                report(client.drain_node(pb::NodeRequest { node_id: id.clone() }).await, id)?;
+                if !d.no_wait {
+                    let timeout = std::time::Duration::from_secs(d.timeout);
+                    eprintln!("waiting up to {} s for {id} to be drained (--no-wait returns at once)", d.timeout);
+                    let took = drain::wait_drained(&mut client, id, timeout, |line| eprintln!("{line}")).await?;
+                    println!("{id}: drained in {:.1} s (CORDONED, no layers, no KV in use)", took.as_secs_f64());
+                }
             }
             NodesCommand::Cordon(a) => {
                 report(client.cordon_node(pb::NodeRequest { node_id: a.id.clone() }).await, &a.id)?

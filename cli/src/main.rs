@@ -5,6 +5,7 @@ mod bench_cluster;
 mod client;
 mod cluster;
 mod connect;
+mod drain;
 mod generate;
 mod load;
 mod retry;
