@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_cluster;
+mod chaos;
 mod client;
 mod cluster;
 mod connect;
@@ -39,6 +40,9 @@ enum Command {
     /// Inspect and manage a cluster's stage nodes.
     #[command(subcommand)]
     Nodes(cluster::NodesCommand),
+    /// Inject faults (crashes, hangs, drains, joins, etcd pauses, leader failover) into a real cluster of
+    /// processes under streamed load and compare every stream with an undisturbed run.
+    Chaos(chaos::ChaosArgs),
 }
 
 #[derive(Subcommand)]
@@ -57,6 +61,7 @@ fn main() {
         Command::Local(a) => cluster::local(a),
         Command::Client(ClientCommand::Generate(a)) => client::client_generate(a),
         Command::Nodes(c) => cluster::nodes(c),
+        Command::Chaos(a) => chaos::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
