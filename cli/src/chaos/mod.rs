@@ -17,7 +17,6 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use serde::Serialize;
-use strata_proto::TlsArgs;
 
 use self::report::{Host, ScenarioReport};
 pub use self::scenario::Scenario;
@@ -84,15 +83,13 @@ pub struct ChaosArgs {
         value_delimiter = ' '
     )]
     pub coordinator_args: Vec<String>,
-    /// Attach to this running coordinator (gRPC URL) instead of starting processes; only `none` and `drain`
-    /// (which needs a spare worker: the others must hold the model) can run this way.
+    /// Attach to this running coordinator (plaintext `http://` gRPC URL) instead of starting processes; only
+    /// `none` and `drain` (which needs a spare worker: the others must hold the model) can run this way.
     #[arg(long, env = "STRATA_CHAOS_COORDINATOR")]
     pub coordinator: Option<String>,
     /// The attached coordinator's HTTP API (`http://host:port`), for the HTTP half of the load.
     #[arg(long, env = "STRATA_CHAOS_HTTP")]
     pub http: Option<String>,
-    #[command(flatten)]
-    pub tls: TlsArgs,
 }
 
 /// The whole run, as `--json` writes it.
@@ -124,6 +121,9 @@ pub fn run(a: ChaosArgs) -> Result<()> {
         if a.http.is_none() {
             bail!("--coordinator needs --http too (the HTTP half of the load)");
         }
+        if a.coordinator.as_deref().is_some_and(|u| !u.trim().starts_with("http://")) {
+            bail!("--coordinator: the chaos load speaks plaintext only; give an http:// URL");
+        }
     } else if a.workers == 0 {
         bail!("--workers must be at least 1");
     }
@@ -146,12 +146,14 @@ pub fn run(a: ChaosArgs) -> Result<()> {
     // Dropping the runtime here, not at exit, lets any process handle left in a task be killed.
     drop(rt);
     let passed = reports.iter().all(|r| r.passed);
+    let cluster = match &a.coordinator {
+        Some(url) => format!("attached to {url}"),
+        None => format!("{} stage worker(s), {} thread(s) each", a.workers, a.threads),
+    };
     println!(
-        "strata chaos: {} stage worker(s), {} streams x {} tokens, {} thread(s) per worker; CPU {} [{}]; commit {}; {}",
-        a.workers,
+        "strata chaos: {cluster}; {} streams x {} tokens; CPU {} [{}]; commit {}; {}",
         a.streams,
         a.max_tokens,
-        a.threads,
         host.cpu_model,
         host.cpu_flags.join(" "),
         host.commit.as_deref().unwrap_or("unknown"),

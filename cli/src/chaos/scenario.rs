@@ -120,7 +120,7 @@ pub async fn run(a: &ChaosArgs, s: Scenario, bin_dir: Option<&Path>, log_dir: &P
     let mut target = match (&a.coordinator, bin_dir, &a.model) {
         (Some(url), _, _) => {
             let http = a.http.as_deref().context("--coordinator needs --http")?;
-            let endpoint = connect::endpoint(url, &a.tls)?;
+            let endpoint = Endpoint::from_shared(url.clone())?;
             let targets = Targets { grpc: vec![(url.clone(), endpoint)], http: vec![http::addr_of(http)?] };
             Target::Attached { grpc: url.clone(), targets }
         }
@@ -191,7 +191,7 @@ pub async fn run(a: &ChaosArgs, s: Scenario, bin_dir: Option<&Path>, log_dir: &P
         }
     };
     let (records, epochs, (resumed_at, resume_err)) =
-        tokio::join!(finish, watch_epochs(&urls, started, &stop), resume_etcd);
+        tokio::join!(finish, watch_epochs(&urls, (before.plan_epoch, fault_at), started, &stop), resume_etcd);
     if let Some(at) = resumed_at {
         report.fault.push_str(&format!("; SIGCONT etcd at +{at:.2} s"));
     }
@@ -203,7 +203,7 @@ pub async fn run(a: &ChaosArgs, s: Scenario, bin_dir: Option<&Path>, log_dir: &P
     report.timing = timing(&records, fault_at);
     eprintln!("run: {}/{} completed, {} identical", report.run.completed, report.run.sent, report.run.identical);
 
-    lift_fault(&mut target, lift, a, &mut report, started).await;
+    lift_fault(&mut target, lift, &mut report, started).await;
 
     // The same requests once the fault is over: the cluster must serve again, with the same tokens.
     let after_url = target.serving_url().await.unwrap_or(url);
@@ -272,7 +272,7 @@ async fn inject(
         Scenario::Drain => {
             let (id, what) = pick(before, s)?;
             let url = target.serving_url().await?;
-            let mut client = connect::connect(&connect::endpoint(&url, &a.tls)?).await?;
+            let mut client = connect::connect(&Endpoint::from_shared(url.clone())?).await?;
             let r = client.drain_node(pb::NodeRequest { node_id: id.clone() }).await?.into_inner();
             let state = crate::cluster::state_name(r.state);
             (format!("DrainNode {what} -> {state}, plan epoch {}", r.plan_epoch), Lift::Drained(id))
@@ -296,7 +296,7 @@ async fn inject(
     })
 }
 
-async fn lift_fault(target: &mut Target, lift: Lift, a: &ChaosArgs, report: &mut ScenarioReport, t0: Instant) {
+async fn lift_fault(target: &mut Target, lift: Lift, report: &mut ScenarioReport, t0: Instant) {
     match lift {
         Lift::Nothing => {}
         Lift::ResumeWorker(id) => {
@@ -310,19 +310,25 @@ async fn lift_fault(target: &mut Target, lift: Lift, a: &ChaosArgs, report: &mut
             }
         }
         Lift::Drained(id) => {
-            let outcome = async {
-                let url = target.serving_url().await?;
-                let mut client = connect::connect(&connect::endpoint(&url, &a.tls)?).await?;
-                let took = drain::wait_drained(&mut client, &id, Duration::from_secs(60), |_| {}).await?;
-                if let Target::Attached { .. } = target {
-                    client.uncordon_node(pb::NodeRequest { node_id: id.clone() }).await?;
+            let url = target.serving_url().await.unwrap_or_default();
+            let client = async { anyhow::Ok(connect::connect(&Endpoint::from_shared(url.clone())?).await?) };
+            let mut client = match client.await {
+                Ok(c) => c,
+                Err(e) => {
+                    report.notes.push(format!("FAILED to reach the coordinator after the drain: {e:#}"));
+                    return;
                 }
-                anyhow::Ok(took)
             };
-            report.notes.push(match outcome.await {
+            report.notes.push(match drain::wait_drained(&mut client, &id, Duration::from_secs(60), |_| {}).await {
                 Ok(took) => format!("the drain of {id} finished {:.1} s after the wave", took.as_secs_f64()),
                 Err(e) => format!("the drain did not finish: {e:#}"),
             });
+            // An attached cluster is someone else's: give the node back whatever the drain did.
+            if let Target::Attached { .. } = target
+                && let Err(e) = client.uncordon_node(pb::NodeRequest { node_id: id.clone() }).await
+            {
+                report.notes.push(format!("FAILED to uncordon {id} afterwards: {e}"));
+            }
         }
         Lift::Joined(id) => {
             let url = target.serving_url().await.unwrap_or_default();
@@ -337,10 +343,10 @@ async fn lift_fault(target: &mut Target, lift: Lift, a: &ChaosArgs, report: &mut
     }
 }
 
-/// Polls `ClusterStatus` (the first URL that answers) every 250 ms until `stop`; returns the plan epochs seen,
-/// as `3 → 4 (+2.1 s)`.
-async fn watch_epochs(urls: &[String], t0: Instant, stop: &CancellationToken) -> String {
-    let mut seen: Vec<(u64, f64)> = Vec::new();
+/// Polls `ClusterStatus` (the first URL that answers) every 250 ms until `stop`; returns the plan epochs seen
+/// since `first` (the epoch before the fault, and when), as `3 → 4 (+2.1 s)`.
+async fn watch_epochs(urls: &[String], first: (u64, f64), t0: Instant, stop: &CancellationToken) -> String {
+    let mut seen: Vec<(u64, f64)> = vec![first];
     let mut clients = Vec::new();
     for u in urls {
         if let Ok(e) = Endpoint::from_shared(u.clone()) {
@@ -354,6 +360,10 @@ async fn watch_epochs(urls: &[String], t0: Instant, stop: &CancellationToken) ->
                 anyhow::Ok(c.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner().plan_epoch)
             };
             if let Ok(Ok(epoch)) = tokio::time::timeout(Duration::from_secs(2), ask).await {
+                // Epoch 0: this coordinator knows no plan yet (a standby before it leads); ask the next one.
+                if epoch == 0 {
+                    continue;
+                }
                 if seen.last().is_none_or(|(e, _)| *e != epoch) {
                     seen.push((epoch, t0.elapsed().as_secs_f64()));
                 }
@@ -365,13 +375,9 @@ async fn watch_epochs(urls: &[String], t0: Instant, stop: &CancellationToken) ->
             () = tokio::time::sleep(Duration::from_millis(250)) => {}
         }
     }
-    let mut out = String::new();
-    for (i, (epoch, at)) in seen.iter().enumerate() {
-        if i == 0 {
-            out = epoch.to_string();
-        } else {
-            out.push_str(&format!(" → {epoch} (+{at:.1} s)"));
-        }
+    let mut out = first.0.to_string();
+    for (epoch, at) in &seen[1..] {
+        out.push_str(&format!(" → {epoch} (+{at:.1} s)"));
     }
-    if out.is_empty() { "-".into() } else { out }
+    out
 }
