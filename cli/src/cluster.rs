@@ -10,8 +10,7 @@ use strata_proto::{NodeId, TlsArgs, pb, shutdown_signal};
 use strata_stage_worker::{RegistrationOptions, Worker, WorkerConfig};
 use tokio_util::sync::CancellationToken;
 
-use crate::connect;
-use crate::generate::{Format, PromptArgs};
+use crate::{connect, drain};
 
 /// Arguments of `strata local`.
 #[derive(clap::Args)]
@@ -134,130 +133,13 @@ pub fn local(a: LocalArgs) -> Result<()> {
     })
 }
 
-/// Arguments of `strata client generate`.
-#[derive(clap::Args)]
-pub struct ClientGenerateArgs {
-    /// Coordinator gRPC URL (`https://` for TLS).
-    #[arg(long, default_value = "http://127.0.0.1:50051", env = "STRATA_COORDINATOR")]
-    coordinator: String,
-    #[command(flatten)]
-    tls: TlsArgs,
-    #[command(flatten)]
-    prompt: PromptArgs,
-    /// Seconds to wait for the cluster to serve (retrying while it has no ready plan).
-    #[arg(long, default_value_t = 60)]
-    wait: u64,
-}
-
-fn sampling(p: &PromptArgs) -> pb::SamplingParams {
-    pb::SamplingParams {
-        temperature: p.temperature,
-        top_p: p.top_p,
-        top_k: u32::try_from(p.top_k).unwrap_or(u32::MAX),
-        seed: p.seed,
-        repetition_penalty: p.repetition_penalty,
-    }
-}
-
-/// Runs `strata client generate`: same flags and output as `strata generate`, through a coordinator.
-pub fn client_generate(a: ClientGenerateArgs) -> Result<()> {
-    let prompt = match (&a.prompt.prompt, &a.prompt.prompt_ids) {
-        (_, Some(ids)) => pb::generate_request::Prompt::Ids(pb::TokenIds { ids: ids.clone() }),
-        (Some(text), None) => pb::generate_request::Prompt::Text(text.clone()),
-        (None, None) => bail!("pass --prompt or --prompt-ids"),
-    };
-    let req = pb::GenerateRequest {
-        prompt: Some(prompt),
-        chat: a.prompt.chat,
-        max_tokens: u32::try_from(a.prompt.max_tokens).unwrap_or(u32::MAX),
-        sampling: Some(sampling(&a.prompt)),
-        stop: a.prompt.stop.clone(),
-        ..Default::default()
-    };
-    let endpoint = connect::endpoint(&a.coordinator, &a.tls)?;
-    let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    rt.block_on(async move {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(a.wait);
-        // The cluster may still be loading or switching plans: UNAVAILABLE (or no listener yet) before the first
-        // token is retried until --wait; once a token arrived, a failure is final.
-        let (mut stream, first) = loop {
-            let attempt = async {
-                let mut client = connect::connect(&endpoint).await?;
-                let mut stream = client.generate(req.clone()).await?.into_inner();
-                let mut early = Vec::new();
-                loop {
-                    let msg = stream.message().await?;
-                    let started = msg.as_ref().is_none_or(|m| !m.token_ids.is_empty() || m.finish_reason != 0);
-                    early.extend(msg);
-                    if started {
-                        break;
-                    }
-                }
-                Ok::<_, anyhow::Error>((stream, early))
-            };
-            match attempt.await {
-                Ok(s) => break s,
-                Err(e) if std::time::Instant::now() < deadline && retryable(&e) => {
-                    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
-                }
-                Err(e) => return Err(e).with_context(|| format!("generate via {}", a.coordinator)),
-            }
-        };
-        let (mut prompt_ids, mut token_ids, mut text, mut finish) = (Vec::new(), Vec::new(), String::new(), None);
-        use std::io::Write;
-        let mut stdout = std::io::stdout().lock();
-        let mut early = first.into_iter();
-        let mut next = early.next();
-        while let Some(msg) = next {
-            if !msg.prompt_ids.is_empty() {
-                prompt_ids = msg.prompt_ids.clone();
-            }
-            token_ids.extend_from_slice(&msg.token_ids);
-            text.push_str(&msg.text);
-            if a.prompt.format == Format::Text && !msg.text.is_empty() {
-                let _ = stdout.write_all(msg.text.as_bytes()).and_then(|_| stdout.flush());
-            }
-            if msg.finish_reason != 0 {
-                finish = Some(msg.finish_reason);
-            }
-            next = match early.next() {
-                Some(m) => Some(m),
-                None => stream.message().await.context("reading the response stream")?,
-            };
-        }
-        let finish_reason = match finish.and_then(|f| pb::FinishReason::try_from(f).ok()) {
-            Some(pb::FinishReason::Length) => "length",
-            Some(pb::FinishReason::Eos) => "eos",
-            Some(pb::FinishReason::Stop) => "stop",
-            Some(pb::FinishReason::Cancelled) => "cancelled",
-            _ => "error",
-        };
-        if a.prompt.format == Format::Text {
-            writeln!(stdout)?;
-        } else {
-            let v = serde_json::json!({
-                "prompt_ids": prompt_ids, "token_ids": token_ids, "text": text, "finish_reason": finish_reason,
-            });
-            writeln!(stdout, "{v}")?;
-        }
-        Ok(())
-    })
-}
-
-fn retryable(e: &anyhow::Error) -> bool {
-    match e.downcast_ref::<tonic::Status>() {
-        Some(s) => s.code() == tonic::Code::Unavailable,
-        None => e.downcast_ref::<tonic::transport::Error>().is_some(),
-    }
-}
-
 /// `strata nodes` subcommands.
 #[derive(clap::Subcommand)]
 pub enum NodesCommand {
     /// List nodes, the plan epoch and the stages.
     List(NodesTarget),
-    /// Move a node's layers elsewhere, then let it leave.
-    Drain(NodeAction),
+    /// Move a node's layers elsewhere and wait until it is CORDONED, out of the plan and holding no KV.
+    Drain(DrainArgs),
     /// Keep a node out of future plans.
     Cordon(NodeAction),
     /// Let a cordoned node back into plans.
@@ -283,7 +165,21 @@ pub struct NodeAction {
     target: NodesTarget,
 }
 
-fn state_name(s: i32) -> &'static str {
+/// Arguments of `strata nodes drain`.
+#[derive(clap::Args)]
+pub struct DrainArgs {
+    #[command(flatten)]
+    node: NodeAction,
+    /// Return as soon as the node is DRAINING instead of waiting for the drain to finish.
+    #[arg(long, env = "STRATA_DRAIN_NO_WAIT")]
+    no_wait: bool,
+    /// Seconds to wait for the drain to finish before failing with what is still pending.
+    #[arg(long, default_value_t = 300, env = "STRATA_DRAIN_TIMEOUT")]
+    timeout: u64,
+}
+
+/// A node state's name as `strata nodes list` prints it.
+pub(crate) fn state_name(s: i32) -> &'static str {
     match pb::NodeState::try_from(s) {
         Ok(pb::NodeState::Joining) => "JOINING",
         Ok(pb::NodeState::Ready) => "READY",
@@ -299,7 +195,8 @@ pub fn nodes(cmd: NodesCommand) -> Result<()> {
     rt.block_on(async move {
         let target = match &cmd {
             NodesCommand::List(t) => t,
-            NodesCommand::Drain(a) | NodesCommand::Cordon(a) | NodesCommand::Uncordon(a) => &a.target,
+            NodesCommand::Drain(d) => &d.node.target,
+            NodesCommand::Cordon(a) | NodesCommand::Uncordon(a) => &a.target,
         };
         let url = &target.coordinator;
         let endpoint = connect::endpoint(url, &target.tls)?;
@@ -329,11 +226,20 @@ pub fn nodes(cmd: NodesCommand) -> Result<()> {
                     );
                 }
             }
-            NodesCommand::Drain(a) | NodesCommand::Cordon(a) | NodesCommand::Uncordon(a) if a.id.is_empty() => {
+            NodesCommand::Drain(DrainArgs { node: a, .. }) | NodesCommand::Cordon(a) | NodesCommand::Uncordon(a)
+                if a.id.is_empty() =>
+            {
                 bail!("a node id is required")
             }
-            NodesCommand::Drain(a) => {
-                report(client.drain_node(pb::NodeRequest { node_id: a.id.clone() }).await, &a.id)?
+            NodesCommand::Drain(d) => {
+                let id = &d.node.id;
+                report(client.drain_node(pb::NodeRequest { node_id: id.clone() }).await, id)?;
+                if !d.no_wait {
+                    let timeout = std::time::Duration::from_secs(d.timeout);
+                    eprintln!("waiting up to {} s for {id} to be drained (--no-wait returns at once)", d.timeout);
+                    let took = drain::wait_drained(&mut client, id, timeout, |line| eprintln!("{line}")).await?;
+                    println!("{id}: drained in {:.1} s (CORDONED, no layers, no KV in use)", took.as_secs_f64());
+                }
             }
             NodesCommand::Cordon(a) => {
                 report(client.cordon_node(pb::NodeRequest { node_id: a.id.clone() }).await, &a.id)?

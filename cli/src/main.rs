@@ -2,10 +2,14 @@
 
 mod bench;
 mod bench_cluster;
+mod chaos;
+mod client;
 mod cluster;
 mod connect;
+mod drain;
 mod generate;
 mod load;
+mod retry;
 
 use clap::{Parser, Subcommand};
 use strata_proto::LogArgs;
@@ -36,12 +40,15 @@ enum Command {
     /// Inspect and manage a cluster's stage nodes.
     #[command(subcommand)]
     Nodes(cluster::NodesCommand),
+    /// Inject faults (crashes, hangs, drains, joins, etcd pauses, leader failover) into a real cluster of
+    /// processes under streamed load and compare every stream with an undisturbed run.
+    Chaos(chaos::ChaosArgs),
 }
 
 #[derive(Subcommand)]
 enum ClientCommand {
     /// Generate through the cluster (same flags and output as `strata generate`).
-    Generate(cluster::ClientGenerateArgs),
+    Generate(client::ClientGenerateArgs),
 }
 
 fn main() {
@@ -52,8 +59,9 @@ fn main() {
         Command::Bench(a) => bench::run(a),
         Command::Convert(a) => load::convert(a),
         Command::Local(a) => cluster::local(a),
-        Command::Client(ClientCommand::Generate(a)) => cluster::client_generate(a),
+        Command::Client(ClientCommand::Generate(a)) => client::client_generate(a),
         Command::Nodes(c) => cluster::nodes(c),
+        Command::Chaos(a) => chaos::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
