@@ -185,6 +185,7 @@ pub(crate) fn state_name(s: i32) -> &'static str {
         Ok(pb::NodeState::Ready) => "READY",
         Ok(pb::NodeState::Draining) => "DRAINING",
         Ok(pb::NodeState::Cordoned) => "CORDONED",
+        Ok(pb::NodeState::Failed) => "FAILED",
         _ => "UNKNOWN",
     }
 }
