@@ -9,7 +9,7 @@
 # timestamps), chaos.md (the table), logs/<scenario>/*.log (every process's output), command.txt.
 # Exits non-zero when a scenario failed a request or changed a token — on today's code, expect that.
 # Extra arguments go to `strata chaos` (e.g. --scenario crash-middle --scenario hang --etcd-pause-secs 10).
-# Needs etcd on PATH (`scripts/setup test` installs it). Takes about 5-10 min on 2 cores.
+# Needs etcd on PATH (`scripts/setup test` installs it). Takes about 3-5 min on 2 cores once built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model="$(scripts/fetch-model.sh)"
