@@ -389,7 +389,7 @@ impl<R: Registry> Coordinator<R> {
     /// Leaves a stage the pipeline could not reach out of placement for the suspect period; returns whether that
     /// calls for a new plan (it is in the current one).
     fn suspect(&self, term: &mut LeaderState, s: Suspect) -> bool {
-        if !term.plan.as_ref().is_some_and(|p| p.stage_of(&s.node_id).is_some()) {
+        if term.plan.as_ref().is_none_or(|p| p.stage_of(&s.node_id).is_none()) {
             return false;
         }
         let until = Instant::now() + self.config.suspect_for();

@@ -391,10 +391,11 @@ impl Actor {
     /// When the loop must wake up even if nothing arrives: the next retry, batch deadline or recovery deadline.
     fn next_wakeup(&self, now: Instant) -> Instant {
         let mut wake = now + Duration::from_secs(3600);
-        if self.stream.is_none() && !self.connecting {
-            if let Some(t) = self.retry_at {
-                wake = wake.min(t);
-            }
+        if self.stream.is_none()
+            && !self.connecting
+            && let Some(t) = self.retry_at
+        {
+            wake = wake.min(t);
         }
         if let Some(sent) = self.scheduler.oldest_batch_sent() {
             wake = wake.min(sent + self.timeouts.batch);
@@ -407,11 +408,12 @@ impl Actor {
 
     /// Tells those waiting for a graceful shutdown that nothing is left to do.
     fn notify_quiesced(&mut self) {
-        if self.scheduler.is_idle() && self.pending.is_empty() {
-            if let Some(waiters) = self.quiescing.as_mut() {
-                for done in waiters.drain(..) {
-                    let _ = done.send(());
-                }
+        if self.scheduler.is_idle()
+            && self.pending.is_empty()
+            && let Some(waiters) = self.quiescing.as_mut()
+        {
+            for done in waiters.drain(..) {
+                let _ = done.send(());
             }
         }
     }
