@@ -75,6 +75,10 @@ pub struct Args {
     /// Memory available for weights and KV cache, in bytes (suffixes K, M, G, Ki, Mi, Gi accepted).
     #[arg(long, env = "STRATA_MEMORY_LIMIT")]
     memory_limit: Option<String>,
+    /// TTL of the worker's etcd lease in seconds: a worker that dies without deregistering leaves the cluster this
+    /// long after its last refresh (the coordinator plans around a stage it cannot reach sooner).
+    #[arg(long, env = "STRATA_LEASE_TTL_SECS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    lease_ttl_secs: u64,
     /// Milliseconds between HTTP/2 keepalive PINGs on the Stage server's connections and the link to the next
     /// stage.
     #[arg(long, env = "STRATA_KEEPALIVE_INTERVAL_MS", default_value_t = Keepalive::DEFAULT_INTERVAL_MS)]
@@ -134,7 +138,7 @@ impl Args {
                     registration: RegistrationOptions {
                         advertise: self.advertise.clone(),
                         memory_limit,
-                        ..RegistrationOptions::default()
+                        lease_ttl: Duration::from_secs(self.lease_ttl_secs),
                     },
                 })
             }
