@@ -429,9 +429,22 @@ impl<R: Registry> Coordinator<R> {
                 state: if term.suspects.contains_key(&n.node_id) { NodeState::Cordoned } else { n.state },
             })
             .collect();
-        let placed = placement::plan(&self.shape, &capacities).map_err(Error::Placement).and_then(|stages| {
-            stages.iter().map(plan_stage).collect::<Result<Vec<PlanStage>, _>>().map_err(Error::Wire)
+        // Keep the current pipeline order and insert newcomers where the fewest layers move.
+        let current: Vec<StageAssignment> = term.plan.as_ref().map_or_else(Vec::new, |p| {
+            p.stages
+                .iter()
+                .map(|s| StageAssignment {
+                    node_id: s.node_id.clone(),
+                    address: s.address.clone(),
+                    layer_start: s.layer_start as usize,
+                    layer_end: s.layer_end as usize,
+                })
+                .collect()
         });
+        let placed =
+            placement::plan_from(&self.shape, &capacities, &current).map_err(Error::Placement).and_then(|stages| {
+                stages.iter().map(plan_stage).collect::<Result<Vec<PlanStage>, _>>().map_err(Error::Wire)
+            });
         let stages = match placed {
             Ok(s) => s,
             Err(e) => {

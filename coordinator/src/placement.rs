@@ -3,6 +3,9 @@
 //! Usable nodes (READY, in `node_id` order) get layers in proportion to their speed (`1 / seconds_per_layer`),
 //! capped by what fits in their memory: weights of the layers, a KV reservation per layer, plus the embeddings
 //! on the first stage and the head on the last. A node whose share rounds to zero gets no stage.
+//!
+//! Replanning ([`plan_from`]) keeps the pipeline order of the plan in effect and inserts each new node where it
+//! makes the fewest layers load, so a join or a departure moves as few layers as the balance allows.
 
 use std::path::Path;
 
@@ -124,8 +127,20 @@ pub enum PlacementError {
     },
 }
 
-/// Computes contiguous stages over the usable nodes, or says why the model does not fit.
+/// Computes contiguous stages over the usable nodes (in `node_id` order), or says why the model does not fit.
 pub fn plan(model: &ModelShape, nodes: &[NodeCapacity]) -> Result<Vec<StageAssignment>, PlacementError> {
+    plan_from(model, nodes, &[])
+}
+
+/// Like [`plan`], moving as few layers as possible away from `current`, the stages of the plan in effect: its
+/// nodes that are still usable keep their pipeline order, and every other usable node (in `node_id` order) is
+/// inserted at the position where the fewest layers must load on any node (ties: the earliest position). Layer
+/// counts still follow speed and memory; only the order, which decides where the boundaries fall, is chosen.
+pub fn plan_from(
+    model: &ModelShape,
+    nodes: &[NodeCapacity],
+    current: &[StageAssignment],
+) -> Result<Vec<StageAssignment>, PlacementError> {
     let n = model.num_layers;
     if n == 0 {
         return Err(PlacementError::EmptyModel);
@@ -138,6 +153,46 @@ pub fn plan(model: &ModelShape, nodes: &[NodeCapacity]) -> Result<Vec<StageAssig
     if let Some(bad) = usable.iter().find(|c| !(c.seconds_per_layer.is_finite() && c.seconds_per_layer > 0.0)) {
         return Err(PlacementError::InvalidSpeed { node_id: bad.node_id.clone(), seconds: bad.seconds_per_layer });
     }
+    let mut order: Vec<&NodeCapacity> =
+        current.iter().filter_map(|s| usable.iter().find(|c| c.node_id == s.node_id).copied()).collect();
+    let newcomers: Vec<&NodeCapacity> =
+        usable.iter().filter(|c| !order.iter().any(|o| o.node_id == c.node_id)).copied().collect();
+    if order.is_empty() {
+        return place(model, newcomers);
+    }
+    for node in newcomers {
+        let mut best: Option<(usize, Vec<&NodeCapacity>)> = None;
+        for pos in 0..=order.len() {
+            let mut candidate = order.clone();
+            candidate.insert(pos, node);
+            let Ok(stages) = place(model, candidate.clone()) else { continue };
+            let cost = layers_to_load(current, &stages);
+            if best.as_ref().is_none_or(|(c, _)| cost < *c) {
+                best = Some((cost, candidate));
+            }
+        }
+        match best {
+            Some((_, candidate)) => order = candidate,
+            None => order.push(node),
+        }
+    }
+    place(model, order)
+}
+
+/// Layers the nodes of `next` must load that they do not hold in `current`.
+pub fn layers_to_load(current: &[StageAssignment], next: &[StageAssignment]) -> usize {
+    next.iter()
+        .map(|s| {
+            let held = current.iter().find(|c| c.node_id == s.node_id).map_or(0..0, |c| c.layer_start..c.layer_end);
+            let kept = s.layer_end.min(held.end).saturating_sub(s.layer_start.max(held.start));
+            (s.layer_end - s.layer_start) - kept
+        })
+        .sum()
+}
+
+/// Places the model on `usable` in this pipeline order.
+fn place(model: &ModelShape, mut usable: Vec<&NodeCapacity>) -> Result<Vec<StageAssignment>, PlacementError> {
+    let n = model.num_layers;
     // The first and last nodes carry extras; if either ends up with no layers the extras move on, so drop
     // it and place again. Every round removes a node, so this terminates.
     loop {
@@ -461,5 +516,31 @@ mod tests {
             let (lo, hi) = (lens.iter().min().copied().unwrap_or(0), lens.iter().max().copied().unwrap_or(0));
             prop_assert!(hi - lo <= 1, "{:?}", lens);
         }
+    }
+
+    #[test]
+    fn a_joining_node_goes_where_the_fewest_layers_move() -> Result<(), PlacementError> {
+        let big = 1 << 30;
+        let three = [node("a", big, 1.0), node("b", big, 1.0), node("c", big, 1.0)];
+        let current = plan(&shape(30), &three)?;
+        let ranges = |s: &[StageAssignment]| -> Vec<(String, usize, usize)> {
+            s.iter().map(|s| (s.node_id.to_string(), s.layer_start, s.layer_end)).collect()
+        };
+        assert_eq!(ranges(&current), [("a".into(), 0, 10), ("b".into(), 10, 20), ("c".into(), 20, 30)]);
+        let four = [three[0].clone(), three[1].clone(), three[2].clone(), node("d", big, 1.0)];
+        // From scratch d goes last (node id order) and 13 layers load; between b and c only 9 do.
+        let fresh = plan(&shape(30), &four)?;
+        assert_eq!(layers_to_load(&current, &fresh), 13);
+        let next = plan_from(&shape(30), &four, &current)?;
+        assert_eq!(
+            ranges(&next),
+            [("a".into(), 0, 8), ("b".into(), 8, 16), ("d".into(), 16, 23), ("c".into(), 23, 30)]
+        );
+        assert_eq!(layers_to_load(&current, &next), 9);
+        // A departure keeps the survivors' order; a plan of nodes that are all gone is placed from scratch.
+        let two = [three[0].clone(), three[2].clone()];
+        assert_eq!(ranges(&plan_from(&shape(30), &two, &next)?), [("a".into(), 0, 15), ("c".into(), 15, 30)]);
+        assert_eq!(plan_from(&shape(30), &four, &[])?, fresh);
+        Ok(())
     }
 }
