@@ -222,6 +222,10 @@ struct LeaderState {
     suspects: BTreeMap<NodeId, Instant>,
     /// This leadership's term, written into every plan.
     leadership_term: u64,
+    /// The stages of the last plan every stage loaded: where a plan that a stage cannot load rolls back to.
+    last_good: Option<Vec<PlanStage>>,
+    /// A placement a stage could not load; not written again until the nodes change.
+    failed_target: Option<Vec<PlanStage>>,
 }
 
 /// What wakes the leader up.
@@ -306,6 +310,8 @@ impl<R: Registry> Coordinator<R> {
             pending_drains: BTreeMap::new(),
             suspects: BTreeMap::new(),
             leadership_term: leadership.term(),
+            last_good: None,
+            failed_target: None,
         };
         tracing::info!(term = term.leadership_term, "leading");
         // Reports from before this term are about plans this leader did not serve.
@@ -313,6 +319,7 @@ impl<R: Registry> Coordinator<R> {
             while rx.try_recv().is_ok() {}
         }
         self.publish(&term);
+        note_loaded(&mut term);
         if let Some(lost) = deposed(self.reconcile(&mut term).await)? {
             return Ok(lost);
         }
@@ -355,6 +362,7 @@ impl<R: Registry> Coordinator<R> {
                 NodeEvent::Added(rec) => {
                     // Registered again: whatever made it unreachable is over (a restart, a resumed process).
                     term.suspects.remove(&rec.node_id);
+                    term.failed_target = None;
                     let ready = rec.state == NodeState::Ready;
                     term.nodes.insert(rec.node_id.clone(), rec);
                     ready
@@ -364,20 +372,25 @@ impl<R: Registry> Coordinator<R> {
                         .plan
                         .as_ref()
                         .is_some_and(|p| rec.load_failed_epoch == p.epoch && p.stage_of(&rec.node_id).is_some());
-                    if failed_load {
-                        let reason = format!("could not load its layers of plan epoch {}", rec.load_failed_epoch);
-                        let epoch = rec.load_failed_epoch.0;
-                        self.suspect(&mut term, Suspect { node_id: rec.node_id.clone(), epoch, reason });
-                    }
                     let prev = term.nodes.insert(rec.node_id.clone(), rec.clone());
+                    if prev.as_ref().is_some_and(|p| p.state != rec.state) {
+                        term.failed_target = None;
+                    }
+                    if failed_load && let Some(lost) = deposed(self.load_failed(&mut term, &rec).await)? {
+                        return Ok(lost);
+                    }
                     // Speed re-measurements alone do not move layers; membership and capacity changes do.
                     failed_load
                         || prev.is_none_or(|p| {
                             p.state != rec.state || p.address != rec.address || p.memory_bytes != rec.memory_bytes
                         })
                 }
-                NodeEvent::Removed(id) => term.nodes.remove(&id).is_some(),
+                NodeEvent::Removed(id) => {
+                    term.failed_target = None;
+                    term.nodes.remove(&id).is_some()
+                }
             };
+            note_loaded(&mut term);
             self.publish(&term);
             let done = if replan { self.reconcile(&mut term).await } else { self.finish_drains(&mut term).await };
             if let Some(lost) = deposed(done)? {
@@ -454,6 +467,45 @@ impl<R: Registry> Coordinator<R> {
             }
         };
         self.view.update(|s| s.placement_error = None);
+        if term.failed_target.as_ref() == Some(&stages) {
+            tracing::warn!(
+                "a stage could not load this placement before; keeping the plan in effect until the nodes change"
+            );
+            return self.finish_drains(term).await;
+        }
+        self.write_stages(term, stages).await?;
+        self.publish(term);
+        self.finish_drains(term).await
+    }
+
+    /// A stage could not load its range of the current plan: roll back to the last plan every stage loaded (the
+    /// failing worker still serves its range of it), and do not write the failed placement again until the nodes
+    /// change. Without such a plan, the worker is planned around for the suspect period instead.
+    async fn load_failed(&self, term: &mut LeaderState, rec: &NodeRecord) -> Result<()> {
+        let target = term.plan.as_ref().map(|p| p.stages.clone());
+        match term.last_good.clone() {
+            Some(good) if target.as_ref() != Some(&good) => {
+                tracing::warn!(
+                    node = %rec.node_id,
+                    epoch = %rec.load_failed_epoch,
+                    "a stage could not load its layers: rolling back to the last plan every stage loaded"
+                );
+                term.failed_target = target;
+                self.write_stages(term, good).await?;
+                self.publish(term);
+                Ok(())
+            }
+            _ => {
+                let reason = format!("could not load its layers of plan epoch {}", rec.load_failed_epoch);
+                let epoch = rec.load_failed_epoch.0;
+                self.suspect(term, Suspect { node_id: rec.node_id.clone(), epoch, reason });
+                Ok(())
+            }
+        }
+    }
+
+    /// Writes a plan of `stages` under this leader's term with the next epoch, unless the current plan is just that.
+    async fn write_stages(&self, term: &mut LeaderState, stages: Vec<PlanStage>) -> Result<()> {
         for _ in 0..3 {
             // Same stages under this leader's term: nothing to write. A plan of an older term is rewritten as is,
             // so that the stages learn the new term.
@@ -483,8 +535,7 @@ impl<R: Registry> Coordinator<R> {
                 Err(e) => return Err(e.into()),
             }
         }
-        self.publish(term);
-        self.finish_drains(term).await
+        Ok(())
     }
 
     /// Tracks draining nodes that the current plan excludes, and marks them CORDONED once every stage of the
@@ -531,6 +582,17 @@ impl<R: Registry> Coordinator<R> {
         }
         self.publish(term);
         Ok(())
+    }
+}
+
+/// Remembers the current plan as the last good one once every stage is READY with it loaded.
+fn note_loaded(term: &mut LeaderState) {
+    let Some(plan) = &term.plan else { return };
+    let loaded = plan.stages.iter().all(|s| {
+        term.nodes.get(&s.node_id).is_some_and(|n| n.state == NodeState::Ready && n.plan_epoch_loaded >= plan.epoch)
+    });
+    if loaded && !plan.stages.is_empty() {
+        term.last_good = Some(plan.stages.clone());
     }
 }
 

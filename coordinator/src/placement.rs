@@ -134,7 +134,8 @@ pub fn plan(model: &ModelShape, nodes: &[NodeCapacity]) -> Result<Vec<StageAssig
 
 /// Like [`plan`], moving as few layers as possible away from `current`, the stages of the plan in effect: its
 /// nodes that are still usable keep their pipeline order, and every other usable node (in `node_id` order) is
-/// inserted at the position where the fewest layers must load on any node (ties: the earliest position). Layer
+/// inserted at the position where the fewest layers must load on any node (ties: the latest position, so the first
+/// stage and its embeddings stay put when nothing is gained by moving them). Layer
 /// counts still follow speed and memory; only the order, which decides where the boundaries fall, is chosen.
 pub fn plan_from(
     model: &ModelShape,
@@ -167,7 +168,7 @@ pub fn plan_from(
             candidate.insert(pos, node);
             let Ok(stages) = place(model, candidate.clone()) else { continue };
             let cost = layers_to_load(current, &stages);
-            if best.as_ref().is_none_or(|(c, _)| cost < *c) {
+            if best.as_ref().is_none_or(|(c, _)| cost <= *c) {
                 best = Some((cost, candidate));
             }
         }

@@ -85,14 +85,15 @@ async fn plan_join_and_drain<R: Registry>(reg: R) -> anyhow::Result<()> {
     d.update(|r| r.state = NodeState::Ready).await?;
     regs.push(d);
     let s = wait(&view, "plan with d", |s| epoch(s) == 2).await?;
-    ensure!(stage_ids(&s) == ["a", "b", "c", "d"], "{:?}", stage_ids(&s));
+    // Inserted where the fewest layers load (2 of 8), not appended (5 would).
+    ensure!(stage_ids(&s) == ["a", "d", "b", "c"], "{:?}", stage_ids(&s));
     ensure!(s.plan.as_ref().is_some_and(|p| p.covers_all_layers()));
     load_plan(&regs, &s).await?;
 
     // Drain b: a plan without it, then CORDONED once every stage has loaded that plan.
     drain_node(&reg, &NodeId::new("b")).await?;
     let s = wait(&view, "plan without b", |s| epoch(s) == 3).await?;
-    ensure!(stage_ids(&s) == ["a", "c", "d"], "{:?}", stage_ids(&s));
+    ensure!(stage_ids(&s) == ["a", "d", "c"], "{:?}", stage_ids(&s));
     ensure!(s.plan.as_ref().is_some_and(|p| p.covers_all_layers()));
     let b = reg.get_node(&NodeId::new("b")).await?.context("b")?;
     ensure!(b.state == NodeState::Draining, "b finished draining before the stages loaded epoch 3");
@@ -253,6 +254,43 @@ async fn etcd_outage_is_survived_and_watches_resume() -> anyhow::Result<()> {
     ensure!(stage_ids(&s) == ["a", "b"], "{:?}", stage_ids(&s));
     ensure!(reg.get_node(a.node_id()).await?.is_some(), "a's registration was lost");
     drop(b);
+    shutdown.cancel();
+    tokio::time::timeout(WAIT, task).await??.map_err(anyhow::Error::from)?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_plan_a_stage_cannot_load_is_rolled_back_to_the_last_loaded_one() -> anyhow::Result<()> {
+    let reg = EmbeddedRegistry::new("rollback");
+    let dir = tempfile::tempdir()?;
+    let model = tiny_model(dir.path(), LAYERS)?;
+    let cfg = config(&model, 3, "solo");
+    let shape = ModelShape::from_model_path(&model, cfg.kv_reserve_tokens)?;
+    let coordinator = Coordinator::new(reg.clone(), cfg, shape, "tiny".into());
+    let view = coordinator.view();
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(coordinator.run(shutdown.clone()));
+    let ttl = Duration::from_secs(5);
+    let mut regs = Vec::new();
+    for id in ["a", "b", "c"] {
+        regs.push(reg.register_node(node(id, NodeState::Ready), ttl).await?);
+    }
+    let first = wait(&view, "first plan", |s| epoch(s) == 1).await?;
+    load_plan(&regs, &first).await?;
+    let loaded = |s: &ClusterSnapshot| s.nodes.iter().filter(|n| n.plan_epoch_loaded.0 == 1).count() == 3;
+    wait(&view, "epoch 1 loaded", loaded).await?;
+
+    // d joins; b cannot load its new range of epoch 2 (it keeps serving epoch 1's).
+    regs.push(reg.register_node(node("d", NodeState::Ready), ttl).await?);
+    let second = wait(&view, "plan with d", |s| epoch(s) == 2).await?;
+    ensure!(stage_ids(&second).contains(&"d".to_owned()));
+    regs[1].update(|r| r.load_failed_epoch = strata_proto::PlanEpoch(2)).await?;
+    let third = wait(&view, "rollback", |s| epoch(s) == 3).await?;
+    let stages = |s: &ClusterSnapshot| s.plan.as_ref().map(|p| p.stages.clone());
+    ensure!(stages(&third) == stages(&first), "epoch 3 must be epoch 1's stages: {:?}", third.plan);
+    // The placement that failed is not written again while the nodes stay as they are.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    ensure!(epoch(&view.snapshot()) == 3, "{:?}", view.snapshot().plan);
     shutdown.cancel();
     tokio::time::timeout(WAIT, task).await??.map_err(anyhow::Error::from)?;
     Ok(())
