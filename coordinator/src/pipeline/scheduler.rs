@@ -129,7 +129,7 @@ impl Scheduler {
             by_seq_id: HashMap::new(),
             waiting: VecDeque::new(),
             batches: HashMap::new(),
-            next_seq: 1,
+            next_seq: first_seq_id(term),
             next_req: 1,
             next_batch: 1,
         }
@@ -523,6 +523,10 @@ impl Scheduler {
     /// the new one. The budget is dropped until [`Scheduler::set_budget`]. The releases returned go to the old
     /// stages (they may keep serving another epoch).
     pub(super) fn set_plan(&mut self, epoch: u64, term: u64, stages: usize) -> Vec<Effect> {
+        if term != self.term {
+            // Before the requeue, so that the recomputed sequences get ids of the new term.
+            self.next_seq = self.next_seq.max(first_seq_id(term));
+        }
         let effects = self.abandon_and_requeue(Requeue::PlanChanged);
         self.epoch = epoch;
         self.term = term;
@@ -583,6 +587,12 @@ fn fail(id: RequestId, seq: &mut Seq, error: ServiceError, effects: &mut Vec<Eff
         seq.done = true;
         effects.push(Effect::Fail { req: id, error });
     }
+}
+
+/// The first sequence id of leadership `term`: the term in the high 32 bits, so the ids of different coordinators
+/// and of a restarted one (a new election, a higher term) never meet on a stage. Term 0 (no election) counts from 1.
+fn first_seq_id(term: u64) -> u64 {
+    (term.min(u64::from(u32::MAX)) << 32) | 1
 }
 
 /// Whether a batch error means the stages could not run it (down, hung, restarting, on another plan epoch or

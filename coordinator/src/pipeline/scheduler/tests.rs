@@ -497,3 +497,19 @@ fn a_sequence_running_through_too_many_stage_failures_fails_instead_of_looping()
     }
     Ok(())
 }
+
+#[test]
+fn sequence_ids_carry_the_leadership_term_so_coordinators_never_share_one() -> Result<(), ServiceError> {
+    let now = Instant::now();
+    let limits = SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens: 512 };
+    let mut s = Scheduler::new(limits, EPOCH, 9, 1);
+    s.set_budget(KvBudget::new(4, 100));
+    s.admit(&request(&[1], 4))?;
+    assert_eq!(seq_ids(&s.schedule(now)), vec![vec![(9 << 32) | 1]]);
+    // A later term (this coordinator re-elected): ids continue above it; the recompute gets one of them.
+    s.set_plan(EPOCH + 1, 12, 1);
+    s.set_budget(KvBudget::new(4, 100));
+    assert_eq!(seq_ids(&s.schedule(now)), vec![vec![(12 << 32) | 1]]);
+    assert!(sent(&s.schedule(now)).iter().all(|b| b.term == 12));
+    Ok(())
+}
