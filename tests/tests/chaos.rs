@@ -1,21 +1,23 @@
-//! The membership changes of `tests/faults.rs` through both public APIs: `strata chaos` runs 16 streams, half
-//! through gRPC `Generate` and half through the OpenAI HTTP API with server-sent events (half greedy, half seeded),
-//! against real processes, kills, freezes, drains and adds a stage, and must report every scenario passed: no failed
-//! request and every stream identical to the undisturbed run, during the fault and after it.
+//! Every fault of `tests/faults.rs` and `tests/failover.rs` through both public APIs: `strata chaos` runs 16
+//! streams, half through gRPC `Generate` and half through the OpenAI HTTP API with server-sent events (half greedy,
+//! half seeded), against real processes; it kills the first, middle or last stage, freezes one, drains one, adds
+//! one, freezes etcd for 30 s and kills the leader coordinator (clients retry on the standby), and must report every
+//! scenario passed: no failed request and every stream identical to the undisturbed run, during the fault and
+//! after it.
 
 use std::process::Command;
 
 use anyhow::{Context, Result, ensure};
 use strata_testkit::{smollm2, workspace_bin};
 
-#[test]
-fn crash_hang_drain_and_join_lose_nothing_through_grpc_and_http() -> Result<()> {
+/// Runs `strata chaos` on `scenarios` and checks that every one passed.
+fn chaos(scenarios: &str) -> Result<()> {
     let strata = workspace_bin("strata")?;
     let bin_dir = strata.parent().context("no target directory")?.to_path_buf();
     let dir = tempfile::tempdir()?;
     let json_path = dir.path().join("chaos.json");
     let out = Command::new(&strata)
-        .args(["chaos", "--scenario", "crash-middle,hang,drain,join", "--json"])
+        .args(["chaos", "--scenario", scenarios, "--json"])
         .arg(&json_path)
         .arg("--model")
         .arg(smollm2())
@@ -32,4 +34,14 @@ fn crash_hang_drain_and_join_lose_nothing_through_grpc_and_http() -> Result<()> 
     }
     ensure!(out.status.success() && report["passed"] == true, "strata chaos failed:\n{stdout}");
     Ok(())
+}
+
+#[test]
+fn crashes_and_a_hang_lose_nothing_through_grpc_and_http() -> Result<()> {
+    chaos("crash-first,crash-middle,crash-last,hang")
+}
+
+#[test]
+fn drain_join_etcd_pause_and_failover_lose_nothing_through_grpc_and_http() -> Result<()> {
+    chaos("drain,join,etcd-pause,coordinator-failover")
 }
