@@ -14,6 +14,15 @@ use strata_tests::processes::{ProcessCluster, load, request, signal, status};
 use strata_tests::smollm2;
 use tokio::sync::Notify;
 
+/// Three workers, a leader and a standby: the cluster, the leader's index, and the leader's and standby's URLs.
+async fn leader_and_standby() -> Result<(ProcessCluster, usize, String, String)> {
+    let mut cluster = ProcessCluster::start(&smollm2(), 3, 1).await?;
+    cluster.add_coordinator(&["--min-stages=3"])?;
+    let leader = cluster.leader().await?;
+    let (url, standby) = (cluster.coordinators[leader].url.clone(), cluster.coordinators[1 - leader].url.clone());
+    Ok((cluster, leader, url, standby))
+}
+
 /// Generates through `url` until it works (or `within` passes); returns how long that took.
 async fn first_success(url: &str, within: Duration) -> Result<Duration> {
     let started = Instant::now();
@@ -48,10 +57,7 @@ async fn first_success(url: &str, within: Duration) -> Result<Duration> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_in_flight_streams_finish_then_the_standby_takes_over() -> Result<()> {
-    let mut cluster = ProcessCluster::start(&smollm2(), 3, 1).await?;
-    cluster.add_coordinator(&["--min-stages=3"])?;
-    let leader = cluster.leader().await?;
-    let (url, standby) = (cluster.coordinators[leader].url.clone(), cluster.coordinators[1 - leader].url.clone());
+    let (mut cluster, leader, url, standby) = leader_and_standby().await?;
     let baseline = load(url.clone(), 24, Arc::new(Notify::new())).await?;
     let producing = Arc::new(Notify::new());
     let run = tokio::spawn(load(url.clone(), 24, producing.clone()));
@@ -72,10 +78,7 @@ async fn sigterm_lets_in_flight_streams_finish_then_the_standby_takes_over() -> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_leader_leaves_retryable_errors_and_the_standby_serves_within_15_s() -> Result<()> {
-    let mut cluster = ProcessCluster::start(&smollm2(), 3, 1).await?;
-    cluster.add_coordinator(&["--min-stages=3"])?;
-    let leader = cluster.leader().await?;
-    let (url, standby) = (cluster.coordinators[leader].url.clone(), cluster.coordinators[1 - leader].url.clone());
+    let (cluster, leader, url, standby) = leader_and_standby().await?;
     let producing = Arc::new(Notify::new());
     let run = tokio::spawn(load(url.clone(), 48, producing.clone()));
     tokio::time::timeout(Duration::from_secs(60), producing.notified()).await.context("streams never started")?;
@@ -106,16 +109,20 @@ async fn a_killed_leader_leaves_retryable_errors_and_the_standby_serves_within_1
 
 /// Free and total KV blocks summed over the stages of the served plan.
 async fn kv_use(cluster: &ProcessCluster) -> Result<(u64, u64)> {
+    let statuses = stage_statuses(cluster).await?;
+    Ok((statuses.iter().map(|s| s.kv_free_blocks).sum(), statuses.iter().map(|s| s.kv_total_blocks).sum()))
+}
+
+/// Every stage's own `Status`, for the stages of the plan the leader serves.
+async fn stage_statuses(cluster: &ProcessCluster) -> Result<Vec<strata_proto::pb::StageStatus>> {
     let leader = cluster.leader().await?;
     let s = status(&cluster.coordinators[leader].url).await?;
-    let (mut free, mut total) = (0, 0);
+    let mut statuses = Vec::new();
     for st in &s.stages {
         let mut client = strata_proto::pb::stage_client::StageClient::connect(format!("http://{}", st.address)).await?;
-        let status = client.status(strata_proto::pb::StageStatusRequest {}).await?.into_inner();
-        free += status.kv_free_blocks;
-        total += status.kv_total_blocks;
+        statuses.push(client.status(strata_proto::pb::StageStatusRequest {}).await?.into_inner());
     }
-    Ok((free, total))
+    Ok(statuses)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -186,13 +193,7 @@ async fn a_leader_cut_off_from_etcd_is_fenced_off_and_the_stages_never_mix_batch
 
 /// The leadership term every stage follows (they must agree).
 async fn stage_term(cluster: &ProcessCluster) -> Result<u64> {
-    let leader = cluster.leader().await?;
-    let s = status(&cluster.coordinators[leader].url).await?;
-    let mut terms = Vec::new();
-    for st in &s.stages {
-        let mut client = strata_proto::pb::stage_client::StageClient::connect(format!("http://{}", st.address)).await?;
-        terms.push(client.status(strata_proto::pb::StageStatusRequest {}).await?.into_inner().term);
-    }
+    let mut terms: Vec<u64> = stage_statuses(cluster).await?.iter().map(|s| s.term).collect();
     terms.dedup();
     ensure!(terms.len() == 1, "the stages follow different terms: {terms:?}");
     Ok(terms[0])

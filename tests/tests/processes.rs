@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use strata_proto::pb;
-use strata_proto::pb::coordinator_client::CoordinatorClient;
 use strata_testkit::{EtcdServer, Process, free_port, smollm2, workspace_bin};
+use strata_tests::processes::status;
 
 const PROMPT: [&str; 6] = ["--prompt", "The capital of France is", "--max-tokens", "6", "--format", "json"];
 
@@ -31,11 +31,6 @@ fn worker(etcd: &EtcdServer, model: &Path, id: &str) -> Result<Process> {
         .arg(model)
         .env("RUST_LOG", "info");
     Process::spawn(id, cmd)
-}
-
-async fn status(url: &str) -> Result<pb::ClusterStatusResponse> {
-    let mut client = CoordinatorClient::connect(url.to_owned()).await?;
-    Ok(client.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner())
 }
 
 /// Waits until the plan satisfies `ok` and every one of its stages is READY with that plan loaded (so the data

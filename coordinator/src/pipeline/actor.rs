@@ -197,11 +197,7 @@ impl Actor {
             None
         };
         if let Some(error) = refuse {
-            self.metrics.rejected(if error.code == ErrorCode::ResourceExhausted {
-                "overloaded"
-            } else {
-                "unavailable"
-            });
+            self.metrics.rejected(rejection_reason(error.code));
             let _ = p.reply.send(Err(error));
             return;
         }
@@ -219,11 +215,7 @@ impl Actor {
         let id = match result {
             Ok(id) => id,
             Err(e) => {
-                self.metrics.rejected(match e.code {
-                    ErrorCode::ResourceExhausted => "overloaded",
-                    ErrorCode::InvalidArgument => "too_long",
-                    _ => "unavailable",
-                });
+                self.metrics.rejected(rejection_reason(e.code));
                 return Err(e);
             }
         };
@@ -551,6 +543,15 @@ impl Actor {
             // RESOURCE_EXHAUSTED, and that batch is preempted and retried.
             let _ = released.send((generation, blocks)).await;
         });
+    }
+}
+
+/// The `requests_rejected` label of a request refused with `code`.
+fn rejection_reason(code: ErrorCode) -> &'static str {
+    match code {
+        ErrorCode::ResourceExhausted => "overloaded",
+        ErrorCode::InvalidArgument => "too_long",
+        _ => "unavailable",
     }
 }
 
