@@ -63,7 +63,7 @@ impl LocalCluster {
         for i in 0..stages {
             let mut cfg = WorkerConfig::new(format!("local-{i}"), model, None);
             cfg.threads = threads;
-            cfg.kv_blocks = kv_blocks;
+            cfg.kv_blocks = Some(kv_blocks);
             let w = Worker::start_registered(cfg, registry.clone(), RegistrationOptions::default(), "127.0.0.1:0")
                 .await
                 .with_context(|| format!("starting stage worker {i}"))?;
@@ -78,7 +78,7 @@ impl LocalCluster {
             cluster: "local".into(),
             min_stages: stages,
             candidate: Some("local-coordinator".into()),
-            kv_reserve_tokens: 256,
+            min_kv_tokens: Some(256),
             ..CoordinatorConfig::new(model, grpc, http)
         };
         let shutdown = CancellationToken::new();

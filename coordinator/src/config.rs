@@ -9,6 +9,7 @@ use strata_membership::{check_cluster_name, check_endpoints};
 use strata_proto::{Keepalive, Tls, TlsFiles};
 
 use crate::pipeline::{PipelineOptions, SchedulerLimits, Timeouts};
+use crate::sizing::SizeOptions;
 use crate::{Error, Result};
 
 /// Everything the coordinator needs to start.
@@ -42,9 +43,14 @@ pub struct CoordinatorConfig {
     /// How long to keep trying to reach etcd at start, in milliseconds.
     #[serde(default = "default_connect_timeout")]
     pub connect_timeout_ms: u64,
-    /// Tokens of KV cache each stage must be able to hold (placement reserves memory for them).
-    #[serde(default = "default_kv_reserve")]
-    pub kv_reserve_tokens: u64,
+    /// Longest sequence served (prompt + generated tokens); longer requests are refused. `None`: the model's
+    /// context length.
+    #[serde(default)]
+    pub max_model_len: Option<usize>,
+    /// Tokens of KV cache every stage must hold: placement reserves memory for them and a stage that cannot
+    /// fails its load. `None`: `max_model_len`, so one sequence of the longest length always fits.
+    #[serde(default)]
+    pub min_kv_tokens: Option<u64>,
     /// Requests running or queued at once; more are refused with `RESOURCE_EXHAUSTED` (HTTP 429).
     #[serde(default = "default_max_concurrent")]
     pub max_concurrent_requests: usize,
@@ -90,9 +96,6 @@ fn default_lease_ttl() -> u64 {
 fn default_connect_timeout() -> u64 {
     10_000
 }
-fn default_kv_reserve() -> u64 {
-    2048
-}
 fn default_batch_timeout() -> u64 {
     30_000
 }
@@ -135,7 +138,8 @@ impl CoordinatorConfig {
             candidate: None,
             lease_ttl_secs: default_lease_ttl(),
             connect_timeout_ms: default_connect_timeout(),
-            kv_reserve_tokens: default_kv_reserve(),
+            max_model_len: None,
+            min_kv_tokens: None,
             max_concurrent_requests: default_max_concurrent(),
             max_batch_tokens: default_max_batch_tokens(),
             batch_timeout_ms: default_batch_timeout(),
@@ -191,6 +195,27 @@ impl CoordinatorConfig {
             return bad("model path is empty".into());
         }
         Ok(())
+    }
+
+    /// The longest sequence served and the KV tokens every stage must hold, for a model whose context is
+    /// `model_context` tokens.
+    pub fn context(&self, model_context: usize) -> Result<(usize, u64)> {
+        let len = match self.max_model_len {
+            Some(0) => return Err(Error::Config("max_model_len must be at least 1".into())),
+            Some(n) if n > model_context => {
+                return Err(Error::Config(format!(
+                    "max_model_len {n} is longer than the model's context of {model_context} tokens"
+                )));
+            }
+            Some(n) => n,
+            None => model_context,
+        };
+        Ok((len, self.min_kv_tokens.unwrap_or(len as u64)))
+    }
+
+    /// How placement sizes the model when every stage must hold `min_kv_tokens` tokens of KV cache.
+    pub fn size_options(&self, min_kv_tokens: u64) -> SizeOptions {
+        SizeOptions { min_kv_tokens, max_batch_tokens: self.max_batch_tokens, ..SizeOptions::default() }
     }
 
     /// Loads and checks the TLS files; `None` when TLS is off. Errors name the file.
@@ -278,6 +303,14 @@ mod tests {
         assert!(c.validate().is_err_and(|e| e.to_string().contains("model_name")));
         c.model_name = Some("llama-8b".into());
         assert!(c.validate().is_ok());
+        let mut c = base();
+        assert_eq!(c.context(4096).ok(), Some((4096, 4096)), "the model's context, all of it in KV");
+        c.max_model_len = Some(1024);
+        assert_eq!(c.context(4096).ok(), Some((1024, 1024)));
+        c.min_kv_tokens = Some(64);
+        assert_eq!(c.context(4096).ok(), Some((1024, 64)));
+        c.max_model_len = Some(8192);
+        assert!(c.context(4096).is_err_and(|e| e.to_string().contains("max_model_len 8192")));
         let mut c = base();
         c.max_batch_tokens = 0;
         assert!(c.validate().is_err_and(|e| e.to_string().contains("max_batch_tokens")));

@@ -163,10 +163,19 @@ pub async fn run_with_registry<R: Registry>(
     shutdown: CancellationToken,
 ) -> Result<()> {
     config.validate()?;
-    let shape = ModelShape::from_model_path(&config.model, config.kv_reserve_tokens)?;
+    let model = ModelInfo::open(&config.model)?;
+    let (context, min_kv_tokens) = config.context(model.context)?;
+    let shape = ModelShape::from_model_path(&config.model, &config.size_options(min_kv_tokens))?;
     let model_name = config.model_name.clone().unwrap_or_else(|| model_name(&config.model));
-    tracing::info!(model = %model_name, layers = shape.num_layers, layer_bytes = shape.layer_bytes, "model sized");
-    let model = ModelInfo { name: model_name.clone(), ..ModelInfo::open(&config.model)? };
+    tracing::info!(
+        model = %model_name,
+        layers = shape.num_layers,
+        layer_bytes = shape.layer_bytes,
+        max_model_len = context,
+        min_kv_tokens,
+        "model sized"
+    );
+    let model = ModelInfo { name: model_name.clone(), context, ..model };
     let tls = config.tls()?;
     let grpc = bind("gRPC", config.grpc_addr).await?;
     let http = bind("HTTP", config.http_addr).await?;
@@ -519,6 +528,8 @@ impl<R: Registry> Coordinator<R> {
                 model: self.model_name.clone(),
                 num_layers: wire_u32("layer count", self.shape.num_layers).map_err(Error::Wire)?,
                 term: term.leadership_term,
+                min_kv_tokens: self.shape.kv_reserve_tokens,
+                max_batch_tokens: wire_u32("max batch tokens", self.config.max_batch_tokens).map_err(Error::Wire)?,
             };
             // Written at once: the pipeline keeps serving the old plan until every stage has loaded this one, then
             // recomputes the active sequences under it (serving::ready_plan; docs/architecture.md, plan epochs).

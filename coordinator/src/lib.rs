@@ -14,6 +14,7 @@ pub mod pipeline;
 pub mod placement;
 pub mod request;
 mod serving;
+mod sizing;
 pub mod stage_client;
 pub mod tls_listener;
 
@@ -25,4 +26,4 @@ pub use error::{Error, Result};
 pub use pipeline::{
     ModelInfo, Pipeline, PipelineOptions, SchedulerLimits, SeqEvent, SeqRequest, StepTiming, Suspect, Timeouts,
 };
-pub use placement::{ModelShape, NodeCapacity, PlacementError, StageAssignment};
+pub use placement::{ModelShape, NodeCapacity, PlacementError, SizeOptions, StageAssignment};

@@ -42,6 +42,14 @@ struct Args {
     /// Tokens per micro-batch (prompts longer than this are prefilled in chunks).
     #[arg(long, env = "STRATA_MAX_BATCH_TOKENS", default_value_t = 512)]
     max_batch_tokens: usize,
+    /// Longest sequence served, prompt plus generated tokens (default: the model's context length); longer
+    /// requests are refused.
+    #[arg(long, env = "STRATA_MAX_MODEL_LEN")]
+    max_model_len: Option<usize>,
+    /// Tokens of KV cache every stage must hold (default: --max-model-len): placement reserves memory for them,
+    /// and a stage that cannot hold them fails its load, naming the shortfall.
+    #[arg(long, env = "STRATA_MIN_KV_TOKENS")]
+    min_kv_tokens: Option<u64>,
     /// Name this coordinator campaigns under (default `coordinator-<pid>`; the chart uses the pod name).
     #[arg(long, env = "STRATA_CANDIDATE")]
     candidate: Option<String>,
@@ -89,6 +97,8 @@ async fn main() -> anyhow::Result<()> {
     config.connect_timeout_ms = args.connect_timeout_ms;
     config.max_concurrent_requests = args.max_concurrent_requests;
     config.max_batch_tokens = args.max_batch_tokens;
+    config.max_model_len = args.max_model_len;
+    config.min_kv_tokens = args.min_kv_tokens;
     config.candidate = args.candidate;
     config.lease_ttl_secs = args.lease_ttl_secs;
     config.batch_timeout_ms = args.batch_timeout_ms;

@@ -1,65 +1,18 @@
 //! Placement: a pure function from the model's shape and the nodes' capacities to contiguous layer ranges.
 //!
 //! Usable nodes (READY, in `node_id` order) get layers in proportion to their speed (`1 / seconds_per_layer`),
-//! capped by what fits in their memory: weights of the layers, a KV reservation per layer, plus the embeddings
-//! on the first stage and the head on the last. A node whose share rounds to zero gets no stage.
+//! capped by what fits in their memory: weights of the layers, a KV reservation per layer, what every stage holds
+//! besides ([`ModelShape::stage_overhead_bytes`]), plus the embeddings on the first stage and the head and logits
+//! on the last. A node whose share rounds to zero gets no stage.
 //!
 //! Replanning ([`plan_from`]) keeps the pipeline order of the plan in effect and inserts each new node where it
 //! makes the fewest layers load, so a join or a departure moves as few layers as the balance allows.
 
-use std::path::Path;
-
-use strata_engine::layout::ModelLayout;
-use strata_engine::loader::ModelFiles;
 use strata_proto::NodeId;
 
 use strata_membership::NodeState;
 
-/// What placement needs to know about the model.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ModelShape {
-    /// Number of transformer layers.
-    pub num_layers: usize,
-    /// Weight bytes of one layer (the largest, if they differ).
-    pub layer_bytes: u64,
-    /// Bytes held only by the first stage (token embeddings).
-    pub embed_bytes: u64,
-    /// Bytes held only by the last stage (final norm and LM head).
-    pub head_bytes: u64,
-    /// KV cache bytes one token takes in one layer.
-    pub kv_bytes_per_token_layer: u64,
-    /// Tokens of KV cache every stage must be able to hold.
-    pub kv_reserve_tokens: u64,
-}
-
-impl ModelShape {
-    /// Sizes a model from its files: real tensor byte sizes (quantized types included), f32 KV cache.
-    pub fn from_model_path(path: &Path, kv_reserve_tokens: u64) -> crate::Result<Self> {
-        let files = ModelFiles::open(path)?;
-        let layout = ModelLayout::new(files.config());
-        let as_stored = |dtype| dtype;
-        let mut layer_bytes = 0;
-        for i in 0..files.config().num_layers {
-            layer_bytes =
-                layer_bytes.max(layout.layer_matrix_bytes(&files, i, &as_stored)? + layout.layer_vector_bytes());
-        }
-        // The last stage may not hold the embeddings, so a tied head counts in full.
-        let head_bytes = layout.head_bytes(&files, &as_stored, false)?;
-        Ok(ModelShape {
-            num_layers: files.config().num_layers,
-            layer_bytes: layer_bytes as u64,
-            embed_bytes: layout.embed_bytes(&files, &as_stored)? as u64,
-            head_bytes: head_bytes as u64,
-            kv_bytes_per_token_layer: layout.kv_bytes_per_token_layer(4) as u64,
-            kv_reserve_tokens,
-        })
-    }
-
-    /// Memory one layer costs on a node: weights plus its KV reservation.
-    pub fn layer_cost(&self) -> u64 {
-        self.layer_bytes.saturating_add(self.kv_bytes_per_token_layer.saturating_mul(self.kv_reserve_tokens))
-    }
-}
+pub use crate::sizing::{ModelShape, SizeOptions};
 
 /// What placement needs to know about one node.
 #[derive(Debug, Clone, PartialEq)]
@@ -202,11 +155,9 @@ fn place(model: &ModelShape, mut usable: Vec<&NodeCapacity>) -> Result<Vec<Stage
             .iter()
             .enumerate()
             .map(|(i, c)| {
-                let extras = if i == 0 { model.embed_bytes } else { 0 }.saturating_add(if i == k - 1 {
-                    model.head_bytes
-                } else {
-                    0
-                });
+                let first = if i == 0 { model.embed_bytes } else { 0 };
+                let last = if i == k - 1 { model.head_bytes.saturating_add(model.logits_bytes) } else { 0 };
+                let extras = model.stage_overhead_bytes.saturating_add(first).saturating_add(last);
                 layers_fitting(c.memory_bytes, extras, model.layer_cost()).min(n)
             })
             .collect();
@@ -318,6 +269,8 @@ fn apportion(n: usize, weights: &[f64], caps: &[usize]) -> Vec<usize> {
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use proptest::prelude::*;
 
     use super::*;
@@ -330,6 +283,8 @@ mod tests {
             head_bytes: 70,
             kv_bytes_per_token_layer: 1,
             kv_reserve_tokens: 10,
+            stage_overhead_bytes: 0,
+            logits_bytes: 0,
         }
     }
 
@@ -358,6 +313,12 @@ mod tests {
     /// before it went through the engine's layout module gave.
     #[test]
     fn model_sizes_come_from_the_engine_layout() -> anyhow::Result<()> {
+        // Weights and KV only: the overheads are sizing's own test.
+        let opts = SizeOptions { min_kv_tokens: 7, ..SizeOptions::default() };
+        let sized = |p: &Path| -> anyhow::Result<ModelShape> {
+            let got = ModelShape::from_model_path(p, &opts)?;
+            Ok(ModelShape { stage_overhead_bytes: 0, logits_bytes: 0, ..got })
+        };
         let shape = |layers, layer, embed, head, kv| ModelShape {
             num_layers: layers,
             layer_bytes: layer,
@@ -365,6 +326,8 @@ mod tests {
             head_bytes: head,
             kv_bytes_per_token_layer: kv,
             kv_reserve_tokens: 7,
+            stage_overhead_bytes: 0,
+            logits_bytes: 0,
         };
         // SmolLM2-135M Q4_1 GGUF: hidden 576, MLP 1536, q 576, kv 192; Q4_1 layers (20 bytes per 32), a Q8_0
         // embedding table (34 per 32) of 49152 × 576 that the tied head reuses, f32 norms and KV.
@@ -372,20 +335,20 @@ mod tests {
         let smol_layer = q4_1(2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576) + 2 * 576 * 4;
         let smol_embed = 49152 * 576 / 32 * 34;
         let expected = shape(30, smol_layer, smol_embed, 576 * 4 + smol_embed, 2 * 192 * 4);
-        assert_eq!(ModelShape::from_model_path(&strata_testkit::smollm2(), 7)?, expected);
+        assert_eq!(sized(&strata_testkit::smollm2())?, expected);
         // The same shape as f32 synthetic weights.
         let layer = (2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576 + 2 * 576) * 4;
         let expected = shape(30, layer, 49152 * 576 * 4, (576 + 49152 * 576) * 4, 2 * 192 * 4);
-        assert_eq!(ModelShape::from_model_path(Path::new("random:smollm2"), 7)?, expected);
+        assert_eq!(sized(Path::new("random:smollm2"))?, expected);
         // random:tiny in bf16, untied: hidden 128, MLP 256, q 128, kv 64, vocab 512.
         let layer = (2 * 128 * 128 + 2 * 64 * 128 + 3 * 256 * 128) * 2 + 2 * 128 * 4;
         let expected = shape(4, layer, 512 * 128 * 2, 128 * 4 + 512 * 128 * 2, 2 * 64 * 4);
-        assert_eq!(ModelShape::from_model_path(Path::new("random:tiny:bf16"), 7)?, expected);
+        assert_eq!(sized(Path::new("random:tiny:bf16"))?, expected);
         // A Qwen2-shaped safetensors directory: its q/k/v biases count with the norms.
         let dir = tempfile::tempdir()?;
         let layer = (2 * 64 * 64 + 2 * 32 * 64 + 3 * 96 * 64) * 2 + (2 * 64 + 64 + 2 * 32) * 4;
         let expected = shape(4, layer, 300 * 64 * 2, 64 * 4 + 300 * 64 * 2, 2 * 32 * 4);
-        assert_eq!(ModelShape::from_model_path(&qwen_like(dir.path())?, 7)?, expected);
+        assert_eq!(sized(&qwen_like(dir.path())?)?, expected);
         Ok(())
     }
 
@@ -401,8 +364,9 @@ mod tests {
             assert!(s.layer_start < s.layer_end, "no empty stage");
             let node = nodes.iter().find(|c| c.node_id == s.node_id).expect("stage on a known node");
             assert_eq!(node.state, NodeState::Ready);
-            let extras = if s.layer_start == 0 { m.embed_bytes } else { 0 }
-                + if s.layer_end == m.num_layers { m.head_bytes } else { 0 };
+            let extras = m.stage_overhead_bytes
+                + if s.layer_start == 0 { m.embed_bytes } else { 0 }
+                + if s.layer_end == m.num_layers { m.head_bytes + m.logits_bytes } else { 0 };
             let used = extras + (s.layer_end - s.layer_start) as u64 * m.layer_cost();
             assert!(used <= node.memory_bytes, "{s:?} needs {used} > {}", node.memory_bytes);
         }

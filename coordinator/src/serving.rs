@@ -76,7 +76,15 @@ const SUSPECTS_BUFFER: usize = 64;
 
 /// The plan of a coordinator that serves nothing (standing by, or deposed).
 fn no_plan(model: &str) -> Plan {
-    Plan { epoch: PlanEpoch(0), stages: Vec::new(), model: model.to_owned(), num_layers: 0, term: 0 }
+    Plan {
+        epoch: PlanEpoch(0),
+        stages: Vec::new(),
+        model: model.to_owned(),
+        num_layers: 0,
+        term: 0,
+        min_kv_tokens: 0,
+        max_batch_tokens: 0,
+    }
 }
 
 /// On `shutdown`: the pipeline refuses new requests and the ones in flight get `grace` to finish; then `stop`.
@@ -161,6 +169,8 @@ mod tests {
             model: "m".into(),
             num_layers: 4,
             term: 0,
+            min_kv_tokens: 0,
+            max_batch_tokens: 0,
         };
         let mut s = ClusterSnapshot {
             nodes: vec![node("a", NodeState::Ready, 2), node("b", NodeState::Ready, 1)],

@@ -22,7 +22,7 @@ fn config(model: &std::path::Path, min_stages: usize, candidate: &str) -> Coordi
     c.min_stages = min_stages;
     c.candidate = Some(candidate.into());
     c.lease_ttl_secs = 1;
-    c.kv_reserve_tokens = 64;
+    c.min_kv_tokens = Some(64);
     c
 }
 
@@ -55,7 +55,7 @@ async fn plan_join_and_drain<R: Registry>(reg: R) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let model = tiny_model(dir.path(), LAYERS)?;
     let cfg = config(&model, 3, "solo");
-    let shape = ModelShape::from_model_path(&model, cfg.kv_reserve_tokens)?;
+    let shape = ModelShape::from_model_path(&model, &cfg.size_options(64))?;
     ensure!(shape.num_layers == LAYERS && shape.layer_bytes > 0 && shape.embed_bytes > 0);
     let coordinator = Coordinator::new(reg.clone(), cfg, shape, "tiny-llama".into());
     let view = coordinator.view();
@@ -141,7 +141,7 @@ async fn two_coordinators_one_leader_and_failover() -> anyhow::Result<()> {
     let mut running = Vec::new();
     for name in ["one", "two"] {
         let cfg = config(&model, 2, name);
-        let shape = ModelShape::from_model_path(&model, cfg.kv_reserve_tokens)?;
+        let shape = ModelShape::from_model_path(&model, &cfg.size_options(64))?;
         let c = Coordinator::new(common::registry(&server, "ha").await?, cfg, shape, "tiny".into());
         let (view, shutdown) = (c.view(), CancellationToken::new());
         let task = tokio::spawn(c.run(shutdown.clone()));
@@ -233,7 +233,7 @@ async fn etcd_outage_is_survived_and_watches_resume() -> anyhow::Result<()> {
     let model = tiny_model(dir.path(), LAYERS)?;
     let reg = common::registry(&server, "outage").await?;
     let cfg = config(&model, 1, "survivor");
-    let shape = ModelShape::from_model_path(&model, cfg.kv_reserve_tokens)?;
+    let shape = ModelShape::from_model_path(&model, &cfg.size_options(64))?;
     let coordinator = Coordinator::new(reg.clone(), cfg, shape, "tiny".into());
     let view = coordinator.view();
     let shutdown = CancellationToken::new();
@@ -265,7 +265,7 @@ async fn a_plan_a_stage_cannot_load_is_rolled_back_to_the_last_loaded_one() -> a
     let dir = tempfile::tempdir()?;
     let model = tiny_model(dir.path(), LAYERS)?;
     let cfg = config(&model, 3, "solo");
-    let shape = ModelShape::from_model_path(&model, cfg.kv_reserve_tokens)?;
+    let shape = ModelShape::from_model_path(&model, &cfg.size_options(64))?;
     let coordinator = Coordinator::new(reg.clone(), cfg, shape, "tiny".into());
     let view = coordinator.view();
     let shutdown = CancellationToken::new();

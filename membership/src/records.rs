@@ -122,6 +122,14 @@ pub struct Plan {
     /// fenced by it, so stages learn the term from the plan as well as from batches.
     #[serde(default)]
     pub term: u64,
+    /// Tokens of KV cache every stage must hold (the coordinator's `--min-kv-tokens`); a stage that cannot
+    /// fails its load. 0: no minimum (plans written before it existed).
+    #[serde(default)]
+    pub min_kv_tokens: u64,
+    /// Most tokens the coordinator puts in one micro-batch: stages size their activation workspace for it.
+    /// 0: the stage's default.
+    #[serde(default)]
+    pub max_batch_tokens: u32,
 }
 
 impl Plan {
@@ -188,6 +196,8 @@ mod tests {
             model: "m".into(),
             num_layers: 4,
             term: 0,
+            min_kv_tokens: 0,
+            max_batch_tokens: 0,
         };
         let text = serde_json::to_string(&plan)?;
         assert_eq!(serde_json::from_str::<Plan>(&text)?, plan);

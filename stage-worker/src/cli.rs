@@ -8,7 +8,7 @@ use clap::Parser;
 use strata_engine::{Device, FloatDtype, HiddenDtype, LayerRange};
 use strata_membership::{check_cluster_name, parse_endpoints};
 use strata_proto::{Keepalive, LogArgs, TlsArgs};
-use strata_stage_worker::{RegistrationOptions, WorkerConfig};
+use strata_stage_worker::{DEFAULT_MEMORY_FRACTION, RegistrationOptions, WorkerConfig};
 
 /// Serve one contiguous layer range of a model over strata's Stage gRPC service.
 #[derive(Debug, Parser)]
@@ -39,9 +39,10 @@ pub struct Args {
     /// Compute threads (0: one per core).
     #[arg(long, env = "STRATA_THREADS", default_value_t = 0)]
     threads: usize,
-    /// KV cache capacity in blocks.
-    #[arg(long, env = "STRATA_KV_BLOCKS", default_value_t = 256)]
-    kv_blocks: usize,
+    /// KV cache capacity in blocks (default: whatever the memory budget leaves after the weights and a
+    /// profiling batch).
+    #[arg(long, env = "STRATA_KV_BLOCKS")]
+    kv_blocks: Option<usize>,
     /// Tokens per KV block.
     #[arg(long, env = "STRATA_BLOCK_SIZE", default_value_t = 16)]
     block_size: usize,
@@ -72,9 +73,15 @@ pub struct Args {
     /// Address other nodes reach this worker at (host:port); defaults to --listen.
     #[arg(long, env = "STRATA_ADVERTISE")]
     advertise: Option<String>,
-    /// Memory available for weights and KV cache, in bytes (suffixes K, M, G, Ki, Mi, Gi accepted).
+    /// Memory the worker may hold, in bytes (suffixes K, M, G, Ki, Mi, Gi): all its resident pages, mapped weights
+    /// included; the KV cache gets what the weights and a profiling batch leave, and a plan change frees the old
+    /// layers before loading new ones. Default: --memory-fraction of the RAM.
     #[arg(long, env = "STRATA_MEMORY_LIMIT")]
     memory_limit: Option<String>,
+    /// Share of the RAM (or, on a GPU without --gpu-memory-limit, of the device's memory) the worker offers when
+    /// no limit is given, like vLLM's --gpu-memory-utilization.
+    #[arg(long, env = "STRATA_MEMORY_FRACTION", default_value_t = DEFAULT_MEMORY_FRACTION)]
+    memory_fraction: f64,
     /// TTL of the worker's etcd lease in seconds: a worker that dies without deregistering leaves the cluster this
     /// long after its last refresh (the coordinator plans around a stage it cannot reach sooner).
     #[arg(long, env = "STRATA_LEASE_TTL_SECS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
@@ -137,7 +144,6 @@ impl Args {
                     connect_timeout: Duration::from_millis(self.connect_timeout_ms),
                     registration: RegistrationOptions {
                         advertise: self.advertise.clone(),
-                        memory_limit,
                         lease_ttl: Duration::from_secs(self.lease_ttl_secs),
                     },
                 })
@@ -149,6 +155,8 @@ impl Args {
             plan_epoch: self.plan_epoch,
             threads: self.threads,
             kv_blocks: self.kv_blocks,
+            memory_limit,
+            memory_fraction: self.memory_fraction,
             block_size: self.block_size,
             hidden_dtype: self.hidden_dtype,
             device: self.device,
@@ -252,11 +260,11 @@ mod tests {
         let launch =
             args(&["--etcd", "http://a:2379, http://b:2379", "--advertise", "w:7000", "--memory-limit", "1Gi"])
                 .into_config()?;
+        assert_eq!(launch.config.memory_limit, Some(1 << 30));
         let etcd = launch.registry.context("registry expected")?;
         assert_eq!(etcd.endpoints, ["http://a:2379", "http://b:2379"]);
         assert_eq!(etcd.cluster, "default");
         assert_eq!(etcd.registration.advertise.as_deref(), Some("w:7000"));
-        assert_eq!(etcd.registration.memory_limit, Some(1 << 30));
         assert!(args(&[]).into_config().is_err(), "neither layers nor etcd");
         assert!(args(&["--layers", "0..4", "--etcd", "http://a:2379"]).into_config().is_err());
         assert!(args(&["--etcd", "http://a:2379", "--next", "h:1"]).into_config().is_err());

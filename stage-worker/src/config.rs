@@ -7,9 +7,14 @@ use strata_engine::{Device, FloatDtype, HiddenDtype, LayerRange};
 use strata_proto::{Keepalive, Tls, TlsFiles};
 
 use crate::error::{Error, Result};
+use crate::memory::{DEFAULT_MEMORY_FRACTION, DEFAULT_PROFILE_TOKENS};
 
-fn default_kv_blocks() -> usize {
-    256
+fn default_memory_fraction() -> f64 {
+    DEFAULT_MEMORY_FRACTION
+}
+
+fn default_max_batch_tokens() -> usize {
+    DEFAULT_PROFILE_TOKENS
 }
 
 fn default_block_size() -> usize {
@@ -48,9 +53,25 @@ pub struct WorkerConfig {
     /// CPU threads for compute (0: one per core).
     #[serde(default)]
     pub threads: usize,
-    /// KV cache capacity in blocks.
-    #[serde(default = "default_kv_blocks")]
-    pub kv_blocks: usize,
+    /// KV cache capacity in blocks; `None`: whatever the memory budget leaves after the weights and a profiling
+    /// batch (see [`crate::memory`]).
+    #[serde(default)]
+    pub kv_blocks: Option<usize>,
+    /// Memory the worker may hold on the CPU, in bytes: resident pages of the whole process, mapped weights
+    /// included. `None`: `memory_fraction` of the RAM. Set, it also makes a plan change free the old layers
+    /// before loading new ones, so two copies never coexist.
+    #[serde(default)]
+    pub memory_limit: Option<u64>,
+    /// Share of the RAM (CPU) or of the device's memory (GPU) the worker offers when no limit is given.
+    #[serde(default = "default_memory_fraction")]
+    pub memory_fraction: f64,
+    /// Tokens of KV cache the stage must hold, or its load fails (from the plan: the coordinator's
+    /// `--min-kv-tokens`).
+    #[serde(default)]
+    pub min_kv_tokens: u64,
+    /// Largest batch the coordinator schedules, in tokens: the size of the profiling batch (from the plan).
+    #[serde(default = "default_max_batch_tokens")]
+    pub max_batch_tokens: usize,
     /// Tokens per KV block.
     #[serde(default = "default_block_size")]
     pub block_size: usize,
@@ -96,7 +117,11 @@ impl WorkerConfig {
             stage_index: None,
             plan_epoch: None,
             threads: 0,
-            kv_blocks: default_kv_blocks(),
+            kv_blocks: None,
+            memory_limit: None,
+            memory_fraction: default_memory_fraction(),
+            min_kv_tokens: 0,
+            max_batch_tokens: default_max_batch_tokens(),
             block_size: default_block_size(),
             hidden_dtype: HiddenDtype::default(),
             device: Device::default(),
@@ -137,8 +162,17 @@ impl WorkerConfig {
             }
             _ => {}
         }
-        if self.kv_blocks == 0 {
+        if self.kv_blocks == Some(0) {
             return Err(Error::Config("kv_blocks must be at least 1".into()));
+        }
+        if self.memory_limit == Some(0) {
+            return Err(Error::Config("memory_limit must be more than 0 bytes".into()));
+        }
+        if !(self.memory_fraction > 0.0 && self.memory_fraction <= 1.0) {
+            return Err(Error::Config(format!("memory_fraction must be in (0, 1], not {}", self.memory_fraction)));
+        }
+        if self.max_batch_tokens == 0 {
+            return Err(Error::Config("max_batch_tokens must be at least 1".into()));
         }
         if self.block_size == 0 {
             return Err(Error::Config("block_size must be at least 1".into()));
@@ -228,7 +262,10 @@ mod tests {
         assert!(WorkerConfig { gpu_memory_limit: Some(0), ..gpu.clone() }.validate().is_err());
         assert!(matches!(WorkerConfig { layers: None, ..ok.clone() }.validate(), Err(Error::NoLayers)));
         assert!(WorkerConfig { node_id: " ".into(), ..ok.clone() }.validate().is_err());
-        assert!(WorkerConfig { kv_blocks: 0, ..ok.clone() }.validate().is_err());
+        assert!(WorkerConfig { kv_blocks: Some(0), ..ok.clone() }.validate().is_err());
+        assert!(WorkerConfig { memory_fraction: 0.0, ..ok.clone() }.validate().is_err());
+        assert!(WorkerConfig { memory_fraction: 1.5, ..ok.clone() }.validate().is_err());
+        assert!(WorkerConfig { memory_limit: Some(0), ..ok.clone() }.validate().is_err());
         assert!(WorkerConfig { keepalive_timeout_ms: 0, ..ok.clone() }.validate().is_err());
         let middle = WorkerConfig { layers: Some(LayerRange { start: 1, end: 2 }), ..ok.clone() };
         assert!(middle.validate().is_err(), "stage_index required");

@@ -19,9 +19,15 @@ impl From<&WorkerConfig> for DeviceSpec {
     }
 }
 
-/// Device bytes the KV cache of `layers` layers takes with `config`'s capacity.
+/// Device bytes the KV cache of `layers` layers must have room for with `config`: its fixed capacity, or, when the
+/// budget sizes it after loading, the tokens the plan asks for (at least one block), so that offload keeps as
+/// many layers resident as that allows and the KV cache gets the rest.
 pub fn kv_cache_bytes(config: &WorkerConfig, model: &ModelConfig, layers: usize, elem_bytes: usize) -> usize {
-    config.kv_blocks * config.block_size * layers * 2 * model.kv_dim() * elem_bytes
+    let tokens = match config.kv_blocks {
+        Some(blocks) => blocks * config.block_size,
+        None => usize::try_from(config.min_kv_tokens).unwrap_or(usize::MAX).max(config.block_size),
+    };
+    tokens.saturating_mul(layers * 2 * model.kv_dim() * elem_bytes)
 }
 
 /// Load options for a stage of `layers` layers on `backend`: the weight type and, with a GPU memory limit,
@@ -75,7 +81,7 @@ mod tests {
     #[test]
     fn the_gpu_budget_reserves_kv_and_workspace() -> Result<()> {
         let model = strata_engine::testing::tiny_config();
-        let base = WorkerConfig { kv_blocks: 10, block_size: 4, ..WorkerConfig::new("n", "/m", None) };
+        let base = WorkerConfig { kv_blocks: Some(10), block_size: 4, ..WorkerConfig::new("n", "/m", None) };
         let be = CpuBackend::new(1)?;
         assert_eq!(kv_cache_bytes(&base, &model, 2, 2), 10 * 4 * 2 * 2 * model.kv_dim() * 2);
         assert!(load_options(&base, &model, 2, &be).offload.is_none());
@@ -84,6 +90,11 @@ mod tests {
         let budget = opts.offload.map(|b| (b.limit_bytes, b.reserve_bytes));
         assert_eq!(budget, Some((8 << 30, kv_cache_bytes(&base, &model, 2, 4) + GPU_WORKSPACE_BYTES)));
         assert_eq!(opts.dtype, Some(strata_engine::tensor::DType::BF16));
+        // Sized from the budget: room for the plan's tokens (at least one block) is reserved before offloading.
+        let auto = WorkerConfig { kv_blocks: None, ..base.clone() };
+        assert_eq!(kv_cache_bytes(&auto, &model, 2, 2), 4 * 2 * 2 * model.kv_dim() * 2);
+        let planned = WorkerConfig { min_kv_tokens: 100, ..auto };
+        assert_eq!(kv_cache_bytes(&planned, &model, 2, 2), 100 * 2 * 2 * model.kv_dim() * 2);
         Ok(())
     }
 }

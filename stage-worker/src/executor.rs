@@ -106,12 +106,17 @@ pub struct ExecutorHandle {
 }
 
 impl ExecutorHandle {
-    /// Starts the executor thread, which owns `model` and a KV cache of `config.kv_blocks` ×
-    /// `config.block_size` tokens, and frees its sequences whenever `term` rises. It stops when every handle
-    /// is dropped, or when it panics.
-    pub fn spawn<B: Backend>(model: StageModel<B>, config: &WorkerConfig, term: TermFence) -> Result<Self> {
+    /// Starts the executor thread, which owns `model` and a KV cache of `kv_blocks` × `config.block_size`
+    /// tokens, and frees its sequences whenever `term` rises. It stops when every handle is dropped, or when it
+    /// panics; [`ExecutorHandle::death`] fires once it has stopped and freed the weights and the KV cache.
+    pub fn spawn<B: Backend>(
+        model: StageModel<B>,
+        config: &WorkerConfig,
+        kv_blocks: usize,
+        term: TermFence,
+    ) -> Result<Self> {
         let block_size = config.block_size;
-        let kv = model.new_kv_cache(config.kv_blocks, block_size)?;
+        let kv = model.new_kv_cache(kv_blocks, block_size)?;
         let facts = Arc::new(StageFacts {
             layers: model.range(),
             kv_total_blocks: kv.num_blocks() as u64,
@@ -214,6 +219,8 @@ fn wire_dtype(d: HiddenDtype) -> pb::Dtype {
 /// the process and the other stages' work go on, and the worker reports itself failed.
 fn run_contained<B: Backend>(mut exec: Executor<B>, mut rx: mpsc::Receiver<Command>, death: &Death) {
     let outcome = catch_unwind(AssertUnwindSafe(|| exec.run(&mut rx)));
+    // Weights and KV cache are freed before the death is announced, so a reload that waits for it has the room.
+    drop(exec);
     if let Err(payload) = outcome {
         let why = payload
             .downcast_ref::<&str>()

@@ -19,6 +19,7 @@ mod device;
 mod downstream;
 mod error;
 mod executor;
+mod memory;
 mod registration;
 mod sampler;
 mod server;
@@ -28,5 +29,6 @@ mod worker;
 
 pub use config::WorkerConfig;
 pub use error::{Error, Result};
+pub use memory::DEFAULT_MEMORY_FRACTION;
 pub use registration::{RegistrationOptions, run_registered};
 pub use worker::{Worker, run};

@@ -24,7 +24,8 @@ use tokio_util::sync::CancellationToken;
 use crate::config::WorkerConfig;
 use crate::device::load_options;
 use crate::error::{Error, Result};
-use crate::slot::StageSlot;
+use crate::memory::{budget, total_ram};
+use crate::slot::{ActiveStage, StageSlot};
 use crate::term::TermFence;
 use crate::worker::{LoadedStage, retarget, serve_slot};
 
@@ -36,15 +37,13 @@ pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(5);
 pub struct RegistrationOptions {
     /// Address other nodes reach this worker at; defaults to the bound address.
     pub advertise: Option<String>,
-    /// Memory for weights and KV cache in bytes; defaults to the machine's total RAM.
-    pub memory_limit: Option<u64>,
     /// TTL of the worker's lease.
     pub lease_ttl: Duration,
 }
 
 impl Default for RegistrationOptions {
     fn default() -> Self {
-        RegistrationOptions { advertise: None, memory_limit: None, lease_ttl: DEFAULT_LEASE_TTL }
+        RegistrationOptions { advertise: None, lease_ttl: DEFAULT_LEASE_TTL }
     }
 }
 
@@ -61,6 +60,10 @@ pub struct Assignment {
     pub layers: LayerRange,
     /// The next stage's address; `None` on the last stage.
     pub next: Option<String>,
+    /// KV tokens the stage must hold (0: no minimum).
+    pub min_kv_tokens: u64,
+    /// Largest micro-batch in tokens (0: the worker's default).
+    pub max_batch_tokens: u32,
 }
 
 impl Assignment {
@@ -75,6 +78,8 @@ impl Assignment {
             // Checked: a stored plan with an empty stage gives this node nothing to load, not an empty model.
             layers: LayerRange::try_from(stage.layer_start..stage.layer_end).ok()?,
             next: plan.stages.get(index + 1).map(|s| s.address.clone()),
+            min_kv_tokens: plan.min_kv_tokens,
+            max_batch_tokens: plan.max_batch_tokens,
         })
     }
 
@@ -90,6 +95,11 @@ impl Assignment {
             next: self.next.clone(),
             stage_index: Some(self.stage_index),
             plan_epoch: Some(self.epoch.0),
+            min_kv_tokens: self.min_kv_tokens,
+            max_batch_tokens: match self.max_batch_tokens {
+                0 => base.max_batch_tokens,
+                n => n as usize,
+            },
             ..base.clone()
         }
     }
@@ -139,23 +149,15 @@ fn time_layer<B: Backend>(model: &StageModel<B>, vocab: usize) -> Result<f64> {
     Ok(fastest.as_secs_f64().max(f64::MIN_POSITIVE))
 }
 
-/// Memory the node offers for weights and KV cache: `--memory-limit`, else on a GPU `--gpu-memory-limit`,
-/// else the machine's RAM. (A GPU without a limit reports RAM too: the device's size is only known once it is
-/// opened, which registration does not do before it is READY.)
-fn memory_bytes(config: &WorkerConfig, options: &RegistrationOptions) -> u64 {
+/// Memory the node offers for weights and KV cache: on a GPU `--gpu-memory-limit`, else `--memory-limit`, else
+/// `--memory-fraction` of the machine's RAM. (A GPU without a limit reports RAM too: the device's size is only
+/// known once it is opened, which registration does not do before it is READY.)
+fn memory_bytes(config: &WorkerConfig) -> u64 {
     let gpu = match config.device {
         Device::Cuda(_) => config.gpu_memory_limit,
         Device::Cpu => None,
     };
-    options.memory_limit.or(gpu).or_else(total_memory_bytes).unwrap_or(0)
-}
-
-/// Total RAM from `/proc/meminfo` (`MemTotal`), in bytes.
-pub fn total_memory_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
+    budget(gpu.or(config.memory_limit), config.memory_fraction, total_ram()).unwrap_or(0)
 }
 
 /// Registers with `registry`, serves on `listener` whatever the plan assigns, until `shutdown` is cancelled;
@@ -207,7 +209,7 @@ async fn membership<R: Registry>(
         node_id: node_id.clone(),
         address,
         device: config.device.to_string(),
-        memory_bytes: memory_bytes(config, options),
+        memory_bytes: memory_bytes(config),
         layer_seconds: 0.0,
         state: NodeState::Joining,
         plan_epoch_loaded: PlanEpoch(0),
@@ -309,16 +311,23 @@ impl<R: Registry> PlanFollower<'_, R> {
         let mut fresh = false;
         match &wanted {
             Some(a) => {
-                let serving = self.slot.current().filter(|s| !s.executor.is_dead());
                 let keep = self.current.as_ref().is_some_and(|c| c.same_weights(a));
+                // Only the stage to keep is held here: a stage being replaced must be free to stop.
+                let kept = self.slot.current().filter(|s| keep && !s.executor.is_dead());
                 let config = a.config(self.config);
                 let (epoch, layers, next) = (a.epoch.0, &a.layers, &a.next);
-                let stage = match serving {
-                    Some(stage) if keep => {
+                let stage = match kept {
+                    Some(stage) => {
                         tracing::info!(node = %node, epoch, %layers, ?next, "same layers: keeping weights and KV");
                         retarget(&stage, &config, self.tls.as_ref())
                     }
-                    _ => {
+                    None => {
+                        if self.config.memory_limit.is_some() || self.config.gpu_memory_limit.is_some() {
+                            // Under a limit two copies of the weights must never coexist: free the old stage
+                            // first (its sequences are recomputed under the new plan anyway).
+                            self.current = None;
+                            free_stage(self.slot.replace(None), node).await;
+                        }
                         tracing::info!(node = %node, epoch, %layers, ?next, "loading stage");
                         fresh = true;
                         LoadedStage::load(config, self.slot.term().clone()).await.and_then(LoadedStage::into_active)
@@ -356,6 +365,22 @@ impl<R: Registry> PlanFollower<'_, R> {
         })
         .await?;
         Ok(())
+    }
+}
+
+/// How long a replaced stage's in-flight batches get to finish before the new one loads anyway.
+const FREE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Drops `old` and waits until its executor has stopped and freed its weights and KV cache (its last in-flight
+/// batches answered), or [`FREE_TIMEOUT`].
+async fn free_stage(old: Option<Arc<ActiveStage>>, node: &str) {
+    let Some(old) = old else { return };
+    let stopped = old.executor.death();
+    drop(old);
+    if tokio::time::timeout(FREE_TIMEOUT, stopped.cancelled()).await.is_err() {
+        tracing::warn!(node, "the replaced stage is still busy; loading the new one beside it");
+    } else {
+        tracing::info!(node, "freed the replaced stage's weights and KV cache");
     }
 }
 
@@ -398,6 +423,8 @@ mod tests {
             model: "m".into(),
             num_layers: 4,
             term: 0,
+            min_kv_tokens: 0,
+            max_batch_tokens: 0,
         }
     }
 
@@ -412,7 +439,9 @@ mod tests {
                 model: "m".into(),
                 stage_index: 0,
                 layers: LayerRange { start: 0, end: 3 },
-                next: Some("b:1".into())
+                next: Some("b:1".into()),
+                min_kv_tokens: 0,
+                max_batch_tokens: 0,
             })
         );
         let b = Assignment::of(&p, &NodeId::new("b"));
@@ -427,7 +456,12 @@ mod tests {
     }
 
     #[test]
-    fn meminfo_is_read() {
-        assert!(total_memory_bytes().is_some_and(|b| b > 0));
+    fn a_node_offers_its_limit_or_a_share_of_the_ram() {
+        let cpu = WorkerConfig::new("a", "/m", None);
+        let ram = total_ram().unwrap_or(0) as f64;
+        assert_eq!(memory_bytes(&WorkerConfig { memory_limit: Some(7), ..cpu.clone() }), 7);
+        assert_eq!(memory_bytes(&WorkerConfig { memory_fraction: 0.5, ..cpu.clone() }), (ram * 0.5) as u64);
+        let gpu = WorkerConfig { device: Device::Cuda(0), gpu_memory_limit: Some(9), memory_limit: Some(7), ..cpu };
+        assert_eq!(memory_bytes(&gpu), 9);
     }
 }

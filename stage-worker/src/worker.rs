@@ -23,6 +23,7 @@ use crate::device::load_options;
 use crate::downstream::{Downstream, MAX_MESSAGE_BYTES};
 use crate::error::{Error, Result};
 use crate::executor::ExecutorHandle;
+use crate::memory::{mib, size_kv_cache};
 use crate::registration::{RegistrationOptions, run_registered};
 use crate::server::StageService;
 use crate::slot::{ActiveStage, StageSlot};
@@ -57,6 +58,7 @@ impl LoadedStage {
             layers = ?facts.layers,
             weight_bytes = facts.weight_bytes,
             kv_blocks = facts.kv_total_blocks,
+            kv_tokens = facts.kv_total_blocks * u64::from(facts.block_size),
             offloaded_layers = ?facts.offloaded_layers,
             device = %facts.device,
             "stage loaded"
@@ -122,7 +124,18 @@ impl OnBackend for LoadStage<'_> {
         let cfg = self.config;
         let opts = load_options(cfg, self.files.config(), self.layers.end - self.layers.start, &*backend);
         let model = StageModel::load(self.files, self.layers.to_range(), backend, &opts)?;
-        ExecutorHandle::spawn(model, cfg, self.term)
+        let kv = size_kv_cache(&model, cfg)?;
+        if let (Some(budget), Some(usage)) = (kv.budget, kv.usage) {
+            tracing::info!(
+                node = %cfg.node_id,
+                budget = %mib(budget),
+                peak = %mib(usage.peak),
+                kv_blocks = kv.blocks,
+                kv_tokens = kv.blocks * cfg.block_size,
+                "KV cache sized from the memory budget"
+            );
+        }
+        ExecutorHandle::spawn(model, cfg, kv.blocks, self.term)
     }
 }
 

@@ -133,7 +133,7 @@ async fn bad_batches_get_error_responses_and_the_stream_survives() -> Result<()>
 async fn first_stage_rejects_bad_token_ids_and_kv_exhaustion() -> Result<()> {
     let model = common::tiny_model()?;
     let mut cfg = stage_config(model.path(), 0, 0..4, None);
-    cfg.kv_blocks = 2;
+    cfg.kv_blocks = Some(2);
     let worker = Worker::start(cfg, "127.0.0.1:0").await?;
     let mut stream = Stream::open(&worker).await?;
     stream.send(prefill(1, 1, &[1, 300])).await?;

@@ -20,14 +20,20 @@ use strata_testkit::EtcdServer;
 const PROMPT: [u32; 5] = [5, 17, 2, 99, 42];
 
 fn registered_config(model: &Path, id: &str) -> WorkerConfig {
-    WorkerConfig { threads: 1, kv_blocks: 64, block_size: 4, ..WorkerConfig::new(id, model, None) }
+    WorkerConfig { threads: 1, kv_blocks: Some(64), block_size: 4, ..WorkerConfig::new(id, model, None) }
 }
 
 fn options() -> RegistrationOptions {
-    RegistrationOptions { memory_limit: Some(1 << 30), lease_ttl: Duration::from_secs(2), ..Default::default() }
+    RegistrationOptions { lease_ttl: Duration::from_secs(2), ..Default::default() }
 }
 
 /// Waits for `id`'s record to satisfy `ok` (registry errors count as "not yet").
+fn total_ram() -> Result<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo")?;
+    let kib = text.lines().find_map(|l| l.strip_prefix("MemTotal:")).context("no MemTotal")?;
+    Ok(kib.trim().trim_end_matches("kB").trim().parse::<u64>()? * 1024)
+}
+
 async fn node_where<R: Registry>(registry: &R, id: &str, ok: impl Fn(&NodeRecord) -> bool) -> Result<NodeRecord> {
     let id = NodeId::new(id);
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -54,7 +60,15 @@ fn stage(worker: &Worker, id: &str, layers: std::ops::Range<u32>) -> PlanStage {
 }
 
 fn plan(epoch: u64, stages: Vec<PlanStage>) -> Plan {
-    Plan { epoch: PlanEpoch(epoch), stages, model: "tiny".into(), num_layers: 4, term: 0 }
+    Plan {
+        epoch: PlanEpoch(epoch),
+        stages,
+        model: "tiny".into(),
+        num_layers: 4,
+        term: 0,
+        min_kv_tokens: 0,
+        max_batch_tokens: 0,
+    }
 }
 
 /// Sends one batch of `tokens` for `seq` from position `start` under `epoch` and `term` on a fresh stream; returns
@@ -136,16 +150,17 @@ async fn workers_follow_plan_epochs_with_the_embedded_registry() -> Result<()> {
     let model = common::tiny_model()?;
     let expected = engine_token(model.path())?;
     let registry = EmbeddedRegistry::new("test");
-    let w0 =
-        Worker::start_registered(registered_config(model.path(), "w0"), registry.clone(), options(), "127.0.0.1:0")
-            .await?;
+    // w0 offers a memory limit; w1 a share of the RAM.
+    let limited = WorkerConfig { memory_limit: Some(1 << 30), ..registered_config(model.path(), "w0") };
+    let w0 = Worker::start_registered(limited, registry.clone(), options(), "127.0.0.1:0").await?;
     let w1 =
         Worker::start_registered(registered_config(model.path(), "w1"), registry.clone(), options(), "127.0.0.1:0")
             .await?;
     for (id, w) in [("w0", &w0), ("w1", &w1)] {
         let rec = node_where(&registry, id, |r| r.state == NodeState::Ready).await?;
         ensure!(rec.layer_seconds > 0.0 && rec.layer_seconds.is_finite(), "{id}: layer_seconds {}", rec.layer_seconds);
-        ensure!(rec.address == w.local_addr().to_string() && rec.memory_bytes == 1 << 30, "{rec:?}");
+        let memory = if id == "w0" { 1 << 30 } else { (total_ram()? as f64 * 0.9) as u64 };
+        ensure!(rec.address == w.local_addr().to_string() && rec.memory_bytes == memory, "{rec:?}");
         ensure!(rec.plan_epoch_loaded == PlanEpoch(0));
         // No plan yet: the worker answers, but holds no layers.
         ensure!(status(w).await?.layer_end == 0);

@@ -87,6 +87,8 @@ pub fn static_plan(model: &str, num_layers: usize, stages: &[(String, Range<usiz
         model: model.to_owned(),
         num_layers: u32::try_from(num_layers).unwrap_or(u32::MAX),
         term: 0,
+        min_kv_tokens: 0,
+        max_batch_tokens: 0,
         stages: stages
             .iter()
             .enumerate()
@@ -138,7 +140,7 @@ impl TestCluster {
                 stage_index: Some(u32::try_from(index)?),
                 plan_epoch: Some(1),
                 threads: sizing.threads,
-                kv_blocks: sizing.kv_blocks,
+                kv_blocks: Some(sizing.kv_blocks),
                 block_size: sizing.block_size,
                 tls: tls.clone(),
                 ..WorkerConfig::new(format!("stage-{index}"), model, Some(LayerRange { start: w[0], end: w[1] }))

@@ -24,8 +24,18 @@ pub const STREAMS: usize = 16;
 
 /// Coordinator flags of every test cluster: a hung stage is found by keep-alive within ~3 s or by the batch
 /// deadline, and a suspect stays out of placement for the whole test.
-const COORDINATOR_FLAGS: [&str; 8] =
-    ["--batch-timeout-ms", "8000", "--probe-timeout-ms", "1000", "--suspect-ms", "120000", "--lease-ttl-secs", "2"];
+const COORDINATOR_FLAGS: [&str; 10] = [
+    "--batch-timeout-ms",
+    "8000",
+    "--probe-timeout-ms",
+    "1000",
+    "--suspect-ms",
+    "120000",
+    "--lease-ttl-secs",
+    "2",
+    "--min-kv-tokens",
+    "4096",
+];
 
 /// A coordinator process and its addresses.
 pub struct CoordinatorProcess {

@@ -81,6 +81,7 @@ async fn etcd_cluster_of_processes_serves_joins_drains_and_survives_a_dead_worke
     let mut cmd = Command::new(workspace_bin("coordinator")?);
     cmd.args(["--etcd", &etcd.endpoint(), "--cluster", "procs", "--model", m, "--grpc", &grpc])
         .args(["--http", &format!("127.0.0.1:{}", free_port()?), "--min-stages", "3", "--model-name", "smol"])
+        .args(["--min-kv-tokens", "1024"])
         .env("RUST_LOG", "info");
     let coordinator = Process::spawn("coordinator", cmd)?;
     let url = format!("http://{grpc}");

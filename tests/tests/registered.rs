@@ -23,12 +23,15 @@ async fn the_coordinator_plans_registered_workers() -> Result<()> {
     let expected = reference(model.path(), 1, &PROMPT, 1)?;
     let etcd = EtcdServer::start()?;
     let registry = EtcdRegistry::connect(&[etcd.endpoint()], "planned", Duration::from_secs(5)).await?;
-    let options =
-        RegistrationOptions { memory_limit: Some(1 << 30), lease_ttl: Duration::from_secs(2), ..Default::default() };
+    let options = RegistrationOptions { lease_ttl: Duration::from_secs(2), ..Default::default() };
     let mut workers = Vec::new();
     for id in ["a", "b"] {
-        let cfg =
-            WorkerConfig { threads: 1, kv_blocks: 64, block_size: 4, ..WorkerConfig::new(id, model.path(), None) };
+        let cfg = WorkerConfig {
+            threads: 1,
+            kv_blocks: Some(64),
+            block_size: 4,
+            ..WorkerConfig::new(id, model.path(), None)
+        };
         workers.push(Worker::start_registered(cfg, registry.clone(), options.clone(), "127.0.0.1:0").await?);
     }
     let grpc = format!("127.0.0.1:{}", free_port()?).parse()?;

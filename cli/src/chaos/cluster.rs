@@ -125,6 +125,8 @@ impl ProcessCluster {
         cmd.args(["--etcd", &self.etcd.endpoint, "--cluster", CLUSTER])
             .args(["--grpc", &format!("127.0.0.1:{grpc}"), "--http", &format!("127.0.0.1:{http}")])
             .args(["--min-stages", &self.spec.workers.to_string()])
+            // Whatever the workers' fixed KV cache holds is what every stage must hold.
+            .args(["--min-kv-tokens", &(self.spec.kv_blocks * 16).to_string()])
             .arg("--model")
             .arg(&self.spec.model)
             .args(&self.spec.coordinator_args);

@@ -70,6 +70,11 @@ pub trait Backend: Send + Sync + 'static {
     fn storage_dtype(&self, dtype: DType) -> DType {
         dtype
     }
+    /// Bytes of the device's own memory, for a backend whose weights and KV cache live there (`None`: they
+    /// live in host memory, which the caller measures itself).
+    fn device_memory_capacity(&self) -> Option<usize> {
+        None
+    }
     /// Bytes of one key or value element in the KV cache.
     fn kv_elem_bytes(&self) -> usize {
         4

@@ -48,7 +48,7 @@ pub fn stage_config(model: &Path, index: usize, range: std::ops::Range<usize>, n
         next,
         stage_index: Some(index as u32),
         threads: 1,
-        kv_blocks: 64,
+        kv_blocks: Some(64),
         block_size: 4,
         ..WorkerConfig::new(format!("stage-{index}"), model, Some(LayerRange { start: range.start, end: range.end }))
     }

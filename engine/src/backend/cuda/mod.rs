@@ -372,6 +372,10 @@ impl Backend for CudaBackend {
         if dtype.is_quantized() { dtype } else { self.act }
     }
 
+    fn device_memory_capacity(&self) -> Option<usize> {
+        Some(self.total_memory)
+    }
+
     fn kv_elem_bytes(&self) -> usize {
         self.act.block_bytes()
     }

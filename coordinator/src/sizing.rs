@@ -1,0 +1,110 @@
+//! What a model costs a stage: weight bytes per layer (from the engine's layout, quantized types included), the
+//! embeddings and head, the KV cache a token takes, and what every stage holds besides (its runtime, the
+//! activations of the largest micro-batch and hidden states in transit). Placement and `strata plan` both size
+//! from here, so what-if answers are what the coordinator does.
+//!
+//! Stage workers measure their own use after loading (`stage-worker`'s `memory` module); the estimate here only
+//! has to be at least that, so that a plan placement accepts is one every stage can load.
+
+use std::path::Path;
+
+use strata_engine::config::ModelConfig;
+use strata_engine::layout::ModelLayout;
+use strata_engine::loader::ModelFiles;
+use strata_engine::tensor::DType;
+
+/// Resident memory of a stage worker before any weights: its code, the async runtime, gRPC, the compute threads'
+/// stacks and the allocator's arenas (an idle worker measured 20–30 MiB here).
+pub const RUNTIME_BYTES: u64 = 48 << 20;
+
+/// Bytes a stage keeps free besides what it measures (the stage worker's own margin).
+const MARGIN_BYTES: u64 = 16 << 20;
+
+/// Hidden-state messages a stage may hold besides the batch it computes (the stage worker's own count).
+const MESSAGES_IN_TRANSIT: u64 = 4;
+
+/// How a model is to be served, as far as its size goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SizeOptions {
+    /// Tokens of KV cache every stage must hold.
+    pub min_kv_tokens: u64,
+    /// Most tokens in one micro-batch.
+    pub max_batch_tokens: usize,
+    /// Bytes of one KV cache element.
+    pub kv_elem_bytes: usize,
+    /// Type float weight matrices are stored in (`None`: as in the file; quantized tensors stay as they are).
+    pub weights: Option<DType>,
+}
+
+impl Default for SizeOptions {
+    fn default() -> Self {
+        SizeOptions { min_kv_tokens: 2048, max_batch_tokens: 512, kv_elem_bytes: 4, weights: None }
+    }
+}
+
+/// What placement needs to know about the model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelShape {
+    /// Number of transformer layers.
+    pub num_layers: usize,
+    /// Weight bytes of one layer (the largest, if they differ).
+    pub layer_bytes: u64,
+    /// Bytes held only by the first stage (token embeddings).
+    pub embed_bytes: u64,
+    /// Bytes held only by the last stage (final norm and LM head).
+    pub head_bytes: u64,
+    /// KV cache bytes one token takes in one layer.
+    pub kv_bytes_per_token_layer: u64,
+    /// Tokens of KV cache every stage must be able to hold.
+    pub kv_reserve_tokens: u64,
+    /// Bytes every stage holds besides weights and KV cache: runtime, activations, hidden states in transit.
+    pub stage_overhead_bytes: u64,
+    /// Bytes the last stage holds for logits: a row of the vocabulary per sequence of a micro-batch.
+    pub logits_bytes: u64,
+}
+
+impl ModelShape {
+    /// Sizes a model from its files' metadata (no tensor data is read).
+    pub fn from_model_path(path: &Path, opts: &SizeOptions) -> crate::Result<Self> {
+        let files = ModelFiles::open(path)?;
+        let cfg = files.config();
+        let layout = ModelLayout::new(cfg);
+        let as_stored = |dtype: DType| match opts.weights {
+            Some(w) if !dtype.is_quantized() => w,
+            _ => dtype,
+        };
+        let mut layer_bytes = 0;
+        for i in 0..cfg.num_layers {
+            layer_bytes =
+                layer_bytes.max(layout.layer_matrix_bytes(&files, i, &as_stored)? + layout.layer_vector_bytes());
+        }
+        // The last stage may not hold the embeddings, so a tied head counts in full.
+        let head_bytes = layout.head_bytes(&files, &as_stored, false)?;
+        Ok(ModelShape {
+            num_layers: cfg.num_layers,
+            layer_bytes: layer_bytes as u64,
+            embed_bytes: layout.embed_bytes(&files, &as_stored)? as u64,
+            head_bytes: head_bytes as u64,
+            kv_bytes_per_token_layer: layout.kv_bytes_per_token_layer(opts.kv_elem_bytes) as u64,
+            kv_reserve_tokens: opts.min_kv_tokens,
+            stage_overhead_bytes: stage_overhead_bytes(cfg, opts.max_batch_tokens),
+            logits_bytes: (opts.max_batch_tokens as u64).saturating_mul(cfg.vocab_size as u64 * 4),
+        })
+    }
+
+    /// Memory one layer costs on a node: weights plus its KV reservation.
+    pub fn layer_cost(&self) -> u64 {
+        self.layer_bytes.saturating_add(self.kv_bytes_per_token_layer.saturating_mul(self.kv_reserve_tokens))
+    }
+}
+
+/// What a stage of `cfg` holds besides weights and KV cache with micro-batches of `batch_tokens` tokens: the
+/// runtime, the f32 activations one layer keeps alive at once (residual, norm, q/k/v, attention output, the
+/// MLP's gate, up and product, its output), twice over for the allocator's slack, and hidden states in transit.
+pub fn stage_overhead_bytes(cfg: &ModelConfig, batch_tokens: usize) -> u64 {
+    let row = 4 * cfg.hidden_size + cfg.q_dim() + 2 * cfg.kv_dim() + 3 * cfg.intermediate_size;
+    let tokens = batch_tokens as u64;
+    let activations = tokens.saturating_mul(row as u64).saturating_mul(4 * 2);
+    let transit = tokens.saturating_mul(cfg.hidden_size as u64 * 4).saturating_mul(MESSAGES_IN_TRANSIT);
+    RUNTIME_BYTES.saturating_add(MARGIN_BYTES).saturating_add(activations).saturating_add(transit)
+}
