@@ -9,6 +9,7 @@ mod connect;
 mod drain;
 mod generate;
 mod load;
+mod plan;
 mod retry;
 
 use clap::{Parser, Subcommand};
@@ -32,6 +33,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Convert a GGUF file into a Hugging Face directory (dequantized safetensors).
     Convert(load::ConvertArgs),
+    /// What-if placement: how the coordinator would split a model over nodes of given memory (and speed).
+    Plan(plan::PlanArgs),
     /// Run a whole cluster in this process: stage workers and a coordinator over loopback gRPC.
     Local(cluster::LocalArgs),
     /// Talk to a running coordinator.
@@ -59,6 +62,7 @@ fn main() {
         Command::Bench(a) => bench::run(a),
         Command::Convert(a) => load::convert(a),
         Command::Local(a) => cluster::local(a),
+        Command::Plan(a) => plan::run(a),
         Command::Client(ClientCommand::Generate(a)) => client::client_generate(a),
         Command::Nodes(c) => cluster::nodes(c),
         Command::Chaos(a) => chaos::run(a),

@@ -10,7 +10,7 @@ use strata_proto::{Keepalive, LogArgs, TlsArgs, shutdown_token};
 
 /// strata coordinator: places the model on the stage workers registered in etcd.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version, about, args_override_self = true)]
 struct Args {
     /// etcd endpoints, comma-separated (`http://10.0.0.1:2379,...`); omitted: embedded registry.
     #[arg(long, env = "STRATA_ETCD")]

@@ -64,7 +64,8 @@ pub enum PlacementError {
     },
     /// The usable nodes together cannot hold the model.
     #[error(
-        "the model does not fit: {num_layers} layers needed, {fit} fit on {nodes} node(s); short by about {shortfall_bytes} bytes ({layer_cost} bytes per layer incl. KV reservation)"
+        "the model does not fit: {num_layers} layers needed, {fit} fit on {nodes} node(s); {} more needed ({shortfall_bytes} bytes; {layer_cost} bytes per layer incl. KV reservation)",
+        gib(*shortfall_bytes)
     )]
     InsufficientMemory {
         /// Layers to place.
@@ -78,6 +79,11 @@ pub enum PlacementError {
         /// Bytes one layer costs.
         layer_cost: u64,
     },
+}
+
+/// `bytes` in GiB, for messages.
+fn gib(bytes: u64) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
 /// Computes contiguous stages over the usable nodes (in `node_id` order), or says why the model does not fit.

@@ -128,9 +128,46 @@ fn run_cuda<W: OnBackend>(spec: &DeviceSpec, _ordinal: u32, _work: W) -> Result<
     Err(Error::CudaNotCompiled { device: spec.device.to_string() }.into())
 }
 
+/// Parses a byte count as operators write it: `1073741824`, `800M`, `40Gi` (K, M, G are powers of 1000; Ki, Mi,
+/// Gi of 1024).
+pub fn parse_bytes(s: &str) -> crate::Result<u64> {
+    let bad = || Error::InvalidValue {
+        what: "byte count",
+        value: s.to_owned(),
+        expected: "a number of bytes, optionally with a suffix K, M, G, Ki, Mi or Gi (e.g. 800Mi)",
+    };
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, suffix) = t.split_at(split);
+    let n: u64 = digits.parse().map_err(|_| bad())?;
+    let mult: u64 = match suffix.trim() {
+        "" => 1,
+        "K" | "k" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(mult).ok_or_else(bad)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn byte_counts_take_decimal_and_binary_suffixes() {
+        assert_eq!(parse_bytes("1024").ok(), Some(1024));
+        assert_eq!(parse_bytes(" 800Mi ").ok(), Some(800 << 20));
+        assert_eq!(parse_bytes("2Gi").ok(), Some(2 << 30));
+        assert_eq!(parse_bytes("3G").ok(), Some(3_000_000_000));
+        for bad in ["", "Gi", "1.5Gi", "4Ti", "-1", "99999999999999999999"] {
+            assert!(parse_bytes(bad).is_err_and(|e| e.to_string().contains("byte count")), "{bad:?}");
+        }
+        assert!(parse_bytes("18446744073709551615Gi").is_err(), "overflow");
+    }
 
     #[test]
     fn devices_parse_print_and_serialize() -> Result<(), Box<dyn std::error::Error>> {

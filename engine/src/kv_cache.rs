@@ -42,6 +42,14 @@ impl<B: Backend> KvCache<B> {
         })
     }
 
+    /// Makes every page of the cache resident now rather than as sequences first write it, so memory the cache
+    /// was sized for is taken (and counted) at start, and a machine that cannot give it fails then.
+    pub fn prefault(&mut self, backend: &B) {
+        for layer in &mut self.layers {
+            backend.prefault_kv_layer(layer);
+        }
+    }
+
     /// Tokens per block.
     pub fn block_size(&self) -> usize {
         self.block_size

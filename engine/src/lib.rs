@@ -23,7 +23,7 @@ pub mod tensor;
 pub mod testing;
 pub mod tokenizer;
 
-pub use device::{Device, DeviceSpec, OnBackend, on_device};
+pub use device::{Device, DeviceSpec, OnBackend, on_device, parse_bytes};
 pub use dtype::{FloatDtype, HiddenDtype};
 pub use error::{Error, Result};
 pub use layer_range::LayerRange;

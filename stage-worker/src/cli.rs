@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use strata_engine::{Device, FloatDtype, HiddenDtype, LayerRange};
+use strata_engine::{Device, FloatDtype, HiddenDtype, LayerRange, parse_bytes};
 use strata_membership::{check_cluster_name, parse_endpoints};
 use strata_proto::{Keepalive, LogArgs, TlsArgs};
 use strata_stage_worker::{DEFAULT_MEMORY_FRACTION, RegistrationOptions, WorkerConfig};
@@ -211,24 +211,6 @@ fn host_port(addr: &str) -> anyhow::Result<()> {
     }
     port.parse::<u16>().context("bad port")?;
     Ok(())
-}
-
-fn parse_bytes(s: &str) -> anyhow::Result<u64> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (digits, suffix) = s.split_at(split);
-    let n: u64 = digits.parse().context("expected a number of bytes")?;
-    let mult: u64 = match suffix.trim() {
-        "" => 1,
-        "K" | "k" => 1_000,
-        "M" => 1_000_000,
-        "G" => 1_000_000_000,
-        "Ki" => 1 << 10,
-        "Mi" => 1 << 20,
-        "Gi" => 1 << 30,
-        other => bail!("unknown suffix {other:?}"),
-    };
-    n.checked_mul(mult).context("too large")
 }
 
 #[cfg(test)]

@@ -116,7 +116,12 @@ impl ExecutorHandle {
         term: TermFence,
     ) -> Result<Self> {
         let block_size = config.block_size;
-        let kv = model.new_kv_cache(kv_blocks, block_size)?;
+        let mut kv = model.new_kv_cache(kv_blocks, block_size)?;
+        if config.memory_limit.is_some() {
+            // Under an explicit limit the cache's memory is taken at start, so the limit holds by construction
+            // and a host that cannot give it fails now, not mid-request.
+            kv.prefault(model.backend());
+        }
         let facts = Arc::new(StageFacts {
             layers: model.range(),
             kv_total_blocks: kv.num_blocks() as u64,

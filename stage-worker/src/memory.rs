@@ -166,23 +166,31 @@ pub fn size_kv_cache<B: Backend>(model: &StageModel<B>, config: &WorkerConfig) -
     Ok(KvSizing { blocks, budget: Some(budget), usage: Some(usage) })
 }
 
-/// Peak resident bytes of the process while `model` runs one batch of `tokens` tokens (every weight page is
-/// touched, so mapped weights count in full).
+/// Peak resident bytes of the process while `model` runs a batch of `tokens` tokens: one prompt of that length,
+/// and on the last stage also that many one-token sequences (a logits row each). Every weight page is touched, so
+/// mapped weights count in full.
 fn profile_peak<B: Backend>(model: &StageModel<B>, tokens: usize) -> Result<u64> {
-    const BLOCK: usize = 16;
-    let mut kv = model.new_kv_cache(tokens.div_ceil(BLOCK), BLOCK)?;
+    // One-token blocks, so the profile's own cache is no bigger than the batch.
+    let mut kv = model.new_kv_cache(tokens, 1)?;
     // Without a reset the peak since the start counts (a reload's old stage too): safe, if wasteful.
     let reset = reset_peak();
-    let chunk = SeqChunk { seq_id: 0, start_pos: 0, len: tokens };
     let vocab = model.config().vocab_size.max(1) as u32;
     let ids: Vec<u32> = (0..tokens as u32).map(|i| i % vocab).collect();
-    let input = if model.is_first() {
-        StageInput::Tokens(&ids)
-    } else {
-        let hidden = model.config().hidden_size;
-        StageInput::Hidden(model.backend().act_from_host(&vec![0.0; tokens * hidden], tokens, hidden)?)
-    };
-    model.forward(&mut kv, &[chunk], input, LogitRows::Last)?;
+    let prompt = [SeqChunk { seq_id: 0, start_pos: 0, len: tokens }];
+    let singles: Vec<SeqChunk> = (0..tokens as u64).map(|seq_id| SeqChunk { seq_id, start_pos: 0, len: 1 }).collect();
+    let batches: &[&[SeqChunk]] = if model.is_last() { &[&prompt, &singles] } else { &[&prompt] };
+    for chunks in batches {
+        let input = if model.is_first() {
+            StageInput::Tokens(&ids)
+        } else {
+            let hidden = model.config().hidden_size;
+            StageInput::Hidden(model.backend().act_from_host(&vec![0.0; tokens * hidden], tokens, hidden)?)
+        };
+        model.forward(&mut kv, chunks, input, LogitRows::Last)?;
+        for c in chunks.iter() {
+            kv.release(c.seq_id);
+        }
+    }
     let memory = process_memory()
         .ok_or_else(|| Error::Config("cannot read /proc/self/status to measure memory; pass --kv-blocks".into()))?;
     tracing::debug!(tokens, reset, peak = memory.peak, resident = memory.resident, "profiled a batch");

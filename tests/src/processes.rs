@@ -95,6 +95,11 @@ impl ProcessCluster {
 
     /// Starts a worker `id` (1 thread, 256 KV blocks), in the next free namespace when there is a network.
     pub fn add_worker(&mut self, id: &str) -> Result<()> {
+        self.add_worker_with(id, &["--kv-blocks", "256"])
+    }
+
+    /// Starts a worker `id` with 1 thread and `extra` flags, in the next free namespace when there is a network.
+    pub fn add_worker_with(&mut self, id: &str, extra: &[&str]) -> Result<()> {
         let bin = workspace_bin("stage-worker")?;
         let (mut cmd, host) = match &self.network {
             Some(net) => {
@@ -104,7 +109,8 @@ impl ProcessCluster {
             None => (Command::new(bin), "127.0.0.1".to_owned()),
         };
         cmd.args(["--etcd", &self.etcd.endpoint(), "--cluster", "faults", "--node-id", id])
-            .args(["--listen", &format!("{host}:{}", free_port()?), "--threads", "1", "--kv-blocks", "256"])
+            .args(["--listen", &format!("{host}:{}", free_port()?), "--threads", "1"])
+            .args(extra)
             .arg("--model")
             .arg(&self.model)
             .env("STRATA_LOG", "info");

@@ -92,6 +92,10 @@ pub trait Backend: Send + Sync + 'static {
         let _ = (layer, next);
         Ok(())
     }
+    /// Makes a KV layer's memory resident (host backends allocate it lazily; device memory already is).
+    fn prefault_kv_layer(&self, layer: &mut Self::KvLayer) {
+        let _ = layer;
+    }
     /// Allocates KV storage for one layer: `num_blocks × block_size` slots of `kv_dim` keys and values.
     fn alloc_kv_layer(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<Self::KvLayer>;
     /// Copies host f32 data (`rows × cols`) into an activation.

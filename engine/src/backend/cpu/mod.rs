@@ -121,6 +121,17 @@ impl Backend for CpuBackend {
         m.bytes.len()
     }
 
+    fn prefault_kv_layer(&self, layer: &mut CpuKvLayer) {
+        // A write to each page of the zeroed (lazily mapped) vectors makes it resident; 1024 f32s are 4 KiB.
+        for v in [&mut layer.k, &mut layer.v] {
+            for x in v.iter_mut().step_by(1024) {
+                // Volatile: a plain store of the zero already there may be optimised away.
+                // SAFETY: `x` is a valid, aligned, exclusive reference to an f32.
+                unsafe { std::ptr::write_volatile(x, 0.0) };
+            }
+        }
+    }
+
     fn alloc_kv_layer(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<CpuKvLayer> {
         let n = num_blocks * block_size * kv_dim;
         Ok(CpuKvLayer { k: vec![0.0; n], v: vec![0.0; n], kv_dim, block_size })

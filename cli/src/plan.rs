@@ -1,0 +1,239 @@
+//! `strata plan`: what-if placement. Sizes the model as the coordinator does and runs the coordinator's own
+//! placement over nodes given on the command line, so operators see how a model would split (or by how much it
+//! does not fit) before they start anything.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use serde::Serialize;
+use strata_coordinator::placement::{self, ModelShape, NodeCapacity, SizeOptions};
+use strata_engine::loader::ModelFiles;
+use strata_engine::{FloatDtype, parse_bytes};
+use strata_membership::NodeState;
+use strata_proto::NodeId;
+
+/// Flags of `strata plan`.
+#[derive(clap::Args, Debug)]
+pub struct PlanArgs {
+    /// Model: a Hugging Face directory or a .gguf file (only its metadata is read).
+    #[arg(long, env = "STRATA_MODEL")]
+    model: PathBuf,
+    /// The nodes, in pipeline order: each MEMORY[@SECONDS_PER_LAYER], comma-separated, e.g. `4Gi,4Gi,2Gi` or
+    /// `4Gi@0.002,2Gi@0.004` (memory as a stage worker's --memory-limit; speed as its record's layer_seconds,
+    /// equal when left out).
+    #[arg(long)]
+    nodes: String,
+    /// The coordinator's --max-model-len (default: the model's context).
+    #[arg(long, env = "STRATA_MAX_MODEL_LEN")]
+    max_model_len: Option<usize>,
+    /// The coordinator's --min-kv-tokens (default: --max-model-len).
+    #[arg(long, env = "STRATA_MIN_KV_TOKENS")]
+    min_kv_tokens: Option<u64>,
+    /// The coordinator's --max-batch-tokens.
+    #[arg(long, env = "STRATA_MAX_BATCH_TOKENS", default_value_t = 512)]
+    max_batch_tokens: usize,
+    /// The workers' --dtype: the type float weights are stored in (default: as in the file).
+    #[arg(long, env = "STRATA_DTYPE")]
+    dtype: Option<FloatDtype>,
+    /// Output: a table, or one JSON object.
+    #[arg(long, value_enum, default_value = "table")]
+    format: Format,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Format {
+    Table,
+    Json,
+}
+
+/// One stage of the what-if plan.
+#[derive(Debug, Serialize)]
+struct StageReport {
+    node: String,
+    memory_bytes: u64,
+    layer_start: usize,
+    layer_end: usize,
+    weight_bytes: u64,
+    overhead_bytes: u64,
+    kv_tokens: u64,
+}
+
+/// The whole answer.
+#[derive(Debug, Serialize)]
+struct PlanReport {
+    model: String,
+    num_layers: usize,
+    max_model_len: usize,
+    min_kv_tokens: u64,
+    fits: bool,
+    error: Option<String>,
+    stages: Vec<StageReport>,
+}
+
+/// Runs `strata plan`; exits non-zero when the model does not fit.
+pub fn run(a: PlanArgs) -> Result<()> {
+    let report = what_if(&a)?;
+    match a.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+        Format::Table => print_table(&report),
+    }
+    if let Some(e) = &report.error {
+        bail!("{e}");
+    }
+    Ok(())
+}
+
+fn what_if(a: &PlanArgs) -> Result<PlanReport> {
+    let files = ModelFiles::open(&a.model).with_context(|| format!("opening model {}", a.model.display()))?;
+    let context = files.config().max_position_embeddings;
+    let max_model_len = match a.max_model_len {
+        Some(n) if n == 0 || n > context => bail!("--max-model-len {n} must be in 1..={context} (the model's context)"),
+        Some(n) => n,
+        None => context,
+    };
+    let min_kv_tokens = a.min_kv_tokens.unwrap_or(max_model_len as u64);
+    let opts = SizeOptions {
+        min_kv_tokens,
+        max_batch_tokens: a.max_batch_tokens,
+        weights: a.dtype.map(FloatDtype::to_engine),
+        ..SizeOptions::default()
+    };
+    let shape = ModelShape::from_model_path(&a.model, &opts)?;
+    let nodes = parse_nodes(&a.nodes)?;
+    let mut report = PlanReport {
+        model: a.model.display().to_string(),
+        num_layers: shape.num_layers,
+        max_model_len,
+        min_kv_tokens,
+        fits: false,
+        error: None,
+        stages: Vec::new(),
+    };
+    match placement::plan(&shape, &nodes) {
+        Ok(stages) => {
+            report.fits = true;
+            let last = stages.len().saturating_sub(1);
+            for (i, s) in stages.iter().enumerate() {
+                let node = nodes.iter().find(|n| n.node_id == s.node_id).context("a stage on an unknown node")?;
+                let layers = (s.layer_end - s.layer_start) as u64;
+                let mut weights = layers * shape.layer_bytes;
+                let mut overhead = shape.stage_overhead_bytes;
+                if i == 0 {
+                    weights += shape.embed_bytes;
+                }
+                if i == last {
+                    weights += shape.head_bytes;
+                    overhead += shape.logits_bytes;
+                }
+                let free = node.memory_bytes.saturating_sub(weights + overhead);
+                let per_token = (layers * shape.kv_bytes_per_token_layer).max(1);
+                report.stages.push(StageReport {
+                    node: s.node_id.to_string(),
+                    memory_bytes: node.memory_bytes,
+                    layer_start: s.layer_start,
+                    layer_end: s.layer_end,
+                    weight_bytes: weights,
+                    overhead_bytes: overhead,
+                    kv_tokens: free / per_token,
+                });
+            }
+        }
+        Err(e) => report.error = Some(e.to_string()),
+    }
+    Ok(report)
+}
+
+/// `MEMORY[@SECONDS],...` as node capacities named `n0`, `n1`, … (placement orders nodes by id, so the names keep
+/// the order given; ten or more nodes are zero-padded to keep it).
+fn parse_nodes(spec: &str) -> Result<Vec<NodeCapacity>> {
+    let items: Vec<&str> = spec.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+    if items.is_empty() {
+        bail!("--nodes needs at least one MEMORY[@SECONDS_PER_LAYER]");
+    }
+    let width = items.len().saturating_sub(1).to_string().len();
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| {
+            let (mem, secs) = match item.split_once('@') {
+                Some((m, s)) => (m, s.trim().parse::<f64>().with_context(|| format!("node {item:?}: seconds"))?),
+                None => (*item, 1e-3),
+            };
+            let memory_bytes = parse_bytes(mem).with_context(|| format!("node {item:?}"))?;
+            Ok(NodeCapacity {
+                node_id: NodeId::new(format!("n{i:0width$}")),
+                address: String::new(),
+                memory_bytes,
+                seconds_per_layer: secs,
+                state: NodeState::Ready,
+            })
+        })
+        .collect()
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+fn print_table(r: &PlanReport) {
+    println!(
+        "model {} ({} layers), max model len {}, KV for {} tokens per stage",
+        r.model, r.num_layers, r.max_model_len, r.min_kv_tokens
+    );
+    if let Some(e) = &r.error {
+        println!("{e}");
+        return;
+    }
+    println!("{:<6} {:>11} {:>9} {:>11} {:>11} {:>10}", "node", "memory", "layers", "weights", "overhead", "KV tokens");
+    for s in &r.stages {
+        println!(
+            "{:<6} {:>11} {:>9} {:>11} {:>11} {:>10}",
+            s.node,
+            gib(s.memory_bytes),
+            format!("{}..{}", s.layer_start, s.layer_end),
+            gib(s.weight_bytes),
+            gib(s.overhead_bytes),
+            s.kv_tokens
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nodes_keep_their_order_and_speeds() -> Result<()> {
+        let nodes = parse_nodes("4Gi, 2Gi@0.5")?;
+        assert_eq!(nodes.iter().map(|n| n.node_id.to_string()).collect::<Vec<_>>(), ["n0", "n1"]);
+        assert_eq!((nodes[0].memory_bytes, nodes[1].memory_bytes), (4 << 30, 2 << 30));
+        assert_eq!(nodes[1].seconds_per_layer, 0.5);
+        let many = parse_nodes(&["1Gi"; 11].join(","))?;
+        assert_eq!((many[2].node_id.to_string(), many[10].node_id.to_string()), ("n02".into(), "n10".into()));
+        assert!(parse_nodes("").is_err() && parse_nodes("4Qi").is_err() && parse_nodes("4Gi@fast").is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn a_model_that_fits_nowhere_alone_splits_and_one_that_does_not_fit_says_by_how_much() -> Result<()> {
+        let args = |nodes: &str| PlanArgs {
+            model: "random:smollm2".into(),
+            nodes: nodes.into(),
+            max_model_len: Some(1024),
+            min_kv_tokens: None,
+            max_batch_tokens: 64,
+            dtype: None,
+            format: Format::Json,
+        };
+        // random:smollm2 is f32: ~650 MB of weights.
+        let split = what_if(&args("300Mi,300Mi,300Mi"))?;
+        assert!(split.fits && split.stages.len() == 3, "{split:?}");
+        assert_eq!((split.stages[0].layer_start, split.stages[2].layer_end), (0, 30));
+        for s in &split.stages {
+            assert!(s.weight_bytes + s.overhead_bytes <= s.memory_bytes && s.kv_tokens >= 1024, "{s:?}");
+        }
+        let short = what_if(&args("300Mi,300Mi"))?;
+        assert!(!short.fits && short.error.as_deref().is_some_and(|e| e.contains("GiB more needed")), "{short:?}");
+        Ok(())
+    }
+}
