@@ -207,8 +207,8 @@ pub fn nodes(cmd: NodesCommand) -> Result<()> {
                 let s = client.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner();
                 println!("model {} ({} layers), plan epoch {}", s.model, s.num_layers, s.plan_epoch);
                 println!(
-                    "{:<20} {:<9} {:<24} {:>9} {:>12} {:>13}",
-                    "NODE", "STATE", "ADDRESS", "LAYERS", "MS/LAYER", "KV FREE/TOTAL"
+                    "{:<20} {:<9} {:<24} {:>9} {:>12} {:>10} {:>13} {:>10}",
+                    "NODE", "STATE", "ADDRESS", "LAYERS", "MS/LAYER", "MEMORY", "KV FREE/TOTAL", "KV TOKENS"
                 );
                 for n in &s.nodes {
                     let layers = if n.layer_end > n.layer_start {
@@ -217,13 +217,15 @@ pub fn nodes(cmd: NodesCommand) -> Result<()> {
                         "-".into()
                     };
                     println!(
-                        "{:<20} {:<9} {:<24} {:>9} {:>12.3} {:>13}",
+                        "{:<20} {:<9} {:<24} {:>9} {:>12.3} {:>10} {:>13} {:>10}",
                         n.node_id,
                         state_name(n.state),
                         n.address,
                         layers,
                         n.layer_seconds * 1e3,
-                        format!("{}/{}", n.kv_free_blocks, n.kv_total_blocks)
+                        format!("{:.0}Mi", n.memory_bytes as f64 / f64::from(1 << 20)),
+                        format!("{}/{}", n.kv_free_blocks, n.kv_total_blocks),
+                        n.kv_capacity_tokens
                     );
                 }
             }

@@ -23,6 +23,13 @@ pub struct Reason {
     pub reason: &'static str,
 }
 
+/// Labels naming a stage by its position in the pipeline (`stage="0"`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Stage {
+    /// Position in the pipeline, from 0.
+    pub stage: u32,
+}
+
 /// Labels of an HTTP response.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct HttpLabels {
@@ -59,6 +66,8 @@ pub struct Metrics {
     pub kv_blocks_capacity: Gauge,
     /// Of those, blocks no sequence holds.
     pub kv_blocks_free: Gauge,
+    /// Each stage's KV cache capacity in tokens (from its memory budget), by pipeline position.
+    pub stage_kv_tokens: Family<Stage, Gauge>,
     /// The plan epoch the pipeline serves.
     pub plan_epoch: Gauge,
     /// Stages in that plan.
@@ -99,6 +108,7 @@ impl Metrics {
             stage_failures: Family::default(),
             kv_blocks_capacity: Gauge::default(),
             kv_blocks_free: Gauge::default(),
+            stage_kv_tokens: Family::default(),
             plan_epoch: Gauge::default(),
             stages: Gauge::default(),
             // 5 ms .. 41 s
@@ -129,6 +139,11 @@ impl Metrics {
         );
         r.register("kv_blocks_capacity", "KV blocks of the tightest stage", m.kv_blocks_capacity.clone());
         r.register("kv_blocks_free", "KV blocks no sequence holds", m.kv_blocks_free.clone());
+        r.register(
+            "stage_kv_capacity_tokens",
+            "KV cache capacity of each stage of the served plan, in tokens",
+            m.stage_kv_tokens.clone(),
+        );
         r.register("plan_epoch", "Plan epoch being served", m.plan_epoch.clone());
         r.register("plan_stages", "Stages in the plan being served", m.stages.clone());
         r.register("time_to_first_token_seconds", "Admission to first generated token", m.time_to_first_token.clone());
@@ -167,6 +182,16 @@ impl Metrics {
             .sum()
     }
 
+    /// Sets each stage's KV capacity in tokens, in pipeline order.
+    pub fn set_stage_kv_tokens(&self, tokens: &[u64]) {
+        // A plan of fewer stages than the last leaves no stale series behind.
+        self.stage_kv_tokens.clear();
+        for (stage, &t) in tokens.iter().enumerate() {
+            let stage = u32::try_from(stage).unwrap_or(u32::MAX);
+            self.stage_kv_tokens.get_or_create(&Stage { stage }).set(i64::try_from(t).unwrap_or(i64::MAX));
+        }
+    }
+
     /// Observes a duration in seconds.
     pub fn observe(histogram: &Histogram, d: Duration) {
         histogram.observe(d.as_secs_f64());
@@ -195,12 +220,14 @@ mod tests {
         m.finished("length");
         m.preempted("kv_full");
         m.kv_blocks_capacity.set(64);
+        m.set_stage_kv_tokens(&[1024, 512]);
         Metrics::observe(&m.time_to_first_token, Duration::from_millis(30));
         m.http_responses.get_or_create(&HttpLabels { route: "/v1/completions".into(), status: 200 }).inc();
         let text = m.render();
         assert!(text.contains("strata_requests_admitted_total 1"), "{text}");
         assert!(text.contains("strata_requests_finished_total{reason=\"length\"} 2"), "{text}");
         assert!(text.contains("strata_kv_blocks_capacity 64"), "{text}");
+        assert!(text.contains(r#"strata_stage_kv_capacity_tokens{stage="1"} 512"#), "{text}");
         assert!(text.contains("strata_time_to_first_token_seconds_count 1"), "{text}");
         // 30 ms falls in the 40 ms bucket, not the 20 ms one.
         assert!(text.contains("strata_time_to_first_token_seconds_bucket{le=\"0.02\"} 0"), "{text}");

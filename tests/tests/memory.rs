@@ -105,6 +105,12 @@ async fn a_model_no_worker_can_hold_is_split_and_every_worker_stays_within_its_l
     ensure!(what_if(model, &served)? == served_ranges(&served), "strata plan disagrees with {:?}", served.stages);
     let got = greedy_tokens(&url).await.with_context(|| cluster.logs())?;
     ensure!(got == expected, "3 limited stages gave {got:?}, one unlimited process {expected:?}");
+    // Each stage's KV cache was sized from what its limit leaves, and holds the tokens the plan asks for.
+    let now = strata_tests::processes::status(&url).await?;
+    for stage in &now.stages {
+        let node = now.nodes.iter().find(|n| n.node_id == stage.node_id).context("stage without a node")?;
+        ensure!(node.kv_capacity_tokens >= 512, "{} holds {} KV tokens", node.node_id, node.kv_capacity_tokens);
+    }
 
     // A fourth worker joins: layers move, each worker frees its old layers before loading new ones.
     cluster.add_worker_with("w3", &worker_flags)?;

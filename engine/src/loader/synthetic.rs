@@ -49,6 +49,17 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
     Some(match name {
         // Llama-2-7B's shape.
         "7b" => base,
+        // TinyLlama-1.1B's shape (GQA 32/4): ~2.2 GB in f16, the memory benchmark's model.
+        "tinyllama" => ModelConfig {
+            hidden_size: 2048,
+            intermediate_size: 5632,
+            num_layers: 22,
+            num_heads: 32,
+            num_kv_heads: 4,
+            head_dim: 64,
+            max_position_embeddings: 2048,
+            ..base
+        },
         // SmolLM2-135M's shape.
         "smollm2" => ModelConfig {
             hidden_size: 576,
@@ -80,7 +91,7 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
 }
 
 impl SyntheticSource {
-    /// Parses `random:<preset>[:<dtype>]` (presets: `7b`, `smollm2`, `tiny`; dtype `f32` unless given).
+    /// Parses `random:<preset>[:<dtype>]` (presets: `7b`, `tinyllama`, `smollm2`, `tiny`; dtype `f32` unless given).
     pub fn open(spec: &str) -> Result<Self> {
         let rest = spec.strip_prefix(PREFIX).unwrap_or(spec);
         let (name, dtype) = match rest.split_once(':') {
@@ -97,7 +108,9 @@ impl SyntheticSource {
     pub fn new(name: &str, dtype: DType, seed: u64) -> Result<Self> {
         let spec = format!("{PREFIX}{name}");
         let config = preset(name).ok_or_else(|| {
-            Error::Config(format!("unknown synthetic model {spec:?} (known: random:7b, random:smollm2, random:tiny)"))
+            Error::Config(format!(
+                "unknown synthetic model {spec:?} (known: random:7b, random:tinyllama, random:smollm2, random:tiny)"
+            ))
         })?;
         if dtype.is_quantized() {
             return Err(Error::Config(format!("synthetic models are generated as f32, f16 or bf16, not {dtype}")));
