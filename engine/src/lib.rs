@@ -27,3 +27,4 @@ pub use device::{Device, DeviceSpec, OnBackend, on_device, parse_bytes};
 pub use dtype::{FloatDtype, HiddenDtype};
 pub use error::{Error, Result};
 pub use layer_range::LayerRange;
+pub use quant::QuantDtype;

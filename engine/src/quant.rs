@@ -3,9 +3,15 @@
 //! queries, GGUF type mapping and dequantization all read this table; backend kernels are selected from it by
 //! format (the CPU backend's `backend::cpu::kernels`, the CUDA kernels by [`BlockFormat::name`]).
 
-use half::f16;
+use std::fmt;
+use std::str::FromStr;
 
-use crate::tensor::{DType, f16_at};
+use half::{bf16, f16};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::tensor::{Bytes, DType, HostTensor, f16_at};
+use crate::{Error, Result};
 
 /// Elements per block of the GGML block-quantized types.
 pub const QK: usize = 32;
@@ -161,6 +167,114 @@ pub fn quantize(dtype: DType, src: &[f32]) -> Vec<u8> {
     out
 }
 
+/// Rows quantized per parallel task: enough work to amortise scheduling, little enough f32 scratch per thread.
+const ROWS_PER_TASK: usize = 16;
+
+/// Quantizes a float matrix into `to` the way llama.cpp's `llama-quantize` does without an importance matrix,
+/// converting a few rows at a time, so the only extra memory is the quantized result (no f32 copy of the whole
+/// tensor). Errors when the tensor is already quantized (requantizing would compound the rounding error) or its
+/// rows are not whole blocks.
+pub fn quantize_tensor(name: &str, t: &HostTensor, to: DType) -> Result<HostTensor> {
+    let f = format(to).ok_or_else(|| Error::Config(format!("{to} is not a block-quantized type")))?;
+    if t.dtype.is_quantized() {
+        return Err(Error::Config(format!("{name} is already {}; strata does not requantize", t.dtype)));
+    }
+    let cols = t.shape.last().copied().unwrap_or(0);
+    if t.shape.len() != 2 || cols == 0 || !cols.is_multiple_of(f.block_elems) {
+        return Err(Error::Shape {
+            op: "quantize",
+            reason: format!("{name} {:?}: rows must be a non-zero multiple of {} to be {to}", t.shape, f.block_elems),
+        });
+    }
+    let (elem, row_out) = (t.dtype.block_bytes(), cols / f.block_elems * f.block_bytes);
+    let src = t.bytes.as_slice();
+    let mut words = vec![0u32; (t.shape[0] * row_out).div_ceil(4)];
+    let out = &mut bytemuck::cast_slice_mut::<u32, u8>(&mut words)[..t.shape[0] * row_out];
+    out.par_chunks_mut(ROWS_PER_TASK * row_out).zip(src.par_chunks(ROWS_PER_TASK * cols * elem)).for_each(|(o, s)| {
+        let mut row = vec![0f32; cols];
+        let mut blocks = Vec::with_capacity(row_out);
+        for (o, s) in o.chunks_exact_mut(row_out).zip(s.chunks_exact(cols * elem)) {
+            widen(t.dtype, s, &mut row);
+            blocks.clear();
+            (f.quantize)(&row, &mut blocks);
+            o.copy_from_slice(&blocks);
+        }
+    });
+    let len = out.len();
+    HostTensor::new(name, to, t.shape.clone(), Bytes::Owned { words: std::sync::Arc::new(words), len })
+}
+
+/// Widens little-endian floats of `dtype` (f32, f16 or bf16) into `out`; byte-wise, so any alignment works.
+fn widen(dtype: DType, src: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::F16 => {
+            out.iter_mut().zip(src.chunks_exact(2)).for_each(|(o, b)| *o = f16::from_le_bytes([b[0], b[1]]).to_f32())
+        }
+        DType::BF16 => {
+            out.iter_mut().zip(src.chunks_exact(2)).for_each(|(o, b)| *o = bf16::from_le_bytes([b[0], b[1]]).to_f32())
+        }
+        _ => {
+            out.iter_mut().zip(src.chunks_exact(4)).for_each(|(o, b)| *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        }
+    }
+}
+
+/// A block format a user names to quantize float weights into (`--quantize`): the one parser for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum QuantDtype {
+    /// GGML Q8_0 (8.5 bits per weight).
+    Q8_0,
+    /// GGML Q4_0 (4.5 bits per weight).
+    Q4_0,
+    /// GGML Q4_1 (5 bits per weight).
+    Q4_1,
+}
+
+impl QuantDtype {
+    /// The same format as a tensor element type.
+    pub fn to_engine(self) -> DType {
+        match self {
+            QuantDtype::Q8_0 => DType::Q8_0,
+            QuantDtype::Q4_0 => DType::Q4_0,
+            QuantDtype::Q4_1 => DType::Q4_1,
+        }
+    }
+}
+
+impl FromStr for QuantDtype {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match DType::parse(s.trim()) {
+            Some(DType::Q8_0) => Ok(QuantDtype::Q8_0),
+            Some(DType::Q4_0) => Ok(QuantDtype::Q4_0),
+            Some(DType::Q4_1) => Ok(QuantDtype::Q4_1),
+            _ => Err(Error::InvalidValue { what: "quantization", value: s.into(), expected: "q8_0, q4_0 or q4_1" }),
+        }
+    }
+}
+
+impl TryFrom<String> for QuantDtype {
+    type Error = Error;
+
+    fn try_from(s: String) -> Result<Self> {
+        s.parse()
+    }
+}
+
+impl From<QuantDtype> for String {
+    fn from(d: QuantDtype) -> Self {
+        d.to_string()
+    }
+}
+
+impl fmt::Display for QuantDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.to_engine().fmt(f)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -207,5 +321,75 @@ mod tests {
             let worst = v.iter().zip(&back).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
             assert!(worst <= 1.0 / 15.0 + 1e-3, "{}: worst error {worst}", f.name);
         }
+    }
+
+    /// Blocks worked out by hand from ggml-quants.c's `quantize_row_*_ref`: the cases where a plausible
+    /// implementation differs from llama.cpp's (ties, the sign of Q4_0's scale, truncation instead of rounding).
+    #[test]
+    fn quantizers_round_as_ggml_reference() {
+        let block = |head: &[f32]| {
+            let mut b = [0f32; QK];
+            b[..head.len()].copy_from_slice(head);
+            b
+        };
+        // Q8_0: d = amax / 127, q = roundf(x / d): ties go away from zero (2.5 -> 3, -2.5 -> -3).
+        let q = quantize(DType::Q8_0, &block(&[127.0, 2.5, -2.5, -127.0, 0.49]));
+        assert_eq!(f16::from_le_bytes([q[0], q[1]]).to_f32(), 1.0);
+        assert_eq!(&q[2..7], &[127u8, 3, (-3i8) as u8, (-127i8) as u8, 0]);
+        // Q4_0: the scale comes from the element of largest magnitude *with its sign*: d = max / -8, so that
+        // element maps to nibble 0 and the opposite end clips at 15. q = min(15, trunc(x / d + 8.5)).
+        let q = quantize(DType::Q4_0, &block(&[-4.0, 4.0, 1.0, -1.0, 0.25, 3.75]));
+        assert_eq!(f16::from_le_bytes([q[0], q[1]]).to_f32(), 0.5);
+        let nib = |j: usize| q[2 + j] & 0x0f;
+        // -4 -> 0; 4 -> trunc(16.5) = 16 -> 15; 1 -> 10; -1 -> 6; 0.25 -> trunc(9.0) = 9; 3.75 -> trunc(16.0) -> 15.
+        assert_eq!([nib(0), nib(1), nib(2), nib(3), nib(4), nib(5), nib(6)], [0, 15, 10, 6, 9, 15, 8]);
+        // A positive largest element gives a negative scale.
+        let q = quantize(DType::Q4_0, &block(&[8.0, -1.0]));
+        assert_eq!(f16::from_le_bytes([q[0], q[1]]).to_f32(), -1.0);
+        assert_eq!((q[2] & 0x0f, q[3] & 0x0f, q[4] & 0x0f), (0, 9, 8));
+        // Q4_1: d = (max - min) / 15, m = min, q = min(15, trunc((x - min) / d + 0.5)).
+        let mut b = block(&[]);
+        b.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 / 2.0 - 1.0);
+        let q = quantize(DType::Q4_1, &b);
+        let (d, m) = (f16::from_le_bytes([q[0], q[1]]).to_f32(), f16::from_le_bytes([q[2], q[3]]).to_f32());
+        assert_eq!((d, m), (f16::from_f32(15.5 / 15.0).to_f32(), -1.0));
+        // Element 1 (-0.5): 0.5 / (15.5 / 15) + 0.5 = 0.98... truncates to 0; element 16 (7.0): 8.24... -> 8.
+        assert_eq!((q[4] & 0x0f, q[5] & 0x0f, q[4] >> 4), (0, 0, 8));
+        // An all-zero block: zero scales (Q4_0's is -0.0, as ggml's 0 / -8) and the middle code.
+        let q = quantize(DType::Q4_0, &[0f32; QK]);
+        assert_eq!((q[0], q[1], q[2]), (0x00, 0x80, 0x88));
+    }
+
+    #[test]
+    fn quantize_tensor_matches_quantize_from_any_float_type_and_refuses_what_it_cannot() -> Result<()> {
+        let v: Vec<f32> = (0..3 * 64).map(|i| ((i * 53 % 97) as f32 - 48.0) / 64.0).collect();
+        let f32_t = HostTensor::from_f32(vec![3, 64], &v);
+        for f in FORMATS {
+            for src in [DType::F32, DType::F16, DType::BF16] {
+                let t = f32_t.convert(src);
+                let q = quantize_tensor("w", &t, f.dtype)?;
+                assert_eq!((q.dtype, q.shape.clone()), (f.dtype, vec![3, 64]));
+                assert_eq!(q.bytes.as_slice(), quantize(f.dtype, &t.to_f32()), "{src} -> {}", f.name);
+            }
+        }
+        let q = quantize_tensor("w", &f32_t, DType::Q8_0)?;
+        assert!(quantize_tensor("w", &q, DType::Q4_0).is_err(), "requantizing is refused");
+        assert!(quantize_tensor("w", &f32_t, DType::F16).is_err());
+        let odd = HostTensor::from_f32(vec![4, 48], &v[..192]);
+        assert!(quantize_tensor("w", &odd, DType::Q8_0).is_err(), "48 is not whole blocks of 32");
+        Ok(())
+    }
+
+    #[test]
+    fn quant_dtypes_parse_print_and_serialize_the_same_way() -> Result<()> {
+        for d in [QuantDtype::Q8_0, QuantDtype::Q4_0, QuantDtype::Q4_1] {
+            assert_eq!(d.to_string().parse::<QuantDtype>()?, d);
+            assert_eq!(serde_json::to_string(&d).ok(), Some(format!("\"{d}\"")));
+            assert_eq!(format(d.to_engine()).map(|f| f.name), Some(d.to_string().as_str()));
+        }
+        assert_eq!("Q4_1".parse::<QuantDtype>()?, QuantDtype::Q4_1);
+        let err = "f16".parse::<QuantDtype>().err().map(|e| e.to_string()).unwrap_or_default();
+        assert_eq!(err, "invalid quantization \"f16\": expected q8_0, q4_0 or q4_1");
+        Ok(())
     }
 }
