@@ -10,6 +10,7 @@ use crate::kv_cache::KvCache;
 use crate::layout::{LayerTensor, ModelLayout, TensorId};
 use crate::loader::ModelFiles;
 use crate::offload::{OffloadBudget, OffloadPlan, plan_offload};
+use crate::quant;
 use crate::tensor::{DType, HostTensor};
 use crate::{Error, Result};
 
@@ -51,6 +52,23 @@ pub struct LoadOptions<'a> {
     /// Device memory budget; layers that do not fit stay in host memory and are streamed in per layer
     /// (see [`crate::offload`]). `None`: every layer is uploaded.
     pub offload: Option<OffloadBudget>,
+    /// Quantize float matrices (every 2-D weight: the layers' seven, embeddings and head) into this block format
+    /// as each is read, with llama.cpp's reference rounding ([`quant::quantize_tensor`]); only the stage's own
+    /// slice is read, one tensor at a time. Matrices the file already stores quantized are kept as they are:
+    /// requantizing would compound the rounding error. Takes precedence over `dtype` for matrices.
+    pub quantize: Option<DType>,
+}
+
+impl LoadOptions<'_> {
+    /// The type a matrix stored as `file` is held in (before the backend's own storage choice).
+    fn matrix_dtype(&self, file: DType) -> DType {
+        match (self.quantize, self.dtype) {
+            _ if file.is_quantized() => file,
+            (Some(q), _) => q,
+            (None, Some(d)) => d,
+            (None, None) => file,
+        }
+    }
 }
 
 /// Decides which of the stage's layers are offloaded, from tensor metadata only (nothing is read).
@@ -63,13 +81,9 @@ fn plan_layers<B: Backend>(
     let Some(budget) = opts.offload else {
         return Ok(OffloadPlan::all_resident(range.len()));
     };
-    // What the loader does to each tensor: float weights take `opts.dtype`, then the backend's storage type.
-    let storage = |dtype: DType| {
-        backend.storage_dtype(match opts.dtype {
-            Some(d) if !dtype.is_quantized() => d,
-            _ => dtype,
-        })
-    };
+    // What the loader does to each matrix: float ones are quantized or take `opts.dtype`, then the backend's
+    // storage type.
+    let storage = |dtype: DType| backend.storage_dtype(opts.matrix_dtype(dtype));
     let bytes = ModelLayout::new(files.config()).stage_bytes(files, range, &storage)?;
     plan_offload(&bytes.layers, bytes.fixed(), Some(budget))
 }
@@ -136,10 +150,11 @@ impl<B: Backend> Loader<'_, '_, B> {
         let name = id.hf_name();
         let mut t = self.files.tensor(&name)?;
         t.expect_shape(&name, &self.layout.shape(id))?;
-        if let Some(d) = self.opts.dtype
-            && !t.dtype.is_quantized()
-        {
-            t = t.convert(d);
+        let to = self.opts.matrix_dtype(t.dtype);
+        if to.is_quantized() && to != t.dtype {
+            t = quant::quantize_tensor(&name, &t, to)?;
+        } else if to != t.dtype {
+            t = t.convert(to);
         }
         let m = if offloaded { self.backend.upload_matrix_offloaded(&t)? } else { self.backend.upload_matrix(&t)? };
         self.bytes += self.backend.matrix_bytes(&m);
