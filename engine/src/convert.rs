@@ -1,10 +1,16 @@
-//! Converting a GGUF model into a Hugging Face directory (dequantized), so both formats can be checked
-//! against each other and GGUF-only models can be served from safetensors.
+//! Converting between model formats: any model into a Hugging Face directory (dequantized safetensors), so both
+//! formats can be checked against each other and GGUF-only models served from safetensors; and any model into a
+//! llama-architecture GGUF file, in a float type or quantized with llama.cpp's reference rounding
+//! (`strata convert --quantize`), so a checkpoint is quantized once instead of at every load.
 
 use std::path::Path;
 
+use crate::config::{Architecture, ModelConfig};
+use crate::gguf_writer::{self, TensorEntry};
 use crate::layout::{ModelLayout, TensorId};
 use crate::loader::ModelFiles;
+use crate::loader::gguf::{Value, gguf_row_order};
+use crate::quant;
 use crate::tensor::DType;
 use crate::{Error, Result};
 
@@ -21,8 +27,6 @@ pub fn to_hf_dir(files: &ModelFiles, out: &Path, dtype: DType) -> Result<()> {
     for name in names {
         let t = files.tensor(&name)?;
         let target = if t.shape.len() == 2 { dtype } else { DType::F32 };
-        let t =
-            if t.dtype.is_quantized() { crate::tensor::HostTensor::from_f32(t.shape.clone(), &t.to_f32()) } else { t };
         tensors.push((name, t.convert(target)));
     }
     let views = tensors
@@ -55,4 +59,224 @@ pub fn to_hf_dir(files: &ModelFiles, out: &Path, dtype: DType) -> Result<()> {
         "chat_template": tok.chat_template,
     });
     write("tokenizer_config.json", serde_json::to_string_pretty(&tc).map_err(|e| Error::Config(e.to_string()))?)
+}
+
+/// What [`to_gguf`] wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GgufReport {
+    /// Tensors written.
+    pub tensors: usize,
+    /// Matrices the source already stored quantized in another format, copied as they were: strata does not
+    /// requantize (the rounding errors would add up).
+    pub kept_quantized: Vec<String>,
+}
+
+/// `general.file_type` (llama.cpp's `llama_ftype`) of a file whose matrices are mostly `dtype`.
+fn file_type(dtype: DType) -> u64 {
+    match dtype {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::Q4_0 => 2,
+        DType::Q4_1 => 3,
+        DType::Q8_0 => 7,
+        DType::BF16 => 32,
+    }
+}
+
+/// The `general.*` and `llama.*` metadata of a llama-architecture GGUF for `c` (what llama.cpp's loader and
+/// strata's [`crate::loader::gguf`] read).
+pub fn llama_metadata(c: &ModelConfig) -> Vec<(String, Value)> {
+    let u = |x: usize| Value::U64(x as u64);
+    let mut md = vec![("general.architecture".to_string(), Value::Str("llama".into()))];
+    md.extend(
+        [
+            ("llama.block_count", u(c.num_layers)),
+            ("llama.context_length", u(c.max_position_embeddings)),
+            ("llama.embedding_length", u(c.hidden_size)),
+            ("llama.feed_forward_length", u(c.intermediate_size)),
+            ("llama.attention.head_count", u(c.num_heads)),
+            ("llama.attention.head_count_kv", u(c.num_kv_heads)),
+            ("llama.attention.key_length", u(c.head_dim)),
+            ("llama.attention.value_length", u(c.head_dim)),
+            ("llama.rope.dimension_count", u(c.head_dim)),
+            ("llama.rope.freq_base", Value::F64(c.rope_theta)),
+            ("llama.attention.layer_norm_rms_epsilon", Value::F64(c.rms_norm_eps)),
+            ("llama.vocab_size", u(c.vocab_size)),
+        ]
+        .map(|(k, v)| (k.to_string(), v)),
+    );
+    md
+}
+
+/// Writes `files` as a llama-architecture GGUF at `out`: 2-D matrices (embeddings and head included) as `dtype`,
+/// norms as f32, the tokenizer as `tokenizer.ggml.*` metadata. A quantized `dtype` quantizes float matrices one
+/// at a time as llama.cpp's `llama-quantize --pure` does (bit for bit); matrices the source stores quantized in
+/// another format are dequantized for a float `dtype` and kept as they are for a quantized one (listed in the
+/// report). Q and K rows are interleaved per head as llama.cpp expects.
+pub fn to_gguf(files: &ModelFiles, out: &Path, dtype: DType) -> Result<GgufReport> {
+    let cfg = files.config();
+    // GGUF `llama` has no q/k/v biases and strata's GGUF reader no RoPE scaling: such a file would load as a
+    // different model.
+    if cfg.architecture == Architecture::Qwen2 || cfg.attention_bias || cfg.rope_scaling.is_some() {
+        return Err(Error::Config(format!(
+            "a {} model{} cannot be written as a llama GGUF",
+            cfg.architecture.hf_name(),
+            if cfg.rope_scaling.is_some() { " with rope_scaling" } else { "" }
+        )));
+    }
+    let layout = ModelLayout::new(cfg);
+    let ids: Vec<TensorId> = layout.tensors();
+    let mut entries = Vec::with_capacity(ids.len());
+    let mut kept_quantized = Vec::new();
+    for &id in &ids {
+        let (file, shape) = files.tensor_meta(&id.hf_name())?;
+        let target = match (shape.len(), file.is_quantized(), dtype.is_quantized()) {
+            (2, true, true) if file != dtype => {
+                kept_quantized.push(id.hf_name());
+                file
+            }
+            (2, _, _) => dtype,
+            _ => DType::F32,
+        };
+        entries.push(TensorEntry::new(id.gguf_name(), shape, target));
+    }
+    let mut md = llama_metadata(cfg);
+    md.push(("general.file_type".into(), Value::U64(file_type(dtype))));
+    if dtype.is_quantized() {
+        // ggml's quantization format version (GGML_QNT_VERSION), which llama.cpp writes beside quantized weights.
+        md.push(("general.quantization_version".into(), Value::U64(2)));
+    }
+    md.extend(tokenizer_metadata(files)?);
+    gguf_writer::write(out, &md, &entries, |i| {
+        let (id, entry) = (ids[i], &entries[i]);
+        let name = id.hf_name();
+        let t = files.tensor(&name)?;
+        let mut t = if entry.dtype == t.dtype {
+            t
+        } else if entry.dtype.is_quantized() {
+            quant::quantize_tensor(&name, &t, entry.dtype)?
+        } else {
+            t.convert(entry.dtype)
+        };
+        if let Some(heads) = layout.gguf_permuted_heads(id) {
+            t = t.permute_rows(&gguf_row_order(t.shape[0], heads));
+        }
+        Ok(t.bytes)
+    })?;
+    Ok(GgufReport { tensors: entries.len(), kept_quantized })
+}
+
+/// The tokenizer as GGUF metadata: a GGUF source's `tokenizer.*` keys as they are; a Hugging Face byte-level BPE
+/// tokenizer (`tokenizer.json`) translated as llama.cpp's converter does; nothing for a model without one (a
+/// directory without `tokenizer.json`, a synthetic model).
+fn tokenizer_metadata(files: &ModelFiles) -> Result<Vec<(String, Value)>> {
+    match files {
+        ModelFiles::Gguf(g) => {
+            let mut md: Vec<(String, Value)> = g
+                .metadata
+                .iter()
+                .filter(|(k, _)| k.starts_with("tokenizer."))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            md.sort_by(|a, b| a.0.cmp(&b.0));
+            Ok(md)
+        }
+        // Without a tokenizer the file still serves prompts given as token ids.
+        ModelFiles::Synthetic(_) => Ok(Vec::new()),
+        ModelFiles::Hf { dir, .. } if !dir.join("tokenizer.json").exists() => Ok(Vec::new()),
+        ModelFiles::Hf { .. } => {
+            let tok = files.tokenizer()?;
+            let json: serde_json::Value =
+                serde_json::from_str(&tok.to_json()?).map_err(|e| Error::Tokenizer(e.to_string()))?;
+            let cfg = files.config();
+            let mut md = bpe_metadata(&json, cfg.vocab_size)?;
+            let id = |k: &str, v: Option<u32>| v.map(|v| (format!("tokenizer.ggml.{k}"), Value::U64(v.into())));
+            md.extend(id("bos_token_id", cfg.bos_token_id));
+            md.extend(id("eos_token_id", cfg.eos_token_ids.first().copied()));
+            md.push(("tokenizer.ggml.add_bos_token".into(), Value::Bool(tok.add_bos.is_some())));
+            if let Some(t) = &tok.chat_template {
+                md.push(("tokenizer.chat_template".into(), Value::Str(t.clone())));
+            }
+            Ok(md)
+        }
+    }
+}
+
+/// GGUF token types (llama.cpp's `llama_token_type`).
+const NORMAL: i64 = 1;
+const CONTROL: i64 = 3;
+const USER_DEFINED: i64 = 4;
+const UNUSED: i64 = 5;
+
+/// Tokens, types, merges and pre-tokenizer of a byte-level BPE `tokenizer.json`, padded to `vocab` ids.
+fn bpe_metadata(json: &serde_json::Value, vocab: usize) -> Result<Vec<(String, Value)>> {
+    let err = |m: &str| Error::Tokenizer(format!("cannot write this tokenizer as GGUF: {m} (byte-level BPE only)"));
+    let model = &json["model"];
+    if model["type"].as_str() != Some("BPE") {
+        return Err(err("its model is not BPE"));
+    }
+    let pre = &json["pre_tokenizer"];
+    let kind = |p: &serde_json::Value| p["type"].as_str().unwrap_or("").to_string();
+    // The two pre-tokenizers strata's GGUF reader rebuilds (see `tokenizer::pre_tokenizer`).
+    let pre_name = match kind(pre).as_str() {
+        "ByteLevel" => "gpt2",
+        "Sequence" => {
+            let parts: Vec<String> =
+                pre["pretokenizers"].as_array().map(|a| a.iter().map(kind).collect()).unwrap_or_default();
+            if parts != ["Digits", "ByteLevel"] || pre["pretokenizers"][0]["individual_digits"] != true {
+                return Err(err("its pre-tokenizer sequence is not SmolLM's (digits, byte-level)"));
+            }
+            "smollm"
+        }
+        other => return Err(err(&format!("pre-tokenizer {other:?}"))),
+    };
+    let map = model["vocab"].as_object().ok_or_else(|| err("no vocab"))?;
+    let mut tokens: Vec<Option<(String, i64)>> = vec![None; vocab];
+    let mut put = |id: Option<u64>, text: &str, ty: i64| -> Result<()> {
+        let id = id.ok_or_else(|| err("a token id is not a number"))? as usize;
+        if id >= tokens.len() {
+            tokens.resize(id + 1, None);
+        }
+        tokens[id] = Some((text.to_string(), ty));
+        Ok(())
+    };
+    for (text, id) in map {
+        put(id.as_u64(), text, NORMAL)?;
+    }
+    for a in json["added_tokens"].as_array().into_iter().flatten() {
+        let ty = if a["special"] == true { CONTROL } else { USER_DEFINED };
+        put(a["id"].as_u64(), a["content"].as_str().unwrap_or(""), ty)?;
+    }
+    // Merges are "a b" strings in older tokenizer.json files and ["a", "b"] pairs in newer ones.
+    let merges = model["merges"]
+        .as_array()
+        .ok_or_else(|| err("no merges"))?
+        .iter()
+        .map(|m| match m {
+            serde_json::Value::String(s) => Ok(Value::Str(s.clone())),
+            serde_json::Value::Array(p) => {
+                match (p.first().and_then(|a| a.as_str()), p.get(1).and_then(|b| b.as_str())) {
+                    (Some(a), Some(b)) => Ok(Value::Str(format!("{a} {b}"))),
+                    _ => Err(err("a merge is not a pair of strings")),
+                }
+            }
+            _ => Err(err("a merge is neither a string nor a pair")),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // Ids the tokenizer leaves unnamed (a vocabulary padded for the matmul) get placeholders, as in llama.cpp.
+    let (texts, types): (Vec<Value>, Vec<Value>) = tokens
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let (text, ty) = t.unwrap_or_else(|| (format!("[PAD{i}]"), UNUSED));
+            (Value::Str(text), Value::I64(ty))
+        })
+        .unzip();
+    Ok(vec![
+        ("tokenizer.ggml.model".into(), Value::Str("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::Str(pre_name.into())),
+        ("tokenizer.ggml.tokens".into(), Value::Array(texts)),
+        ("tokenizer.ggml.token_type".into(), Value::Array(types)),
+        ("tokenizer.ggml.merges".into(), Value::Array(merges)),
+    ])
 }

@@ -10,6 +10,7 @@ mod device;
 mod dtype;
 mod error;
 pub mod generate;
+pub mod gguf_writer;
 pub mod kv_cache;
 mod layer_range;
 pub mod layout;

@@ -2,16 +2,17 @@
 //! (safetensors) and GGUF files, from the same weights.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::Path;
 
 use half::{bf16, f16};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use crate::config::ModelConfig;
+use crate::gguf_writer::{self, TensorEntry};
 use crate::layout::{LayerTensor, ModelLayout, TensorId};
+use crate::loader::gguf::{Value, gguf_row_order};
 use crate::quant;
-use crate::tensor::DType;
+use crate::tensor::{DType, HostTensor};
 use crate::{Error, Result};
 
 /// A tiny model's shape and storage.
@@ -105,21 +106,6 @@ pub fn write_hf(dir: &Path, spec: &TinySpec, weights: &Weights) -> Result<()> {
         .map_err(|e| Error::Safetensors { path: path.clone(), reason: e.to_string() })
 }
 
-/// llama.cpp's Q/K row permutation (Hugging Face halves → interleaved pairs).
-fn permute_rows(v: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
-    let d = rows / heads;
-    let mut out = vec![0f32; v.len()];
-    for h in 0..heads {
-        for half in 0..2 {
-            for k in 0..d / 2 {
-                let (src, dst) = (h * d + half * d / 2 + k, h * d + 2 * k + half);
-                out[dst * cols..(dst + 1) * cols].copy_from_slice(&v[src * cols..(src + 1) * cols]);
-            }
-        }
-    }
-    out
-}
-
 /// Overrides for [`write_gguf`], for building malformed files in tests.
 #[derive(Debug, Clone, Default)]
 pub struct GgufOverrides {
@@ -130,112 +116,44 @@ pub struct GgufOverrides {
 /// Writes a llama-architecture GGUF with a byte-level BPE tokenizer over single bytes.
 pub fn write_gguf(path: &Path, spec: &TinySpec, weights: &Weights, ov: &GgufOverrides) -> Result<()> {
     let c = &spec.config;
-    let mut kv: Vec<(String, Vec<u8>)> = Vec::new();
-    let s = |x: &str| -> Vec<u8> {
-        let mut b = (x.len() as u64).to_le_bytes().to_vec();
-        b.extend_from_slice(x.as_bytes());
-        b
-    };
-    let u32v = |x: u32| -> Vec<u8> {
-        let mut b = 4u32.to_le_bytes().to_vec();
-        b.extend_from_slice(&x.to_le_bytes());
-        b
-    };
-    let f32v = |x: f32| -> Vec<u8> {
-        let mut b = 6u32.to_le_bytes().to_vec();
-        b.extend_from_slice(&x.to_le_bytes());
-        b
-    };
-    let strv = |x: &str| -> Vec<u8> {
-        let mut b = 8u32.to_le_bytes().to_vec();
-        b.extend(s(x));
-        b
-    };
-    kv.push(("general.architecture".into(), strv("llama")));
-    kv.push(("llama.block_count".into(), u32v(c.num_layers as u32)));
-    kv.push(("llama.context_length".into(), u32v(c.max_position_embeddings as u32)));
-    kv.push(("llama.embedding_length".into(), u32v(c.hidden_size as u32)));
-    kv.push(("llama.feed_forward_length".into(), u32v(c.intermediate_size as u32)));
-    kv.push(("llama.attention.head_count".into(), u32v(c.num_heads as u32)));
-    kv.push(("llama.attention.head_count_kv".into(), u32v(c.num_kv_heads as u32)));
-    kv.push(("llama.rope.freq_base".into(), f32v(c.rope_theta as f32)));
-    kv.push(("llama.attention.layer_norm_rms_epsilon".into(), f32v(c.rms_norm_eps as f32)));
-    kv.push(("llama.rope.dimension_count".into(), u32v(c.head_dim as u32)));
-    kv.push(("tokenizer.ggml.model".into(), strv("gpt2")));
-    kv.push(("tokenizer.ggml.pre".into(), strv("smollm")));
+    let mut md = crate::convert::llama_metadata(c);
+    let s = |x: &str| Value::Str(x.into());
+    md.push(("tokenizer.ggml.model".into(), s("gpt2")));
+    md.push(("tokenizer.ggml.pre".into(), s("smollm")));
     // Vocabulary: byte-level symbols for the first 256 ids, then filler tokens; no merges.
     let byte_chars = crate::tokenizer::byte_level_alphabet();
-    let tokens: Vec<String> = (0..c.vocab_size)
-        .map(|id| byte_chars.get(id).map_or_else(|| format!("<tok{id}>"), |ch| ch.to_string()))
-        .collect();
-    let mut arr = 9u32.to_le_bytes().to_vec();
-    arr.extend_from_slice(&8u32.to_le_bytes());
-    arr.extend_from_slice(&(tokens.len() as u64).to_le_bytes());
-    for t in &tokens {
-        arr.extend(s(t));
-    }
-    kv.push(("tokenizer.ggml.tokens".into(), arr));
-    let mut merges = 9u32.to_le_bytes().to_vec();
-    merges.extend_from_slice(&8u32.to_le_bytes());
-    merges.extend_from_slice(&0u64.to_le_bytes());
-    kv.push(("tokenizer.ggml.merges".into(), merges));
+    let tokens =
+        (0..c.vocab_size).map(|id| byte_chars.get(id).map_or_else(|| format!("<tok{id}>"), |ch| ch.to_string()));
+    md.push(("tokenizer.ggml.tokens".into(), Value::Array(tokens.map(Value::Str).collect())));
+    md.push(("tokenizer.ggml.merges".into(), Value::Array(Vec::new())));
     if let Some(e) = c.eos_token_ids.first() {
-        kv.push(("tokenizer.ggml.eos_token_id".into(), u32v(*e)));
+        md.push(("tokenizer.ggml.eos_token_id".into(), Value::U64((*e).into())));
     }
-
-    let mut infos = Vec::new();
-    let mut data = Vec::new();
-    let mut first_matrix = true;
     let layout = ModelLayout::new(c);
-    for (name, (shape, v)) in weights {
+    let mut ids = Vec::with_capacity(weights.len());
+    let mut entries = Vec::with_capacity(weights.len());
+    for (name, (shape, _)) in weights {
         let id =
             TensorId::from_hf_name(name).ok_or_else(|| Error::MissingTensor(format!("{name} (not a layout name)")))?;
-        let mut v = v.clone();
-        if let Some(heads) = layout.gguf_permuted_heads(id) {
-            v = permute_rows(&v, shape[0], shape[1], heads);
-        }
         let dtype = if shape.len() == 2 { spec.dtype } else { DType::F32 };
-        let bytes = match dtype {
-            DType::F32 => bytemuck::cast_slice(&v).to_vec(),
-            DType::F16 => v.iter().flat_map(|&x| f16::from_f32(x).to_le_bytes()).collect(),
-            DType::BF16 => v.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes()).collect(),
-            q => quant::quantize(q, &v),
-        };
-        let mut code = quant::ggml_type(dtype);
-        if shape.len() == 2 && first_matrix {
-            code = ov.bogus_type_code.unwrap_or(code);
-            first_matrix = false;
+        let mut e = TensorEntry::new(id.gguf_name(), shape.clone(), dtype);
+        if shape.len() == 2 && entries.iter().all(|e: &TensorEntry| e.shape.len() != 2) {
+            e.ggml_type = ov.bogus_type_code.unwrap_or(e.ggml_type);
         }
-        while data.len() % 32 != 0 {
-            data.push(0);
+        ids.push((id, name));
+        entries.push(e);
+    }
+    gguf_writer::write(path, &md, &entries, |i| {
+        let ((id, name), e) = (ids[i], &entries[i]);
+        let (shape, v) = &weights[name];
+        let t = HostTensor::from_f32(shape.clone(), v);
+        let mut t =
+            if e.dtype.is_quantized() { quant::quantize_tensor(name, &t, e.dtype)? } else { t.convert(e.dtype) };
+        if let Some(heads) = layout.gguf_permuted_heads(id) {
+            t = t.permute_rows(&gguf_row_order(shape[0], heads));
         }
-        let mut info = s(&id.gguf_name());
-        info.extend_from_slice(&(shape.len() as u32).to_le_bytes());
-        for d in shape.iter().rev() {
-            info.extend_from_slice(&(*d as u64).to_le_bytes());
-        }
-        info.extend_from_slice(&code.to_le_bytes());
-        info.extend_from_slice(&(data.len() as u64).to_le_bytes());
-        infos.push(info);
-        data.extend(bytes);
-    }
-    let mut out = b"GGUF".to_vec();
-    out.extend_from_slice(&3u32.to_le_bytes());
-    out.extend_from_slice(&(infos.len() as u64).to_le_bytes());
-    out.extend_from_slice(&(kv.len() as u64).to_le_bytes());
-    for (k, v) in &kv {
-        out.extend(s(k));
-        out.extend_from_slice(v);
-    }
-    for i in &infos {
-        out.extend_from_slice(i);
-    }
-    while !out.len().is_multiple_of(32) {
-        out.push(0);
-    }
-    out.extend(data);
-    let mut f = std::fs::File::create(path).map_err(io(path))?;
-    f.write_all(&out).map_err(io(path))
+        Ok(t.bytes)
+    })
 }
 
 /// A small Llama config for tests; adjust fields as needed.

@@ -296,6 +296,15 @@ fn unpermute_rows(rows: usize, heads: usize) -> Vec<usize> {
     src
 }
 
+/// The inverse of [`unpermute_rows`], for writing: GGUF row `i` is Hugging Face row `order[i]`.
+pub fn gguf_row_order(rows: usize, heads: usize) -> Vec<usize> {
+    let mut order = vec![0; rows];
+    for (hf, gguf) in unpermute_rows(rows, heads).into_iter().enumerate() {
+        order[gguf] = hf;
+    }
+    order
+}
+
 /// The GGUF name of a tensor known by its Hugging Face name.
 fn gguf_name(hf: &str) -> Option<String> {
     TensorId::from_hf_name(hf).map(TensorId::gguf_name)
@@ -376,5 +385,7 @@ mod tests {
         }
         let back: Vec<usize> = unpermute_rows(heads * d, heads).iter().map(|&r| gguf[r]).collect();
         assert_eq!(back, hf);
+        let forward: Vec<usize> = gguf_row_order(heads * d, heads).iter().map(|&r| hf[r]).collect();
+        assert_eq!(forward, gguf, "writing permutes as llama.cpp does");
     }
 }
