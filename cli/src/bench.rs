@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use serde::Serialize;
 use strata_engine::OnBackend;
 use strata_engine::backend::Backend;
@@ -93,6 +93,9 @@ fn synthetic_prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
 /// Runs `strata bench`.
 pub fn run(a: BenchArgs) -> Result<()> {
     if a.coordinator.is_some() || !a.local.is_empty() {
+        if a.device.quantize.is_some() {
+            bail!("--quantize applies to the in-process benchmark; a cluster's workers take their own --quantize");
+        }
         return crate::bench_cluster::run(crate::bench_cluster::ClusterBench {
             coordinator: a.coordinator,
             tls: a.tls,
@@ -122,7 +125,7 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
     let model = a.model.clone().context("--model is required (or --coordinator / --local)")?;
     let out = a.out.clone().unwrap_or_else(|| PathBuf::from("target/bench/engine.json"));
     let t0 = Instant::now();
-    let loaded = load(&model, a.device.dtype.map(|d| d.to_engine()), backend.clone(), false)?;
+    let loaded = load(&model, &a.device, backend.clone(), false)?;
     let load_seconds = t0.elapsed().as_secs_f64();
     let cfg = loaded.model.config().clone();
     let threads = a.device.threads;

@@ -129,7 +129,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
                 rt.block_on(async {
                     let grpc = free_addr()?;
                     let http = free_addr()?;
-                    let cluster = LocalCluster::start(&model, stages, per_stage, kv_blocks, grpc, http).await?;
+                    let cluster = LocalCluster::start(&model, stages, per_stage, kv_blocks, None, grpc, http).await?;
                     let bench = async {
                         let url = format!("http://{grpc}");
                         let mut client = ready_client(&url, &strata_proto::endpoint(&url, None)?).await?;
@@ -292,7 +292,8 @@ fn single_process_itl_ms(model: &Path, threads: usize, prompt_tokens: usize, max
     use strata_engine::model::SeqChunk;
     use strata_engine::sampling::argmax;
     let backend = std::sync::Arc::new(strata_engine::backend::cpu::CpuBackend::new(threads)?);
-    let loaded = crate::load::load(model, None, backend, false)?;
+    let device = crate::load::DeviceArgs { device: strata_engine::Device::Cpu, dtype: None, quantize: None, threads };
+    let loaded = crate::load::load(model, &device, backend, false)?;
     let vocab = loaded.model.config().vocab_size;
     let mut engine = Engine::new(loaded.model, None, prompt_tokens + max_tokens + 1)?;
     let prompt: Vec<u32> = (0..prompt_tokens).map(|i| ((i * 7919 + 13) % 999 + 1) as u32 % vocab as u32).collect();

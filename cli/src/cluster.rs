@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use strata_coordinator::CoordinatorConfig;
+use strata_engine::QuantDtype;
 use strata_membership::{EmbeddedRegistry, NodeState, Registry};
 use strata_proto::{NodeId, TlsArgs, pb, shutdown_signal};
 use strata_stage_worker::{RegistrationOptions, Worker, WorkerConfig};
@@ -34,6 +35,9 @@ pub struct LocalArgs {
     /// KV blocks per stage worker.
     #[arg(long, default_value_t = 256)]
     kv_blocks: usize,
+    /// Quantize each worker's float weight matrices to q8_0, q4_0 or q4_1 as its layers load.
+    #[arg(long, env = "STRATA_QUANTIZE")]
+    quantize: Option<QuantDtype>,
 }
 
 /// A whole cluster in this process: stage workers registered in an embedded registry and a coordinator, all
@@ -52,6 +56,7 @@ impl LocalCluster {
         stages: usize,
         threads: usize,
         kv_blocks: usize,
+        quantize: Option<QuantDtype>,
         grpc: SocketAddr,
         http: SocketAddr,
     ) -> Result<Self> {
@@ -64,6 +69,7 @@ impl LocalCluster {
             let mut cfg = WorkerConfig::new(format!("local-{i}"), model, None);
             cfg.threads = threads;
             cfg.kv_blocks = Some(kv_blocks);
+            cfg.quantize = quantize;
             let w = Worker::start_registered(cfg, registry.clone(), RegistrationOptions::default(), "127.0.0.1:0")
                 .await
                 .with_context(|| format!("starting stage worker {i}"))?;
@@ -126,7 +132,8 @@ async fn wait_ready(registry: &EmbeddedRegistry, node: &str) -> Result<()> {
 pub fn local(a: LocalArgs) -> Result<()> {
     let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     rt.block_on(async move {
-        let cluster = LocalCluster::start(&a.model, a.stages, a.threads, a.kv_blocks, a.grpc, a.http).await?;
+        let cluster =
+            LocalCluster::start(&a.model, a.stages, a.threads, a.kv_blocks, a.quantize, a.grpc, a.http).await?;
         eprintln!("coordinator gRPC API on {}, OpenAI-compatible HTTP API on http://{}/v1", a.grpc, a.http);
         eprintln!("{} stages; requests are served once every stage is ready (GET /health); Ctrl-C to stop", a.stages);
         cluster.run_until(shutdown_signal()).await

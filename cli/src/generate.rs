@@ -119,7 +119,7 @@ impl OnBackend for GenerateArgs {
 
 fn generate<B: Backend>(a: GenerateArgs, backend: Arc<B>) -> Result<()> {
     let needs_tok = a.prompt.prompt_ids.is_none();
-    let loaded = load(&a.model, a.device.dtype.map(|d| d.to_engine()), backend, needs_tok)?;
+    let loaded = load(&a.model, &a.device, backend, needs_tok)?;
     let prompt_ids = a.prompt.prompt_ids(loaded.tokenizer.as_deref())?;
     let req = GenerateRequest {
         prompt_ids,

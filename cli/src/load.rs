@@ -8,9 +8,8 @@ use anyhow::{Context, Result, bail};
 use strata_engine::backend::Backend;
 use strata_engine::loader::ModelFiles;
 use strata_engine::model::{LoadOptions, StageModel};
-use strata_engine::tensor::DType;
 use strata_engine::tokenizer::Tokenizer;
-use strata_engine::{Device, DeviceSpec, FloatDtype, OnBackend, on_device};
+use strata_engine::{Device, DeviceSpec, FloatDtype, OnBackend, QuantDtype, on_device};
 
 /// Where `generate` and `bench` run, shared by both.
 #[derive(clap::Args, Debug, Clone)]
@@ -21,6 +20,10 @@ pub struct DeviceArgs {
     /// Store float weights as this type: f32, f16 or bf16 (on a GPU also the activation type, bf16 by default).
     #[arg(long, env = "STRATA_DTYPE")]
     pub dtype: Option<FloatDtype>,
+    /// Quantize float weight matrices to q8_0, q4_0 or q4_1 as they load (llama.cpp's rounding); matrices a GGUF
+    /// already stores quantized stay as they are.
+    #[arg(long, env = "STRATA_QUANTIZE")]
+    pub quantize: Option<QuantDtype>,
     /// CPU threads (0: one per core).
     #[arg(long, default_value_t = 0, env = "STRATA_THREADS")]
     pub threads: usize,
@@ -42,8 +45,8 @@ pub struct Loaded<B: Backend> {
     pub tokenizer: Option<Arc<Tokenizer>>,
 }
 
-/// Loads every layer of `path` onto `backend`.
-pub fn load<B: Backend>(path: &Path, dtype: Option<DType>, backend: Arc<B>, need_tokenizer: bool) -> Result<Loaded<B>> {
+/// Loads every layer of `path` onto `backend`, with the weight types `device` asks for.
+pub fn load<B: Backend>(path: &Path, device: &DeviceArgs, backend: Arc<B>, need_tokenizer: bool) -> Result<Loaded<B>> {
     let files = ModelFiles::open(path).with_context(|| format!("opening model {}", path.display()))?;
     let tokenizer = match files.tokenizer() {
         Ok(t) => Some(Arc::new(t)),
@@ -65,7 +68,12 @@ pub fn load<B: Backend>(path: &Path, dtype: Option<DType>, backend: Arc<B>, need
             b.set_position(done as u64);
         }
     };
-    let opts = LoadOptions { dtype, progress: Some(&progress), ..LoadOptions::default() };
+    let opts = LoadOptions {
+        dtype: device.dtype.map(FloatDtype::to_engine),
+        quantize: device.quantize.map(QuantDtype::to_engine),
+        progress: Some(&progress),
+        ..LoadOptions::default()
+    };
     let model = StageModel::load(&files, 0..n, backend, &opts)?;
     if let Some(b) = bar {
         b.finish_and_clear();
@@ -76,24 +84,54 @@ pub fn load<B: Backend>(path: &Path, dtype: Option<DType>, backend: Arc<B>, need
 /// Arguments of `strata convert`.
 #[derive(clap::Args)]
 pub struct ConvertArgs {
-    /// A `.gguf` file.
+    /// A `.gguf` file or a Hugging Face directory.
     #[arg(long)]
     model: PathBuf,
-    /// Output directory.
+    /// Output: a directory (`--to hf`) or a `.gguf` file (`--to gguf`).
     #[arg(long)]
     out: PathBuf,
+    /// Output format: `hf` (safetensors, dequantized) or `gguf`; default `gguf` when `--out` ends in `.gguf` or
+    /// `--quantize` is given, `hf` otherwise.
+    #[arg(long, value_enum)]
+    to: Option<Format>,
     /// Matrix storage type.
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "f32", conflicts_with = "quantize")]
     dtype: FloatDtype,
+    /// Quantize float matrices (embeddings and head included) to q8_0, q4_0 or q4_1 as llama.cpp's
+    /// `llama-quantize --pure` does; writes GGUF.
+    #[arg(long)]
+    quantize: Option<QuantDtype>,
+}
+
+/// A model file format `strata convert` writes.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Format {
+    /// A Hugging Face directory (`config.json`, `model.safetensors`, tokenizer files).
+    Hf,
+    /// A llama-architecture GGUF file.
+    Gguf,
 }
 
 /// Runs `strata convert`.
 pub fn convert(a: ConvertArgs) -> Result<()> {
     let files = ModelFiles::open(&a.model).with_context(|| format!("opening model {}", a.model.display()))?;
-    if !matches!(files, ModelFiles::Gguf(_)) {
-        bail!("{} is not a GGUF file", a.model.display());
+    let gguf_out = a.out.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    let to = a.to.unwrap_or(if gguf_out || a.quantize.is_some() { Format::Gguf } else { Format::Hf });
+    match (to, a.quantize) {
+        (Format::Hf, Some(q)) => bail!("safetensors cannot hold {q} blocks: use --to gguf (or leave out --to)"),
+        (Format::Hf, None) => strata_engine::convert::to_hf_dir(&files, &a.out, a.dtype.to_engine())?,
+        (Format::Gguf, q) => {
+            let dtype = q.map_or(a.dtype.to_engine(), QuantDtype::to_engine);
+            let report = strata_engine::convert::to_gguf(&files, &a.out, dtype)?;
+            if !report.kept_quantized.is_empty() {
+                eprintln!(
+                    "kept {} already-quantized matrices as they were (strata does not requantize): {}",
+                    report.kept_quantized.len(),
+                    report.kept_quantized.join(", ")
+                );
+            }
+        }
     }
-    strata_engine::convert::to_hf_dir(&files, &a.out, a.dtype.to_engine())?;
     eprintln!("wrote {}", a.out.display());
     Ok(())
 }

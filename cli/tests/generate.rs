@@ -132,6 +132,34 @@ fn tiny_model_generates_from_ids_without_tokenizer() -> Result<()> {
 }
 
 #[test]
+fn quantize_at_load_equals_convert_quantize() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let m = tiny_hf(dir.path())?;
+    let run = |model: &Path, extra: &[&str]| {
+        let mut args = vec!["generate", "--model", model.to_str().unwrap_or_default(), "--prompt-ids", "1,2,3"];
+        args.extend_from_slice(&["--max-tokens", "8", "--format", "json"]);
+        args.extend_from_slice(extra);
+        json(&strata(&args)).map(|v| ids(&v, "token_ids"))
+    };
+    let convert = |out: &Path, extra: &[&str]| {
+        let mut args =
+            vec!["convert", "--model", m.to_str().unwrap_or_default(), "--out", out.to_str().unwrap_or_default()];
+        args.extend_from_slice(extra);
+        strata(&args)
+    };
+    let q = dir.path().join("tiny-q4_1.gguf");
+    let out = convert(&q, &["--quantize", "q4_1"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(run(&m, &["--quantize", "q4_1"])?, run(&q, &[])?, "same bytes, same tokens");
+    let refused = convert(&dir.path().join("hf-q"), &["--to", "hf", "--quantize", "q8_0"]);
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("safetensors cannot hold q8_0"));
+    let bad =
+        strata(&["generate", "--model", m.to_str().unwrap_or_default(), "--prompt-ids", "1", "--quantize", "q5_k"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("q8_0, q4_0 or q4_1"));
+    Ok(())
+}
+
+#[test]
 fn malformed_inputs_fail_cleanly() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let good = tiny_hf(dir.path())?;

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use strata_engine::{Device, FloatDtype, HiddenDtype, LayerRange, parse_bytes};
+use strata_engine::{Device, FloatDtype, HiddenDtype, LayerRange, QuantDtype, parse_bytes};
 use strata_membership::{check_cluster_name, parse_endpoints};
 use strata_proto::{Keepalive, LogArgs, TlsArgs};
 use strata_stage_worker::{DEFAULT_MEMORY_FRACTION, RegistrationOptions, WorkerConfig};
@@ -53,6 +53,10 @@ pub struct Args {
     /// the file's type on the CPU). Quantized GGUF weights stay quantized.
     #[arg(long, env = "STRATA_DTYPE")]
     dtype: Option<FloatDtype>,
+    /// Quantize float weight matrices to q8_0, q4_0 or q4_1 as they load (llama.cpp's rounding, this stage's
+    /// layers only); matrices already quantized in the file stay as they are.
+    #[arg(long, env = "STRATA_QUANTIZE")]
+    quantize: Option<QuantDtype>,
     /// GPU memory the stage may use, in bytes (suffixes K, M, G, Ki, Mi, Gi); layers beyond it stay in host
     /// memory and are streamed to the GPU per batch.
     #[arg(long, env = "STRATA_GPU_MEMORY_LIMIT")]
@@ -161,6 +165,7 @@ impl Args {
             hidden_dtype: self.hidden_dtype,
             device: self.device,
             dtype: self.dtype,
+            quantize: self.quantize,
             gpu_memory_limit,
             tls: self.tls.files()?,
             keepalive_interval_ms: self.keepalive_interval_ms,
@@ -227,6 +232,8 @@ mod tests {
     fn dtype_and_gpu_limit_reach_the_config() -> anyhow::Result<()> {
         let launch = args(&["--layers", "0..4", "--dtype", "bf16"]).into_config()?;
         assert_eq!((launch.config.dtype, launch.config.gpu_memory_limit), (Some(FloatDtype::Bf16), None));
+        let launch = args(&["--layers", "0..4", "--quantize", "q4_1"]).into_config()?;
+        assert_eq!((launch.config.quantize, launch.config.dtype), (Some(QuantDtype::Q4_1), None));
         if cfg!(feature = "cuda") {
             let launch =
                 args(&["--layers", "0..4", "--device", "cuda:1", "--gpu-memory-limit", "40Gi"]).into_config()?;

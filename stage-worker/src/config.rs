@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-use strata_engine::{Device, FloatDtype, HiddenDtype, LayerRange};
+use strata_engine::{Device, FloatDtype, HiddenDtype, LayerRange, QuantDtype};
 use strata_proto::{Keepalive, Tls, TlsFiles};
 
 use crate::error::{Error, Result};
@@ -85,6 +85,9 @@ pub struct WorkerConfig {
     /// bf16 on a GPU (f16 before sm_80). Quantized weights stay quantized.
     #[serde(default)]
     pub dtype: Option<FloatDtype>,
+    /// Block format float weight matrices are quantized to as they load; `None`: kept as floats.
+    #[serde(default)]
+    pub quantize: Option<QuantDtype>,
     /// Device memory the stage may use on a GPU, in bytes; layers beyond it are streamed from host memory.
     #[serde(default)]
     pub gpu_memory_limit: Option<u64>,
@@ -126,6 +129,7 @@ impl WorkerConfig {
             hidden_dtype: HiddenDtype::default(),
             device: Device::default(),
             dtype: None,
+            quantize: None,
             gpu_memory_limit: None,
             tls: None,
             keepalive_interval_ms: default_keepalive_interval_ms(),
@@ -236,13 +240,14 @@ mod tests {
             serde_json::from_str(r#"{"node_id":"a","model":"/m","layers":"0..4","hidden_dtype":"bf16"}"#)?;
         assert_eq!(cfg.layers, Some(LayerRange { start: 0, end: 4 }));
         assert_eq!((cfg.block_size, cfg.hidden_dtype, cfg.device), (16, HiddenDtype::Bf16, Device::Cpu));
-        assert_eq!((cfg.dtype, cfg.gpu_memory_limit), (None, None));
+        assert_eq!((cfg.dtype, cfg.gpu_memory_limit, cfg.quantize), (None, None, None));
         assert_eq!(cfg.keepalive().ok(), Some(Keepalive::DEFAULT));
         assert_eq!(cfg.fault_panic_after_batches, None);
         let gpu: WorkerConfig = serde_json::from_str(
-            r#"{"node_id":"a","model":"/m","device":"cuda:1","dtype":"f16","gpu_memory_limit":1000}"#,
+            r#"{"node_id":"a","model":"/m","device":"cuda:1","dtype":"f16","gpu_memory_limit":1000,"quantize":"q8_0"}"#,
         )?;
         assert_eq!((gpu.device, gpu.dtype, gpu.gpu_memory_limit), (Device::Cuda(1), Some(FloatDtype::F16), Some(1000)));
+        assert_eq!(gpu.quantize, Some(QuantDtype::Q8_0));
         assert!(serde_json::from_str::<WorkerConfig>(r#"{"node_id":"a","model":"/m","colour":1}"#).is_err());
         assert!(serde_json::from_str::<WorkerConfig>(r#"{"node_id":"a","model":"/m","layers":"4..1"}"#).is_err());
         Ok(())

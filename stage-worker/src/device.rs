@@ -42,7 +42,12 @@ pub fn load_options<B: Backend>(
         limit_bytes: usize::try_from(limit).unwrap_or(usize::MAX),
         reserve_bytes: kv_cache_bytes(config, model, layers, backend.kv_elem_bytes()) + GPU_WORKSPACE_BYTES,
     });
-    LoadOptions { dtype: config.dtype.map(|d| d.to_engine()), progress: None, offload }
+    LoadOptions {
+        dtype: config.dtype.map(|d| d.to_engine()),
+        progress: None,
+        offload,
+        quantize: config.quantize.map(|q| q.to_engine()),
+    }
 }
 
 #[cfg(test)]
