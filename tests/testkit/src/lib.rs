@@ -25,6 +25,24 @@ pub fn smollm2() -> PathBuf {
     p
 }
 
+/// A llama.cpp tool (`llama-quantize`) built by `scripts/llama-cpp-build.sh`: in `STRATA_LLAMA_BIN`, else in the
+/// build tree that script keeps under the cache (scripts/test builds it and sets the variable).
+pub fn llama_cpp_tool(name: &str) -> Result<PathBuf> {
+    let dir = std::env::var_os("STRATA_LLAMA_BIN").map(PathBuf::from).unwrap_or_else(|| {
+        let cache = std::env::var_os("STRATA_CACHE").map_or_else(|| PathBuf::from("/var/cache/strata"), PathBuf::from);
+        cache.join("llama.cpp/build/llama-cpp-python-0.3.36/bin")
+    });
+    let path = dir.join(name);
+    if !path.exists() {
+        bail!(
+            "{} is missing: build it with `eval \"$(scripts/llama-cpp-build.sh {name})\"; export STRATA_LLAMA_BIN=$LLAMA_BIN` \
+             (scripts/test does)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
 /// Path of a binary of this workspace (`stage-worker`, `coordinator`, `strata`), built into the same target
 /// directory as the running test. `cargo test --workspace` builds them; a test run of one crate may not, so a
 /// missing binary is an error that says how to build it.
