@@ -31,7 +31,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Measure prefill and decode speed and peak memory, or serving through a cluster (--coordinator, --local).
     Bench(bench::BenchArgs),
-    /// Convert a GGUF file into a Hugging Face directory (dequantized safetensors).
+    /// Convert a model: GGUF or Hugging Face directory into a Hugging Face directory (dequantized safetensors) or a
+    /// GGUF file (a float type, or quantized with --quantize as llama.cpp does).
     Convert(load::ConvertArgs),
     /// What-if placement: how the coordinator would split a model over nodes of given memory (and speed).
     Plan(plan::PlanArgs),
