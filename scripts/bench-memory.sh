@@ -20,6 +20,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 command -v etcd >/dev/null || { echo "etcd not found: run scripts/setup test (apt etcd-server)" >&2; exit 1; }
+commit="$(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty)"
 cargo build --release --locked -q -p strata-cli -p strata-stage-worker -p strata-coordinator
 bin="${CARGO_TARGET_DIR:-target}/release"
 out=target/bench
@@ -65,9 +66,9 @@ for i in $(seq 0 $((workers - 1))); do
   peaks+=("$(awk '/VmHWM/ {print $2 * 1024}' "/proc/${worker_pids[$i]}/status")")
 done
 preemptions=$(curl -sf "http://$http/metrics" | awk '/^strata_preemptions_total/ {s += $2} END {print s + 0}')
-python3 - "$out/memory-serving.json" "$out/memory.json" "$limit" "$model" "$preemptions" "$work/nodes.txt" "${peaks[@]}" <<'EOF'
-import json, platform, subprocess, sys
-serving_path, out_path, limit, model, preemptions, nodes_path, *peaks = sys.argv[1:]
+python3 - "$out/memory-serving.json" "$out/memory.json" "$limit" "$model" "$preemptions" "$work/nodes.txt" "$commit" "${peaks[@]}" <<'EOF'
+import json, platform, sys
+serving_path, out_path, limit, model, preemptions, nodes_path, commit, *peaks = sys.argv[1:]
 serving = json.load(open(serving_path))
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
 flags = next((l.split(":", 1)[1].split() for l in open("/proc/cpuinfo") if l.startswith("flags")), [])
@@ -77,13 +78,14 @@ suffix = limit.lstrip("0123456789")
 limit_bytes = int(limit[: len(limit) - len(suffix)]) * units.get(suffix, 1)
 report = {
     "model": model, "limit_bytes": limit_bytes, "cpu": cpu, "simd": simd,
-    "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+    "commit": commit, "load_average_after": open("/proc/loadavg").read().split()[:3],
     "peak_rss_bytes": [int(p) for p in peaks], "within_limit": all(int(p) <= limit_bytes for p in peaks),
     "preemptions": float(preemptions), "nodes": open(nodes_path).read(),
     "runs": [{k: r[k] for k in ("concurrency", "tokens_per_s", "ttft_ms_p50", "itl_ms_p50", "itl_ms_p99")} for r in serving["runs"]],
 }
 json.dump(report, open(out_path, "w"), indent=2)
-print(f"{model} on {len(peaks)} workers limited to {limit} each; CPU: {cpu} ({' '.join(simd)}); commit {report['commit']}\n")
+print(f"{model} on {len(peaks)} workers limited to {limit} each; CPU: {cpu} ({' '.join(simd)}); commit {report['commit']}; "
+      f"load average after: {' '.join(report['load_average_after'])}\n")
 print("| streams | tok/s | TTFT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) |\n|---|---|---|---|---|")
 for r in report["runs"]:
     print(f"| {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['ttft_ms_p50']:.0f} | {r['itl_ms_p50']:.0f} | {r['itl_ms_p99']:.0f} |")

@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use serde::Serialize;
 use strata_coordinator::placement::{self, ModelShape, NodeCapacity, SizeOptions};
 use strata_engine::loader::ModelFiles;
-use strata_engine::{FloatDtype, parse_bytes};
+use strata_engine::{FloatDtype, QuantDtype, parse_bytes};
 use strata_membership::NodeState;
 use strata_proto::NodeId;
 
@@ -35,6 +35,9 @@ pub struct PlanArgs {
     /// The workers' --dtype: the type float weights are stored in (default: as in the file).
     #[arg(long, env = "STRATA_DTYPE")]
     dtype: Option<FloatDtype>,
+    /// The coordinator's --quantize: float weights quantized at load (q8_0, q4_0 or q4_1).
+    #[arg(long, env = "STRATA_QUANTIZE", conflicts_with = "dtype")]
+    quantize: Option<QuantDtype>,
     /// Output: a table, or one JSON object.
     #[arg(long, value_enum, default_value = "table")]
     format: Format,
@@ -95,7 +98,7 @@ fn what_if(a: &PlanArgs) -> Result<PlanReport> {
     let opts = SizeOptions {
         min_kv_tokens,
         max_batch_tokens: a.max_batch_tokens,
-        weights: a.dtype.map(FloatDtype::to_engine),
+        weights: a.quantize.map(QuantDtype::to_engine).or(a.dtype.map(FloatDtype::to_engine)),
         ..SizeOptions::default()
     };
     let shape = ModelShape::from_model_path(&a.model, &opts)?;
@@ -223,6 +226,7 @@ mod tests {
             min_kv_tokens: None,
             max_batch_tokens: 64,
             dtype: None,
+            quantize: None,
             format: Format::Json,
         };
         // random:smollm2 is f32: ~650 MB of weights.
@@ -232,6 +236,9 @@ mod tests {
         for s in &split.stages {
             assert!(s.weight_bytes + s.overhead_bytes <= s.memory_bytes && s.kv_tokens >= 1024, "{s:?}");
         }
+        // Quantized at load to q8_0 (~8.5 bits instead of 32) it fits one node.
+        let q8 = what_if(&PlanArgs { quantize: Some(QuantDtype::Q8_0), ..args("300Mi") })?;
+        assert!(q8.fits && q8.stages.len() == 1, "{q8:?}");
         let short = what_if(&args("300Mi,300Mi"))?;
         assert!(!short.fits && short.error.as_deref().is_some_and(|e| e.contains("GiB more needed")), "{short:?}");
         Ok(())

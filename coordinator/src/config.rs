@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use strata_engine::QuantDtype;
 use strata_membership::{check_cluster_name, check_endpoints};
 use strata_proto::{Keepalive, Tls, TlsFiles};
 
@@ -51,6 +52,10 @@ pub struct CoordinatorConfig {
     /// fails its load. `None`: `max_model_len`, so one sequence of the longest length always fits.
     #[serde(default)]
     pub min_kv_tokens: Option<u64>,
+    /// Block format every stage quantizes float weights into as it loads (carried in the plan; placement sizes
+    /// layers in it). `None`: each worker's own `--quantize`, and placement sizes layers as the file stores them.
+    #[serde(default)]
+    pub quantize: Option<QuantDtype>,
     /// Requests running or queued at once; more are refused with `RESOURCE_EXHAUSTED` (HTTP 429).
     #[serde(default = "default_max_concurrent")]
     pub max_concurrent_requests: usize,
@@ -140,6 +145,7 @@ impl CoordinatorConfig {
             connect_timeout_ms: default_connect_timeout(),
             max_model_len: None,
             min_kv_tokens: None,
+            quantize: None,
             max_concurrent_requests: default_max_concurrent(),
             max_batch_tokens: default_max_batch_tokens(),
             batch_timeout_ms: default_batch_timeout(),
@@ -215,7 +221,12 @@ impl CoordinatorConfig {
 
     /// How placement sizes the model when every stage must hold `min_kv_tokens` tokens of KV cache.
     pub fn size_options(&self, min_kv_tokens: u64) -> SizeOptions {
-        SizeOptions { min_kv_tokens, max_batch_tokens: self.max_batch_tokens, ..SizeOptions::default() }
+        SizeOptions {
+            min_kv_tokens,
+            max_batch_tokens: self.max_batch_tokens,
+            weights: self.quantize.map(QuantDtype::to_engine),
+            ..SizeOptions::default()
+        }
     }
 
     /// Loads and checks the TLS files; `None` when TLS is off. Errors name the file.

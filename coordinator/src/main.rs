@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use strata_coordinator::CoordinatorConfig;
+use strata_engine::QuantDtype;
 use strata_membership::parse_endpoints;
 use strata_proto::{Keepalive, LogArgs, TlsArgs, shutdown_token};
 
@@ -50,6 +51,10 @@ struct Args {
     /// and a stage that cannot hold them fails its load, naming the shortfall.
     #[arg(long, env = "STRATA_MIN_KV_TOKENS")]
     min_kv_tokens: Option<u64>,
+    /// Quantize float weights at load on every stage (q8_0, q4_0 or q4_1; carried in the plan, and placement
+    /// sizes layers in that format). Default: each worker's own --quantize.
+    #[arg(long, env = "STRATA_QUANTIZE")]
+    quantize: Option<QuantDtype>,
     /// Name this coordinator campaigns under (default `coordinator-<pid>`; the chart uses the pod name).
     #[arg(long, env = "STRATA_CANDIDATE")]
     candidate: Option<String>,
@@ -99,6 +104,7 @@ async fn main() -> anyhow::Result<()> {
     config.max_batch_tokens = args.max_batch_tokens;
     config.max_model_len = args.max_model_len;
     config.min_kv_tokens = args.min_kv_tokens;
+    config.quantize = args.quantize;
     config.candidate = args.candidate;
     config.lease_ttl_secs = args.lease_ttl_secs;
     config.batch_timeout_ms = args.batch_timeout_ms;

@@ -423,7 +423,7 @@ mod tests {
             }
             other => panic!("unexpected {other:?}"),
         }
-        assert!(err.to_string().contains("short by"), "{err}");
+        assert!(err.to_string().contains("GiB more needed"), "{err}");
     }
 
     #[test]

@@ -84,6 +84,7 @@ fn no_plan(model: &str) -> Plan {
         term: 0,
         min_kv_tokens: 0,
         max_batch_tokens: 0,
+        quantize: None,
     }
 }
 
@@ -171,6 +172,7 @@ mod tests {
             term: 0,
             min_kv_tokens: 0,
             max_batch_tokens: 0,
+            quantize: None,
         };
         let mut s = ClusterSnapshot {
             nodes: vec![node("a", NodeState::Ready, 2), node("b", NodeState::Ready, 1)],

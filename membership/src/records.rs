@@ -130,6 +130,10 @@ pub struct Plan {
     /// 0: the stage's default.
     #[serde(default)]
     pub max_batch_tokens: u32,
+    /// Block format every stage quantizes float weights into as it loads (`q8_0`, `q4_0`, `q4_1`; the
+    /// coordinator's `--quantize`), which placement sized the layers with. `None`: each worker's own setting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantize: Option<String>,
 }
 
 impl Plan {
@@ -198,6 +202,7 @@ mod tests {
             term: 0,
             min_kv_tokens: 0,
             max_batch_tokens: 0,
+            quantize: None,
         };
         let text = serde_json::to_string(&plan)?;
         assert_eq!(serde_json::from_str::<Plan>(&text)?, plan);

@@ -64,6 +64,8 @@ pub struct Assignment {
     pub min_kv_tokens: u64,
     /// Largest micro-batch in tokens (0: the worker's default).
     pub max_batch_tokens: u32,
+    /// The plan's quantization of float weights (`None`: the worker's own `--quantize`).
+    pub quantize: Option<String>,
 }
 
 impl Assignment {
@@ -80,17 +82,23 @@ impl Assignment {
             next: plan.stages.get(index + 1).map(|s| s.address.clone()),
             min_kv_tokens: plan.min_kv_tokens,
             max_batch_tokens: plan.max_batch_tokens,
+            quantize: plan.quantize.clone(),
         })
     }
 
-    /// Whether `self` can be served by the executor loaded for `other`: the same layers of the same model.
+    /// Whether `self` can be served by the executor loaded for `other`: the same layers of the same model, in
+    /// the same format.
     pub fn same_weights(&self, other: &Assignment) -> bool {
-        self.layers == other.layers && self.model == other.model
+        self.layers == other.layers && self.model == other.model && self.quantize == other.quantize
     }
 
-    /// The worker config that serves this assignment.
-    pub fn config(&self, base: &WorkerConfig) -> WorkerConfig {
-        WorkerConfig {
+    /// The worker config that serves this assignment; `Err` for a quantization this build does not know.
+    pub fn config(&self, base: &WorkerConfig) -> Result<WorkerConfig> {
+        let quantize = match &self.quantize {
+            Some(q) => Some(q.parse().map_err(Error::Engine)?),
+            None => base.quantize,
+        };
+        Ok(WorkerConfig {
             layers: Some(self.layers),
             next: self.next.clone(),
             stage_index: Some(self.stage_index),
@@ -100,8 +108,9 @@ impl Assignment {
                 0 => base.max_batch_tokens,
                 n => n as usize,
             },
+            quantize,
             ..base.clone()
-        }
+        })
     }
 }
 
@@ -314,7 +323,15 @@ impl<R: Registry> PlanFollower<'_, R> {
                 let keep = self.current.as_ref().is_some_and(|c| c.same_weights(a));
                 // Only the stage to keep is held here: a stage being replaced must be free to stop.
                 let kept = self.slot.current().filter(|s| keep && !s.executor.is_dead());
-                let config = a.config(self.config);
+                let config = match a.config(self.config) {
+                    Ok(config) => config,
+                    Err(e) => {
+                        tracing::error!(node = %node, epoch = a.epoch.0, error = %e, "cannot serve the planned stage");
+                        let epoch = a.epoch;
+                        update(self.registration, self.shutdown, move |r| r.load_failed_epoch = epoch).await?;
+                        return Ok(());
+                    }
+                };
                 let (epoch, layers, next) = (a.epoch.0, &a.layers, &a.next);
                 let stage = match kept {
                     Some(stage) => {
@@ -425,6 +442,7 @@ mod tests {
             term: 0,
             min_kv_tokens: 0,
             max_batch_tokens: 0,
+            quantize: None,
         }
     }
 
@@ -442,12 +460,13 @@ mod tests {
                 next: Some("b:1".into()),
                 min_kv_tokens: 0,
                 max_batch_tokens: 0,
+                quantize: None,
             })
         );
         let b = Assignment::of(&p, &NodeId::new("b"));
         assert_eq!(b.as_ref().map(|b| (b.stage_index, b.next.clone())), Some((1, None)));
         assert_eq!(Assignment::of(&p, &NodeId::new("c")), None);
-        let cfg = b.map(|b| b.config(&WorkerConfig::new("b", "/m", None)));
+        let cfg = b.and_then(|b| b.config(&WorkerConfig::new("b", "/m", None)).ok());
         assert_eq!(
             cfg.as_ref().map(|c| (c.layers, c.plan_epoch)),
             Some((Some(LayerRange { start: 3, end: 4 }), Some(4)))

@@ -68,6 +68,7 @@ fn plan(epoch: u64, stages: Vec<PlanStage>) -> Plan {
         term: 0,
         min_kv_tokens: 0,
         max_batch_tokens: 0,
+        quantize: None,
     }
 }
 

@@ -89,6 +89,7 @@ pub fn static_plan(model: &str, num_layers: usize, stages: &[(String, Range<usiz
         term: 0,
         min_kv_tokens: 0,
         max_batch_tokens: 0,
+        quantize: None,
         stages: stages
             .iter()
             .enumerate()
