@@ -5,7 +5,9 @@
 //
 // Paged KV layout, per layer: k_cache / v_cache [num_blocks, block_size, n_kv_heads, head_dim];
 // token t of sequence s lives in block block_tables[s * max_blocks_per_seq + t / block_size],
-// slot t % block_size. A "slot" index is block * block_size + offset.
+// slot t % block_size. A "slot" index is block * block_size + offset. The cache holds the
+// activation type, or GGML Q8_0 blocks (`*_q8_0_<t>` kernels): a row of n_kv_heads * head_dim
+// elements is that many / 32 blocks, so a head (64 or 128 wide) is whole blocks.
 #include "common.cuh"
 
 // ---------------------------------------------------------------------------------------------
@@ -39,6 +41,44 @@ __device__ __forceinline__ void kv_write_impl(const T* __restrict__ k, const T* 
             vd[i] = vs[i];
         }
     }
+}
+
+// kv_write_q8_0: the same scatter into a Q8_0 cache. Each 32 elements become one block with
+// scale amax / 127 (stored as f16) and values round(x / scale), ggml's reference rounding, which
+// the CPU backend's q8_0 KV uses too. One warp per block, lane = element.
+// Launch: grid (n_tokens), block 128.
+template <typename T>
+__device__ __forceinline__ void kv_write_q8_0_impl(const T* __restrict__ k, const T* __restrict__ v,
+                                                   block_q8_0* __restrict__ k_cache, block_q8_0* __restrict__ v_cache,
+                                                   const int* __restrict__ slot_mapping, int n_tokens, int n_kv_heads,
+                                                   int head_dim, int k_stride, int v_stride) {
+    const int t = blockIdx.x;
+    if (t >= n_tokens) return;
+    const int slot = slot_mapping[t];
+    if (slot < 0) return;
+    const int nb = n_kv_heads * head_dim / QK;  // the host checks rows are whole blocks
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int b = warp; b < 2 * nb; b += warps) {  // blocks of k, then of v; uniform per warp
+        const bool is_v = b >= nb;
+        const int blk = is_v ? b - nb : b;
+        const T* src = is_v ? v + (i64)t * v_stride : k + (i64)t * k_stride;
+        const float x = to_f32(src[blk * QK + lane]);
+        const float d = warp_max(fabsf(x)) / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        block_q8_0* dst = (is_v ? v_cache : k_cache) + (i64)slot * nb + blk;
+        dst->qs[lane] = (i8)roundf(x * id);
+        if (lane == 0) dst->d = __half_as_ushort(__float2half_rn(d));
+    }
+}
+
+// Eight cached elements as f32: columns col..col+8 (col a multiple of 8) of the row at `slot`,
+// rows `row` elements wide.
+template <typename C>
+__device__ __forceinline__ void kv_load8(const C* cache, i64 slot, i64 row, i64 col, float (&o)[8]) {
+    load8(cache + slot * row + col, o);
+}
+__device__ __forceinline__ void kv_load8(const block_q8_0* cache, i64 slot, i64 row, i64 col, float (&o)[8]) {
+    dequant8(cache + slot * (row / QK), (int)(col / 8), o);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -191,9 +231,9 @@ __device__ __forceinline__ int heads_per_cta(int group) {
     return group % 8 == 0 ? 8 : group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
 }
 
-template <int D, int G, typename T>
-__device__ __forceinline__ void decode_impl(const T* __restrict__ q, const T* __restrict__ k_cache,
-                                            const T* __restrict__ v_cache, const int* __restrict__ block_tables,
+template <int D, int G, typename T, typename C>
+__device__ __forceinline__ void decode_impl(const T* __restrict__ q, const C* __restrict__ k_cache,
+                                            const C* __restrict__ v_cache, const int* __restrict__ block_tables,
                                             const int* __restrict__ context_lens, float* __restrict__ part_out,
                                             float* __restrict__ part_ml, T* __restrict__ out, int n_heads,
                                             int n_kv_heads, int block_size, int max_blocks_per_seq,
@@ -238,7 +278,7 @@ __device__ __forceinline__ void decode_impl(const T* __restrict__ q, const T* __
             const int t = base + u * KPW + ksub;
             if (t < p1) {
                 const i64 slot = (i64)bt[t / block_size] * block_size + t % block_size;
-                load8(k_cache + slot * row + head_off, kv[u]);
+                kv_load8(k_cache, slot, row, head_off, kv[u]);
             } else {
 #pragma unroll
                 for (int i = 0; i < 8; ++i) kv[u][i] = 0.0f;
@@ -302,7 +342,7 @@ __device__ __forceinline__ void decode_impl(const T* __restrict__ q, const T* __
             const int t = base + u * KPW + ksub;
             if (t < p1) {
                 const i64 slot = (i64)bt[t / block_size] * block_size + t % block_size;
-                load8(v_cache + slot * row + head_off, vv[u]);
+                kv_load8(v_cache, slot, row, head_off, vv[u]);
             }
         }
 #pragma unroll
@@ -354,8 +394,8 @@ __device__ __forceinline__ void decode_impl(const T* __restrict__ q, const T* __
     }
 }
 
-template <int D, typename T>
-__device__ __forceinline__ void decode_by_group(const T* q, const T* kc, const T* vc, const int* bt, const int* cl,
+template <int D, typename T, typename C>
+__device__ __forceinline__ void decode_by_group(const T* q, const C* kc, const C* vc, const int* bt, const int* cl,
                                                 float* po, float* pml, T* out, int n_heads, int n_kv_heads, int bs,
                                                 int mb, int ps, float scale, int q_stride, float* smem) {
     switch (heads_per_cta(n_heads / n_kv_heads)) {
@@ -366,8 +406,8 @@ __device__ __forceinline__ void decode_by_group(const T* q, const T* kc, const T
     }
 }
 
-template <typename T>
-__device__ __forceinline__ void decode_dispatch(const T* q, const T* kc, const T* vc, const int* bt, const int* cl,
+template <typename T, typename C>
+__device__ __forceinline__ void decode_dispatch(const T* q, const C* kc, const C* vc, const int* bt, const int* cl,
                                                 float* po, float* pml, T* out, int n_heads, int n_kv_heads,
                                                 int head_dim, int bs, int mb, int ps, float scale, int q_stride) {
     // qs [G][D] + m/l [2][8] + max(scores [G][P], reduction [W][G][D]) at G = 8, D = 128.
@@ -407,9 +447,12 @@ __device__ __forceinline__ void reduce_impl(const float* __restrict__ part_out, 
 #define PD_BOUNDS __launch_bounds__(32 * PD_WARPS, 2)
 
 // kv_write: (k [n_tokens, n_kv_heads * head_dim] (row stride k_stride), v (row stride v_stride),
-//            k_cache, v_cache, slot_mapping i32 [n_tokens], n_tokens, n_kv_heads, head_dim, k_stride, v_stride)
+//            k_cache, v_cache, slot_mapping i32 [n_tokens], n_tokens, n_kv_heads, head_dim, k_stride, v_stride);
+// kv_write_q8_0_<t>: the same into Q8_0 caches (n_kv_heads * head_dim a multiple of 32)
 extern "C" __global__ void kv_write_f32(const float* k, const float* v, float* k_cache, float* v_cache, const int* slot_mapping, int n_tokens, int n_kv_heads, int head_dim, int k_stride, int v_stride) { kv_write_impl(k, v, k_cache, v_cache, slot_mapping, n_tokens, n_kv_heads, head_dim, k_stride, v_stride); }
+extern "C" __global__ void kv_write_q8_0_f32(const float* k, const float* v, block_q8_0* k_cache, block_q8_0* v_cache, const int* slot_mapping, int n_tokens, int n_kv_heads, int head_dim, int k_stride, int v_stride) { kv_write_q8_0_impl(k, v, k_cache, v_cache, slot_mapping, n_tokens, n_kv_heads, head_dim, k_stride, v_stride); }
 extern "C" __global__ void kv_write_f16(const __half* k, const __half* v, __half* k_cache, __half* v_cache, const int* slot_mapping, int n_tokens, int n_kv_heads, int head_dim, int k_stride, int v_stride) { kv_write_impl(k, v, k_cache, v_cache, slot_mapping, n_tokens, n_kv_heads, head_dim, k_stride, v_stride); }
+extern "C" __global__ void kv_write_q8_0_f16(const __half* k, const __half* v, block_q8_0* k_cache, block_q8_0* v_cache, const int* slot_mapping, int n_tokens, int n_kv_heads, int head_dim, int k_stride, int v_stride) { kv_write_q8_0_impl(k, v, k_cache, v_cache, slot_mapping, n_tokens, n_kv_heads, head_dim, k_stride, v_stride); }
 
 // attention_prefill: (q [tokens, n_heads, head_dim] (row stride q_stride), k, v [tokens, n_kv_heads, head_dim]
 //   (row stride kv_stride), out [tokens, n_heads * head_dim], cu_seqlens i32 [num_seqs + 1],
@@ -421,11 +464,15 @@ extern "C" __global__ void attention_prefill_f16(const __half* q, const __half* 
 //   block_tables i32 [num_seqs, max_blocks_per_seq], context_lens i32 [num_seqs],
 //   part_out f32 [num_seqs, n_heads, num_partitions, head_dim], part_ml f32 [num_seqs, n_heads, num_partitions, 2],
 //   out [num_seqs, n_heads * head_dim], n_heads, n_kv_heads, head_dim, block_size, max_blocks_per_seq,
-//   partition_size (<= 512), scale, q_stride)
+//   partition_size (<= 512), scale, q_stride); paged_attention_decode_q8_0_<t> reads Q8_0 caches
 extern "C" __global__ void PD_BOUNDS paged_attention_decode_f32(const float* q, const float* k_cache, const float* v_cache, const int* block_tables, const int* context_lens, float* part_out, float* part_ml, float* out, int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks_per_seq, int partition_size, float scale, int q_stride);
+extern "C" __global__ void PD_BOUNDS paged_attention_decode_q8_0_f32(const float* q, const block_q8_0* k_cache, const block_q8_0* v_cache, const int* block_tables, const int* context_lens, float* part_out, float* part_ml, float* out, int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks_per_seq, int partition_size, float scale, int q_stride);
 extern "C" __global__ void paged_attention_decode_f32(const float* q, const float* k_cache, const float* v_cache, const int* block_tables, const int* context_lens, float* part_out, float* part_ml, float* out, int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks_per_seq, int partition_size, float scale, int q_stride) { decode_dispatch(q, k_cache, v_cache, block_tables, context_lens, part_out, part_ml, out, n_heads, n_kv_heads, head_dim, block_size, max_blocks_per_seq, partition_size, scale, q_stride); }
+extern "C" __global__ void paged_attention_decode_q8_0_f32(const float* q, const block_q8_0* k_cache, const block_q8_0* v_cache, const int* block_tables, const int* context_lens, float* part_out, float* part_ml, float* out, int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks_per_seq, int partition_size, float scale, int q_stride) { decode_dispatch(q, k_cache, v_cache, block_tables, context_lens, part_out, part_ml, out, n_heads, n_kv_heads, head_dim, block_size, max_blocks_per_seq, partition_size, scale, q_stride); }
 extern "C" __global__ void PD_BOUNDS paged_attention_decode_f16(const __half* q, const __half* k_cache, const __half* v_cache, const int* block_tables, const int* context_lens, float* part_out, float* part_ml, __half* out, int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks_per_seq, int partition_size, float scale, int q_stride);
+extern "C" __global__ void PD_BOUNDS paged_attention_decode_q8_0_f16(const __half* q, const block_q8_0* k_cache, const block_q8_0* v_cache, const int* block_tables, const int* context_lens, float* part_out, float* part_ml, __half* out, int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks_per_seq, int partition_size, float scale, int q_stride);
 extern "C" __global__ void paged_attention_decode_f16(const __half* q, const __half* k_cache, const __half* v_cache, const int* block_tables, const int* context_lens, float* part_out, float* part_ml, __half* out, int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks_per_seq, int partition_size, float scale, int q_stride) { decode_dispatch(q, k_cache, v_cache, block_tables, context_lens, part_out, part_ml, out, n_heads, n_kv_heads, head_dim, block_size, max_blocks_per_seq, partition_size, scale, q_stride); }
+extern "C" __global__ void paged_attention_decode_q8_0_f16(const __half* q, const block_q8_0* k_cache, const block_q8_0* v_cache, const int* block_tables, const int* context_lens, float* part_out, float* part_ml, __half* out, int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks_per_seq, int partition_size, float scale, int q_stride) { decode_dispatch(q, k_cache, v_cache, block_tables, context_lens, part_out, part_ml, out, n_heads, n_kv_heads, head_dim, block_size, max_blocks_per_seq, partition_size, scale, q_stride); }
 
 // paged_attention_reduce: (part_out, part_ml, context_lens, out [num_seqs, n_heads * head_dim],
 //   n_heads, head_dim, num_partitions, partition_size)
@@ -434,8 +481,11 @@ extern "C" __global__ void paged_attention_reduce_f16(const float* part_out, con
 
 #if STRATA_HAS_BF16
 extern "C" __global__ void kv_write_bf16(const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* k_cache, __nv_bfloat16* v_cache, const int* slot_mapping, int n_tokens, int n_kv_heads, int head_dim, int k_stride, int v_stride) { kv_write_impl(k, v, k_cache, v_cache, slot_mapping, n_tokens, n_kv_heads, head_dim, k_stride, v_stride); }
+extern "C" __global__ void kv_write_q8_0_bf16(const __nv_bfloat16* k, const __nv_bfloat16* v, block_q8_0* k_cache, block_q8_0* v_cache, const int* slot_mapping, int n_tokens, int n_kv_heads, int head_dim, int k_stride, int v_stride) { kv_write_q8_0_impl(k, v, k_cache, v_cache, slot_mapping, n_tokens, n_kv_heads, head_dim, k_stride, v_stride); }
 extern "C" __global__ void attention_prefill_bf16(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* out, const int* cu_seqlens, int n_heads, int n_kv_heads, int head_dim, float scale, int q_stride, int kv_stride) { prefill_dispatch(q, k, v, out, cu_seqlens, n_heads, n_kv_heads, head_dim, scale, q_stride, kv_stride); }
 extern "C" __global__ void PD_BOUNDS paged_attention_decode_bf16(const __nv_bfloat16* q, const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache, const int* block_tables, const int* context_lens, float* part_out, float* part_ml, __nv_bfloat16* out, int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks_per_seq, int partition_size, float scale, int q_stride);
+extern "C" __global__ void PD_BOUNDS paged_attention_decode_q8_0_bf16(const __nv_bfloat16* q, const block_q8_0* k_cache, const block_q8_0* v_cache, const int* block_tables, const int* context_lens, float* part_out, float* part_ml, __nv_bfloat16* out, int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks_per_seq, int partition_size, float scale, int q_stride);
 extern "C" __global__ void paged_attention_decode_bf16(const __nv_bfloat16* q, const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache, const int* block_tables, const int* context_lens, float* part_out, float* part_ml, __nv_bfloat16* out, int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks_per_seq, int partition_size, float scale, int q_stride) { decode_dispatch(q, k_cache, v_cache, block_tables, context_lens, part_out, part_ml, out, n_heads, n_kv_heads, head_dim, block_size, max_blocks_per_seq, partition_size, scale, q_stride); }
+extern "C" __global__ void paged_attention_decode_q8_0_bf16(const __nv_bfloat16* q, const block_q8_0* k_cache, const block_q8_0* v_cache, const int* block_tables, const int* context_lens, float* part_out, float* part_ml, __nv_bfloat16* out, int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks_per_seq, int partition_size, float scale, int q_stride) { decode_dispatch(q, k_cache, v_cache, block_tables, context_lens, part_out, part_ml, out, n_heads, n_kv_heads, head_dim, block_size, max_blocks_per_seq, partition_size, scale, q_stride); }
 extern "C" __global__ void paged_attention_reduce_bf16(const float* part_out, const float* part_ml, const int* context_lens, __nv_bfloat16* out, int n_heads, int head_dim, int num_partitions, int partition_size) { reduce_impl(part_out, part_ml, context_lens, out, n_heads, head_dim, num_partitions, partition_size); }
 #endif

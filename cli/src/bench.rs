@@ -62,6 +62,7 @@ struct Report {
     engine: &'static str,
     model: String,
     backend: String,
+    kv_dtype: String,
     threads: usize,
     load_seconds: f64,
     weight_bytes: usize,
@@ -134,7 +135,8 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
     // 16-token prompts), rounded up per sequence.
     let per_seq = (a.prompt_tokens.max(SHORT_PROMPT) + a.decode_tokens + 1).div_ceil(16) * 16;
     let kv_tokens = per_seq * a.batch.max(1);
-    let mut engine = Engine::new(loaded.model, None, kv_tokens)?;
+    let kv_dtype = a.device.kv_dtype(&*backend);
+    let mut engine = Engine::with_kv_dtype(loaded.model, None, kv_tokens, kv_dtype)?;
     let vocab = cfg.vocab_size;
 
     // Warm up caches and page in the weights.
@@ -177,6 +179,7 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         engine: "strata",
         model: model.display().to_string(),
         backend: backend.name(),
+        kv_dtype: kv_dtype.to_string(),
         threads,
         load_seconds,
         weight_bytes,
@@ -203,9 +206,10 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         baseline.as_ref().and_then(|b| b.get(k)).and_then(|v| v.as_f64()).map_or("-".to_string(), |v| format!("{v:.1}"))
     };
     println!(
-        "model: {}  backend: {}  weights: {:.1} MiB",
+        "model: {}  backend: {}  KV: {}  weights: {:.1} MiB",
         report.model,
         report.backend,
+        report.kv_dtype,
         weight_bytes as f64 / 1048576.0
     );
     println!("| metric | strata | llama.cpp |");

@@ -292,7 +292,13 @@ fn single_process_itl_ms(model: &Path, threads: usize, prompt_tokens: usize, max
     use strata_engine::model::SeqChunk;
     use strata_engine::sampling::argmax;
     let backend = std::sync::Arc::new(strata_engine::backend::cpu::CpuBackend::new(threads)?);
-    let device = crate::load::DeviceArgs { device: strata_engine::Device::Cpu, dtype: None, quantize: None, threads };
+    let device = crate::load::DeviceArgs {
+        device: strata_engine::Device::Cpu,
+        dtype: None,
+        quantize: None,
+        threads,
+        kv_dtype: None,
+    };
     let loaded = crate::load::load(model, &device, backend, false)?;
     let vocab = loaded.model.config().vocab_size;
     let mut engine = Engine::new(loaded.model, None, prompt_tokens + max_tokens + 1)?;

@@ -128,7 +128,8 @@ fn generate<B: Backend>(a: GenerateArgs, backend: Arc<B>) -> Result<()> {
         stop: a.prompt.stop.clone(),
     };
     let kv_tokens = req.prompt_ids.len() + req.max_tokens;
-    let mut engine = Engine::new(loaded.model, loaded.tokenizer, kv_tokens)?;
+    let kv_dtype = a.device.kv_dtype(&**loaded.model.backend());
+    let mut engine = Engine::with_kv_dtype(loaded.model, loaded.tokenizer, kv_tokens, kv_dtype)?;
     let stream = a.prompt.format == Format::Text;
     let mut stdout = std::io::stdout().lock();
     let output = engine.generate(&req, |delta| {

@@ -8,6 +8,7 @@
 
 use std::path::Path;
 
+use strata_engine::KvDtype;
 use strata_engine::config::ModelConfig;
 use strata_engine::layout::ModelLayout;
 use strata_engine::loader::ModelFiles;
@@ -30,15 +31,15 @@ pub struct SizeOptions {
     pub min_kv_tokens: u64,
     /// Most tokens in one micro-batch.
     pub max_batch_tokens: usize,
-    /// Bytes of one KV cache element.
-    pub kv_elem_bytes: usize,
+    /// Type the stages store their KV cache in.
+    pub kv_dtype: KvDtype,
     /// Type float weight matrices are stored in (`None`: as in the file; quantized tensors stay as they are).
     pub weights: Option<DType>,
 }
 
 impl Default for SizeOptions {
     fn default() -> Self {
-        SizeOptions { min_kv_tokens: 2048, max_batch_tokens: 512, kv_elem_bytes: 4, weights: None }
+        SizeOptions { min_kv_tokens: 2048, max_batch_tokens: 512, kv_dtype: KvDtype::F32, weights: None }
     }
 }
 
@@ -85,7 +86,7 @@ impl ModelShape {
             layer_bytes: layer_bytes as u64,
             embed_bytes: layout.embed_bytes(&files, &as_stored)? as u64,
             head_bytes: head_bytes as u64,
-            kv_bytes_per_token_layer: layout.kv_bytes_per_token_layer(opts.kv_elem_bytes) as u64,
+            kv_bytes_per_token_layer: layout.kv_bytes_per_token_layer(opts.kv_dtype)? as u64,
             kv_reserve_tokens: opts.min_kv_tokens,
             stage_overhead_bytes: stage_overhead_bytes(cfg, opts.max_batch_tokens),
             logits_bytes: (opts.max_batch_tokens as u64).saturating_mul(cfg.vocab_size as u64 * 4),

@@ -75,6 +75,26 @@ pub enum Error {
         /// Blocks free.
         free: usize,
     },
+    /// A KV cache type whose blocks do not tile a cached row.
+    #[error("a {dtype} KV cache needs kv_dim (KV heads × head width) to be a multiple of {block}, got {kv_dim}")]
+    KvDim {
+        /// The KV type asked for.
+        dtype: crate::KvDtype,
+        /// The row width: KV heads × head width.
+        kv_dim: usize,
+        /// Elements per block of that type.
+        block: usize,
+    },
+    /// A KV cache type this backend cannot store.
+    #[error("{device} cannot keep its KV cache as {dtype}: {reason}")]
+    KvDtypeUnsupported {
+        /// The backend's device name.
+        device: String,
+        /// The KV type asked for.
+        dtype: crate::KvDtype,
+        /// Why, and what would work instead.
+        reason: String,
+    },
     /// A sequence id the KV cache does not know.
     #[error("unknown sequence {0}")]
     UnknownSequence(u64),

@@ -9,7 +9,7 @@ use crate::kv_cache::KvCache;
 use crate::model::{LogitRows, SeqChunk, StageInput, StageModel};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
-use crate::{Error, Result};
+use crate::{Error, KvDtype, Result};
 
 /// Why generation stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -126,13 +126,24 @@ pub struct Engine<B: Backend> {
 pub const BLOCK_SIZE: usize = 16;
 
 impl<B: Backend> Engine<B> {
-    /// Wraps a full model (all layers) with a KV cache for `kv_tokens` positions. Without a tokenizer the
-    /// engine works in token space only (no text, no stop strings).
+    /// Wraps a full model (all layers) with a KV cache for `kv_tokens` positions in the backend's default KV
+    /// type. Without a tokenizer the engine works in token space only (no text, no stop strings).
     pub fn new(model: StageModel<B>, tokenizer: Option<Arc<Tokenizer>>, kv_tokens: usize) -> Result<Self> {
+        let kv_dtype = model.backend().default_kv_dtype();
+        Self::with_kv_dtype(model, tokenizer, kv_tokens, kv_dtype)
+    }
+
+    /// [`Engine::new`] with the KV cache stored as `kv_dtype`.
+    pub fn with_kv_dtype(
+        model: StageModel<B>,
+        tokenizer: Option<Arc<Tokenizer>>,
+        kv_tokens: usize,
+        kv_dtype: KvDtype,
+    ) -> Result<Self> {
         if !(model.is_first() && model.is_last()) {
             return Err(Error::Config("the single-process engine needs every layer".into()));
         }
-        let kv = model.new_kv_cache(kv_tokens.div_ceil(BLOCK_SIZE).max(1), BLOCK_SIZE)?;
+        let kv = model.new_kv_cache(kv_tokens.div_ceil(BLOCK_SIZE).max(1), BLOCK_SIZE, kv_dtype)?;
         Ok(Engine { model, kv, tokenizer, next_seq: 0 })
     }
 

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use crate::backend::Backend;
-use crate::{Error, Result};
+use crate::{Error, KvDtype, Result};
 
 /// A sequence's blocks and how many positions are filled.
 #[derive(Debug, Clone, Default)]
@@ -21,22 +21,33 @@ pub struct KvCache<B: Backend> {
     pub layers: Vec<B::KvLayer>,
     block_size: usize,
     num_blocks: usize,
+    dtype: KvDtype,
     free: Vec<u32>,
     tables: HashMap<u64, BlockTable>,
 }
 
 impl<B: Backend> KvCache<B> {
-    /// Allocates `num_blocks` blocks of `block_size` tokens for `layers` layers of width `kv_dim`.
-    pub fn new(backend: &B, layers: usize, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<Self> {
+    /// Allocates `num_blocks` blocks of `block_size` tokens for `layers` layers of width `kv_dim`, stored as
+    /// `dtype`.
+    pub fn new(
+        backend: &B,
+        layers: usize,
+        num_blocks: usize,
+        block_size: usize,
+        kv_dim: usize,
+        dtype: KvDtype,
+    ) -> Result<Self> {
         if block_size == 0 || num_blocks == 0 {
             return Err(Error::Config("KV cache needs at least one block of at least one token".into()));
         }
-        let layers =
-            (0..layers).map(|_| backend.alloc_kv_layer(num_blocks, block_size, kv_dim)).collect::<Result<_>>()?;
+        let layers = (0..layers)
+            .map(|_| backend.alloc_kv_layer(num_blocks, block_size, kv_dim, dtype))
+            .collect::<Result<_>>()?;
         Ok(KvCache {
             layers,
             block_size,
             num_blocks,
+            dtype,
             free: (0..num_blocks as u32).rev().collect(),
             tables: HashMap::new(),
         })
@@ -53,6 +64,11 @@ impl<B: Backend> KvCache<B> {
     /// Tokens per block.
     pub fn block_size(&self) -> usize {
         self.block_size
+    }
+
+    /// The type keys and values are stored in.
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
     }
 
     /// Total blocks.
@@ -126,7 +142,7 @@ mod tests {
     #[test]
     fn reserve_and_release_return_every_block() {
         let be = CpuBackend::new(1).expect("backend");
-        let mut kv = KvCache::new(&be, 2, 4, 16, 8).expect("kv");
+        let mut kv = KvCache::new(&be, 2, 4, 16, 8, KvDtype::F32).expect("kv");
         kv.reserve(1, 0, 20).expect("fits");
         assert_eq!(kv.free_blocks(), 2);
         kv.reserve(1, 20, 12).expect("fits in held block");
@@ -142,7 +158,7 @@ mod tests {
     #[test]
     fn rejects_gaps_in_positions() {
         let be = CpuBackend::new(1).expect("backend");
-        let mut kv = KvCache::new(&be, 1, 4, 16, 8).expect("kv");
+        let mut kv = KvCache::new(&be, 1, 4, 16, 8, KvDtype::F32).expect("kv");
         assert!(kv.reserve(7, 3, 1).is_err());
     }
 }

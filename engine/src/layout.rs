@@ -11,7 +11,7 @@ use std::ops::Range;
 use crate::config::ModelConfig;
 use crate::loader::ModelFiles;
 use crate::tensor::DType;
-use crate::{Error, Result};
+use crate::{Error, KvDtype, Result};
 
 /// A tensor of one decoder layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -305,9 +305,9 @@ impl<'a> ModelLayout<'a> {
         Ok(StageBytes { layers, vectors: range.len() * self.layer_vector_bytes(), embed, head })
     }
 
-    /// KV cache bytes one token takes in one layer (keys and values) at `elem_bytes` per element.
-    pub fn kv_bytes_per_token_layer(&self, elem_bytes: usize) -> usize {
-        2 * self.cfg.kv_dim() * elem_bytes
+    /// KV cache bytes one token takes in one layer (keys and values) stored as `dtype`.
+    pub fn kv_bytes_per_token_layer(&self, dtype: KvDtype) -> Result<usize> {
+        dtype.bytes_per_token_layer(self.cfg.kv_dim())
     }
 }
 
@@ -375,6 +375,6 @@ mod tests {
         assert!(!qwen.contains(TensorId::LmHead));
         assert_eq!(qwen.layer_vector_bytes(), (2 * cfg.hidden_size + cfg.q_dim() + 2 * cfg.kv_dim()) * 4);
         assert_eq!(qwen.shape(TensorId::Layer(3, LayerTensor::O)), vec![cfg.hidden_size, cfg.q_dim()]);
-        assert_eq!(qwen.kv_bytes_per_token_layer(2), 2 * cfg.kv_dim() * 2);
+        assert_eq!(qwen.kv_bytes_per_token_layer(KvDtype::F16).ok(), Some(2 * cfg.kv_dim() * 2));
     }
 }

@@ -25,7 +25,7 @@ pub mod testing;
 pub mod tokenizer;
 
 pub use device::{Device, DeviceSpec, OnBackend, on_device, parse_bytes};
-pub use dtype::{FloatDtype, HiddenDtype};
+pub use dtype::{FloatDtype, HiddenDtype, KvDtype};
 pub use error::{Error, Result};
 pub use layer_range::LayerRange;
 pub use quant::QuantDtype;

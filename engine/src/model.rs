@@ -12,7 +12,7 @@ use crate::loader::ModelFiles;
 use crate::offload::{OffloadBudget, OffloadPlan, plan_offload};
 use crate::quant;
 use crate::tensor::{DType, HostTensor};
-use crate::{Error, Result};
+use crate::{Error, KvDtype, Result};
 
 /// New tokens of one sequence in a batch. Chunks are laid out in order; a chunk's rows follow the previous.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -281,14 +281,14 @@ impl<B: Backend> StageModel<B> {
         self.range.start + self.offload.resident..self.range.end
     }
 
-    /// A KV cache sized for this stage's layers.
-    pub fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache<B>> {
-        KvCache::new(&*self.backend, self.layers.len(), num_blocks, block_size, self.config.kv_dim())
+    /// A KV cache for this stage's layers: `num_blocks` blocks of `block_size` tokens, stored as `kv_dtype`.
+    pub fn new_kv_cache(&self, num_blocks: usize, block_size: usize, kv_dtype: KvDtype) -> Result<KvCache<B>> {
+        KvCache::new(&*self.backend, self.layers.len(), num_blocks, block_size, self.config.kv_dim(), kv_dtype)
     }
 
-    /// KV bytes per cached token for this stage (keys and values).
-    pub fn kv_bytes_per_token(&self) -> usize {
-        self.layers.len() * ModelLayout::new(&self.config).kv_bytes_per_token_layer(self.backend.kv_elem_bytes())
+    /// KV bytes per cached token for this stage (keys and values of every layer) stored as `kv_dtype`.
+    pub fn kv_bytes_per_token(&self, kv_dtype: KvDtype) -> Result<usize> {
+        Ok(self.layers.len() * ModelLayout::new(&self.config).kv_bytes_per_token_layer(kv_dtype)?)
     }
 
     /// Runs the stage on a batch. Returns hidden states `[tokens, hidden]`, or on the last stage logits for

@@ -5,13 +5,14 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
+use strata_engine::KvDtype;
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::loader::ModelFiles;
 use strata_engine::model::{LoadOptions, LogitRows, SeqChunk, StageInput, StageModel};
 use strata_engine::offload::{OffloadBudget, OffloadPlan};
 
 fn logits(model: &StageModel<CpuBackend>) -> Result<Vec<f32>> {
-    let mut kv = model.new_kv_cache(8, 16)?;
+    let mut kv = model.new_kv_cache(8, 16, KvDtype::F32)?;
     let ids = [1u32, 5, 9, 200, 3];
     let chunk = SeqChunk { seq_id: 1, start_pos: 0, len: ids.len() };
     let mut out = model.forward(&mut kv, &[chunk], StageInput::Tokens(&ids), LogitRows::All)?.data;

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use anyhow::Result;
+use strata_engine::KvDtype;
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::config::ModelConfig;
 use strata_engine::convert;
@@ -30,7 +31,7 @@ fn logits(files: &ModelFiles, cuts: &[usize], opts: &LoadOptions<'_>) -> Result<
     let mut input = StageInput::Tokens(&prompt);
     for w in bounds.windows(2) {
         let stage = StageModel::load(files, w[0]..w[1], be.clone(), opts)?;
-        let mut kv = stage.new_kv_cache(4, 4)?;
+        let mut kv = stage.new_kv_cache(4, 4, KvDtype::F32)?;
         input = StageInput::Hidden(stage.forward(&mut kv, &chunk, input, LogitRows::All)?);
     }
     match input {

@@ -14,6 +14,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, ensure};
+use strata_engine::KvDtype;
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::convert;
 use strata_engine::layout::ModelLayout;
@@ -56,7 +57,7 @@ fn load(files: &ModelFiles, opts: &LoadOptions<'_>) -> Result<StageModel<CpuBack
 
 /// Logits of every position of `ids`, one row per token.
 fn logits(model: &StageModel<CpuBackend>, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
-    let mut kv = model.new_kv_cache(ids.len().div_ceil(16), 16)?;
+    let mut kv = model.new_kv_cache(ids.len().div_ceil(16), 16, KvDtype::F32)?;
     let chunk = SeqChunk { seq_id: 1, start_pos: 0, len: ids.len() };
     let out = model.forward(&mut kv, &[chunk], StageInput::Tokens(ids), LogitRows::All)?;
     Ok(out.data.chunks_exact(out.cols).map(<[f32]>::to_vec).collect())
@@ -64,7 +65,7 @@ fn logits(model: &StageModel<CpuBackend>, ids: &[u32]) -> Result<Vec<Vec<f32>>> 
 
 /// `prompt` followed by `NEW_TOKENS` greedy tokens.
 fn greedy(model: &StageModel<CpuBackend>, prompt: &[u32]) -> Result<Vec<u32>> {
-    let mut kv = model.new_kv_cache((prompt.len() + NEW_TOKENS).div_ceil(16), 16)?;
+    let mut kv = model.new_kv_cache((prompt.len() + NEW_TOKENS).div_ceil(16), 16, KvDtype::F32)?;
     let mut ids = prompt.to_vec();
     let mut chunk = SeqChunk { seq_id: 1, start_pos: 0, len: prompt.len() };
     for _ in 0..NEW_TOKENS {

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
+use strata_engine::KvDtype;
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::loader::ModelFiles;
 use strata_engine::model::{LoadOptions, LogitRows, SeqChunk, StageInput, StageModel};
@@ -37,7 +38,7 @@ fn check(name: &str, backend: Arc<CpuBackend>) -> Result<()> {
     let files = ModelFiles::open(&dir)?;
     let n = files.config().num_layers;
     let model = StageModel::load(&files, 0..n, backend, &LoadOptions::default())?;
-    let mut kv = model.new_kv_cache(8, 4)?;
+    let mut kv = model.new_kv_cache(8, 4, KvDtype::F32)?;
     let prompt = ids(&expected, "prompt_ids");
     let want = rows(&expected, "logits")?;
     let chunk = SeqChunk { seq_id: 1, start_pos: 0, len: prompt.len() };

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use anyhow::Result;
+use strata_engine::KvDtype;
 use strata_engine::backend::cpu::{CpuBackend, CpuTensor};
 use strata_engine::config::{Architecture, Llama3RopeScaling, ModelConfig};
 use strata_engine::loader::ModelFiles;
@@ -12,7 +13,7 @@ use strata_engine::testing::{GgufOverrides, TinySpec, random_weights, tiny_confi
 
 /// Prefill two sequences of different lengths, then three batched decode steps; returns every logits tensor.
 fn run(stages: &[StageModel<CpuBackend>]) -> Result<Vec<CpuTensor>> {
-    let mut caches = stages.iter().map(|s| s.new_kv_cache(16, 4)).collect::<Result<Vec<_>, _>>()?;
+    let mut caches = stages.iter().map(|s| s.new_kv_cache(16, 4, KvDtype::F32)).collect::<Result<Vec<_>, _>>()?;
     let mut outputs = Vec::new();
     let mut steps: Vec<(Vec<SeqChunk>, Vec<u32>)> = vec![(
         vec![SeqChunk { seq_id: 10, start_pos: 0, len: 7 }, SeqChunk { seq_id: 11, start_pos: 0, len: 3 }],

@@ -32,6 +32,7 @@
 //! | `kv_write_<t>` | k, v, k_cache, v_cache, slot_mapping i32, n_tokens, n_kv_heads, head_dim, k_stride, v_stride | (n_tokens); 128 |
 //! | `attention_prefill_<t>` | q, k, v, out, cu_seqlens i32, n_heads, n_kv_heads, head_dim, scale, q_stride, kv_stride | (ceil(max_len/32), n_heads, num_seqs); 256 |
 //! | `paged_attention_decode_<t>` | q, k_cache, v_cache, block_tables i32, context_lens i32, part_out f32, part_ml f32, out, n_heads, n_kv_heads, head_dim, block_size, max_blocks_per_seq, partition_size, scale, q_stride | (num_partitions, n_heads / G, num_seqs); 256 |
+//! | `kv_write_q8_0_<t>`, `paged_attention_decode_q8_0_<t>` | as `kv_write_<t>` / `paged_attention_decode_<t>` with Q8_0 `k_cache`/`v_cache` blocks | as those |
 //! | `paged_attention_reduce_<t>` | part_out f32, part_ml f32, context_lens i32, out, n_heads, head_dim, num_partitions, partition_size | (n_heads, num_seqs); 128 |
 //! | `gemv_<q>_<t>` | w, x, y, m, n, k | (ceil(n/8)); 128 |
 //! | `gemm_<q>_<t>` | w, x, y, m, n, k | (ceil(n/64), ceil(m/64)); 256 |
@@ -162,7 +163,8 @@ pub const ACTIVATION: KernelModule = KernelModule {
     ],
 };
 
-/// Prefill attention, paged-KV decode attention (+ reduce) and the KV-cache write.
+/// Prefill attention, paged-KV decode attention (+ reduce) and the KV-cache write, with the cache in the
+/// activation type or Q8_0.
 pub const ATTENTION: KernelModule = KernelModule {
     name: "attention",
     source: include_str!("../attention.cu"),
@@ -170,12 +172,18 @@ pub const ATTENTION: KernelModule = KernelModule {
         "kv_write_f32",
         "kv_write_f16",
         "kv_write_bf16",
+        "kv_write_q8_0_f32",
+        "kv_write_q8_0_f16",
+        "kv_write_q8_0_bf16",
         "attention_prefill_f32",
         "attention_prefill_f16",
         "attention_prefill_bf16",
         "paged_attention_decode_f32",
         "paged_attention_decode_f16",
         "paged_attention_decode_bf16",
+        "paged_attention_decode_q8_0_f32",
+        "paged_attention_decode_q8_0_f16",
+        "paged_attention_decode_q8_0_bf16",
         "paged_attention_reduce_f32",
         "paged_attention_reduce_f16",
         "paged_attention_reduce_bf16",

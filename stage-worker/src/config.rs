@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-use strata_engine::{Device, FloatDtype, HiddenDtype, LayerRange, QuantDtype};
+use strata_engine::{Device, FloatDtype, HiddenDtype, KvDtype, LayerRange, QuantDtype};
 use strata_proto::{Keepalive, Tls, TlsFiles};
 
 use crate::error::{Error, Result};
@@ -75,6 +75,9 @@ pub struct WorkerConfig {
     /// Tokens per KV block.
     #[serde(default = "default_block_size")]
     pub block_size: usize,
+    /// Element type of the KV cache; `None`: the backend's own (f32 on the CPU, the activation type on a GPU).
+    #[serde(default)]
+    pub kv_dtype: Option<KvDtype>,
     /// Element type of hidden states sent downstream.
     #[serde(default)]
     pub hidden_dtype: HiddenDtype,
@@ -126,6 +129,7 @@ impl WorkerConfig {
             min_kv_tokens: 0,
             max_batch_tokens: default_max_batch_tokens(),
             block_size: default_block_size(),
+            kv_dtype: None,
             hidden_dtype: HiddenDtype::default(),
             device: Device::default(),
             dtype: None,
@@ -240,14 +244,15 @@ mod tests {
             serde_json::from_str(r#"{"node_id":"a","model":"/m","layers":"0..4","hidden_dtype":"bf16"}"#)?;
         assert_eq!(cfg.layers, Some(LayerRange { start: 0, end: 4 }));
         assert_eq!((cfg.block_size, cfg.hidden_dtype, cfg.device), (16, HiddenDtype::Bf16, Device::Cpu));
-        assert_eq!((cfg.dtype, cfg.gpu_memory_limit, cfg.quantize), (None, None, None));
+        assert_eq!((cfg.dtype, cfg.gpu_memory_limit, cfg.quantize, cfg.kv_dtype), (None, None, None, None));
         assert_eq!(cfg.keepalive().ok(), Some(Keepalive::DEFAULT));
         assert_eq!(cfg.fault_panic_after_batches, None);
         let gpu: WorkerConfig = serde_json::from_str(
-            r#"{"node_id":"a","model":"/m","device":"cuda:1","dtype":"f16","gpu_memory_limit":1000,"quantize":"q8_0"}"#,
+            r#"{"node_id":"a","model":"/m","device":"cuda:1","dtype":"f16","gpu_memory_limit":1000,"quantize":"q8_0",
+                "kv_dtype":"f16"}"#,
         )?;
         assert_eq!((gpu.device, gpu.dtype, gpu.gpu_memory_limit), (Device::Cuda(1), Some(FloatDtype::F16), Some(1000)));
-        assert_eq!(gpu.quantize, Some(QuantDtype::Q8_0));
+        assert_eq!((gpu.quantize, gpu.kv_dtype), (Some(QuantDtype::Q8_0), Some(KvDtype::F16)));
         assert!(serde_json::from_str::<WorkerConfig>(r#"{"node_id":"a","model":"/m","colour":1}"#).is_err());
         assert!(serde_json::from_str::<WorkerConfig>(r#"{"node_id":"a","model":"/m","layers":"4..1"}"#).is_err());
         Ok(())

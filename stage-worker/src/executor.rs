@@ -116,7 +116,7 @@ impl ExecutorHandle {
         term: TermFence,
     ) -> Result<Self> {
         let block_size = config.block_size;
-        let mut kv = model.new_kv_cache(kv_blocks, block_size)?;
+        let mut kv = model.new_kv_cache(kv_blocks, block_size, crate::device::kv_dtype(config, &**model.backend()))?;
         if config.memory_limit.is_some() {
             // Under an explicit limit the cache's memory is taken at start, so the limit holds by construction
             // and a host that cannot give it fails now, not mid-request.

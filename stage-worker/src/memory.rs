@@ -9,6 +9,7 @@
 
 use std::path::Path;
 
+use strata_engine::KvDtype;
 use strata_engine::backend::Backend;
 use strata_engine::model::{LogitRows, SeqChunk, StageInput, StageModel};
 
@@ -134,7 +135,8 @@ pub struct KvSizing {
 /// `min_kv_tokens` tokens fit. Blocking: runs a forward pass on the CPU.
 pub fn size_kv_cache<B: Backend>(model: &StageModel<B>, config: &WorkerConfig) -> Result<KvSizing> {
     let block_size = config.block_size.max(1);
-    let block_bytes = (model.kv_bytes_per_token() as u64).saturating_mul(block_size as u64);
+    let kv_dtype = crate::device::kv_dtype(config, &**model.backend());
+    let block_bytes = (model.kv_bytes_per_token(kv_dtype)? as u64).saturating_mul(block_size as u64);
     let min_blocks = config.min_kv_tokens.div_ceil(block_size as u64);
     if let Some(blocks) = config.kv_blocks {
         if (blocks as u64) < min_blocks {
@@ -156,7 +158,10 @@ pub fn size_kv_cache<B: Backend>(model: &StageModel<B>, config: &WorkerConfig) -
         }
         None => {
             let budget = budget(config.memory_limit, config.memory_fraction, total_ram());
-            (budget, Usage::new(profile_peak(model, config.max_batch_tokens)?, config.max_batch_tokens, hidden))
+            (
+                budget,
+                Usage::new(profile_peak(model, config.max_batch_tokens, kv_dtype)?, config.max_batch_tokens, hidden),
+            )
         }
     };
     let budget = budget.ok_or_else(|| {
@@ -169,9 +174,9 @@ pub fn size_kv_cache<B: Backend>(model: &StageModel<B>, config: &WorkerConfig) -
 /// Peak resident bytes of the process while `model` runs a batch of `tokens` tokens: one prompt of that length,
 /// and on the last stage also that many one-token sequences (a logits row each). Every weight page is touched, so
 /// mapped weights count in full.
-fn profile_peak<B: Backend>(model: &StageModel<B>, tokens: usize) -> Result<u64> {
+fn profile_peak<B: Backend>(model: &StageModel<B>, tokens: usize, kv_dtype: KvDtype) -> Result<u64> {
     // One-token blocks, so the profile's own cache is no bigger than the batch.
-    let mut kv = model.new_kv_cache(tokens, 1)?;
+    let mut kv = model.new_kv_cache(tokens, 1, kv_dtype)?;
     // Without a reset the peak since the start counts (a reload's old stage too): safe, if wasteful.
     let reset = reset_peak();
     let vocab = model.config().vocab_size.max(1) as u32;

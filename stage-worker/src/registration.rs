@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use strata_engine::backend::Backend;
 use strata_engine::loader::ModelFiles;
 use strata_engine::model::{LogitRows, SeqChunk, StageInput, StageModel};
-use strata_engine::{Device, LayerRange, OnBackend, on_device};
+use strata_engine::{Device, KvDtype, LayerRange, OnBackend, on_device};
 use strata_membership::{Backoff, NodeRecord, NodeRegistration, NodeState, Plan, Registry};
 use strata_proto::{NodeId, PlanEpoch, Tls};
 use tokio::net::TcpListener;
@@ -22,7 +22,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::WorkerConfig;
-use crate::device::load_options;
+use crate::device::{kv_dtype, load_options};
 use crate::error::{Error, Result};
 use crate::memory::{budget, total_ram};
 use crate::slot::{ActiveStage, StageSlot};
@@ -131,19 +131,20 @@ impl OnBackend for MeasureLayer<'_> {
     type Error = Error;
 
     fn run<B: Backend>(self, backend: Arc<B>) -> Result<f64> {
-        let opts = load_options(self.config, self.files.config(), 1, &*backend);
+        let opts = load_options(self.config, self.files.config(), 1, &*backend)?;
+        let kv_dtype = kv_dtype(self.config, &*backend);
         let model = StageModel::load(self.files, 0..1, backend, &opts)?;
-        time_layer(&model, self.files.config().vocab_size)
+        time_layer(&model, self.files.config().vocab_size, kv_dtype)
     }
 }
 
-fn time_layer<B: Backend>(model: &StageModel<B>, vocab: usize) -> Result<f64> {
+fn time_layer<B: Backend>(model: &StageModel<B>, vocab: usize, kv_dtype: KvDtype) -> Result<f64> {
     const TOKENS: usize = 8;
     // The fastest of several runs: a run is ~1 ms, so one preemption or a neighbour's burst can triple a mean
     // (identical local workers measured 1.1, 2.6 and 3.2 ms/layer with the mean of 3), while the minimum is
     // what the device does undisturbed.
     const RUNS: usize = 12;
-    let mut kv = model.new_kv_cache(RUNS + 1, TOKENS)?;
+    let mut kv = model.new_kv_cache(RUNS + 1, TOKENS, kv_dtype)?;
     let ids: Vec<u32> = (0..TOKENS as u32).map(|i| i % vocab as u32).collect();
     let mut fastest = Duration::MAX;
     for seq in 0..=RUNS as u64 {

@@ -5,9 +5,9 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-use crate::Result;
 use crate::config::ModelConfig;
 use crate::tensor::{DType, HostTensor};
+use crate::{KvDtype, Result};
 
 /// Where one sequence's new tokens sit in a batch and in its KV cache.
 #[derive(Debug, Clone)]
@@ -75,9 +75,10 @@ pub trait Backend: Send + Sync + 'static {
     fn device_memory_capacity(&self) -> Option<usize> {
         None
     }
-    /// Bytes of one key or value element in the KV cache.
-    fn kv_elem_bytes(&self) -> usize {
-        4
+    /// The KV cache type used when none is asked for (sizes follow from it through
+    /// [`KvDtype::bytes_per_token_layer`]).
+    fn default_kv_dtype(&self) -> KvDtype {
+        KvDtype::F32
     }
     /// Uploads a weight matrix that stays in host memory and is copied to the device only while a layer that
     /// uses it runs (weight offload, see [`Backend::stage_layer`]). Backends whose weights already live in host
@@ -96,8 +97,16 @@ pub trait Backend: Send + Sync + 'static {
     fn prefault_kv_layer(&self, layer: &mut Self::KvLayer) {
         let _ = layer;
     }
-    /// Allocates KV storage for one layer: `num_blocks × block_size` slots of `kv_dim` keys and values.
-    fn alloc_kv_layer(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<Self::KvLayer>;
+    /// Allocates KV storage for one layer: `num_blocks × block_size` slots of `kv_dim` keys and values, stored
+    /// as `dtype` ([`crate::Error::KvDtypeUnsupported`] when this backend cannot store it, [`crate::Error::KvDim`]
+    /// when its blocks do not tile `kv_dim`).
+    fn alloc_kv_layer(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        kv_dim: usize,
+        dtype: KvDtype,
+    ) -> Result<Self::KvLayer>;
     /// Copies host f32 data (`rows × cols`) into an activation.
     fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Act>;
     /// Copies an activation back to the host as f32, row-major.

@@ -1,47 +1,50 @@
-//! Causal grouped-query attention over a paged KV cache.
+//! Causal grouped-query attention over a paged KV cache. An f32 cache is read in place; any other type is
+//! first converted to f32 one head at a time (see [`HEAD_KV`]), so both run the same f32 kernels.
+
+use std::cell::RefCell;
 
 use rayon::prelude::*;
 
 use super::simd::{self, Isa};
 use super::{CpuKvLayer, CpuTensor};
 use crate::backend::{AttnSeq, AttnShape};
-use crate::{Error, Result};
-
-/// Scatters new keys/values into their cache slots.
-pub fn write_kv(cache: &mut CpuKvLayer, k: &CpuTensor, v: &CpuTensor, seqs: &[AttnSeq<'_>]) -> Result<()> {
-    let kv_dim = cache.kv_dim;
-    for s in seqs {
-        for t in 0..s.len {
-            let pos = s.start_pos + t;
-            let block = *s.blocks.get(pos / cache.block_size).ok_or_else(|| Error::Shape {
-                op: "attention",
-                reason: format!("position {pos} has no KV block ({} blocks)", s.blocks.len()),
-            })? as usize;
-            let slot = (block * cache.block_size + pos % cache.block_size) * kv_dim;
-            let row = s.row + t;
-            cache.k[slot..slot + kv_dim].copy_from_slice(&k.data[row * kv_dim..(row + 1) * kv_dim]);
-            cache.v[slot..slot + kv_dim].copy_from_slice(&v.data[row * kv_dim..(row + 1) * kv_dim]);
-        }
-    }
-    Ok(())
-}
 
 /// Query rows of one sequence handled by one task: long prompts split over the threads, decode rows stay whole.
 const ROWS_PER_TASK: usize = 16;
 
-/// One sequence's keys and values for one KV head, addressed by position through its block table.
+thread_local! {
+    /// One head's keys and values converted to f32 (positions × head width each) when the cache stores another
+    /// type; kept per thread so decode steps reuse it instead of allocating.
+    static HEAD_KV: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// One sequence's keys and values for one KV head as f32, addressed by position through a block table.
 struct KvView<'a> {
-    cache: &'a CpuKvLayer,
+    k: &'a [f32],
+    v: &'a [f32],
     blocks: &'a [u32],
+    block_size: usize,
+    /// Elements from one cached row to the next.
+    stride: usize,
     /// Offset of the head inside a cached row.
     head: usize,
 }
 
-impl KvView<'_> {
-    /// Index of position `j`'s row for this head in the cache's `k`/`v` storage.
+impl<'a> KvView<'a> {
+    /// The head's rows in an f32 cache.
+    fn paged(cache: &'a CpuKvLayer, k: &'a [f32], v: &'a [f32], blocks: &'a [u32], head: usize) -> Self {
+        KvView { k, v, blocks, block_size: cache.block_size, stride: cache.kv_dim, head }
+    }
+
+    /// Rows of `head_dim` back to back, position `j` at `j × head_dim`: one block as long as any context.
+    fn dense(k: &'a [f32], v: &'a [f32], head_dim: usize) -> Self {
+        KvView { k, v, blocks: &[0], block_size: usize::MAX, stride: head_dim, head: 0 }
+    }
+
+    /// Index of position `j`'s row for this head in `k`/`v`.
     fn offset(&self, j: usize) -> usize {
-        let bs = self.cache.block_size;
-        (self.blocks[j / bs] as usize * bs + j % bs) * self.cache.kv_dim + self.head
+        let bs = self.block_size;
+        (self.blocks[j / bs] as usize * bs + j % bs) * self.stride + self.head
     }
 }
 
@@ -68,19 +71,27 @@ pub fn attend(isa: Isa, q: &CpuTensor, cache: &CpuKvLayer, seqs: &[AttnSeq<'_>],
         .par_iter()
         .map(|&(si, kvh, t0, n)| {
             let s = &seqs[si];
-            let kv = KvView { cache, blocks: s.blocks, head: kvh * head_dim };
-            let mut out = vec![0f32; n * group * head_dim];
-            let mut scores = Vec::with_capacity(s.start_pos + s.len);
-            for t in 0..n {
-                let ctx = s.start_pos + t0 + t + 1;
-                for g in 0..group {
-                    let h = kvh * group + g;
-                    let qrow = &q.data[(s.row + t0 + t) * q_dim + h * head_dim..][..head_dim];
-                    let o = &mut out[(t * group + g) * head_dim..][..head_dim];
-                    one_head(isa, qrow, &kv, ctx, scale, &mut scores, o);
+            let rows = |kv: &KvView<'_>| {
+                let mut out = vec![0f32; n * group * head_dim];
+                let mut scores = Vec::with_capacity(s.start_pos + s.len);
+                for t in 0..n {
+                    let ctx = s.start_pos + t0 + t + 1;
+                    for g in 0..group {
+                        let h = kvh * group + g;
+                        let qrow = &q.data[(s.row + t0 + t) * q_dim + h * head_dim..][..head_dim];
+                        let o = &mut out[(t * group + g) * head_dim..][..head_dim];
+                        one_head(isa, qrow, kv, ctx, scale, &mut scores, o);
+                    }
                 }
+                out
+            };
+            match cache.as_f32() {
+                Some((k, v)) => rows(&KvView::paged(cache, k, v, s.blocks, kvh * head_dim)),
+                None => HEAD_KV.with_borrow_mut(|(k, v)| {
+                    cache.read_head(s.blocks, kvh * head_dim, head_dim, s.start_pos + t0 + n, k, v);
+                    rows(&KvView::dense(k, v, head_dim))
+                }),
             }
-            out
         })
         .collect();
     let mut data = vec![0f32; q.rows * q_dim];
@@ -105,14 +116,14 @@ fn one_head(isa: Isa, qrow: &[f32], kv: &KvView<'_>, ctx: usize, scale: f32, sco
     let fast = false;
     if fast {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2/FMA were detected; every position below ctx has a cached row of head_dim floats (the
-        // block table covers start_pos + len positions, checked by write_kv).
+        // SAFETY: AVX2/FMA were detected; every position below ctx has a row of head_dim floats (a paged view's
+        // block table covers start_pos + len positions, checked by `CpuKvLayer::write`; a dense view holds ctx).
         unsafe {
             x86::scores(qrow, kv, scale, scores)
         };
     } else {
         for (j, sc) in scores.iter_mut().enumerate() {
-            *sc = simd::dot_f32(isa, qrow, &kv.cache.k[kv.offset(j)..][..head_dim]) * scale;
+            *sc = simd::dot_f32(isa, qrow, &kv.k[kv.offset(j)..][..head_dim]) * scale;
         }
     }
     let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
@@ -133,7 +144,7 @@ fn one_head(isa: Isa, qrow: &[f32], kv: &KvView<'_>, ctx: usize, scale: f32, sco
     } else {
         o.fill(0.0);
         for (j, &p) in scores.iter().enumerate() {
-            simd::axpy(isa, p, &kv.cache.v[kv.offset(j)..][..head_dim], o);
+            simd::axpy(isa, p, &kv.v[kv.offset(j)..][..head_dim], o);
         }
     }
 }
@@ -151,7 +162,7 @@ mod x86 {
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn scores(q: &[f32], kv: &KvView<'_>, scale: f32, scores: &mut [f32]) {
         let ctx = scores.len();
-        let k = kv.cache.k.as_ptr();
+        let k = kv.k.as_ptr();
         let sc = _mm256_set1_ps(scale);
         let mut j = 0;
         // SAFETY (whole body): offsets come from the block table and stay inside `k`; q reads stay below q.len().
@@ -208,7 +219,7 @@ mod x86 {
     /// Columns `c0..c0 + 8·N` of [`weighted_sum`]: per column, a sequential FMA chain over the positions.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn columns<const N: usize>(p: &[f32], kv: &KvView<'_>, c0: usize, o: &mut [f32]) {
-        let v = kv.cache.v.as_ptr();
+        let v = kv.v.as_ptr();
         let mut acc = [_mm256_setzero_ps(); N];
         // SAFETY: offsets come from the block table; columns stay below the head width.
         unsafe {
@@ -228,7 +239,9 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::kv::KvStore;
     use super::*;
+    use crate::KvDtype;
     use rand::{Rng, SeedableRng};
 
     /// A cache of `blocks` blocks of random keys/values and a shuffled block table covering all of them.
@@ -236,7 +249,8 @@ mod tests {
         let kv_dim = shape.num_kv_heads * shape.head_dim;
         let n = blocks * shape.block_size * kv_dim;
         let mut rand = |n| (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<f32>>();
-        let cache = CpuKvLayer { k: rand(n), v: rand(n), kv_dim, block_size: shape.block_size };
+        let cache =
+            CpuKvLayer { k: KvStore::F32(rand(n)), v: KvStore::F32(rand(n)), kv_dim, block_size: shape.block_size };
         let mut table: Vec<u32> = (0..blocks as u32).collect();
         table.reverse();
         table.swap(0, blocks / 2);
@@ -287,5 +301,51 @@ mod tests {
             let alone = attend(isa, &one, &cache, &[AttnSeq { row: 0, len: 1, start_pos: t, blocks: &table }], shape);
             assert!(alone.data == prefill.data[t * width..(t + 1) * width], "row {t} differs");
         }
+    }
+
+    /// Largest |a - b| over two outputs.
+    fn max_diff(a: &CpuTensor, b: &CpuTensor) -> f32 {
+        a.data.iter().zip(&b.data).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+    }
+
+    #[test]
+    fn each_kv_dtype_stays_within_its_bound_of_f32() -> crate::Result<()> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+        // Heads of 64 (one Q8_0 block pair each) and of 16 (four heads share a block).
+        for (heads, kv_heads, head_dim) in [(9, 3, 64), (4, 2, 16)] {
+            let shape = AttnShape { num_heads: heads, num_kv_heads: kv_heads, head_dim, block_size: 16 };
+            let kv_dim = kv_heads * head_dim;
+            let positions = 6 * shape.block_size;
+            let rand = |rng: &mut rand::rngs::StdRng| {
+                let data = (0..positions * kv_dim).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                CpuTensor { data, rows: positions, cols: kv_dim }
+            };
+            let (k, v) = (rand(&mut rng), rand(&mut rng));
+            let mut table: Vec<u32> = (0..6).rev().collect();
+            table.swap(0, 3);
+            let seqs = [
+                AttnSeq { row: 0, len: 37, start_pos: 20, blocks: &table[..4] },
+                AttnSeq { row: 37, len: 1, start_pos: 90, blocks: &table },
+            ];
+            let q = queries(&mut rng, 38, shape);
+            let all = [AttnSeq { row: 0, len: positions, start_pos: 0, blocks: &table }];
+            let run = |dtype: KvDtype, isa: Isa| -> crate::Result<CpuTensor> {
+                let mut cache = CpuKvLayer::new(6, shape.block_size, kv_dim, dtype)?;
+                cache.write(&k, &v, &all)?;
+                Ok(attend(isa, &q, &cache, &seqs, shape))
+            };
+            let exact = run(KvDtype::F32, Isa::detect())?;
+            // Measured 1.3e-4, 1.3e-3 and 2.4e-3 (head widths 64 and 16 alike) on outputs within ±1.
+            for (dtype, bound) in
+                [(KvDtype::F32, 0.0), (KvDtype::F16, 4e-4), (KvDtype::Bf16, 4e-3), (KvDtype::Q8_0, 6e-3)]
+            {
+                let got = run(dtype, Isa::detect())?;
+                let d = max_diff(&got, &exact);
+                eprintln!("head_dim {head_dim} {dtype}: max |diff| {d}");
+                assert!(d <= bound, "head_dim {head_dim}, {dtype}: {d} > {bound}");
+                assert!(max_diff(&got, &run(dtype, Isa::Scalar)?) < 1e-5, "{dtype}: SIMD and scalar agree");
+            }
+        }
+        Ok(())
     }
 }

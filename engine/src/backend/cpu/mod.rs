@@ -1,15 +1,18 @@
-//! The CPU backend: f32 activations, weights in their storage type, rayon over a private thread pool.
+//! The CPU backend: f32 activations, weights in their storage type, KV in any [`KvDtype`], rayon over a
+//! private thread pool.
 //! It is the reference every other backend and the distributed path are checked against.
 
 mod attention;
 mod kernels;
+mod kv;
 mod matmul;
 mod qgemm;
 pub mod simd;
 
+pub use self::kv::CpuKvLayer;
 use super::{AttnSeq, AttnShape, Backend};
 use crate::tensor::{Bytes, DType, HostTensor};
-use crate::{Error, Result};
+use crate::{Error, KvDtype, Result};
 use rayon::prelude::*;
 use simd::Isa;
 
@@ -42,15 +45,6 @@ impl CpuMatrix {
     pub fn row_bytes(&self) -> usize {
         self.bytes.len() / self.rows.max(1)
     }
-}
-
-/// Paged keys and values for one layer, f32.
-#[derive(Debug)]
-pub struct CpuKvLayer {
-    k: Vec<f32>,
-    v: Vec<f32>,
-    kv_dim: usize,
-    block_size: usize,
 }
 
 /// The CPU device.
@@ -122,19 +116,17 @@ impl Backend for CpuBackend {
     }
 
     fn prefault_kv_layer(&self, layer: &mut CpuKvLayer) {
-        // A write to each page of the zeroed (lazily mapped) vectors makes it resident; 1024 f32s are 4 KiB.
-        for v in [&mut layer.k, &mut layer.v] {
-            for x in v.iter_mut().step_by(1024) {
-                // Volatile: a plain store of the zero already there may be optimised away.
-                // SAFETY: `x` is a valid, aligned, exclusive reference to an f32.
-                unsafe { std::ptr::write_volatile(x, 0.0) };
-            }
-        }
+        layer.prefault();
     }
 
-    fn alloc_kv_layer(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<CpuKvLayer> {
-        let n = num_blocks * block_size * kv_dim;
-        Ok(CpuKvLayer { k: vec![0.0; n], v: vec![0.0; n], kv_dim, block_size })
+    fn alloc_kv_layer(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        kv_dim: usize,
+        dtype: KvDtype,
+    ) -> Result<CpuKvLayer> {
+        CpuKvLayer::new(num_blocks, block_size, kv_dim, dtype)
     }
 
     fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<CpuTensor> {
@@ -224,7 +216,7 @@ impl Backend for CpuBackend {
         if k.cols != cache.kv_dim || v.cols != cache.kv_dim || q.cols != shape.num_heads * shape.head_dim {
             return Err(Error::Shape { op: "attention", reason: "q/k/v widths do not match the cache".into() });
         }
-        attention::write_kv(cache, k, v, seqs)?;
+        cache.write(k, v, seqs)?;
         Ok(self.pool.install(|| attention::attend(self.isa, q, cache, seqs, shape)))
     }
 

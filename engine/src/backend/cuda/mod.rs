@@ -1,7 +1,7 @@
 //! The CUDA backend: strata's kernels (compiled with NVRTC at start) and cuBLAS behind the [`Backend`] trait.
 //!
 //! - Activations, norm weights, biases and the KV cache are kept in one activation type (bf16 by default on
-//!   sm_80+, f16 below; f32 for parity tests). Float weights are converted to it on upload so cuBLAS runs one
+//!   sm_80+, f16 below; f32 for parity tests); the KV cache may be Q8_0 blocks instead (`--kv-dtype q8_0`). Float weights are converted to it on upload so cuBLAS runs one
 //!   type; quantized weights (Q8_0/Q4_0/Q4_1) stay quantized and run through the `gemv_*`/`gemm_*` kernels.
 //! - Work runs on one compute stream; a second stream copies offloaded layers in (see [`staging`]). cudarc's
 //!   automatic per-buffer event tracking is off: every buffer is allocated, used and freed on the compute
@@ -32,7 +32,7 @@ use self::staging::{HostWeight, Staging};
 use super::{AttnSeq, AttnShape, Backend};
 use crate::config::ModelConfig;
 use crate::tensor::{DType, HostTensor};
-use crate::{Error, Result};
+use crate::{Error, KvDtype, Result};
 
 /// Wraps a CUDA-side error with what was being done.
 pub(crate) fn dev_err<E: std::fmt::Display>(what: &'static str) -> impl FnOnce(E) -> Error {
@@ -93,13 +93,25 @@ pub struct CudaVector {
     len: usize,
 }
 
-/// Paged keys and values of one layer, `[num_blocks, block_size, kv_dim]` each, in the activation type.
+/// Paged keys and values of one layer, `[num_blocks, block_size, kv_dim]` each, in the activation type or as
+/// Q8_0 blocks.
 pub struct CudaKvLayer {
     k: CudaSlice<u8>,
     v: CudaSlice<u8>,
     num_blocks: usize,
     block_size: usize,
     kv_dim: usize,
+    dtype: KvDtype,
+}
+
+impl CudaKvLayer {
+    /// The name of kernel `op` for this cache with `act` activations: `<op>_<act>`, `<op>_q8_0_<act>` for Q8_0.
+    fn kernel(&self, op: &str, act: DType) -> String {
+        match self.dtype {
+            KvDtype::Q8_0 => format!("{op}_q8_0_{act}"),
+            _ => format!("{op}_{act}"),
+        }
+    }
 }
 
 /// A pinned host buffer and the event that marks the end of the last copy that used it.
@@ -376,8 +388,12 @@ impl Backend for CudaBackend {
         Some(self.total_memory)
     }
 
-    fn kv_elem_bytes(&self) -> usize {
-        self.act.block_bytes()
+    fn default_kv_dtype(&self) -> KvDtype {
+        match self.act {
+            DType::F16 => KvDtype::F16,
+            DType::BF16 => KvDtype::Bf16,
+            _ => KvDtype::F32,
+        }
     }
 
     fn stage_layer(&self, layer: &[&CudaMatrix], next: &[&CudaMatrix]) -> Result<()> {
@@ -388,11 +404,30 @@ impl Backend for CudaBackend {
         lock(&self.staging, "staging")?.stage(&now, &next)
     }
 
-    fn alloc_kv_layer(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<CudaKvLayer> {
-        let bytes = num_blocks * block_size * kv_dim * self.act.block_bytes();
+    fn alloc_kv_layer(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        kv_dim: usize,
+        dtype: KvDtype,
+    ) -> Result<CudaKvLayer> {
+        // The kernels keep the cache in the activation type or as Q8_0 blocks; a float type other than the
+        // activations' would need conversions in every attention kernel.
+        let act = self.default_kv_dtype();
+        if dtype != act && dtype != KvDtype::Q8_0 {
+            return Err(Error::KvDtypeUnsupported {
+                device: self.name.clone(),
+                dtype,
+                reason: format!(
+                    "a GPU keeps KV in its activation type or q8_0; use --kv-dtype {act} or q8_0, or --dtype {dtype} \
+                     for {dtype} activations"
+                ),
+            });
+        }
+        let bytes = num_blocks * block_size * dtype.row_bytes(kv_dim)?;
         let k = self.compute.alloc_zeros::<u8>(bytes.max(1)).map_err(dev_err("allocating the KV cache"))?;
         let v = self.compute.alloc_zeros::<u8>(bytes.max(1)).map_err(dev_err("allocating the KV cache"))?;
-        Ok(CudaKvLayer { k, v, num_blocks, block_size, kv_dim })
+        Ok(CudaKvLayer { k, v, num_blocks, block_size, kv_dim, dtype })
     }
 
     fn act_from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaAct> {

@@ -443,10 +443,11 @@ impl CudaBackend {
         );
         let (kv_dim, q_dim, n_tokens) =
             (int("attention", cache.kv_dim)?, int("attention", q.cols)?, int("attention", rows)?);
-        // SAFETY: kv_write_<t>(k, v, k_cache, v_cache, slot_mapping, n_tokens, n_kv_heads, head_dim, k_stride,
-        // v_stride); k and v hold rows × kv_dim, every slot is inside the cache (checked by the plan).
+        // SAFETY: kv_write[_q8_0]_<t>(k, v, k_cache, v_cache, slot_mapping, n_tokens, n_kv_heads, head_dim, k_stride,
+        // v_stride); k and v hold rows × kv_dim, every slot is inside the cache (checked by the plan), a Q8_0
+        // cache's rows are kv_dim / 32 whole blocks (checked at allocation).
         unsafe {
-            self.launch(&format!("kv_write_{}", self.act), (rows, 1, 1), 128, |b| {
+            self.launch(&cache.kernel("kv_write", self.act), (rows, 1, 1), 128, |b| {
                 b.arg(&k.buf).arg(&v.buf).arg(&cache.k).arg(&cache.v).arg(&idx.slots);
                 b.arg(&n_tokens).arg(&n_kv).arg(&hd).arg(&kv_dim).arg(&kv_dim);
             })?;
@@ -482,12 +483,12 @@ impl CudaBackend {
                     int("attention", ps)?,
                     int("attention", parts)?,
                 );
-                // SAFETY: paged_attention_decode_<t>(q, k_cache, v_cache, block_tables, context_lens, part_out,
+                // SAFETY: paged_attention_decode[_q8_0]_<t>(q, k_cache, v_cache, block_tables, context_lens, part_out,
                 // part_ml, out, n_heads, n_kv_heads, head_dim, block_size, max_blocks_per_seq, partition_size,
                 // scale, q_stride): one "sequence" per row of q/out; tables are rows × max_blocks of blocks inside
                 // the cache; part buffers hold rows × n_heads × parts entries when parts > 1 (unused otherwise).
                 unsafe {
-                    self.launch(&format!("paged_attention_decode_{}", self.act), (parts, groups, rows), 256, |b| {
+                    self.launch(&cache.kernel("paged_attention_decode", self.act), (parts, groups, rows), 256, |b| {
                         b.arg(&q.buf).arg(&cache.k).arg(&cache.v).arg(&idx.first).arg(lens);
                         b.arg(&mut part_out).arg(&mut part_ml).arg(&mut out.buf);
                         b.arg(&n_heads).arg(&n_kv).arg(&hd).arg(&bs).arg(&mb).arg(&psi).arg(&scale).arg(&q_dim);
