@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use strata_coordinator::CoordinatorConfig;
-use strata_engine::QuantDtype;
+use strata_engine::{Device, FloatDtype, QuantDtype};
 use strata_membership::{EmbeddedRegistry, NodeState, Registry};
 use strata_proto::{NodeId, TlsArgs, pb, shutdown_signal};
 use strata_stage_worker::{RegistrationOptions, Worker, WorkerConfig};
@@ -35,6 +35,23 @@ pub struct LocalArgs {
     /// KV blocks per stage worker.
     #[arg(long, default_value_t = 256)]
     kv_blocks: usize,
+    #[command(flatten)]
+    device: StageDevice,
+}
+
+/// What every stage worker of a local cluster computes on (all of them share the one device).
+#[derive(clap::Args, Debug, Clone, Copy, Default)]
+pub(crate) struct StageDevice {
+    /// Compute device of every stage worker: cpu or cuda:N (cuda needs a build with --features cuda).
+    #[arg(long = "device", default_value = "cpu")]
+    device: Device,
+    /// Storage type of float weights: f32, f16 or bf16 (on a GPU also the activation type, bf16 by default).
+    #[arg(long = "dtype")]
+    dtype: Option<FloatDtype>,
+    /// GPU memory each stage worker may use, in bytes; layers beyond it stay in host memory and are streamed to
+    /// the GPU per batch (cuda only).
+    #[arg(long)]
+    gpu_memory_limit: Option<u64>,
     /// Quantize each worker's float weight matrices to q8_0, q4_0 or q4_1 as its layers load.
     #[arg(long, env = "STRATA_QUANTIZE")]
     quantize: Option<QuantDtype>,
@@ -49,7 +66,7 @@ pub(crate) struct LocalCluster {
 }
 
 impl LocalCluster {
-    /// Starts `stages` workers (each with `threads` threads and `kv_blocks` KV blocks) and a coordinator serving
+    /// Starts `stages` CPU workers (each with `threads` threads and `kv_blocks` KV blocks) and a coordinator serving
     /// gRPC on `grpc` and HTTP on `http`.
     pub(crate) async fn start(
         model: &Path,
@@ -60,6 +77,20 @@ impl LocalCluster {
         grpc: SocketAddr,
         http: SocketAddr,
     ) -> Result<Self> {
+        let device = StageDevice { quantize, ..StageDevice::default() };
+        Self::start_on(model, stages, threads, kv_blocks, grpc, http, device).await
+    }
+
+    /// [`LocalCluster::start`] with every worker on `device`.
+    async fn start_on(
+        model: &Path,
+        stages: usize,
+        threads: usize,
+        kv_blocks: usize,
+        grpc: SocketAddr,
+        http: SocketAddr,
+        device: StageDevice,
+    ) -> Result<Self> {
         if stages == 0 {
             bail!("--stages must be at least 1");
         }
@@ -69,7 +100,10 @@ impl LocalCluster {
             let mut cfg = WorkerConfig::new(format!("local-{i}"), model, None);
             cfg.threads = threads;
             cfg.kv_blocks = Some(kv_blocks);
-            cfg.quantize = quantize;
+            cfg.quantize = device.quantize;
+            cfg.device = device.device;
+            cfg.dtype = device.dtype;
+            cfg.gpu_memory_limit = device.gpu_memory_limit;
             let w = Worker::start_registered(cfg, registry.clone(), RegistrationOptions::default(), "127.0.0.1:0")
                 .await
                 .with_context(|| format!("starting stage worker {i}"))?;
@@ -133,7 +167,7 @@ pub fn local(a: LocalArgs) -> Result<()> {
     let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     rt.block_on(async move {
         let cluster =
-            LocalCluster::start(&a.model, a.stages, a.threads, a.kv_blocks, a.quantize, a.grpc, a.http).await?;
+            LocalCluster::start_on(&a.model, a.stages, a.threads, a.kv_blocks, a.grpc, a.http, a.device).await?;
         eprintln!("coordinator gRPC API on {}, OpenAI-compatible HTTP API on http://{}/v1", a.grpc, a.http);
         eprintln!("{} stages; requests are served once every stage is ready (GET /health); Ctrl-C to stop", a.stages);
         cluster.run_until(shutdown_signal()).await
