@@ -1,9 +1,14 @@
 //! The CUDA backend against the CPU reference. These need an NVIDIA GPU, so they are `#[ignore]`d and run by
-//! `scripts/gpu-check.sh` (`cargo test --features cuda -- --ignored`). Every op runs on random inputs in each
-//! activation type with per-type tolerances; whole models must agree too (greedy tokens exactly).
+//! `scripts/gpu-check.sh` (`cargo test --features cuda -- --ignored`, or the test binary of a bundle from
+//! `scripts/gpu-bundle.sh`). Every op runs on random inputs in each activation type with per-type tolerances;
+//! whole models must agree too (greedy tokens exactly).
+//!
+//! Environment: `STRATA_TEST_MODEL`, a real model (SmolLM2, or the bundle's slice of it); `STRATA_GPU_EXPECT`,
+//! a folder of CPU results for that model: `write_cpu_expectations` (no GPU needed) writes `expect.json` and
+//! `cpu-logits.f32` there, `bundle_model_matches_the_cpu_expectations` compares the GPU with them.
 #![cfg(feature = "cuda")]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
@@ -13,6 +18,7 @@ use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::backend::cuda::{CudaBackend, CudaOptions};
 use strata_engine::backend::{AttnSeq, AttnShape, Backend};
 use strata_engine::generate::Engine;
+use strata_engine::layout::ModelLayout;
 use strata_engine::loader::ModelFiles;
 use strata_engine::model::{LoadOptions, LogitRows, SeqChunk, StageInput, StageModel};
 use strata_engine::offload::OffloadBudget;
@@ -290,13 +296,18 @@ fn tiny_model_matches_cpu_and_splits_and_offload_change_nothing() -> Result<()> 
 
 /// Greedy continuation of `prompt` for `steps` tokens.
 fn greedy<B: Backend>(model: StageModel<B>, prompt: &[u32], steps: usize) -> Result<Vec<u32>> {
+    Ok(greedy_logits(model, prompt, steps)?.into_iter().map(|l| argmax(&l)).collect())
+}
+
+/// The logits of every step of a greedy continuation of `prompt` (`steps + 1` rows: the prompt's last token,
+/// then each generated one).
+fn greedy_logits<B: Backend>(model: StageModel<B>, prompt: &[u32], steps: usize) -> Result<Vec<Vec<f32>>> {
     let mut e = Engine::new(model, None, 256)?;
     let chunk = SeqChunk { seq_id: 0, start_pos: 0, len: prompt.len() };
-    let mut next = argmax(&e.step(&[chunk], prompt)?[0]);
-    let mut out = vec![next];
+    let mut out = vec![e.step(&[chunk], prompt)?.swap_remove(0)];
     for i in 0..steps {
-        next = argmax(&e.step(&[SeqChunk { seq_id: 0, start_pos: prompt.len() + i, len: 1 }], &[next])?[0]);
-        out.push(next);
+        let next = argmax(out.last().context("no logits")?);
+        out.push(e.step(&[SeqChunk { seq_id: 0, start_pos: prompt.len() + i, len: 1 }], &[next])?.swap_remove(0));
     }
     Ok(out)
 }
@@ -315,5 +326,151 @@ fn smollm2_greedy_tokens_match_the_cpu() -> Result<()> {
     let gpu = StageModel::load(&files, 0..n, Arc::new(cuda(DType::F32)?), &LoadOptions::default())?;
     let (want, got) = (greedy(cpu, &prompt, 24)?, greedy(gpu, &prompt, 24)?);
     ensure!(want == got, "cpu  {want:?}\ncuda {got:?}");
+    Ok(())
+}
+
+/// The prompt of the real-model checks ("The capital of France is" in SmolLM2's tokenizer; every id is below
+/// 8192, so it fits the bundle's slice of the vocabulary) and the tokens generated after it.
+const PROMPT: [u32; 5] = [504, 3575, 282, 4649, 314];
+const STEPS: usize = 16;
+
+/// GPU memory a stage worker of the bundle check gives itself besides weights and KV: the stage worker's
+/// `GPU_WORKSPACE_BYTES`, repeated here because the engine's tests cannot see the worker. If the two drift the
+/// cluster offload step of `scripts/gpu-check.sh` fails (it checks that layers were offloaded), not passes.
+const WORKER_WORKSPACE_BYTES: usize = 512 << 20;
+/// KV blocks (of 16 tokens) of each stage worker in the bundle check's clusters (`strata local --kv-blocks`).
+const WORKER_KV_BLOCKS: usize = 64;
+
+fn env_path(var: &str, what: &str) -> Result<PathBuf> {
+    std::env::var_os(var).map(PathBuf::from).with_context(|| format!("set {var} to {what}"))
+}
+
+fn test_model() -> Result<ModelFiles> {
+    let path = env_path("STRATA_TEST_MODEL", "a real model (scripts/fetch-model.sh, or the bundle's model.gguf)")?;
+    Ok(ModelFiles::open(&path)?)
+}
+
+/// A device budget for the whole of `files` with f32 activations that keeps its first layer resident and
+/// streams the rest through two staging slots, with `reserve` bytes besides: the first layer, two slots of the
+/// largest other layer, half a layer to spare, the embeddings, head and norms.
+fn one_resident_layer_limit(files: &ModelFiles, reserve: usize) -> Result<usize> {
+    let cfg = files.config();
+    ensure!(cfg.num_layers >= 3, "the offload check needs at least 3 layers, the model has {}", cfg.num_layers);
+    let storage = |d: DType| if d.is_quantized() { d } else { DType::F32 };
+    let bytes = ModelLayout::new(cfg).stage_bytes(files, &(0..cfg.num_layers), &storage)?;
+    let slot = bytes.layers[1..].iter().copied().max().context("no layers")?;
+    Ok(reserve + bytes.fixed() + bytes.layers[0] + 2 * slot + bytes.layers[1] / 2)
+}
+
+/// The CPU side of the bundle: greedy tokens and logits of `STRATA_TEST_MODEL` on the CPU backend, written to
+/// `$STRATA_GPU_EXPECT/expect.json` and `cpu-logits.f32` (little-endian f32, one row of `vocab` per step), with
+/// the GPU memory limit that makes a stage worker of the bundle check offload all but one layer. Needs no GPU;
+/// `scripts/gpu-bundle.sh` runs it.
+#[test]
+#[ignore = "writes the CPU expectations of a GPU bundle; scripts/gpu-bundle.sh runs it"]
+fn write_cpu_expectations() -> Result<()> {
+    let dir = env_path("STRATA_GPU_EXPECT", "the folder to write the expectations into")?;
+    let files = test_model()?;
+    let cfg = files.config().clone();
+    let cpu = StageModel::load(&files, 0..cfg.num_layers, Arc::new(CpuBackend::new(0)?), &LoadOptions::default())?;
+    let logits = greedy_logits(cpu, &PROMPT, STEPS)?;
+    let tokens: Vec<u32> = logits.iter().map(|l| argmax(l)).collect();
+    // How far the chosen token is ahead of the next best: a mismatch on a step with a tiny margin is a near tie,
+    // not necessarily a bug.
+    let margins: Vec<f32> = logits
+        .iter()
+        .zip(&tokens)
+        .map(|(l, &t)| {
+            let second = l.iter().enumerate().filter(|&(i, _)| i != t as usize).fold(f32::MIN, |m, (_, &x)| m.max(x));
+            l[t as usize] - second
+        })
+        .collect();
+    let kv_bytes = WORKER_KV_BLOCKS * 16 * cfg.num_layers * 2 * cfg.kv_dim() * 4;
+    let expect = serde_json::json!({
+        "prompt_ids": PROMPT,
+        "tokens": tokens,
+        "top2_margins": margins,
+        "vocab_size": cfg.vocab_size,
+        "num_layers": cfg.num_layers,
+        "logits": "cpu-logits.f32",
+        "worker": {
+            "dtype": "f32",
+            "kv_blocks": WORKER_KV_BLOCKS,
+            "offload_gpu_memory_limit": one_resident_layer_limit(&files, kv_bytes + WORKER_WORKSPACE_BYTES)?,
+        },
+    });
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("expect.json"), serde_json::to_string_pretty(&expect)?)?;
+    let raw: Vec<u8> = logits.iter().flatten().flat_map(|x| x.to_le_bytes()).collect();
+    std::fs::write(dir.join("cpu-logits.f32"), raw)?;
+    println!("tokens {tokens:?}\nsmallest top-2 margin {:?}", margins.iter().copied().reduce(f32::min));
+    Ok(())
+}
+
+/// The GPU (f32 activations) gives the greedy tokens the CPU gave where the bundle was built, and logits
+/// within the f32 tolerance of [`close`].
+#[test]
+#[ignore = "needs an NVIDIA GPU, STRATA_TEST_MODEL and STRATA_GPU_EXPECT; scripts/gpu-check.sh runs it"]
+fn bundle_model_matches_the_cpu_expectations() -> Result<()> {
+    let dir = env_path("STRATA_GPU_EXPECT", "the bundle's expect folder")?;
+    let expect: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("expect.json"))?)?;
+    let want_tokens: Vec<u32> = serde_json::from_value(expect["tokens"].clone())?;
+    let margins: Vec<f32> = serde_json::from_value(expect["top2_margins"].clone())?;
+    let prompt: Vec<u32> = serde_json::from_value(expect["prompt_ids"].clone())?;
+    let raw = std::fs::read(dir.join("cpu-logits.f32"))?;
+    let want: Vec<f32> = raw.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let files = test_model()?;
+    let (n, vocab) = (files.config().num_layers, files.config().vocab_size);
+    ensure!(want.len() == want_tokens.len() * vocab, "cpu-logits.f32 holds {} values, not {} rows", want.len(), vocab);
+    let gpu = StageModel::load(&files, 0..n, Arc::new(cuda(DType::F32)?), &LoadOptions::default())?;
+    let got = greedy_logits(gpu, &prompt, want_tokens.len() - 1)?;
+    let tokens: Vec<u32> = got.iter().map(|l| argmax(l)).collect();
+    if let Some(i) = tokens.iter().zip(&want_tokens).position(|(a, b)| a != b) {
+        bail!(
+            "greedy tokens differ from step {i} (CPU top-2 margin there {}):\ncpu  {want_tokens:?}\ncuda {tokens:?}",
+            margins[i]
+        );
+    }
+    let mut worst = 0f32;
+    for (i, (g, w)) in got.iter().zip(want.chunks_exact(vocab)).enumerate() {
+        close(&format!("logits of step {i}"), DType::F32, g, w)?;
+        worst = g.iter().zip(w).fold(worst, |m, (a, b)| m.max((a - b).abs()));
+    }
+    println!("{} greedy tokens equal; largest |logit diff| {worst:e}", tokens.len());
+    Ok(())
+}
+
+/// The real model on the GPU: two stages on two memory-limited backends of the one GPU give the very bits of one
+/// stage, and so does a stage that streams all but its first layer from pinned host memory.
+#[test]
+#[ignore = "needs an NVIDIA GPU and STRATA_TEST_MODEL; scripts/gpu-check.sh runs it"]
+fn bundle_model_splits_and_offload_change_nothing() -> Result<()> {
+    let files = test_model()?;
+    let n = files.config().num_layers;
+    let gpu = Arc::new(cuda(DType::F32)?);
+    let one = run(&load(&files, &[], &gpu, &LoadOptions::default())?)?;
+    let limited = |bytes: usize| -> Result<Arc<CudaBackend>> {
+        let opts = CudaOptions {
+            act_dtype: Some(DType::F32),
+            memory_limit: Some(bytes),
+            ..CudaOptions::from_env(0, |k| std::env::var(k).ok())
+        };
+        Ok(Arc::new(CudaBackend::new(opts)?))
+    };
+    let (a, b) = (limited(1 << 30)?, limited(1 << 30)?);
+    let cut = n / 2;
+    let two = vec![
+        StageModel::load(&files, 0..cut, a, &LoadOptions::default())?,
+        StageModel::load(&files, cut..n, b, &LoadOptions::default())?,
+    ];
+    ensure!(run(&two)? == one, "2 stages on two backends differ from 1 stage");
+    let budget = OffloadBudget { limit_bytes: one_resident_layer_limit(&files, 0)?, reserve_bytes: 0 };
+    let offloaded = load(&files, &[], &gpu, &LoadOptions { offload: Some(budget), ..LoadOptions::default() })?;
+    ensure!(
+        offloaded[0].offloaded_layers() == (1..n),
+        "expected layers 1..{n} offloaded: {:?}",
+        offloaded[0].offload_plan()
+    );
+    ensure!(run(&offloaded)? == one, "offloaded layers change the logits");
     Ok(())
 }
