@@ -3,7 +3,7 @@
 # The GPU check of the CUDA backend. On a machine with an NVIDIA GPU and no Rust, no network:
 #
 #   scripts/gpu-check.sh --bundle .gpu-bundle        # a bundle from scripts/gpu-bundle.sh, built elsewhere
-#   scripts/gpu-check.sh                             # from source: builds the bundle first (needs cargo)
+#   scripts/gpu-check.sh                             # from source: builds the bundle first (needs cargo and a driver)
 #   scripts/gpu-check.sh --find-cuda                 # only print the CUDA libraries and headers it would use
 #
 # It needs bash, coreutils and grep/sed/awk (no python, no jq). It finds the NVIDIA driver (libcuda.so.1) and
@@ -146,9 +146,21 @@ if $find_only; then
   exit "$status"
 fi
 
+# --- the driver: libcuda.so.1 from ldconfig's cache or $driver_dirs ---------------------------------------------
+driver_dirs="${STRATA_DRIVER_DIRS:-/usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib/wsl/lib}"
+find_driver() {
+  if ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1 '; then echo "ldconfig"; return 0; fi
+  local d
+  for d in $driver_dirs; do
+    [[ -e "$d/libcuda.so.1" ]] && { echo "$d"; return 0; }
+  done
+  return 1
+}
+
 # --- the bundle -----------------------------------------------------------------------------------------------
 if [[ -z "$bundle" ]]; then
   command -v cargo >/dev/null || { echo "gpu-check: no --bundle and no cargo to build one (see --help)" >&2; exit 2; }
+  find_driver >/dev/null || { echo "gpu-check: no NVIDIA driver (libcuda.so.1 not found): not building a bundle"; exit 3; }
   bundle="$repo/target/gpu-bundle"
   say "no --bundle: building one in $bundle (scripts/gpu-bundle.sh)"
   "$repo/scripts/gpu-bundle.sh" "$bundle" || { echo "gpu-check: building the bundle failed" >&2; exit 2; }
@@ -186,17 +198,11 @@ cleanup() {
 }
 trap cleanup EXIT
 say "bundle $bundle: $(head -n1 "$bundle/manifest.txt")"
+if ! grep -q '^built: .*profile release' "$bundle/manifest.txt"; then
+  echo "warning: this bundle is not a release build: its benchmark numbers mean nothing"
+fi
 
 # --- the driver -----------------------------------------------------------------------------------------------
-driver_dirs="${STRATA_DRIVER_DIRS:-/usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib/wsl/lib}"
-find_driver() {
-  if ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1 '; then echo "ldconfig"; return 0; fi
-  local d
-  for d in $driver_dirs; do
-    [[ -e "$d/libcuda.so.1" ]] && { echo "$d"; return 0; }
-  done
-  return 1
-}
 no_driver() {
   echo "gpu-check: no NVIDIA driver: $1. This check needs an NVIDIA GPU and its driver; nothing was run."
   echo "{\"result\": \"no-driver\", \"reason\": $(json_str "$1")}" > "$out/gpu-check.json"
