@@ -15,7 +15,9 @@
 # Usage: scripts/gpu-bundle.sh [DIR]
 # Environment: CARGO_TARGET_DIR; STRATA_TEST_MODEL (the full SmolLM2 GGUF; scripts/fetch-model.sh otherwise);
 #   GPU_BUNDLE_LAYERS (default 4), GPU_BUNDLE_VOCAB (default 8192), GPU_BUNDLE_MAX_GLIBC (default 2.39, Ubuntu
-#   24.04), GPU_BUNDLE_LIMIT_BYTES (default 67108864).
+#   24.04), GPU_BUNDLE_LIMIT_BYTES (default 67108864), GPU_BUNDLE_PROFILE (cargo profile, default release; CI
+#   uses dev, which its tests have mostly built already: such a bundle checks the build and the sizes, and its
+#   benchmark numbers mean nothing).
 # Exit status: 0 built and fits; 1 a build or check failed (the message says which).
 set -euo pipefail
 
@@ -26,6 +28,7 @@ layers="${GPU_BUNDLE_LAYERS:-4}"
 vocab="${GPU_BUNDLE_VOCAB:-8192}"
 max_glibc="${GPU_BUNDLE_MAX_GLIBC:-2.39}"
 limit="${GPU_BUNDLE_LIMIT_BYTES:-67108864}"
+profile="${GPU_BUNDLE_PROFILE:-release}"
 started=$SECONDS
 say() { printf '== gpu-bundle [%3ds] %s\n' "$((SECONDS - started))" "$*"; }
 die() { echo "gpu-bundle: $*" >&2; exit 1; }
@@ -46,13 +49,13 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])'
 }
 
-say "build: strata (release, --features cuda)"
-bin_json="$(cargo build --release --locked --features cuda -p strata-cli --message-format=json-render-diagnostics)"
+say "build: strata ($profile profile, --features cuda)"
+bin_json="$(cargo build --profile "$profile" --locked --features cuda -p strata-cli --message-format=json-render-diagnostics)"
 strata_bin="$(executables <<<"$bin_json" | awk '$1 == "strata" { print $2 }' | tail -n1)"
 [[ -x "$strata_bin" ]] || die "cargo reported no strata executable"
 
-say "build: GPU tests (engine/tests/cuda.rs, release, --features cuda)"
-test_json="$(cargo test --release --locked --features cuda -p strata-engine --test cuda --no-run \
+say "build: GPU tests (engine/tests/cuda.rs, $profile profile, --features cuda)"
+test_json="$(cargo test --profile "$profile" --locked --features cuda -p strata-engine --test cuda --no-run \
   --message-format=json-render-diagnostics)"
 tests_bin="$(executables <<<"$test_json" | awk '$1 == "cuda" { print $2 }' | tail -n1)"
 [[ -x "$tests_bin" ]] || die "cargo reported no executable for engine/tests/cuda.rs"
@@ -110,7 +113,7 @@ tree_bytes="$( (git ls-files -z; git ls-files -z --others --exclude-standard) | 
 total=$((bundle_bytes + tree_bytes))
 {
   echo "commit: $(git rev-parse HEAD)$(git diff --quiet HEAD -- 2>/dev/null || echo ' (with uncommitted changes)')"
-  echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m), $(rustc --version)"
+  echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m), $(rustc --version), profile $profile"
   echo "glibc: >= $glibc"
   echo "model: $(basename "$full"), layers $layers, vocab $vocab"
   du -b "$dir"/bin/* "$dir/model.gguf" "$dir"/expect/* | sed "s|$dir/||"
