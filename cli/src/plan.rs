@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use serde::Serialize;
 use strata_coordinator::placement::{self, ModelShape, NodeCapacity, SizeOptions};
 use strata_engine::loader::ModelFiles;
-use strata_engine::{FloatDtype, QuantDtype, parse_bytes};
+use strata_engine::{FloatDtype, KvDtype, QuantDtype, parse_bytes};
 use strata_membership::NodeState;
 use strata_proto::NodeId;
 
@@ -38,6 +38,9 @@ pub struct PlanArgs {
     /// The coordinator's --quantize: float weights quantized at load (q8_0, q4_0 or q4_1).
     #[arg(long, env = "STRATA_QUANTIZE", conflicts_with = "dtype")]
     quantize: Option<QuantDtype>,
+    /// The coordinator's --kv-dtype: KV cache element type (f32, f16, bf16 or q8_0).
+    #[arg(long, env = "STRATA_KV_DTYPE", default_value = "f32")]
+    kv_dtype: KvDtype,
     /// Output: a table, or one JSON object.
     #[arg(long, value_enum, default_value = "table")]
     format: Format,
@@ -99,6 +102,7 @@ fn what_if(a: &PlanArgs) -> Result<PlanReport> {
         min_kv_tokens,
         max_batch_tokens: a.max_batch_tokens,
         weights: a.quantize.map(QuantDtype::to_engine).or(a.dtype.map(FloatDtype::to_engine)),
+        kv_dtype: a.kv_dtype,
         ..SizeOptions::default()
     };
     let shape = ModelShape::from_model_path(&a.model, &opts)?;
@@ -227,6 +231,7 @@ mod tests {
             max_batch_tokens: 64,
             dtype: None,
             quantize: None,
+            kv_dtype: KvDtype::F32,
             format: Format::Json,
         };
         // random:smollm2 is f32: ~650 MB of weights.
@@ -239,6 +244,10 @@ mod tests {
         // Quantized at load to q8_0 (~8.5 bits instead of 32) it fits one node.
         let q8 = what_if(&PlanArgs { quantize: Some(QuantDtype::Q8_0), ..args("300Mi") })?;
         assert!(q8.fits && q8.stages.len() == 1, "{q8:?}");
+        // A q8_0 KV cache holds ~3.8x the tokens of f32 in the same room.
+        let f32_kv = what_if(&args("400Mi,400Mi"))?;
+        let q8_kv = what_if(&PlanArgs { kv_dtype: KvDtype::Q8_0, ..args("400Mi,400Mi") })?;
+        assert!(q8_kv.stages[0].kv_tokens > 3 * f32_kv.stages[0].kv_tokens, "{f32_kv:?} vs {q8_kv:?}");
         let short = what_if(&args("300Mi,300Mi"))?;
         assert!(!short.fits && short.error.as_deref().is_some_and(|e| e.contains("GiB more needed")), "{short:?}");
         Ok(())

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use strata_engine::QuantDtype;
+use strata_engine::{KvDtype, QuantDtype};
 use strata_membership::{check_cluster_name, check_endpoints};
 use strata_proto::{Keepalive, Tls, TlsFiles};
 
@@ -56,6 +56,10 @@ pub struct CoordinatorConfig {
     /// layers in it). `None`: each worker's own `--quantize`, and placement sizes layers as the file stores them.
     #[serde(default)]
     pub quantize: Option<QuantDtype>,
+    /// Element type of every stage's KV cache (carried in the plan; placement sizes the KV reservation in it).
+    /// `None`: each worker's own `--kv-dtype`, and placement sizes KV as f32.
+    #[serde(default)]
+    pub kv_dtype: Option<KvDtype>,
     /// Requests running or queued at once; more are refused with `RESOURCE_EXHAUSTED` (HTTP 429).
     #[serde(default = "default_max_concurrent")]
     pub max_concurrent_requests: usize,
@@ -146,6 +150,7 @@ impl CoordinatorConfig {
             max_model_len: None,
             min_kv_tokens: None,
             quantize: None,
+            kv_dtype: None,
             max_concurrent_requests: default_max_concurrent(),
             max_batch_tokens: default_max_batch_tokens(),
             batch_timeout_ms: default_batch_timeout(),
@@ -225,6 +230,7 @@ impl CoordinatorConfig {
             min_kv_tokens,
             max_batch_tokens: self.max_batch_tokens,
             weights: self.quantize.map(QuantDtype::to_engine),
+            kv_dtype: self.kv_dtype.unwrap_or_default(),
             ..SizeOptions::default()
         }
     }

@@ -531,6 +531,7 @@ impl<R: Registry> Coordinator<R> {
                 min_kv_tokens: self.shape.kv_reserve_tokens,
                 max_batch_tokens: wire_u32("max batch tokens", self.config.max_batch_tokens).map_err(Error::Wire)?,
                 quantize: self.config.quantize.map(|q| q.to_string()),
+                kv_dtype: self.config.kv_dtype.map(|d| d.to_string()),
             };
             // Written at once: the pipeline keeps serving the old plan until every stage has loaded this one, then
             // recomputes the active sequences under it (serving::ready_plan; docs/architecture.md, plan epochs).

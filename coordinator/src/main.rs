@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use strata_coordinator::CoordinatorConfig;
-use strata_engine::QuantDtype;
+use strata_engine::{KvDtype, QuantDtype};
 use strata_membership::parse_endpoints;
 use strata_proto::{Keepalive, LogArgs, TlsArgs, shutdown_token};
 
@@ -55,6 +55,10 @@ struct Args {
     /// sizes layers in that format). Default: each worker's own --quantize.
     #[arg(long, env = "STRATA_QUANTIZE")]
     quantize: Option<QuantDtype>,
+    /// KV cache element type on every stage (f32, f16, bf16 or q8_0; carried in the plan, and placement reserves
+    /// KV in it). Default: each worker's own --kv-dtype.
+    #[arg(long, env = "STRATA_KV_DTYPE")]
+    kv_dtype: Option<KvDtype>,
     /// Name this coordinator campaigns under (default `coordinator-<pid>`; the chart uses the pod name).
     #[arg(long, env = "STRATA_CANDIDATE")]
     candidate: Option<String>,
@@ -105,6 +109,7 @@ async fn main() -> anyhow::Result<()> {
     config.max_model_len = args.max_model_len;
     config.min_kv_tokens = args.min_kv_tokens;
     config.quantize = args.quantize;
+    config.kv_dtype = args.kv_dtype;
     config.candidate = args.candidate;
     config.lease_ttl_secs = args.lease_ttl_secs;
     config.batch_timeout_ms = args.batch_timeout_ms;

@@ -85,6 +85,7 @@ fn no_plan(model: &str) -> Plan {
         min_kv_tokens: 0,
         max_batch_tokens: 0,
         quantize: None,
+        kv_dtype: None,
     }
 }
 
@@ -173,6 +174,7 @@ mod tests {
             min_kv_tokens: 0,
             max_batch_tokens: 0,
             quantize: None,
+            kv_dtype: None,
         };
         let mut s = ClusterSnapshot {
             nodes: vec![node("a", NodeState::Ready, 2), node("b", NodeState::Ready, 1)],

@@ -134,6 +134,10 @@ pub struct Plan {
     /// coordinator's `--quantize`), which placement sized the layers with. `None`: each worker's own setting.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quantize: Option<String>,
+    /// Element type of every stage's KV cache (`f32`, `f16`, `bf16`, `q8_0`; the coordinator's `--kv-dtype`),
+    /// which placement sized the KV reservation with. `None`: each worker's own setting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_dtype: Option<String>,
 }
 
 impl Plan {
@@ -203,6 +207,7 @@ mod tests {
             min_kv_tokens: 0,
             max_batch_tokens: 0,
             quantize: None,
+            kv_dtype: None,
         };
         let text = serde_json::to_string(&plan)?;
         assert_eq!(serde_json::from_str::<Plan>(&text)?, plan);

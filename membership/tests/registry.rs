@@ -37,6 +37,7 @@ fn fenced_plan(epoch: u64, ids: &[&str], term: u64) -> Plan {
         min_kv_tokens: 0,
         max_batch_tokens: 0,
         quantize: None,
+        kv_dtype: None,
     }
 }
 

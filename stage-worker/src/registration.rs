@@ -66,6 +66,8 @@ pub struct Assignment {
     pub max_batch_tokens: u32,
     /// The plan's quantization of float weights (`None`: the worker's own `--quantize`).
     pub quantize: Option<String>,
+    /// The plan's KV cache element type (`None`: the worker's own `--kv-dtype`).
+    pub kv_dtype: Option<String>,
 }
 
 impl Assignment {
@@ -83,13 +85,17 @@ impl Assignment {
             min_kv_tokens: plan.min_kv_tokens,
             max_batch_tokens: plan.max_batch_tokens,
             quantize: plan.quantize.clone(),
+            kv_dtype: plan.kv_dtype.clone(),
         })
     }
 
     /// Whether `self` can be served by the executor loaded for `other`: the same layers of the same model, in
     /// the same format.
     pub fn same_weights(&self, other: &Assignment) -> bool {
-        self.layers == other.layers && self.model == other.model && self.quantize == other.quantize
+        self.layers == other.layers
+            && self.model == other.model
+            && self.quantize == other.quantize
+            && self.kv_dtype == other.kv_dtype
     }
 
     /// The worker config that serves this assignment; `Err` for a quantization this build does not know.
@@ -97,6 +103,10 @@ impl Assignment {
         let quantize = match &self.quantize {
             Some(q) => Some(q.parse().map_err(Error::Engine)?),
             None => base.quantize,
+        };
+        let kv_dtype = match &self.kv_dtype {
+            Some(d) => Some(d.parse().map_err(Error::Engine)?),
+            None => base.kv_dtype,
         };
         Ok(WorkerConfig {
             layers: Some(self.layers),
@@ -109,6 +119,7 @@ impl Assignment {
                 n => n as usize,
             },
             quantize,
+            kv_dtype,
             ..base.clone()
         })
     }
@@ -444,6 +455,7 @@ mod tests {
             min_kv_tokens: 0,
             max_batch_tokens: 0,
             quantize: None,
+            kv_dtype: None,
         }
     }
 
@@ -462,6 +474,7 @@ mod tests {
                 min_kv_tokens: 0,
                 max_batch_tokens: 0,
                 quantize: None,
+                kv_dtype: None,
             })
         );
         let b = Assignment::of(&p, &NodeId::new("b"));
@@ -473,6 +486,28 @@ mod tests {
             Some((Some(LayerRange { start: 3, end: 4 }), Some(4)))
         );
         assert!(cfg.is_some_and(|c| c.validate().is_ok()));
+    }
+
+    #[test]
+    fn the_plans_memory_settings_override_the_workers_own() {
+        let base = WorkerConfig {
+            quantize: Some(strata_engine::QuantDtype::Q4_0),
+            kv_dtype: Some(strata_engine::KvDtype::F16),
+            ..WorkerConfig::new("b", "/m", None)
+        };
+        let mut p = plan();
+        let own = Assignment::of(&p, &NodeId::new("b")).and_then(|a| a.config(&base).ok());
+        assert_eq!(own.map(|c| (c.quantize, c.kv_dtype, c.min_kv_tokens)), Some((base.quantize, base.kv_dtype, 0)));
+        (p.quantize, p.kv_dtype, p.min_kv_tokens, p.max_batch_tokens) =
+            (Some("q8_0".into()), Some("q8_0".into()), 640, 64);
+        let planned = Assignment::of(&p, &NodeId::new("b")).and_then(|a| a.config(&base).ok());
+        assert_eq!(
+            planned.map(|c| (c.quantize, c.kv_dtype, c.min_kv_tokens, c.max_batch_tokens)),
+            Some((Some(strata_engine::QuantDtype::Q8_0), Some(strata_engine::KvDtype::Q8_0), 640, 64))
+        );
+        p.kv_dtype = Some("f64".into());
+        let bad = Assignment::of(&p, &NodeId::new("b")).map(|a| a.config(&base).is_err());
+        assert_eq!(bad, Some(true), "an unknown KV type in a plan is an error, not a default");
     }
 
     #[test]

@@ -69,6 +69,7 @@ fn plan(epoch: u64, stages: Vec<PlanStage>) -> Plan {
         min_kv_tokens: 0,
         max_batch_tokens: 0,
         quantize: None,
+        kv_dtype: None,
     }
 }
 

@@ -90,6 +90,7 @@ pub fn static_plan(model: &str, num_layers: usize, stages: &[(String, Range<usiz
         min_kv_tokens: 0,
         max_batch_tokens: 0,
         quantize: None,
+        kv_dtype: None,
         stages: stages
             .iter()
             .enumerate()
