@@ -231,7 +231,6 @@ impl CoordinatorConfig {
             max_batch_tokens: self.max_batch_tokens,
             weights: self.quantize.map(QuantDtype::to_engine),
             kv_dtype: self.kv_dtype.unwrap_or_default(),
-            ..SizeOptions::default()
         }
     }
 
