@@ -103,7 +103,6 @@ fn what_if(a: &PlanArgs) -> Result<PlanReport> {
         max_batch_tokens: a.max_batch_tokens,
         weights: a.quantize.map(QuantDtype::to_engine).or(a.dtype.map(FloatDtype::to_engine)),
         kv_dtype: a.kv_dtype,
-        ..SizeOptions::default()
     };
     let shape = ModelShape::from_model_path(&a.model, &opts)?;
     let nodes = parse_nodes(&a.nodes)?;
