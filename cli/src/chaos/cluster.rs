@@ -88,12 +88,12 @@ impl ProcessCluster {
             let id = cluster.add_worker()?;
             cluster.wait_ready(&id, Duration::from_secs(120)).await?;
         }
-        cluster.add_coordinator()?;
+        cluster.start_first_coordinator().await?;
         let url = cluster.coordinators[0].grpc_url.clone();
         let workers = cluster.spec.workers;
         let ok = wait_serving(&url, Duration::from_secs(120), Duration::ZERO, |s| s.stages.len() == workers).await;
         if let Err(e) = ok {
-            bail!("{e:#}\ncoordinator log:\n{}", cluster.coordinators[0].proc.tail(30));
+            bail!("{e:#}\ncoordinator log:\n{}", cluster.coordinators[0].proc.tail(80));
         }
         if cluster.spec.standby {
             cluster.add_coordinator()?;
@@ -116,6 +116,27 @@ impl ProcessCluster {
         let proc = Proc::spawn(&id, cmd, &self.log_dir)?;
         self.workers.push((id.clone(), proc));
         Ok(id)
+    }
+
+    /// Starts the first coordinator and waits until it answers `/live`. Its ports come from `free_port`, which
+    /// cannot reserve them: if another process on the machine took one first, the coordinator exits at once, and
+    /// it is started again on fresh ports (once).
+    async fn start_first_coordinator(&mut self) -> Result<()> {
+        for attempt in 0..2 {
+            self.add_coordinator()?;
+            let Some(c) = self.coordinators.last_mut() else { bail!("no coordinator was started") };
+            let live = wait_live(c.http, Duration::from_secs(60)).await;
+            if live.is_ok() {
+                return Ok(());
+            }
+            if attempt == 0 && !c.proc.running() {
+                eprintln!("the coordinator exited at start; once more on fresh ports. Its log:\n{}", c.proc.tail(80));
+                self.coordinators.pop();
+                continue;
+            }
+            return live.with_context(|| format!("the coordinator did not start; its log:\n{}", c.proc.tail(80)));
+        }
+        bail!("the coordinator exited at start twice")
     }
 
     fn add_coordinator(&mut self) -> Result<()> {
