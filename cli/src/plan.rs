@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
-use strata_coordinator::placement::{self, ModelShape, NodeCapacity, SizeOptions};
+use strata_coordinator::placement::{self, ModelShape, NodeCapacity, SizeOptions, context_limits};
 use strata_engine::loader::ModelFiles;
 use strata_engine::{FloatDtype, KvDtype, QuantDtype, parse_bytes};
 use strata_membership::NodeState;
@@ -91,13 +91,8 @@ pub fn run(a: PlanArgs) -> Result<()> {
 
 fn what_if(a: &PlanArgs) -> Result<PlanReport> {
     let files = ModelFiles::open(&a.model).with_context(|| format!("opening model {}", a.model.display()))?;
-    let context = files.config().max_position_embeddings;
-    let max_model_len = match a.max_model_len {
-        Some(n) if n == 0 || n > context => bail!("--max-model-len {n} must be in 1..={context} (the model's context)"),
-        Some(n) => n,
-        None => context,
-    };
-    let min_kv_tokens = a.min_kv_tokens.unwrap_or(max_model_len as u64);
+    let (max_model_len, min_kv_tokens) =
+        context_limits(a.max_model_len, a.min_kv_tokens, files.config().max_position_embeddings)?;
     let opts = SizeOptions {
         min_kv_tokens,
         max_batch_tokens: a.max_batch_tokens,
@@ -118,20 +113,17 @@ fn what_if(a: &PlanArgs) -> Result<PlanReport> {
     match placement::plan(&shape, &nodes) {
         Ok(stages) => {
             report.fits = true;
-            let last = stages.len().saturating_sub(1);
+            let last_index = stages.len().saturating_sub(1);
             for (i, s) in stages.iter().enumerate() {
                 let node = nodes.iter().find(|n| n.node_id == s.node_id).context("a stage on an unknown node")?;
+                let (first, last) = (i == 0, i == last_index);
                 let layers = (s.layer_end - s.layer_start) as u64;
-                let mut weights = layers * shape.layer_bytes;
-                let mut overhead = shape.stage_overhead_bytes;
-                if i == 0 {
-                    weights += shape.embed_bytes;
-                }
-                if i == last {
-                    weights += shape.head_bytes;
-                    overhead += shape.logits_bytes;
-                }
-                let free = node.memory_bytes.saturating_sub(weights + overhead);
+                // Placement's own fixed cost, split into the weights it holds (embeddings, head) and the rest.
+                let fixed = shape.stage_fixed_bytes(first, last);
+                let end_weights = if first { shape.embed_bytes } else { 0 } + if last { shape.head_bytes } else { 0 };
+                let weights = layers * shape.layer_bytes + end_weights;
+                let overhead = fixed.saturating_sub(end_weights);
+                let free = node.memory_bytes.saturating_sub(layers * shape.layer_bytes + fixed);
                 let per_token = (layers * shape.kv_bytes_per_token_layer).max(1);
                 report.stages.push(StageReport {
                     node: s.node_id.to_string(),

@@ -10,7 +10,7 @@ use strata_membership::{check_cluster_name, check_endpoints};
 use strata_proto::{Keepalive, Tls, TlsFiles};
 
 use crate::pipeline::{PipelineOptions, SchedulerLimits, Timeouts};
-use crate::sizing::SizeOptions;
+use crate::sizing::{SizeOptions, context_limits};
 use crate::{Error, Result};
 
 /// Everything the coordinator needs to start.
@@ -211,17 +211,7 @@ impl CoordinatorConfig {
     /// The longest sequence served and the KV tokens every stage must hold, for a model whose context is
     /// `model_context` tokens.
     pub fn context(&self, model_context: usize) -> Result<(usize, u64)> {
-        let len = match self.max_model_len {
-            Some(0) => return Err(Error::Config("max_model_len must be at least 1".into())),
-            Some(n) if n > model_context => {
-                return Err(Error::Config(format!(
-                    "max_model_len {n} is longer than the model's context of {model_context} tokens"
-                )));
-            }
-            Some(n) => n,
-            None => model_context,
-        };
-        Ok((len, self.min_kv_tokens.unwrap_or(len as u64)))
+        context_limits(self.max_model_len, self.min_kv_tokens, model_context)
     }
 
     /// How placement sizes the model when every stage must hold `min_kv_tokens` tokens of KV cache.

@@ -12,7 +12,7 @@ use strata_proto::NodeId;
 
 use strata_membership::NodeState;
 
-pub use crate::sizing::{ModelShape, SizeOptions};
+pub use crate::sizing::{ModelShape, SizeOptions, context_limits};
 
 /// What placement needs to know about one node.
 #[derive(Debug, Clone, PartialEq)]
@@ -161,9 +161,7 @@ fn place(model: &ModelShape, mut usable: Vec<&NodeCapacity>) -> Result<Vec<Stage
             .iter()
             .enumerate()
             .map(|(i, c)| {
-                let first = if i == 0 { model.embed_bytes } else { 0 };
-                let last = if i == k - 1 { model.head_bytes.saturating_add(model.logits_bytes) } else { 0 };
-                let extras = model.stage_overhead_bytes.saturating_add(first).saturating_add(last);
+                let extras = model.stage_fixed_bytes(i == 0, i == k - 1);
                 layers_fitting(c.memory_bytes, extras, model.layer_cost()).min(n)
             })
             .collect();
@@ -370,9 +368,7 @@ mod tests {
             assert!(s.layer_start < s.layer_end, "no empty stage");
             let node = nodes.iter().find(|c| c.node_id == s.node_id).expect("stage on a known node");
             assert_eq!(node.state, NodeState::Ready);
-            let extras = m.stage_overhead_bytes
-                + if s.layer_start == 0 { m.embed_bytes } else { 0 }
-                + if s.layer_end == m.num_layers { m.head_bytes + m.logits_bytes } else { 0 };
+            let extras = m.stage_fixed_bytes(s.layer_start == 0, s.layer_end == m.num_layers);
             let used = extras + (s.layer_end - s.layer_start) as u64 * m.layer_cost();
             assert!(used <= node.memory_bytes, "{s:?} needs {used} > {}", node.memory_bytes);
         }

@@ -76,17 +76,7 @@ const SUSPECTS_BUFFER: usize = 64;
 
 /// The plan of a coordinator that serves nothing (standing by, or deposed).
 fn no_plan(model: &str) -> Plan {
-    Plan {
-        epoch: PlanEpoch(0),
-        stages: Vec::new(),
-        model: model.to_owned(),
-        num_layers: 0,
-        term: 0,
-        min_kv_tokens: 0,
-        max_batch_tokens: 0,
-        quantize: None,
-        kv_dtype: None,
-    }
+    Plan { model: model.to_owned(), ..Plan::default() }
 }
 
 /// On `shutdown`: the pipeline refuses new requests and the ones in flight get `grace` to finish; then `stop`.
@@ -170,11 +160,7 @@ mod tests {
             stages: vec![stage("a", (0, 2)), stage("b", (2, 4))],
             model: "m".into(),
             num_layers: 4,
-            term: 0,
-            min_kv_tokens: 0,
-            max_batch_tokens: 0,
-            quantize: None,
-            kv_dtype: None,
+            ..Plan::default()
         };
         let mut s = ClusterSnapshot {
             nodes: vec![node("a", NodeState::Ready, 2), node("b", NodeState::Ready, 1)],

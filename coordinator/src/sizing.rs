@@ -12,17 +12,12 @@ use strata_engine::KvDtype;
 use strata_engine::config::ModelConfig;
 use strata_engine::layout::ModelLayout;
 use strata_engine::loader::ModelFiles;
+use strata_engine::stage_memory::{MARGIN_BYTES, transit_bytes};
 use strata_engine::tensor::DType;
 
 /// Resident memory of a stage worker before any weights: its code, the async runtime, gRPC, the compute threads'
 /// stacks and the allocator's arenas (an idle worker measured 26 MiB here, 44 MiB at its peak with one layer).
 pub const RUNTIME_BYTES: u64 = 32 << 20;
-
-/// Bytes a stage keeps free besides what it measures (the stage worker's own margin).
-const MARGIN_BYTES: u64 = 16 << 20;
-
-/// Hidden-state messages a stage may hold besides the batch it computes (the stage worker's own count).
-const MESSAGES_IN_TRANSIT: u64 = 4;
 
 /// How a model is to be served, as far as its size goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,10 +88,38 @@ impl ModelShape {
         })
     }
 
+    /// Memory a stage costs besides its layers: the overhead every stage has, the embeddings on the `first`, the
+    /// head and logits on the `last`.
+    pub fn stage_fixed_bytes(&self, first: bool, last: bool) -> u64 {
+        let embed = if first { self.embed_bytes } else { 0 };
+        let head = if last { self.head_bytes.saturating_add(self.logits_bytes) } else { 0 };
+        self.stage_overhead_bytes.saturating_add(embed).saturating_add(head)
+    }
+
     /// Memory one layer costs on a node: weights plus its KV reservation.
     pub fn layer_cost(&self) -> u64 {
         self.layer_bytes.saturating_add(self.kv_bytes_per_token_layer.saturating_mul(self.kv_reserve_tokens))
     }
+}
+
+/// The longest sequence served and the KV tokens every stage must hold, from `--max-model-len` (default: the
+/// model's context of `model_context` tokens) and `--min-kv-tokens` (default: that length).
+pub fn context_limits(
+    max_model_len: Option<usize>,
+    min_kv_tokens: Option<u64>,
+    model_context: usize,
+) -> crate::Result<(usize, u64)> {
+    let len = match max_model_len {
+        Some(0) => return Err(crate::Error::Config("max_model_len must be at least 1".into())),
+        Some(n) if n > model_context => {
+            return Err(crate::Error::Config(format!(
+                "max_model_len {n} is longer than the model's context of {model_context} tokens"
+            )));
+        }
+        Some(n) => n,
+        None => model_context,
+    };
+    Ok((len, min_kv_tokens.unwrap_or(len as u64)))
 }
 
 /// What a stage of `cfg` holds besides weights and KV cache with micro-batches of `batch_tokens` tokens: the
@@ -106,6 +129,6 @@ pub fn stage_overhead_bytes(cfg: &ModelConfig, batch_tokens: usize) -> u64 {
     let row = 4 * cfg.hidden_size + cfg.q_dim() + 2 * cfg.kv_dim() + 3 * cfg.intermediate_size;
     let tokens = batch_tokens as u64;
     let activations = tokens.saturating_mul(row as u64).saturating_mul(4 * 2);
-    let transit = tokens.saturating_mul(cfg.hidden_size as u64 * 4).saturating_mul(MESSAGES_IN_TRANSIT);
+    let transit = transit_bytes(batch_tokens, cfg.hidden_size);
     RUNTIME_BYTES.saturating_add(MARGIN_BYTES).saturating_add(activations).saturating_add(transit)
 }

@@ -19,6 +19,7 @@ pub mod model;
 pub mod offload;
 pub mod quant;
 pub mod sampling;
+pub mod stage_memory;
 pub mod tensor;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

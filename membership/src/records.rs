@@ -106,7 +106,7 @@ pub struct PlanStage {
 }
 
 /// The plan at `/strata/<cluster>/plan`: which node holds which layers, under which epoch.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Plan {
     /// Generation of the plan; each new plan is exactly one more than the stored one.
@@ -203,11 +203,7 @@ mod tests {
             stages: vec![PlanStage { node_id: "a".into(), address: "a:1".into(), layer_start: 0, layer_end: 4 }],
             model: "m".into(),
             num_layers: 4,
-            term: 0,
-            min_kv_tokens: 0,
-            max_batch_tokens: 0,
-            quantize: None,
-            kv_dtype: None,
+            ..Plan::default()
         };
         let text = serde_json::to_string(&plan)?;
         assert_eq!(serde_json::from_str::<Plan>(&text)?, plan);

@@ -28,17 +28,7 @@ fn fenced_plan(epoch: u64, ids: &[&str], term: u64) -> Plan {
             layer_end: i as u32 + 1,
         })
         .collect();
-    Plan {
-        epoch: PlanEpoch(epoch),
-        stages,
-        model: "m".into(),
-        num_layers: ids.len() as u32,
-        term,
-        min_kv_tokens: 0,
-        max_batch_tokens: 0,
-        quantize: None,
-        kv_dtype: None,
-    }
+    Plan { epoch: PlanEpoch(epoch), stages, model: "m".into(), num_layers: ids.len() as u32, term, ..Plan::default() }
 }
 
 /// A node record: 1 GiB, 10 ms per layer, nothing loaded yet.

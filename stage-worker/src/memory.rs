@@ -12,6 +12,7 @@ use std::path::Path;
 use strata_engine::KvDtype;
 use strata_engine::backend::Backend;
 use strata_engine::model::{LogitRows, SeqChunk, StageInput, StageModel};
+use strata_engine::stage_memory::{MARGIN_BYTES, transit_bytes};
 
 use crate::config::WorkerConfig;
 use crate::device::GPU_WORKSPACE_BYTES;
@@ -23,13 +24,6 @@ pub const DEFAULT_MEMORY_FRACTION: f64 = 0.9;
 /// Tokens of the profiling batch when the plan does not say how large batches get (the coordinator's default
 /// `--max-batch-tokens`).
 pub const DEFAULT_PROFILE_TOKENS: usize = 512;
-
-/// Bytes kept free besides the measured peak: allocator slack, gRPC buffers and tracing.
-const MARGIN_BYTES: u64 = 16 << 20;
-
-/// Hidden-state messages a stage may hold at once besides the one it computes (queued on the way in, encoded on
-/// the way out); each costs up to one profiling batch of f32 hidden states.
-const MESSAGES_IN_TRANSIT: u64 = 4;
 
 /// This process's resident memory, from `/proc/self/status`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,8 +79,7 @@ pub struct Usage {
 impl Usage {
     /// Usage at `peak` for batches of `tokens` tokens of `hidden` f32 features.
     pub fn new(peak: u64, tokens: usize, hidden: usize) -> Self {
-        let batch = (tokens as u64).saturating_mul(hidden as u64).saturating_mul(4);
-        Usage { peak, transit: batch.saturating_mul(MESSAGES_IN_TRANSIT) }
+        Usage { peak, transit: transit_bytes(tokens, hidden) }
     }
 
     /// Everything that is not KV cache, margin included.

@@ -451,11 +451,7 @@ mod tests {
             stages: vec![stage("a", 0, 3), stage("b", 3, 4)],
             model: "m".into(),
             num_layers: 4,
-            term: 0,
-            min_kv_tokens: 0,
-            max_batch_tokens: 0,
-            quantize: None,
-            kv_dtype: None,
+            ..Plan::default()
         }
     }
 

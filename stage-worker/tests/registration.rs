@@ -60,17 +60,7 @@ fn stage(worker: &Worker, id: &str, layers: std::ops::Range<u32>) -> PlanStage {
 }
 
 fn plan(epoch: u64, stages: Vec<PlanStage>) -> Plan {
-    Plan {
-        epoch: PlanEpoch(epoch),
-        stages,
-        model: "tiny".into(),
-        num_layers: 4,
-        term: 0,
-        min_kv_tokens: 0,
-        max_batch_tokens: 0,
-        quantize: None,
-        kv_dtype: None,
-    }
+    Plan { epoch: PlanEpoch(epoch), stages, model: "tiny".into(), num_layers: 4, ..Plan::default() }
 }
 
 /// Sends one batch of `tokens` for `seq` from position `start` under `epoch` and `term` on a fresh stream; returns

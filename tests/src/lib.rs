@@ -86,11 +86,6 @@ pub fn static_plan(model: &str, num_layers: usize, stages: &[(String, Range<usiz
         epoch: PlanEpoch(1),
         model: model.to_owned(),
         num_layers: u32::try_from(num_layers).unwrap_or(u32::MAX),
-        term: 0,
-        min_kv_tokens: 0,
-        max_batch_tokens: 0,
-        quantize: None,
-        kv_dtype: None,
         stages: stages
             .iter()
             .enumerate()
@@ -101,6 +96,7 @@ pub fn static_plan(model: &str, num_layers: usize, stages: &[(String, Range<usiz
                 layer_end: u32::try_from(r.end).unwrap_or(u32::MAX),
             })
             .collect(),
+        ..Plan::default()
     }
 }
 
