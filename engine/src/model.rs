@@ -49,9 +49,12 @@ pub struct LoadOptions<'a> {
     pub dtype: Option<DType>,
     /// Called after each tensor with (done, total).
     pub progress: Option<&'a (dyn Fn(usize, usize) + Sync)>,
-    /// Device memory budget; layers that do not fit stay in host memory and are streamed in per layer
-    /// (see [`crate::offload`]). `None`: every layer is uploaded.
+    /// Memory budget; layers that do not fit are offloaded: on a GPU they stay in host memory and are streamed in
+    /// per layer, on the CPU they page in from their file per layer (see [`crate::offload`]). `None`: every layer
+    /// is resident.
     pub offload: Option<OffloadBudget>,
+    /// Keep at most this many of the stage's layers resident and offload the rest (`--resident-layers`).
+    pub resident_layers: Option<usize>,
     /// Quantize float matrices (every 2-D weight: the layers' seven, embeddings and head) into this block format
     /// as each is read, with llama.cpp's reference rounding ([`quant::quantize_tensor`]); only the stage's own
     /// slice is read, one tensor at a time. Matrices the file already stores quantized are kept as they are:
@@ -78,14 +81,14 @@ fn plan_layers<B: Backend>(
     backend: &B,
     opts: &LoadOptions<'_>,
 ) -> Result<OffloadPlan> {
-    let Some(budget) = opts.offload else {
+    if opts.offload.is_none() && opts.resident_layers.is_none() {
         return Ok(OffloadPlan::all_resident(range.len()));
-    };
+    }
     // What the loader does to each matrix: float ones are quantized or take `opts.dtype`, then the backend's
     // storage type.
     let storage = |dtype: DType| backend.storage_dtype(opts.matrix_dtype(dtype));
     let bytes = ModelLayout::new(files.config()).stage_bytes(files, range, &storage)?;
-    plan_offload(&bytes.layers, bytes.fixed(), Some(budget))
+    plan_offload(&bytes.layers, bytes.fixed(), opts.offload, opts.resident_layers)
 }
 
 struct Layer<B: Backend> {
@@ -412,6 +415,9 @@ impl<B: Backend> StageModel<B> {
             let gu = be.linear_many(&h, &[(&layer.gate, None), (&layer.up, None)])?;
             let act = be.silu_mul(&gu[0], &gu[1])?;
             be.add_assign(&mut x, &be.linear(&act, &layer.down, None)?)?;
+            if self.offload.is_offloaded(index) {
+                be.release_layer(&layer.matrices())?;
+            }
         }
         let (Some(norm), Some(head)) = (&self.norm, &self.lm_head) else {
             return Ok(x);

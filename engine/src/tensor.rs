@@ -2,6 +2,8 @@
 //! borrowed from a memory map (zero-copy) or owned.
 
 use std::fmt;
+use std::io::Write;
+use std::path::Path;
 use std::sync::Arc;
 
 use half::{bf16, f16};
@@ -134,6 +136,48 @@ impl Bytes {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Tells the kernel how the pages of a mapped window will be used; owned bytes are left as they are.
+    /// `DontNeed` drops the window's pages from this process's resident set: the map is read-only, so the next
+    /// read faults them in again from the file (or the page cache). Pages shared with a neighbouring tensor are
+    /// dropped too, which costs that tensor a fault, never its contents.
+    pub fn advise(&self, paging: Paging) -> Result<()> {
+        let Bytes::Mapped { map, offset, len } = self else {
+            return Ok(());
+        };
+        let result = match paging {
+            Paging::WillNeed => map.advise_range(memmap2::Advice::WillNeed, *offset, *len),
+            // SAFETY: the map is never written through (it is a read-only `Mmap`), so dropping its pages loses
+            // nothing: they read back from the file, which stays open and unchanged while the map lives.
+            Paging::DontNeed => unsafe {
+                map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, *offset, *len)
+            },
+        };
+        result.map_err(|e| Error::Device(format!("madvise({paging:?}) on {len} mapped weight bytes: {e}")))
+    }
+
+    /// The same bytes backed by a file, so their pages can leave memory ([`Bytes::advise`]): a mapped window as
+    /// it is, owned bytes written to an unnamed temporary file in `dir` (gone when the last map of it is).
+    pub fn spill(&self, dir: &Path) -> Result<Bytes> {
+        let Bytes::Owned { len: 1.., .. } = self else {
+            return Ok(self.clone());
+        };
+        let io = |e| Error::io(dir, e);
+        let mut file = tempfile::tempfile_in(dir).map_err(io)?;
+        file.write_all(self.as_slice()).map_err(io)?;
+        // SAFETY: the file is unnamed and private to this process, so nothing else can change it under the map.
+        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        Ok(Bytes::mapped(Arc::new(map), 0, self.len()))
+    }
+}
+
+/// How the pages of a mapped tensor will be used next (see [`Bytes::advise`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Paging {
+    /// Read soon: start reading the pages in.
+    WillNeed,
+    /// Not needed until further notice: let them go.
+    DontNeed,
 }
 
 impl fmt::Debug for Bytes {

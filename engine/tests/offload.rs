@@ -53,3 +53,18 @@ fn a_tight_budget_offloads_the_last_layers_and_changes_no_output() -> Result<()>
     ensure!(StageModel::load(&files, 0..4, be, &too_small).is_err());
     Ok(())
 }
+
+#[test]
+fn resident_layers_offload_the_rest_and_change_no_output() -> Result<()> {
+    // Synthetic weights are owned, so the offloaded ones go through a spill file first.
+    let files = ModelFiles::open(Path::new("random:tiny"))?;
+    let be = Arc::new(CpuBackend::new(1)?);
+    let full = StageModel::load(&files, 0..4, be.clone(), &LoadOptions::default())?;
+    for resident in [0, 2] {
+        let opts = LoadOptions { resident_layers: Some(resident), ..LoadOptions::default() };
+        let paged = StageModel::load(&files, 0..4, be.clone(), &opts)?;
+        ensure!(paged.offloaded_layers() == (resident..4), "{:?}", paged.offload_plan());
+        ensure!(logits(&paged)? == logits(&full)?, "resident {resident}");
+    }
+    Ok(())
+}

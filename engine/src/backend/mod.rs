@@ -93,6 +93,12 @@ pub trait Backend: Send + Sync + 'static {
         let _ = (layer, next);
         Ok(())
     }
+    /// Called after the ops of each offloaded layer: the backend may let the memory of `layer`'s matrices go
+    /// until [`Backend::stage_layer`] asks for them again (the CPU backend drops their mapped pages).
+    fn release_layer(&self, layer: &[&Self::Mat]) -> Result<()> {
+        let _ = layer;
+        Ok(())
+    }
     /// Makes a KV layer's memory resident (host backends allocate it lazily; device memory already is).
     fn prefault_kv_layer(&self, layer: &mut Self::KvLayer) {
         let _ = layer;

@@ -11,7 +11,7 @@ pub mod simd;
 
 pub use self::kv::CpuKvLayer;
 use super::{AttnSeq, AttnShape, Backend};
-use crate::tensor::{Bytes, DType, HostTensor};
+use crate::tensor::{Bytes, DType, HostTensor, Paging};
 use crate::{Error, KvDtype, Result};
 use rayon::prelude::*;
 use simd::Isa;
@@ -113,6 +113,23 @@ impl Backend for CpuBackend {
 
     fn matrix_bytes(&self, m: &CpuMatrix) -> usize {
         m.bytes.len()
+    }
+
+    /// Offloaded matrices page in from their file on use and out after their layer ([`Backend::release_layer`]);
+    /// ones converted at load (no file holds them in that form) are first written to a temporary file in
+    /// `TMPDIR`.
+    fn upload_matrix_offloaded(&self, t: &HostTensor) -> Result<CpuMatrix> {
+        let spilled = HostTensor { bytes: t.bytes.spill(&std::env::temp_dir())?, ..t.clone() };
+        self.upload_matrix(&spilled)
+    }
+
+    /// Starts reading the next offloaded layer's pages while this one runs.
+    fn stage_layer(&self, _layer: &[&CpuMatrix], next: &[&CpuMatrix]) -> Result<()> {
+        next.iter().try_for_each(|m| m.bytes.advise(Paging::WillNeed))
+    }
+
+    fn release_layer(&self, layer: &[&CpuMatrix]) -> Result<()> {
+        layer.iter().try_for_each(|m| m.bytes.advise(Paging::DontNeed))
     }
 
     fn prefault_kv_layer(&self, layer: &mut CpuKvLayer) {
