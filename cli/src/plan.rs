@@ -18,9 +18,10 @@ pub struct PlanArgs {
     /// Model: a Hugging Face directory or a .gguf file (only its metadata is read).
     #[arg(long, env = "STRATA_MODEL")]
     model: PathBuf,
-    /// The nodes, in pipeline order: each MEMORY[@SECONDS_PER_LAYER], comma-separated, e.g. `4Gi,4Gi,2Gi` or
-    /// `4Gi@0.002,2Gi@0.004` (memory as a stage worker's --memory-limit; speed as its record's layer_seconds,
-    /// equal when left out).
+    /// The nodes, in pipeline order: each MEMORY[@SECONDS_PER_LAYER[/OFFLOADED_SECONDS_PER_LAYER]],
+    /// comma-separated, e.g. `4Gi,4Gi,2Gi` or `4Gi@0.002,2Gi@0.004/0.02` (memory as a stage worker's
+    /// --memory-limit; speeds as its record's layer_seconds and offload_layer_seconds: equal when left out, and
+    /// a node without an offloaded speed does not offload).
     #[arg(long)]
     nodes: String,
     /// The coordinator's --max-model-len (default: the model's context).
@@ -59,6 +60,7 @@ struct StageReport {
     memory_bytes: u64,
     layer_start: usize,
     layer_end: usize,
+    offloaded_layers: usize,
     weight_bytes: u64,
     overhead_bytes: u64,
     kv_tokens: u64,
@@ -123,13 +125,17 @@ fn what_if(a: &PlanArgs) -> Result<PlanReport> {
                 let end_weights = if first { shape.embed_bytes } else { 0 } + if last { shape.head_bytes } else { 0 };
                 let weights = layers * shape.layer_bytes + end_weights;
                 let overhead = fixed.saturating_sub(end_weights);
-                let free = node.memory_bytes.saturating_sub(layers * shape.layer_bytes + fixed);
+                // Offloaded layers hold no weights in memory but pass through two slots of a layer's size.
+                let resident = layers - s.offloaded_layers as u64;
+                let slots = if s.offloaded_layers > 0 { 2 * shape.layer_bytes } else { 0 };
+                let free = node.memory_bytes.saturating_sub(resident * shape.layer_bytes + slots + fixed);
                 let per_token = (layers * shape.kv_bytes_per_token_layer).max(1);
                 report.stages.push(StageReport {
                     node: s.node_id.to_string(),
                     memory_bytes: node.memory_bytes,
                     layer_start: s.layer_start,
                     layer_end: s.layer_end,
+                    offloaded_layers: s.offloaded_layers,
                     weight_bytes: weights,
                     overhead_bytes: overhead,
                     kv_tokens: free / per_token,
@@ -141,7 +147,7 @@ fn what_if(a: &PlanArgs) -> Result<PlanReport> {
     Ok(report)
 }
 
-/// `MEMORY[@SECONDS],...` as node capacities named `n0`, `n1`, … (placement orders nodes by id, so the names keep
+/// `MEMORY[@SECONDS[/OFFLOADED_SECONDS]],...` as node capacities named `n0`, `n1`, … (placement orders nodes by id, so the names keep
 /// the order given; ten or more nodes are zero-padded to keep it).
 fn parse_nodes(spec: &str) -> Result<Vec<NodeCapacity>> {
     let items: Vec<&str> = spec.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
@@ -153,9 +159,13 @@ fn parse_nodes(spec: &str) -> Result<Vec<NodeCapacity>> {
         .iter()
         .enumerate()
         .map(|(i, item)| {
-            let (mem, secs) = match item.split_once('@') {
-                Some((m, s)) => (m, s.trim().parse::<f64>().with_context(|| format!("node {item:?}: seconds"))?),
-                None => (*item, 1e-3),
+            let seconds = |s: &str| s.trim().parse::<f64>().with_context(|| format!("node {item:?}: seconds"));
+            let (mem, secs, offload) = match item.split_once('@') {
+                Some((m, speeds)) => match speeds.split_once('/') {
+                    Some((s, o)) => (m, seconds(s)?, seconds(o)?),
+                    None => (m, seconds(speeds)?, 0.0),
+                },
+                None => (*item, 1e-3, 0.0),
             };
             let memory_bytes = parse_bytes(mem).with_context(|| format!("node {item:?}"))?;
             Ok(NodeCapacity {
@@ -163,6 +173,7 @@ fn parse_nodes(spec: &str) -> Result<Vec<NodeCapacity>> {
                 address: String::new(),
                 memory_bytes,
                 seconds_per_layer: secs,
+                offload_seconds_per_layer: offload,
                 state: NodeState::Ready,
             })
         })
@@ -182,13 +193,17 @@ fn print_table(r: &PlanReport) {
         println!("{e}");
         return;
     }
-    println!("{:<6} {:>11} {:>9} {:>11} {:>11} {:>10}", "node", "memory", "layers", "weights", "overhead", "KV tokens");
+    println!(
+        "{:<6} {:>11} {:>9} {:>9} {:>11} {:>11} {:>10}",
+        "node", "memory", "layers", "offloaded", "weights", "overhead", "KV tokens"
+    );
     for s in &r.stages {
         println!(
-            "{:<6} {:>11} {:>9} {:>11} {:>11} {:>10}",
+            "{:<6} {:>11} {:>9} {:>9} {:>11} {:>11} {:>10}",
             s.node,
             gib(s.memory_bytes),
             format!("{}..{}", s.layer_start, s.layer_end),
+            s.offloaded_layers,
             gib(s.weight_bytes),
             gib(s.overhead_bytes),
             s.kv_tokens
@@ -206,6 +221,10 @@ mod tests {
         assert_eq!(nodes.iter().map(|n| n.node_id.to_string()).collect::<Vec<_>>(), ["n0", "n1"]);
         assert_eq!((nodes[0].memory_bytes, nodes[1].memory_bytes), (4 << 30, 2 << 30));
         assert_eq!(nodes[1].seconds_per_layer, 0.5);
+        assert_eq!((nodes[0].offload_seconds_per_layer, nodes[1].offload_seconds_per_layer), (0.0, 0.0));
+        let offloading = parse_nodes("1Gi@0.5/2.5")?;
+        assert_eq!((offloading[0].seconds_per_layer, offloading[0].offload_seconds_per_layer), (0.5, 2.5));
+        assert!(parse_nodes("1Gi@0.5/").is_err());
         let many = parse_nodes(&["1Gi"; 11].join(","))?;
         assert_eq!((many[2].node_id.to_string(), many[10].node_id.to_string()), ("n02".into(), "n10".into()));
         assert!(parse_nodes("").is_err() && parse_nodes("4Qi").is_err() && parse_nodes("4Gi@fast").is_err());
@@ -241,6 +260,13 @@ mod tests {
         assert!(q8_kv.stages[0].kv_tokens > 3 * f32_kv.stages[0].kv_tokens, "{f32_kv:?} vs {q8_kv:?}");
         let short = what_if(&args("300Mi,300Mi"))?;
         assert!(!short.fits && short.error.as_deref().is_some_and(|e| e.contains("GiB more needed")), "{short:?}");
+        // Nodes that can offload take it, keeping their last layers paged in from the file.
+        let offloading = what_if(&args("300Mi@0.001/0.004,300Mi@0.001/0.004"))?;
+        assert!(offloading.fits && offloading.stages.len() == 2, "{offloading:?}");
+        for s in &offloading.stages {
+            let layers = s.layer_end - s.layer_start;
+            assert!(s.offloaded_layers > 0 && s.offloaded_layers < layers && s.kv_tokens >= 1024, "{s:?}");
+        }
         Ok(())
     }
 }

@@ -54,6 +54,7 @@ impl ClusterSnapshot {
                     device: n.device.clone(),
                     memory_bytes: n.memory_bytes,
                     layer_seconds: n.layer_seconds,
+                    offload_layer_seconds: n.offload_layer_seconds,
                     layer_start: stage.map_or(0, |s| s.layer_start),
                     layer_end: stage.map_or(0, |s| s.layer_end),
                     plan_epoch_loaded: n.plan_epoch_loaded.0,
@@ -447,6 +448,7 @@ impl<R: Registry> Coordinator<R> {
                 address: n.address.clone(),
                 memory_bytes: n.memory_bytes,
                 seconds_per_layer: n.layer_seconds,
+                offload_seconds_per_layer: n.offload_layer_seconds,
                 // A suspect is placed like a cordoned node: not at all.
                 state: if term.suspects.contains_key(&n.node_id) { NodeState::Cordoned } else { n.state },
             })
@@ -460,6 +462,7 @@ impl<R: Registry> Coordinator<R> {
                     address: s.address.clone(),
                     layer_start: s.layer_start as usize,
                     layer_end: s.layer_end as usize,
+                    offloaded_layers: 0,
                 })
                 .collect()
         });

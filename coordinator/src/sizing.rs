@@ -9,15 +9,10 @@
 use std::path::Path;
 
 use strata_engine::KvDtype;
-use strata_engine::config::ModelConfig;
 use strata_engine::layout::ModelLayout;
 use strata_engine::loader::ModelFiles;
-use strata_engine::stage_memory::{MARGIN_BYTES, transit_bytes};
+use strata_engine::stage_memory::{logits_bytes, stage_overhead_bytes};
 use strata_engine::tensor::DType;
-
-/// Resident memory of a stage worker before any weights: its code, the async runtime, gRPC, the compute threads'
-/// stacks and the allocator's arenas (an idle worker measured 26 MiB here, 44 MiB at its peak with one layer).
-pub const RUNTIME_BYTES: u64 = 32 << 20;
 
 /// How a model is to be served, as far as its size goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,7 +79,7 @@ impl ModelShape {
             kv_bytes_per_token_layer: layout.kv_bytes_per_token_layer(opts.kv_dtype)? as u64,
             kv_reserve_tokens: opts.min_kv_tokens,
             stage_overhead_bytes: stage_overhead_bytes(cfg, opts.max_batch_tokens),
-            logits_bytes: (opts.max_batch_tokens as u64).saturating_mul(cfg.vocab_size as u64 * 4),
+            logits_bytes: logits_bytes(cfg, opts.max_batch_tokens),
         })
     }
 
@@ -120,15 +115,4 @@ pub fn context_limits(
         None => model_context,
     };
     Ok((len, min_kv_tokens.unwrap_or(len as u64)))
-}
-
-/// What a stage of `cfg` holds besides weights and KV cache with micro-batches of `batch_tokens` tokens: the
-/// runtime, the f32 activations one layer keeps alive at once (residual, norm, q/k/v, attention output, the
-/// MLP's gate, up and product, its output), twice over for the allocator's slack, and hidden states in transit.
-pub fn stage_overhead_bytes(cfg: &ModelConfig, batch_tokens: usize) -> u64 {
-    let row = 4 * cfg.hidden_size + cfg.q_dim() + 2 * cfg.kv_dim() + 3 * cfg.intermediate_size;
-    let tokens = batch_tokens as u64;
-    let activations = tokens.saturating_mul(row as u64).saturating_mul(4 * 2);
-    let transit = transit_bytes(batch_tokens, cfg.hidden_size);
-    RUNTIME_BYTES.saturating_add(MARGIN_BYTES).saturating_add(activations).saturating_add(transit)
 }

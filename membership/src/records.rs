@@ -79,6 +79,10 @@ pub struct NodeRecord {
     pub memory_bytes: u64,
     /// Measured seconds to run one layer.
     pub layer_seconds: f64,
+    /// Measured seconds to run one offloaded layer (paged in from the model file on a CPU, streamed from host
+    /// memory on a GPU); 0 when unknown or the node cannot offload.
+    #[serde(default)]
+    pub offload_layer_seconds: f64,
     /// Membership state.
     pub state: NodeState,
     /// Epoch of the plan the worker has loaded (0: none).
@@ -182,6 +186,7 @@ mod tests {
             device: "cuda:0".into(),
             memory_bytes: 80 << 30,
             layer_seconds: 0.002,
+            offload_layer_seconds: 0.01,
             state: NodeState::Ready,
             plan_epoch_loaded: PlanEpoch(3),
             load_failed_epoch: PlanEpoch(4),
@@ -197,6 +202,8 @@ mod tests {
         // Records written before the field existed read as "no failed load".
         let old = text.replace(r#","load_failed_epoch":4"#, "");
         assert_eq!(serde_json::from_str::<NodeRecord>(&old)?.load_failed_epoch, PlanEpoch(0));
+        let old = text.replace(r#","offload_layer_seconds":0.01"#, "");
+        assert_eq!(serde_json::from_str::<NodeRecord>(&old)?.offload_layer_seconds, 0.0);
 
         let plan = Plan {
             epoch: PlanEpoch(2),

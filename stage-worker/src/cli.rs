@@ -90,6 +90,11 @@ pub struct Args {
     /// no limit is given, like vLLM's --gpu-memory-utilization.
     #[arg(long, env = "STRATA_MEMORY_FRACTION", default_value_t = DEFAULT_MEMORY_FRACTION)]
     memory_fraction: f64,
+    /// Keep at most this many of the stage's layers resident and offload the rest: on the CPU they page in from
+    /// the model file as they run and out after (converted weights from a file in TMPDIR), on a GPU they stream
+    /// from host memory. Default: as many as the memory budget holds.
+    #[arg(long, env = "STRATA_RESIDENT_LAYERS")]
+    resident_layers: Option<usize>,
     /// TTL of the worker's etcd lease in seconds: a worker that dies without deregistering leaves the cluster this
     /// long after its last refresh (the coordinator plans around a stage it cannot reach sooner).
     #[arg(long, env = "STRATA_LEASE_TTL_SECS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
@@ -165,6 +170,7 @@ impl Args {
             kv_blocks: self.kv_blocks,
             memory_limit,
             memory_fraction: self.memory_fraction,
+            resident_layers: self.resident_layers,
             block_size: self.block_size,
             kv_dtype: self.kv_dtype,
             hidden_dtype: self.hidden_dtype,

@@ -62,6 +62,10 @@ pub struct WorkerConfig {
     /// before loading new ones, so two copies never coexist.
     #[serde(default)]
     pub memory_limit: Option<u64>,
+    /// Keep at most this many of the stage's layers resident; the rest are offloaded (on the CPU paged in from
+    /// the model file as they run, on a GPU streamed from host memory). `None`: as many as the budget holds.
+    #[serde(default)]
+    pub resident_layers: Option<usize>,
     /// Share of the RAM (CPU) or of the device's memory (GPU) the worker offers when no limit is given.
     #[serde(default = "default_memory_fraction")]
     pub memory_fraction: f64,
@@ -126,6 +130,7 @@ impl WorkerConfig {
             kv_blocks: None,
             memory_limit: None,
             memory_fraction: default_memory_fraction(),
+            resident_layers: None,
             min_kv_tokens: 0,
             max_batch_tokens: default_max_batch_tokens(),
             block_size: default_block_size(),

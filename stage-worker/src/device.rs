@@ -1,14 +1,18 @@
 //! What a worker's config asks of its device: the [`DeviceSpec`] to open (the engine opens it, see
 //! [`strata_engine::on_device`]), the GPU memory its KV cache takes, and the load options that go with it.
 
+use std::ops::Range;
+
 use strata_engine::backend::Backend;
 use strata_engine::config::ModelConfig;
 use strata_engine::model::LoadOptions;
 use strata_engine::offload::OffloadBudget;
+use strata_engine::stage_memory::{logits_bytes, stage_overhead_bytes};
 use strata_engine::{DeviceSpec, KvDtype};
 
 use crate::config::WorkerConfig;
 use crate::error::Result;
+use crate::memory::{budget, total_ram};
 
 /// GPU memory kept free besides weights and KV cache: activations of the largest batch, attention partials,
 /// dequantized weight scratch and cuBLAS workspace.
@@ -36,25 +40,50 @@ pub fn kv_cache_bytes(config: &WorkerConfig, model: &ModelConfig, layers: usize,
     Ok(tokens.saturating_mul(layers * kv_dtype.bytes_per_token_layer(model.kv_dim())?))
 }
 
-/// Load options for a stage of `layers` layers on `backend`: the weight type and, with a GPU memory limit,
-/// the offload budget (the KV cache and [`GPU_WORKSPACE_BYTES`] are reserved from the limit first). Fails when
-/// the KV type does not fit the model's rows.
+/// Load options for a stage of `layers` on `backend`: the weight type and the offload budget. On a GPU that is
+/// `--gpu-memory-limit` with the KV cache and [`GPU_WORKSPACE_BYTES`] reserved first; on the CPU the memory budget
+/// (`--memory-limit`, else `--memory-fraction` of the RAM) with the KV cache and what a stage holds besides
+/// ([`stage_overhead_bytes`], logits on the last stage) reserved, so that layers beyond it page in from the model
+/// file rather than outgrow the budget, the same rule placement counts with. `--resident-layers` caps the
+/// resident layers on either. Fails when the KV type does not fit the model's rows.
 pub fn load_options<B: Backend>(
     config: &WorkerConfig,
     model: &ModelConfig,
-    layers: usize,
+    layers: Range<usize>,
     backend: &B,
 ) -> Result<LoadOptions<'static>> {
-    let kv_bytes = kv_cache_bytes(config, model, layers, kv_dtype(config, backend))?;
-    let offload = config.gpu_memory_limit.map(|limit| OffloadBudget {
-        limit_bytes: usize::try_from(limit).unwrap_or(usize::MAX),
-        reserve_bytes: kv_bytes + GPU_WORKSPACE_BYTES,
-    });
+    let kv_bytes = kv_cache_bytes(config, model, layers.len(), kv_dtype(config, backend))?;
+    let offload = offload_budget(config, model, &layers, kv_bytes, backend.device_memory_capacity().is_some());
     Ok(LoadOptions {
         dtype: config.dtype.map(|d| d.to_engine()),
         progress: None,
         offload,
+        resident_layers: config.resident_layers,
         quantize: config.quantize.map(|q| q.to_engine()),
+    })
+}
+
+/// The offload budget of [`load_options`] for a stage whose KV cache takes `kv_bytes`, on a device with memory
+/// of its own (`on_device`) or on the CPU.
+fn offload_budget(
+    config: &WorkerConfig,
+    model: &ModelConfig,
+    layers: &Range<usize>,
+    kv_bytes: usize,
+    on_device: bool,
+) -> Option<OffloadBudget> {
+    let to_usize = |b: u64| usize::try_from(b).unwrap_or(usize::MAX);
+    if on_device {
+        return config.gpu_memory_limit.map(|limit| OffloadBudget {
+            limit_bytes: to_usize(limit),
+            reserve_bytes: kv_bytes + GPU_WORKSPACE_BYTES,
+        });
+    }
+    let logits = if layers.end == model.num_layers { logits_bytes(model, config.max_batch_tokens) } else { 0 };
+    let held = stage_overhead_bytes(model, config.max_batch_tokens).saturating_add(logits);
+    budget(config.memory_limit, config.memory_fraction, total_ram()).map(|limit| OffloadBudget {
+        limit_bytes: to_usize(limit),
+        reserve_bytes: kv_bytes.saturating_add(to_usize(held)),
     })
 }
 
@@ -97,24 +126,44 @@ mod tests {
         let base = WorkerConfig { kv_blocks: Some(10), block_size: 4, ..WorkerConfig::new("n", "/m", None) };
         let be = CpuBackend::new(1)?;
         assert_eq!(kv_cache_bytes(&base, &model, 2, KvDtype::F16)?, 10 * 4 * 2 * 2 * model.kv_dim() * 2);
-        assert!(load_options(&base, &model, 2, &be)?.offload.is_none());
         let gpu = WorkerConfig { gpu_memory_limit: Some(8 << 30), dtype: Some(FloatDtype::Bf16), ..base.clone() };
-        let opts = load_options(&gpu, &model, 2, &be)?;
-        let budget = opts.offload.map(|b| (b.limit_bytes, b.reserve_bytes));
+        let opts = load_options(&gpu, &model, 0..2, &be)?;
+        let budget = offload_budget(&gpu, &model, &(0..2), kv_cache_bytes(&base, &model, 2, KvDtype::F32)?, true)
+            .map(|b| (b.limit_bytes, b.reserve_bytes));
         assert_eq!(budget, Some((8 << 30, kv_cache_bytes(&base, &model, 2, KvDtype::F32)? + GPU_WORKSPACE_BYTES)));
         // An asked-for KV type sizes the reservation; the CPU's own is f32.
         let q8 = WorkerConfig { kv_dtype: Some(KvDtype::Q8_0), ..gpu.clone() };
         assert_eq!((kv_dtype(&gpu, &be), kv_dtype(&q8, &be)), (KvDtype::F32, KvDtype::Q8_0));
-        let reserved = load_options(&q8, &model, 2, &be)?.offload.map(|b| b.reserve_bytes - GPU_WORKSPACE_BYTES);
-        assert_eq!(reserved, Some(10 * 4 * 2 * 2 * model.kv_dim() / 32 * 34));
+        let q8_kv = kv_cache_bytes(&q8, &model, 2, kv_dtype(&q8, &be))?;
+        assert_eq!(q8_kv, 10 * 4 * 2 * 2 * model.kv_dim() / 32 * 34);
         let odd = ModelConfig { head_dim: 24, ..model.clone() };
-        assert!(load_options(&q8, &odd, 2, &be).is_err(), "q8_0 needs rows of whole blocks");
+        assert!(load_options(&q8, &odd, 0..2, &be).is_err(), "q8_0 needs rows of whole blocks");
         assert_eq!(opts.dtype, Some(strata_engine::tensor::DType::BF16));
         // Sized from the budget: room for the plan's tokens (at least one block) is reserved before offloading.
         let auto = WorkerConfig { kv_blocks: None, ..base.clone() };
         assert_eq!(kv_cache_bytes(&auto, &model, 2, KvDtype::F16)?, 4 * 2 * 2 * model.kv_dim() * 2);
         let planned = WorkerConfig { min_kv_tokens: 100, ..auto };
         assert_eq!(kv_cache_bytes(&planned, &model, 2, KvDtype::F16)?, 100 * 2 * 2 * model.kv_dim() * 2);
+        Ok(())
+    }
+
+    #[test]
+    fn the_cpu_budget_reserves_kv_overhead_and_the_last_stages_logits() -> Result<()> {
+        let model = strata_engine::testing::tiny_config();
+        let limited = WorkerConfig { memory_limit: Some(1 << 30), ..WorkerConfig::new("n", "/m", None) };
+        let overhead = stage_overhead_bytes(&model, limited.max_batch_tokens) as usize;
+        let logits = logits_bytes(&model, limited.max_batch_tokens) as usize;
+        let first = offload_budget(&limited, &model, &(0..2), 1000, false);
+        assert_eq!(first, Some(OffloadBudget { limit_bytes: 1 << 30, reserve_bytes: 1000 + overhead }));
+        let last = offload_budget(&limited, &model, &(2..model.num_layers), 1000, false);
+        assert_eq!(last.map(|b| b.reserve_bytes), Some(1000 + overhead + logits));
+        // Without a limit, the fraction of the RAM the worker offers.
+        let unlimited = offload_budget(&WorkerConfig::new("n", "/m", None), &model, &(0..2), 0, false);
+        assert!(unlimited.is_some_and(|b| b.limit_bytes > 0));
+        // A GPU without a limit offloads nothing; the CPU's --memory-limit is not a GPU budget.
+        assert_eq!(offload_budget(&limited, &model, &(0..2), 0, true), None);
+        let resident = WorkerConfig { resident_layers: Some(1), ..limited };
+        assert_eq!(load_options(&resident, &model, 0..2, &CpuBackend::new(1)?)?.resident_layers, Some(1));
         Ok(())
     }
 }

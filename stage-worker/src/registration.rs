@@ -125,9 +125,19 @@ impl Assignment {
     }
 }
 
-/// Seconds one layer of the model takes on a small batch, on the configured device: layer 0 is loaded alone
-/// and run on a few tokens (after one warm-up run). Blocking; call it off the async runtime.
-pub fn measure_layer_seconds(config: &WorkerConfig) -> Result<f64> {
+/// Seconds one layer of the model takes on a small batch, on the configured device, resident and offloaded.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerSpeed {
+    /// A layer whose weights stay in memory.
+    pub resident: f64,
+    /// A layer whose weights are brought in for each batch (paged in from the model file on a CPU, streamed from
+    /// host memory on a GPU).
+    pub offloaded: f64,
+}
+
+/// Measures [`LayerSpeed`]: layer 0 is loaded alone and run on a few tokens (after one warm-up run), once kept
+/// resident and once offloaded. Blocking; call it off the async runtime.
+pub fn measure_layer_seconds(config: &WorkerConfig) -> Result<LayerSpeed> {
     let files = ModelFiles::open(&config.model)?;
     on_device(&config.into(), MeasureLayer { config, files: &files })
 }
@@ -138,14 +148,18 @@ struct MeasureLayer<'a> {
 }
 
 impl OnBackend for MeasureLayer<'_> {
-    type Out = f64;
+    type Out = LayerSpeed;
     type Error = Error;
 
-    fn run<B: Backend>(self, backend: Arc<B>) -> Result<f64> {
-        let opts = load_options(self.config, self.files.config(), 1, &*backend)?;
+    fn run<B: Backend>(self, backend: Arc<B>) -> Result<LayerSpeed> {
+        let mut opts = load_options(self.config, self.files.config(), 0..1, &*backend)?;
         let kv_dtype = kv_dtype(self.config, &*backend);
-        let model = StageModel::load(self.files, 0..1, backend, &opts)?;
-        time_layer(&model, self.files.config().vocab_size, kv_dtype)
+        let vocab = self.files.config().vocab_size;
+        opts.resident_layers = None;
+        let resident = time_layer(&StageModel::load(self.files, 0..1, backend.clone(), &opts)?, vocab, kv_dtype)?;
+        opts.resident_layers = Some(0);
+        let offloaded = time_layer(&StageModel::load(self.files, 0..1, backend, &opts)?, vocab, kv_dtype)?;
+        Ok(LayerSpeed { resident, offloaded })
     }
 }
 
@@ -232,21 +246,29 @@ async fn membership<R: Registry>(
         device: config.device.to_string(),
         memory_bytes: memory_bytes(config),
         layer_seconds: 0.0,
+        offload_layer_seconds: 0.0,
         state: NodeState::Joining,
         plan_epoch_loaded: PlanEpoch(0),
         load_failed_epoch: PlanEpoch(0),
     };
     let registration = registry.register_node(record, options.lease_ttl).await?;
     let cfg = config.clone();
-    let layer_seconds = tokio::task::spawn_blocking(move || measure_layer_seconds(&cfg))
+    let speed = tokio::task::spawn_blocking(move || measure_layer_seconds(&cfg))
         .await
         .map_err(|e| Error::Executor(format!("measuring the layer speed panicked: {e}")))??;
     let rec = update(&registration, shutdown, move |r| {
-        r.layer_seconds = layer_seconds;
+        r.layer_seconds = speed.resident;
+        r.offload_layer_seconds = speed.offloaded;
         r.state = NodeState::Ready;
     })
     .await?;
-    tracing::info!(node = %node_id, layer_seconds, memory_bytes = rec.memory_bytes, "node ready");
+    tracing::info!(
+        node = %node_id,
+        layer_seconds = speed.resident,
+        offload_layer_seconds = speed.offloaded,
+        memory_bytes = rec.memory_bytes,
+        "node ready"
+    );
 
     let plans = registry.watch_plan().await?;
     let follower =

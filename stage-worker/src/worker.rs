@@ -122,7 +122,7 @@ impl OnBackend for LoadStage<'_> {
 
     fn run<B: Backend>(self, backend: Arc<B>) -> Result<ExecutorHandle> {
         let cfg = self.config;
-        let opts = load_options(cfg, self.files.config(), self.layers.end - self.layers.start, &*backend)?;
+        let opts = load_options(cfg, self.files.config(), self.layers.to_range(), &*backend)?;
         let model = StageModel::load(self.files, self.layers.to_range(), backend, &opts)?;
         let kv = size_kv_cache(&model, cfg)?;
         if let (Some(budget), Some(usage)) = (kv.budget, kv.usage) {

@@ -3,7 +3,9 @@
 //! Usable nodes (READY, in `node_id` order) get layers in proportion to their speed (`1 / seconds_per_layer`),
 //! capped by what fits in their memory: weights of the layers, a KV reservation per layer, what every stage holds
 //! besides ([`ModelShape::stage_overhead_bytes`]), plus the embeddings on the first stage and the head and logits
-//! on the last. A node whose share rounds to zero gets no stage.
+//! on the last. A node whose share rounds to zero gets no stage. When the model does not fit resident, nodes that
+//! can offload take more layers than fit, keeping the rest paged in from a slower tier, and the split minimises
+//! the slowest stage counting offloaded layers at their measured speed (see [`shares`]).
 //!
 //! Replanning ([`plan_from`]) keeps the pipeline order of the plan in effect and inserts each new node where it
 //! makes the fewest layers load, so a join or a departure moves as few layers as the balance allows.
@@ -11,6 +13,10 @@
 use strata_proto::NodeId;
 
 use strata_membership::NodeState;
+
+mod shares;
+
+use shares::{Room, apportion, most_layers, offload_shares};
 
 pub use crate::sizing::{ModelShape, SizeOptions, context_limits};
 
@@ -25,6 +31,9 @@ pub struct NodeCapacity {
     pub memory_bytes: u64,
     /// Measured seconds to run one layer (smaller is faster).
     pub seconds_per_layer: f64,
+    /// Measured seconds to run one offloaded layer (paged in from its file on a CPU, streamed from host memory
+    /// on a GPU); 0 when the node cannot offload. Only used when the model does not fit resident.
+    pub offload_seconds_per_layer: f64,
     /// Membership state; only READY nodes are placed.
     pub state: NodeState,
 }
@@ -40,6 +49,9 @@ pub struct StageAssignment {
     pub layer_start: usize,
     /// One past the last layer.
     pub layer_end: usize,
+    /// How many of the stage's layers placement expects it to offload (its last ones; the worker decides from
+    /// its own budget by the same rule).
+    pub offloaded_layers: usize,
 }
 
 /// Why no placement exists.
@@ -157,17 +169,28 @@ fn place(model: &ModelShape, mut usable: Vec<&NodeCapacity>) -> Result<Vec<Stage
     // it and place again. Every round removes a node, so this terminates.
     loop {
         let k = usable.len();
-        let caps: Vec<usize> = usable
+        let rooms: Vec<Room> = usable
             .iter()
             .enumerate()
-            .map(|(i, c)| {
-                let extras = model.stage_fixed_bytes(i == 0, i == k - 1);
-                layers_fitting(c.memory_bytes, extras, model.layer_cost()).min(n)
+            .map(|(i, c)| Room {
+                memory: c.memory_bytes,
+                fixed: model.stage_fixed_bytes(i == 0, i == k - 1),
+                layer_bytes: model.layer_bytes,
+                kv_bytes: model.layer_cost().saturating_sub(model.layer_bytes),
+                seconds: c.seconds_per_layer,
+                offload_seconds: c.offload_seconds_per_layer,
             })
             .collect();
-        let fit: usize = caps.iter().sum();
-        if fit < n {
-            let missing = (n - fit) as u64;
+        let caps: Vec<usize> = rooms.iter().map(|r| r.resident_cap().min(n)).collect();
+        let resident: usize = caps.iter().sum();
+        let counts = if resident >= n {
+            let weights: Vec<f64> = usable.iter().map(|c| 1.0 / c.seconds_per_layer).collect();
+            apportion(n, &weights, &caps)
+        } else if let Some(counts) = offload_shares(n, &rooms) {
+            counts
+        } else {
+            let fit: usize = rooms.iter().map(|r| most_layers(r, n)).sum();
+            let missing = n.saturating_sub(fit).max(1) as u64;
             return Err(PlacementError::InsufficientMemory {
                 num_layers: n,
                 fit,
@@ -175,9 +198,7 @@ fn place(model: &ModelShape, mut usable: Vec<&NodeCapacity>) -> Result<Vec<Stage
                 shortfall_bytes: missing.saturating_mul(model.layer_cost()),
                 layer_cost: model.layer_cost(),
             });
-        }
-        let weights: Vec<f64> = usable.iter().map(|c| 1.0 / c.seconds_per_layer).collect();
-        let counts = apportion(n, &weights, &caps);
+        };
         let first_empty = counts.first().is_some_and(|&c| c == 0);
         let last_empty = counts.last().is_some_and(|&c| c == 0);
         if k > 1 && (first_empty || last_empty) {
@@ -190,7 +211,7 @@ fn place(model: &ModelShape, mut usable: Vec<&NodeCapacity>) -> Result<Vec<Stage
         }
         let mut start = 0;
         let mut stages = Vec::with_capacity(k);
-        for (node, count) in usable.iter().zip(counts) {
+        for ((node, room), count) in usable.iter().zip(&rooms).zip(counts) {
             if count == 0 {
                 continue;
             }
@@ -199,76 +220,12 @@ fn place(model: &ModelShape, mut usable: Vec<&NodeCapacity>) -> Result<Vec<Stage
                 address: node.address.clone(),
                 layer_start: start,
                 layer_end: start + count,
+                offloaded_layers: count - room.resident_of(count).unwrap_or(count),
             });
             start += count;
         }
         return Ok(stages);
     }
-}
-
-fn layers_fitting(memory: u64, extras: u64, layer_cost: u64) -> usize {
-    let room = memory.saturating_sub(extras);
-    if memory < extras {
-        return 0;
-    }
-    if layer_cost == 0 {
-        return usize::MAX;
-    }
-    usize::try_from(room / layer_cost).unwrap_or(usize::MAX)
-}
-
-/// Splits `n` items proportionally to `weights` without exceeding `caps` (largest remainder, water-filling
-/// over the capped ones). Requires `sum(caps) >= n`.
-fn apportion(n: usize, weights: &[f64], caps: &[usize]) -> Vec<usize> {
-    let k = weights.len();
-    let mut counts = vec![0usize; k];
-    let mut fixed = vec![false; k];
-    let mut left = n;
-    loop {
-        let open: Vec<usize> = (0..k).filter(|&i| !fixed[i]).collect();
-        let total: f64 = open.iter().map(|&i| weights[i]).sum();
-        if open.is_empty() || left == 0 || total <= 0.0 {
-            break;
-        }
-        let ideal: Vec<(usize, f64)> = open.iter().map(|&i| (i, left as f64 * weights[i] / total)).collect();
-        let over: Vec<usize> = ideal.iter().filter(|(i, x)| *x >= caps[*i] as f64).map(|(i, _)| *i).collect();
-        if !over.is_empty() {
-            for i in over {
-                counts[i] = caps[i];
-                fixed[i] = true;
-                left -= caps[i];
-            }
-            continue;
-        }
-        let mut given = 0;
-        for &(i, x) in &ideal {
-            counts[i] = x.floor() as usize;
-            given += counts[i];
-        }
-        let mut order: Vec<(usize, f64)> = ideal.iter().map(|&(i, x)| (i, x - x.floor())).collect();
-        // Largest remainder first; ties go to the earlier node so equal nodes stay in a stable order.
-        order.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        let mut rest = left.saturating_sub(given);
-        for (i, _) in order {
-            if rest == 0 {
-                break;
-            }
-            if counts[i] < caps[i] {
-                counts[i] += 1;
-                rest -= 1;
-            }
-        }
-        left = rest;
-        break;
-    }
-    // Floating-point slack: hand any remainder to whoever has room, in order.
-    for i in 0..k {
-        let room = caps[i] - counts[i];
-        let give = room.min(left);
-        counts[i] += give;
-        left -= give;
-    }
-    counts
 }
 
 #[cfg(test)]
@@ -298,8 +255,13 @@ mod tests {
             address: format!("{id}:1"),
             memory_bytes: memory,
             seconds_per_layer: secs,
+            offload_seconds_per_layer: 0.0,
             state: NodeState::Ready,
         }
+    }
+
+    fn offloading(id: &str, memory: u64, secs: f64, offload_secs: f64) -> NodeCapacity {
+        NodeCapacity { offload_seconds_per_layer: offload_secs, ..node(id, memory, secs) }
     }
 
     /// A tiny Qwen2-shaped Hugging Face directory (`testing::tiny_config` with q/k/v biases, untied head, bf16
@@ -369,8 +331,14 @@ mod tests {
             let node = nodes.iter().find(|c| c.node_id == s.node_id).expect("stage on a known node");
             assert_eq!(node.state, NodeState::Ready);
             let extras = m.stage_fixed_bytes(s.layer_start == 0, s.layer_end == m.num_layers);
-            let used = extras + (s.layer_end - s.layer_start) as u64 * m.layer_cost();
+            let layers = (s.layer_end - s.layer_start) as u64;
+            let kv = m.layer_cost() - m.layer_bytes;
+            let offloaded = s.offloaded_layers as u64;
+            // Offloaded layers keep their KV and pass through two slots; their weights stay out of memory.
+            let slots = if offloaded > 0 { 2 * m.layer_bytes } else { 0 };
+            let used = extras + layers * kv + (layers - offloaded) * m.layer_bytes + slots;
             assert!(used <= node.memory_bytes, "{s:?} needs {used} > {}", node.memory_bytes);
+            assert!(offloaded == 0 || node.offload_seconds_per_layer > 0.0, "{s:?} offloads on a node that cannot");
         }
     }
 
@@ -423,6 +391,32 @@ mod tests {
     }
 
     #[test]
+    fn a_model_too_big_to_fit_resident_offloads_where_it_costs_least() -> Result<(), PlacementError> {
+        let m = shape(10);
+        // 500 bytes hold 4 layers beside the embeddings and 3 beside the head: 7 of 10 resident.
+        let resident_only = [node("a", 500, 1.0), node("b", 500, 1.0)];
+        assert!(plan(&m, &resident_only).is_err());
+        // Both can offload at 4x the time: the three extra layers go where the slowest stage grows least.
+        let both = [offloading("a", 500, 1.0, 4.0), offloading("b", 500, 1.0, 4.0)];
+        let stages = plan(&m, &both)?;
+        check_invariants(&m, &both, &stages);
+        assert!(stages.iter().map(|s| s.offloaded_layers).sum::<usize>() > 0, "{stages:?}");
+        // Only "b" can offload: it takes every layer "a" cannot hold.
+        let only_b = [node("a", 500, 1.0), offloading("b", 500, 1.0, 4.0)];
+        let stages = plan(&m, &only_b)?;
+        check_invariants(&m, &only_b, &stages);
+        assert_eq!((stages[0].layer_end, stages[0].offloaded_layers), (4, 0));
+        assert!(stages[1].offloaded_layers > 0);
+        // A model that fits resident offloads nothing, however cheap offload is.
+        let roomy = [offloading("a", 1 << 30, 1.0, 1.0), offloading("b", 1 << 30, 1.0, 1.0)];
+        assert!(plan(&m, &roomy)?.iter().all(|s| s.offloaded_layers == 0));
+        // Not even the KV and slots fit: the error counts what offload could hold.
+        let tiny = [offloading("a", 300, 1.0, 4.0), offloading("b", 300, 1.0, 4.0)];
+        assert!(matches!(plan(&m, &tiny), Err(PlacementError::InsufficientMemory { .. })));
+        Ok(())
+    }
+
+    #[test]
     fn slow_tiny_node_gets_nothing_and_extras_move_on() {
         let m = shape(4);
         // "a" cannot even hold the embeddings plus one layer; "b" and "c" take over.
@@ -442,11 +436,13 @@ mod tests {
     }
 
     fn arb_nodes() -> impl Strategy<Value = Vec<NodeCapacity>> {
-        prop::collection::vec((0u64..4000, 0.01f64..10.0, 0u8..5), 1..8).prop_map(|v| {
+        prop::collection::vec((0u64..4000, 0.01f64..10.0, 0u8..5, 0f64..40.0), 1..8).prop_map(|v| {
             v.into_iter()
                 .enumerate()
-                .map(|(i, (mem, secs, st))| {
-                    let mut c = node(&format!("n{:02}", (i * 7) % 11), mem, secs);
+                .map(|(i, (mem, secs, st, offload))| {
+                    // A third of the nodes cannot offload.
+                    let offload = if offload < 13.0 { 0.0 } else { offload };
+                    let mut c = offloading(&format!("n{:02}", (i * 7) % 11), mem, secs, offload);
                     c.state = if st == 0 { NodeState::Draining } else { NodeState::Ready };
                     c
                 })
