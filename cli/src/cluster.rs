@@ -248,17 +248,17 @@ pub fn nodes(cmd: NodesCommand) -> Result<()> {
                 let s = client.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner();
                 println!("model {} ({} layers), plan epoch {}", s.model, s.num_layers, s.plan_epoch);
                 println!(
-                    "{:<20} {:<9} {:<24} {:>9} {:>12} {:>10} {:>13} {:>10}",
+                    "{:<20} {:<9} {:<24} {:>16} {:>12} {:>10} {:>13} {:>10}",
                     "NODE", "STATE", "ADDRESS", "LAYERS", "MS/LAYER", "MEMORY", "KV FREE/TOTAL", "KV TOKENS"
                 );
                 for n in &s.nodes {
-                    let layers = if n.layer_end > n.layer_start {
-                        format!("{}..{}", n.layer_start, n.layer_end)
-                    } else {
-                        "-".into()
+                    let layers = match (n.layer_end > n.layer_start, n.offloaded_layers) {
+                        (false, _) => "-".into(),
+                        (true, 0) => format!("{}..{}", n.layer_start, n.layer_end),
+                        (true, off) => format!("{}..{} ({off} off)", n.layer_start, n.layer_end),
                     };
                     println!(
-                        "{:<20} {:<9} {:<24} {:>9} {:>12.3} {:>10} {:>13} {:>10}",
+                        "{:<20} {:<9} {:<24} {:>16} {:>12.3} {:>10} {:>13} {:>10}",
                         n.node_id,
                         state_name(n.state),
                         n.address,

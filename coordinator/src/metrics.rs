@@ -39,6 +39,15 @@ pub struct HttpLabels {
     pub status: u16,
 }
 
+/// What one stage reports of its memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StageMemory {
+    /// KV cache capacity in tokens.
+    pub kv_tokens: u64,
+    /// Layers kept offloaded.
+    pub offloaded_layers: u64,
+}
+
 /// Every metric the coordinator exports, and the registry that renders them.
 pub struct Metrics {
     registry: Registry,
@@ -68,6 +77,8 @@ pub struct Metrics {
     pub kv_blocks_free: Gauge,
     /// Each stage's KV cache capacity in tokens (from its memory budget), by pipeline position.
     pub stage_kv_tokens: Family<Stage, Gauge>,
+    /// Each stage's offloaded layers (paged in or streamed per batch), by pipeline position.
+    pub stage_offloaded_layers: Family<Stage, Gauge>,
     /// The plan epoch the pipeline serves.
     pub plan_epoch: Gauge,
     /// Stages in that plan.
@@ -109,6 +120,7 @@ impl Metrics {
             kv_blocks_capacity: Gauge::default(),
             kv_blocks_free: Gauge::default(),
             stage_kv_tokens: Family::default(),
+            stage_offloaded_layers: Family::default(),
             plan_epoch: Gauge::default(),
             stages: Gauge::default(),
             // 5 ms .. 41 s
@@ -143,6 +155,12 @@ impl Metrics {
             "stage_kv_capacity_tokens",
             "KV cache capacity of each stage of the served plan, in tokens",
             m.stage_kv_tokens.clone(),
+        );
+        r.register(
+            "stage_offloaded_layers",
+            "Layers each stage of the served plan keeps offloaded (paged in from the model file or streamed from host \
+             memory for every batch)",
+            m.stage_offloaded_layers.clone(),
         );
         r.register("plan_epoch", "Plan epoch being served", m.plan_epoch.clone());
         r.register("plan_stages", "Stages in the plan being served", m.stages.clone());
@@ -182,13 +200,16 @@ impl Metrics {
             .sum()
     }
 
-    /// Sets each stage's KV capacity in tokens, in pipeline order.
-    pub fn set_stage_kv_tokens(&self, tokens: &[u64]) {
+    /// Sets what each stage reported of its memory, in pipeline order.
+    pub fn set_stage_memory(&self, stages: &[StageMemory]) {
         // A plan of fewer stages than the last leaves no stale series behind.
         self.stage_kv_tokens.clear();
-        for (stage, &t) in tokens.iter().enumerate() {
-            let stage = u32::try_from(stage).unwrap_or(u32::MAX);
-            self.stage_kv_tokens.get_or_create(&Stage { stage }).set(i64::try_from(t).unwrap_or(i64::MAX));
+        self.stage_offloaded_layers.clear();
+        let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        for (stage, s) in stages.iter().enumerate() {
+            let stage = Stage { stage: u32::try_from(stage).unwrap_or(u32::MAX) };
+            self.stage_kv_tokens.get_or_create(&stage).set(gauge(s.kv_tokens));
+            self.stage_offloaded_layers.get_or_create(&stage).set(gauge(s.offloaded_layers));
         }
     }
 
@@ -220,7 +241,10 @@ mod tests {
         m.finished("length");
         m.preempted("kv_full");
         m.kv_blocks_capacity.set(64);
-        m.set_stage_kv_tokens(&[1024, 512]);
+        m.set_stage_memory(&[
+            StageMemory { kv_tokens: 1024, offloaded_layers: 0 },
+            StageMemory { kv_tokens: 512, offloaded_layers: 3 },
+        ]);
         Metrics::observe(&m.time_to_first_token, Duration::from_millis(30));
         m.http_responses.get_or_create(&HttpLabels { route: "/v1/completions".into(), status: 200 }).inc();
         let text = m.render();
@@ -228,6 +252,7 @@ mod tests {
         assert!(text.contains("strata_requests_finished_total{reason=\"length\"} 2"), "{text}");
         assert!(text.contains("strata_kv_blocks_capacity 64"), "{text}");
         assert!(text.contains(r#"strata_stage_kv_capacity_tokens{stage="1"} 512"#), "{text}");
+        assert!(text.contains(r#"strata_stage_offloaded_layers{stage="1"} 3"#), "{text}");
         assert!(text.contains("strata_time_to_first_token_seconds_count 1"), "{text}");
         // 30 ms falls in the 40 ms bucket, not the 20 ms one.
         assert!(text.contains("strata_time_to_first_token_seconds_bucket{le=\"0.02\"} 0"), "{text}");

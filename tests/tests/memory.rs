@@ -4,7 +4,8 @@
 //! 180 MiB each (`--memory-limit`), so the plan must split it; their greedy tokens equal the single-process
 //! engine's, `strata plan` agrees with the plan the coordinator writes, and every worker's peak resident memory
 //! (`VmHWM`: weights, mapped pages included, KV cache, workspace) stays within its limit through serving and a
-//! plan change (a fourth worker joins and layers move).
+//! plan change (a fourth worker joins and layers move). With less memory than the whole model, two workers
+//! serve it too, keeping the layers they cannot hold paged in from the model file (CPU offload).
 
 use std::path::Path;
 use std::process::Command;
@@ -59,7 +60,8 @@ async fn greedy_tokens(url: &str) -> Result<Vec<Vec<u32>>> {
 fn what_if(model: &Path, s: &pb::ClusterStatusResponse) -> Result<Vec<(u64, u64)>> {
     let mut nodes: Vec<&pb::NodeInfo> = s.nodes.iter().filter(|n| n.state == pb::NodeState::Ready as i32).collect();
     nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
-    let spec: Vec<String> = nodes.iter().map(|n| format!("{}@{}", n.memory_bytes, n.layer_seconds)).collect();
+    let spec: Vec<String> =
+        nodes.iter().map(|n| format!("{}@{}/{}", n.memory_bytes, n.layer_seconds, n.offload_layer_seconds)).collect();
     let out = Command::new(workspace_bin("strata")?)
         .args(["plan", "--format", "json", "--max-model-len", "512", "--max-batch-tokens", "64", "--nodes"])
         .arg(spec.join(","))
@@ -127,5 +129,65 @@ async fn a_model_no_worker_can_hold_is_split_and_every_worker_stays_within_its_l
         ensure!(peak <= LIMIT_MIB << 20, "{id} peaked at {peak} bytes, over its {LIMIT_MIB} MiB limit");
     }
     eprintln!("peak resident memory per worker (limit {LIMIT_MIB} MiB): {}", report.join(", "));
+    Ok(())
+}
+
+/// Less memory than the model: two workers of 150 MiB (314 MB together, the model alone is 304 MB and each stage
+/// also holds its runtime, KV cache and activations). Placement gives each more layers than it can keep, the
+/// workers page the rest in from the mapped file for every batch, and tokens and limits hold all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_bigger_than_all_the_workers_memory_is_served_with_offloaded_layers() -> Result<()> {
+    const OFFLOAD_LIMIT_MIB: u64 = 150;
+    let dir = tempfile::tempdir()?;
+    let spec = TinySpec { config: llama_300mb(), dtype: DType::F16, seed: 11 };
+    write_hf(dir.path(), &spec, &random_weights(&spec))?;
+    let model = dir.path();
+    let expected: Vec<Vec<u32>> =
+        PROMPTS.iter().map(|p| reference(model, 2, p, TOKENS)).collect::<Result<_>>().context("reference run")?;
+
+    let limit = format!("{OFFLOAD_LIMIT_MIB}Mi");
+    let mut cluster = ProcessCluster::start(model, 0, 0).await?;
+    for id in ["w0", "w1"] {
+        cluster.add_worker_with(id, &["--memory-limit", limit.as_str()])?;
+    }
+    let flags = ["--min-stages=2", "--max-model-len", "512", "--min-kv-tokens", "512", "--max-batch-tokens", "64"];
+    cluster.add_coordinator(&flags)?;
+    let served = cluster.wait_for_stages(2).await.with_context(|| cluster.logs())?;
+    let url = cluster.coordinators[0].url.clone();
+    ensure!(what_if(model, &served)? == served_ranges(&served), "strata plan disagrees with {:?}", served.stages);
+
+    let got = greedy_tokens(&url).await.with_context(|| cluster.logs())?;
+    ensure!(got == expected, "2 offloading stages gave {got:?}, one unlimited process {expected:?}");
+    let now = strata_tests::processes::status(&url).await?;
+    let mut report = Vec::new();
+    for stage in &now.stages {
+        let node = now.nodes.iter().find(|n| n.node_id == stage.node_id).context("stage without a node")?;
+        let layers = stage.layer_end - stage.layer_start;
+        report.push(format!(
+            "{}: layers {}..{}, {} offloaded, {:.1} / {:.1} ms per resident / offloaded layer",
+            node.node_id,
+            stage.layer_start,
+            stage.layer_end,
+            node.offloaded_layers,
+            node.layer_seconds * 1e3,
+            node.offload_layer_seconds * 1e3
+        ));
+        ensure!(
+            node.offloaded_layers > 0 && node.offloaded_layers < layers,
+            "{} offloads {} of its {layers} layers",
+            node.node_id,
+            node.offloaded_layers
+        );
+        ensure!(node.offload_layer_seconds > 0.0, "{} measured no offloaded speed", node.node_id);
+        ensure!(node.kv_capacity_tokens >= 512, "{} holds {} KV tokens", node.node_id, node.kv_capacity_tokens);
+    }
+    eprintln!("{}", report.join("\n"));
+    let mut report = Vec::new();
+    for (id, process) in &cluster.workers {
+        let peak = peak_rss(process.id())?;
+        report.push(format!("{id}: {:.1} MiB", peak as f64 / f64::from(1 << 20)));
+        ensure!(peak <= OFFLOAD_LIMIT_MIB << 20, "{id} peaked at {peak} bytes, over its {OFFLOAD_LIMIT_MIB} MiB limit");
+    }
+    eprintln!("peak resident memory per offloading worker (limit {OFFLOAD_LIMIT_MIB} MiB): {}", report.join(", "));
     Ok(())
 }

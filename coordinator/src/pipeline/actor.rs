@@ -298,14 +298,14 @@ impl Actor {
         }
         self.connecting = false;
         match result {
-            Ok(Connected { clients, stream, budget, kv_tokens }) => {
+            Ok(Connected { clients, stream, budget, memory }) => {
                 tracing::info!(
                     epoch = %self.plan.epoch,
                     kv_blocks = budget.total(),
                     block_size = budget.block_size(),
                     "Forward stream to stage 0 open"
                 );
-                self.metrics.set_stage_kv_tokens(&kv_tokens);
+                self.metrics.set_stage_memory(&memory);
                 self.on_connected(clients, stream, budget);
             }
             Err(Failed { error, deposed: true, .. }) => {

@@ -9,6 +9,7 @@ use std::time::Duration;
 use strata_proto::{Keepalive, NodeId, ServiceError, Tls, pb};
 
 use super::kv_budget::KvBudget;
+use crate::metrics::StageMemory;
 use crate::stage_client::{self, ForwardStream, TracedStageClient};
 use strata_membership::Plan;
 
@@ -29,8 +30,8 @@ pub(super) struct Connected {
     pub(super) clients: Vec<TracedStageClient>,
     pub(super) stream: ForwardStream,
     pub(super) budget: KvBudget,
-    /// Each stage's KV capacity in tokens, in pipeline order.
-    pub(super) kv_tokens: Vec<u64>,
+    /// What each stage reports of its memory, in pipeline order.
+    pub(super) memory: Vec<StageMemory>,
 }
 
 /// Why a link could not be made, and the stages to blame (none when the plan is just changing).
@@ -113,14 +114,20 @@ impl Dialer {
         let (clients, statuses): (Vec<TracedStageClient>, Vec<pb::StageStatus>) =
             statuses.into_iter().map(|(_, found)| found).unzip();
         let budget = KvBudget::from_statuses(&statuses).map_err(|error| Failed::new(error, Vec::new()))?;
-        let kv_tokens = statuses.iter().map(|s| s.kv_total_blocks.saturating_mul(u64::from(s.block_size))).collect();
+        let memory = statuses
+            .iter()
+            .map(|s| StageMemory {
+                kv_tokens: s.kv_total_blocks.saturating_mul(u64::from(s.block_size)),
+                offloaded_layers: u64::from(s.offloaded_layers),
+            })
+            .collect();
         let stage0 = &plan.stages[0];
         let mut client = clients[0].clone();
         let stream = stage_client::open_forward(&mut client).await.map_err(|error| {
             let suspect = Suspect { node_id: stage0.node_id.clone(), epoch: plan.epoch.0, reason: error.to_string() };
             Failed::new(error, vec![suspect])
         })?;
-        Ok(Connected { clients, stream, budget, kv_tokens })
+        Ok(Connected { clients, stream, budget, memory })
     }
 
     /// Connects to the stage at `address` and asks for its status, within the probe timeout.
