@@ -17,8 +17,10 @@
 #   model-splits-offload        the same model: 2 memory-limited backends = 1 stage = offloaded, bit for bit
 #   cli-vs-cpu                  `strata generate --device cuda:0` prints what the CPU build printed
 #   cluster-1-stage             `strata local` with 1 stage worker on cuda:0: the CPU's greedy tokens
-#   cluster-2-stages            2 stage workers on cuda:0 with --gpu-memory-limit each: the same tokens
-#   cluster-offload             1 worker whose --gpu-memory-limit leaves one layer resident: the same tokens
+#   cluster-2-stages            2 stage workers on cuda:0 with --gpu-memory-limit each: the same tokens, and
+#                               the process's device memory (nvidia-smi) within 2 x the limit + the context
+#   cluster-offload             1 worker whose --gpu-memory-limit leaves one layer resident: the same tokens,
+#                               device memory within the limit + the context
 #   bench-7b                    `strata bench` on random:7b:bf16: prefill 2048 tokens, decode batch 1 and 64,
 #                               peak device memory (nvidia-smi)
 # then prints one table and writes gpu-check.log, gpu-check.json and bench-7b.json into the output folder.
@@ -30,7 +32,8 @@
 #   root/include, and wheel layouts root/nvidia/*/lib, root/nvidia/*/include); STRATA_DRIVER_DIRS (folders
 #   searched for libcuda.so.1 besides ldconfig's cache, space-separated); GPU_CHECK_BUDGET_S (seconds for all
 #   steps, default 450); GPU_CHECK_SKIP_7B=1 (as --skip-7b); GPU_CHECK_PORT (first of 6 loopback ports the
-#   clusters use, default 47100); XDG_CACHE_HOME (kernel PTX cache; default a folder under /tmp).
+#   clusters use, default 47100); GPU_CHECK_CONTEXT_MIB (device memory a process may hold beyond its stages'
+#   --gpu-memory-limit for the CUDA context, cuBLAS and kernels, default 1024); XDG_CACHE_HOME (kernel PTX cache; default a folder under /tmp).
 # Exit status: 0 every step passed; 1 a step failed (the table says which); 2 bad arguments or an incomplete
 #   bundle; 3 no NVIDIA driver or no GPU answered (nothing was run).
 set -uo pipefail
@@ -374,20 +377,64 @@ stages_loaded() {
     sed -n 's/.*"node":"\([^"]*\)","layers":"\([0-9.]*\)".*"offloaded_layers":"\([0-9.]*\)".*/\1 \2 (offloaded \3)/p' |
     awk '{ last[$1] = $0 } END { for (n in last) print last[n] }' | sort | paste -sd ';'
 }
+# Device memory of each process while a cluster runs, from nvidia-smi's compute-apps list every 200 ms (the
+# CUDA context included, which --gpu-memory-limit does not count: GPU_CHECK_CONTEXT_MIB allows for it).
+CONTEXT_MIB="${GPU_CHECK_CONTEXT_MIB:-1024}"
+apps_pid=""
+apps_start() {
+  : > "$work/$1-apps.txt"
+  apps_pid=""
+  command -v nvidia-smi >/dev/null || return 0
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 200 \
+    > "$work/$1-apps.txt" 2>/dev/null &
+  apps_pid=$!
+  bg_pids+=("$apps_pid")
+}
+apps_stop() {
+  [[ -n "$apps_pid" ]] || return 0
+  kill "$apps_pid" 2>/dev/null
+  wait "$apps_pid" 2>/dev/null
+  apps_pid=""
+}
+# within_limit NAME STAGES LIMIT_BYTES: `strata local` runs every stage worker in its one process, so its device
+# memory may be STAGES x --gpu-memory-limit plus the context; each process's peak must stay within that.
+within_limit() {
+  local name="$1" stages="$2" limit_mib=$(($3 >> 20)) allowed worst peaks
+  allowed=$((stages * limit_mib + CONTEXT_MIB))
+  peaks="$(awk -F', *' '$2 ~ /^[0-9]+$/ { if ($2 > m[$1]) m[$1] = $2 } END { for (p in m) print m[p] }' \
+    "$work/$name-apps.txt" 2>/dev/null | sort -n)"
+  if [[ -z "$peaks" ]]; then
+    detail+="; no per-process device memory from nvidia-smi (not checked)"
+    return 0
+  fi
+  worst="$(tail -n1 <<<"$peaks")"
+  detail+="; peak device memory ${worst} MiB per process (allowed ${stages} x ${limit_mib} + ${CONTEXT_MIB} context)"
+  ((worst <= allowed)) || { detail="a process peaked at $worst MiB of device memory, over $allowed MiB"; return 1; }
+}
 step_cluster1() { cluster cluster-1-stage 1 || return; detail+="; stage $(stages_loaded cluster-1-stage)"; }
 step_cluster2() {
-  cluster cluster-2-stages 2 --gpu-memory-limit $((2 << 30)) || return
-  local s
+  local limit=$((2 << 30)) s rc
+  apps_start cluster-2-stages
+  cluster cluster-2-stages 2 --gpu-memory-limit "$limit"
+  rc=$?
+  apps_stop
+  ((rc == 0)) || return "$rc"
   s="$(stages_loaded cluster-2-stages)"
   detail+="; stages $s"
   [[ "$(tr ';' '\n' <<<"$s" | grep -c .)" == 2 ]] || { detail="expected 2 loaded stages, saw: $s"; return 1; }
+  within_limit cluster-2-stages 2 "$limit"
 }
 step_offload() {
-  cluster cluster-offload 1 --gpu-memory-limit "$OFFLOAD_GPU_MEMORY_LIMIT" || return
-  local s
+  local s rc
+  apps_start cluster-offload
+  cluster cluster-offload 1 --gpu-memory-limit "$OFFLOAD_GPU_MEMORY_LIMIT"
+  rc=$?
+  apps_stop
+  ((rc == 0)) || return "$rc"
   s="$(stages_loaded cluster-offload)"
   detail+="; stage $s with --gpu-memory-limit $OFFLOAD_GPU_MEMORY_LIMIT"
   [[ "$s" == *"(offloaded 1..$NUM_LAYERS)"* ]] || { detail="expected layers 1..$NUM_LAYERS offloaded, saw: $s"; return 1; }
+  within_limit cluster-offload 1 "$OFFLOAD_GPU_MEMORY_LIMIT"
 }
 step_bench() {
   local smi="" rc

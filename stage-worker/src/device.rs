@@ -14,9 +14,15 @@ use crate::config::WorkerConfig;
 use crate::error::Result;
 use crate::memory::{budget, total_ram};
 
-/// GPU memory kept free besides weights and KV cache: activations of the largest batch, attention partials,
-/// dequantized weight scratch and cuBLAS workspace.
+/// GPU memory reserved besides weights and KV cache before a stage is measured: activations of the largest batch,
+/// attention partials, dequantized weight scratch and cuBLAS workspace. Offload planning reserves it before
+/// loading; after loading, the KV cache is sized from the measured peak instead (see `memory`), where the driver
+/// keeps count.
 pub const GPU_WORKSPACE_BYTES: usize = 512 << 20;
+
+/// cuBLAS's own workspace, which it allocates outside the memory pool the measured peak covers (32 MiB on Hopper,
+/// less on older GPUs).
+pub const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
 impl From<&WorkerConfig> for DeviceSpec {
     fn from(c: &WorkerConfig) -> Self {

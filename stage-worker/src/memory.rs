@@ -15,7 +15,7 @@ use strata_engine::model::{LogitRows, SeqChunk, StageInput, StageModel};
 use strata_engine::stage_memory::{MARGIN_BYTES, transit_bytes};
 
 use crate::config::WorkerConfig;
-use crate::device::GPU_WORKSPACE_BYTES;
+use crate::device::{CUBLAS_WORKSPACE_BYTES, GPU_WORKSPACE_BYTES};
 use crate::error::{Error, Result};
 
 /// Share of the RAM (or device memory) a worker offers when no limit is given.
@@ -144,10 +144,11 @@ pub fn size_kv_cache<B: Backend>(model: &StageModel<B>, config: &WorkerConfig) -
     let hidden = model.config().hidden_size;
     let (budget, usage) = match model.backend().device_memory_capacity() {
         Some(capacity) => {
-            // On a GPU the weights, staging slots and a fixed workspace are what the stage allocates.
             let budget = budget(config.gpu_memory_limit, config.memory_fraction, Some(capacity as u64));
-            let held = model.weight_bytes() + model.offload_plan().staging_bytes + GPU_WORKSPACE_BYTES;
-            (budget, Usage::new(held as u64, config.max_batch_tokens, hidden))
+            (
+                budget,
+                Usage::new(device_peak(model, config.max_batch_tokens, kv_dtype)?, config.max_batch_tokens, hidden),
+            )
         }
         None => {
             let budget = budget(config.memory_limit, config.memory_fraction, total_ram());
@@ -164,14 +165,40 @@ pub fn size_kv_cache<B: Backend>(model: &StageModel<B>, config: &WorkerConfig) -
     Ok(KvSizing { blocks, budget: Some(budget), usage: Some(usage) })
 }
 
-/// Peak resident bytes of the process while `model` runs a batch of `tokens` tokens: one prompt of that length,
-/// and on the last stage also that many one-token sequences (a logits row each). Every weight page is touched, so
-/// mapped weights count in full.
+/// Device bytes a GPU stage holds at its peak: the allocations measured over a profiling batch (weights, staging
+/// slots, activations) plus cuBLAS's own workspace, or, where the driver keeps no count, the weights, staging
+/// slots and a fixed [`GPU_WORKSPACE_BYTES`].
+fn device_peak<B: Backend>(model: &StageModel<B>, tokens: usize, kv_dtype: KvDtype) -> Result<u64> {
+    let backend = model.backend();
+    backend.reset_allocation_peak()?;
+    run_profile(model, tokens, kv_dtype)?;
+    let held = match backend.allocation_peak()? {
+        Some(peak) => {
+            tracing::debug!(tokens, peak, "profiled a batch on the device");
+            peak + CUBLAS_WORKSPACE_BYTES
+        }
+        None => model.weight_bytes() + model.offload_plan().staging_bytes + GPU_WORKSPACE_BYTES,
+    };
+    Ok(held as u64)
+}
+
+/// Peak resident bytes of the process while `model` runs the profiling batches ([`run_profile`]). Every weight
+/// page is touched, so mapped weights count in full.
 fn profile_peak<B: Backend>(model: &StageModel<B>, tokens: usize, kv_dtype: KvDtype) -> Result<u64> {
-    // One-token blocks, so the profile's own cache is no bigger than the batch.
-    let mut kv = model.new_kv_cache(tokens, 1, kv_dtype)?;
     // Without a reset the peak since the start counts (a reload's old stage too): safe, if wasteful.
     let reset = reset_peak();
+    run_profile(model, tokens, kv_dtype)?;
+    let memory = process_memory()
+        .ok_or_else(|| Error::Config("cannot read /proc/self/status to measure memory; pass --kv-blocks".into()))?;
+    tracing::debug!(tokens, reset, peak = memory.peak, resident = memory.resident, "profiled a batch");
+    Ok(memory.peak)
+}
+
+/// Runs the batches a stage's peak is measured over: one prompt of `tokens` tokens, and on the last stage also
+/// that many one-token sequences (a logits row each).
+fn run_profile<B: Backend>(model: &StageModel<B>, tokens: usize, kv_dtype: KvDtype) -> Result<()> {
+    // One-token blocks, so the profile's own cache is no bigger than the batch.
+    let mut kv = model.new_kv_cache(tokens, 1, kv_dtype)?;
     let vocab = model.config().vocab_size.max(1) as u32;
     let ids: Vec<u32> = (0..tokens as u32).map(|i| i % vocab).collect();
     let prompt = [SeqChunk { seq_id: 0, start_pos: 0, len: tokens }];
@@ -189,10 +216,7 @@ fn profile_peak<B: Backend>(model: &StageModel<B>, tokens: usize, kv_dtype: KvDt
             kv.release(c.seq_id);
         }
     }
-    let memory = process_memory()
-        .ok_or_else(|| Error::Config("cannot read /proc/self/status to measure memory; pass --kv-blocks".into()))?;
-    tracing::debug!(tokens, reset, peak = memory.peak, resident = memory.resident, "profiled a batch");
-    Ok(memory.peak)
+    Ok(())
 }
 
 /// `bytes` as MiB for messages.

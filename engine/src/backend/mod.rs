@@ -99,6 +99,16 @@ pub trait Backend: Send + Sync + 'static {
         let _ = layer;
         Ok(())
     }
+    /// Restarts [`Backend::allocation_peak`] at what is allocated now.
+    fn reset_allocation_peak(&self) -> Result<()> {
+        Ok(())
+    }
+    /// The most bytes of device memory this backend has had allocated since [`Backend::reset_allocation_peak`],
+    /// where the device keeps count (`None`: host backends, whose caller measures the process, or a driver that
+    /// does not say).
+    fn allocation_peak(&self) -> Result<Option<usize>> {
+        Ok(None)
+    }
     /// Makes a KV layer's memory resident (host backends allocate it lazily; device memory already is).
     fn prefault_kv_layer(&self, layer: &mut Self::KvLayer) {
         let _ = layer;

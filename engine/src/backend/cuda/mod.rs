@@ -14,6 +14,7 @@
 mod attn_plan;
 mod compile;
 mod ops;
+mod pool;
 mod staging;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -386,6 +387,17 @@ impl Backend for CudaBackend {
 
     fn device_memory_capacity(&self) -> Option<usize> {
         Some(self.total_memory)
+    }
+
+    fn reset_allocation_peak(&self) -> Result<()> {
+        // Work still queued may free memory; let it finish so the new mark starts from what stays.
+        self.compute.synchronize().map_err(dev_err("waiting for the compute stream"))?;
+        pool::reset_peak(&self.ctx)
+    }
+
+    fn allocation_peak(&self) -> Result<Option<usize>> {
+        self.compute.synchronize().map_err(dev_err("waiting for the compute stream"))?;
+        pool::peak(&self.ctx)
     }
 
     fn default_kv_dtype(&self) -> KvDtype {
