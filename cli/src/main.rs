@@ -57,7 +57,7 @@ enum ClientCommand {
 
 fn main() {
     let cli = Cli::parse();
-    cli.log.init();
+    let telemetry = cli.log.init("strata");
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Bench(a) => bench::run(a),
@@ -70,6 +70,8 @@ fn main() {
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
+        // `exit` skips destructors: flush the spans first.
+        drop(telemetry);
         std::process::exit(1);
     }
 }

@@ -16,6 +16,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::coordinator::{ClusterView, cordon_node, drain_node, uncordon_node};
 use crate::pipeline::{Pipeline, SeqEvent, SeqRequest};
@@ -144,11 +145,8 @@ impl CoordinatorRpc for CoordinatorApi {
         span.record("request_id", request_id.as_str());
         let seq = span.in_scope(|| self.prepare(req))?;
         let prompt_ids = seq.prompt_ids.clone();
-        let events = {
-            let _enter = span.enter();
-            self.pipeline.submit(seq)
-        }
-        .await?;
+        // Instrumented, not entered: `submit` reads the current span when first polled, after a guard would be gone.
+        let events = self.pipeline.submit(seq).instrument(span).await?;
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(forward_events(prompt_ids, events, tx));
         Ok(Response::new(ReceiverStream::new(rx)))

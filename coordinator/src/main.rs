@@ -97,7 +97,7 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    args.log.init();
+    let _telemetry = args.log.init("strata-coordinator");
     let mut config = CoordinatorConfig::new(args.model, args.grpc, args.http);
     config.etcd = args.etcd.as_deref().map(parse_endpoints).transpose()?;
     config.min_stages = args.min_stages;

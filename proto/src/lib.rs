@@ -33,12 +33,15 @@ pub use introspection::{COORDINATOR_SERVICE, STAGE_SERVICE, health_service, refl
 pub use keepalive::Keepalive;
 pub use layers::{WireLayers, wire_u32};
 #[cfg(feature = "clap")]
-pub use logging::{LogArgs, LogFormat};
+pub use logging::{LogArgs, LogFormat, Telemetry};
 #[cfg(feature = "clap")]
 pub use shutdown::{shutdown_signal, shutdown_token};
 pub use status::{ErrorCode, ServiceError};
 #[cfg(feature = "clap")]
 pub use tls::TlsArgs;
 pub use tls::{Tls, TlsFiles, endpoint, host_of};
-pub use trace::{extract_context, inject_context, inject_current_span, set_parent_from_metadata, trace_interceptor};
+pub use trace::{
+    context_from_traceparent, extract_context, inject_context, inject_current_span, set_parent_from_metadata,
+    trace_interceptor, traceparent_of,
+};
 pub use {tonic_health, tonic_reflection};

@@ -77,6 +77,24 @@ pub fn set_parent_from_metadata(span: &tracing::Span, metadata: &MetadataMap) ->
     Ok(())
 }
 
+/// The W3C `traceparent` of `span`, which a micro-batch carries per sequence so that every stage's work on it
+/// lands in the request's trace; `None` when the span is not exported (no OpenTelemetry layer, or disabled).
+pub fn traceparent_of(span: &tracing::Span) -> Option<String> {
+    let cx = span.context();
+    if !cx.span().span_context().is_valid() {
+        return None;
+    }
+    let mut fields = std::collections::HashMap::new();
+    TraceContextPropagator::new().inject_context(&cx, &mut fields);
+    fields.remove("traceparent")
+}
+
+/// The remote span context a `traceparent` names (an empty context for an empty or malformed one).
+pub fn context_from_traceparent(traceparent: &str) -> Context {
+    let fields = std::collections::HashMap::from([("traceparent".to_owned(), traceparent.to_owned())]);
+    TraceContextPropagator::new().extract(&fields)
+}
+
 #[cfg(test)]
 mod tests {
     use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState, TracerProvider as _};
@@ -130,6 +148,14 @@ mod tests {
             set_parent_from_metadata(&server_span, request.metadata())?;
             let server_cx = server_span.context();
             assert_eq!(server_cx.span().span_context().trace_id(), client_trace);
+
+            // The same through a traceparent string, as micro-batches carry it per sequence.
+            let traceparent = traceparent_of(&client_span).ok_or("an exported span has a traceparent")?;
+            let remote = context_from_traceparent(&traceparent);
+            assert_eq!(remote.span().span_context().trace_id(), client_trace);
+            assert_eq!(remote.span().span_context().span_id(), client_span.context().span().span_context().span_id());
+            assert!(!context_from_traceparent("").span().span_context().is_valid());
+            assert!(!context_from_traceparent("00-zz-yy-01").span().span_context().is_valid());
             Ok(())
         })?;
         Ok(())

@@ -52,6 +52,8 @@ enum Command {
     Forward {
         batch: pb::ForwardRequest,
         reply: oneshot::Sender<BatchResult>,
+        /// The batch's spans in its requests' traces (see `server`); its compute is recorded under each.
+        traced: Vec<tracing::Span>,
     },
     /// Releases are waiting in the pending list.
     Wake,
@@ -154,10 +156,15 @@ impl ExecutorHandle {
         Ok(ExecutorHandle { tx, releases, kv_free, facts, death })
     }
 
-    /// Queues a batch (waiting while the queue is full) and returns where its result will arrive.
-    pub async fn submit(&self, batch: pb::ForwardRequest) -> Result<oneshot::Receiver<BatchResult>, ServiceError> {
+    /// Queues a batch (waiting while the queue is full) and returns where its result will arrive. Its compute is
+    /// recorded as a child span of each of `traced`.
+    pub async fn submit(
+        &self,
+        batch: pb::ForwardRequest,
+        traced: Vec<tracing::Span>,
+    ) -> Result<oneshot::Receiver<BatchResult>, ServiceError> {
         let (reply, rx) = oneshot::channel();
-        self.tx.send(Command::Forward { batch, reply }).await.map_err(|_| self.gone())?;
+        self.tx.send(Command::Forward { batch, reply, traced }).await.map_err(|_| self.gone())?;
         Ok(rx)
     }
 
@@ -304,9 +311,12 @@ impl<B: Backend> Executor<B> {
             self.sync_term();
             self.run_releases();
             match cmd {
-                Command::Forward { batch, reply } => {
+                Command::Forward { batch, reply, traced } => {
                     let span = tracing::debug_span!("compute", batch_id = batch.batch_id, chunks = batch.chunks.len());
                     let _enter = span.enter();
+                    // Open until the batch is computed: each request's trace shows this stage's compute.
+                    let _computing: Vec<tracing::Span> =
+                        traced.iter().map(|parent| tracing::info_span!(parent: parent, "stage_compute")).collect();
                     if self.panic_after_batches.is_some_and(|n| self.batches_run >= n) {
                         panic!("injected fault: panic after {} batches (fault_panic_after_batches)", self.batches_run);
                     }

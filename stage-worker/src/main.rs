@@ -9,7 +9,7 @@ use strata_proto::shutdown_token;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = cli::Args::parse();
-    args.log.init();
+    let _telemetry = args.log.init("strata-stage-worker");
     let cli::Launch { config, listen, registry } = args.into_config()?;
     let listener = tokio::net::TcpListener::bind(&listen).await?;
     let shutdown = shutdown_token();

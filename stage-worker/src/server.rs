@@ -7,11 +7,12 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use strata_proto::pb;
 use strata_proto::pb::stage_server::Stage;
-use strata_proto::{ServiceError, WireLayers, set_parent_from_metadata, wire_u32};
+use strata_proto::{ServiceError, WireLayers, context_from_traceparent, set_parent_from_metadata, wire_u32};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::executor::{BatchResult, Output};
 use crate::slot::{ActiveStage, StageSlot};
@@ -61,6 +62,8 @@ struct Queued {
     meta: pb::ForwardRequest,
     result: oneshot::Receiver<BatchResult>,
     guard: InflightGuard,
+    /// Open until the batch's output has left this stage (see [`request_spans`]).
+    _traced: Vec<tracing::Span>,
 }
 
 type Responses = mpsc::Sender<Result<pb::ForwardResponse, Status>>;
@@ -86,6 +89,7 @@ impl Stage for StageService {
         let (queue_tx, queue_rx) = mpsc::channel(STREAM_DEPTH);
         let reader = read_batches(
             inbound,
+            self.node_id.clone(),
             self.slot.clone(),
             queue_tx,
             out_tx.clone(),
@@ -155,10 +159,38 @@ fn check_epoch(stage: &ActiveStage, batch: &pb::ForwardRequest) -> Result<(), Se
     }
 }
 
+/// One span per traced sequence of `batch` (its chunk carries the request's `traceparent`), a child of the
+/// coordinator's span for that request, open from the batch's arrival until its output has left the stage; the
+/// executor records the compute under it. Every stage's work on a request thus lands in the request's trace.
+fn request_spans(node_id: &str, stage: &ActiveStage, batch: &pb::ForwardRequest) -> Vec<tracing::Span> {
+    batch
+        .chunks
+        .iter()
+        .filter(|c| !c.traceparent.is_empty())
+        .map(|c| {
+            let span = tracing::info_span!(
+                parent: None,
+                "stage_forward",
+                node = node_id,
+                stage = stage.stage_index,
+                batch_id = batch.batch_id,
+                batch_sequences = batch.chunks.len(),
+                seq_id = c.seq_id,
+                tokens = c.len,
+            );
+            if let Err(e) = span.set_parent(context_from_traceparent(&c.traceparent)) {
+                tracing::debug!(error = %e, "cannot record a stage span in its request's trace");
+            }
+            span
+        })
+        .collect()
+}
+
 /// Takes batches off an upstream stream and queues them on the executor without waiting for results, so
 /// batch N+1 computes while batch N is downstream.
 async fn read_batches(
     mut inbound: Streaming<pb::ForwardRequest>,
+    node_id: String,
     slot: StageSlot,
     queue: mpsc::Sender<Queued>,
     out: Responses,
@@ -197,9 +229,10 @@ async fn read_batches(
         let hidden = batch.hidden.take();
         let meta = batch.clone();
         batch.hidden = hidden;
-        match stage.executor.submit(batch).await {
+        let traced = request_spans(&node_id, &stage, &batch);
+        match stage.executor.submit(batch, traced.clone()).await {
             Ok(result) => {
-                if queue.send(Queued { stage, meta, result, guard }).await.is_err() {
+                if queue.send(Queued { stage, meta, result, guard, _traced: traced }).await.is_err() {
                     break;
                 }
             }
@@ -219,7 +252,7 @@ struct Dispatcher {
 
 impl Dispatcher {
     async fn run(self, mut queue: mpsc::Receiver<Queued>) {
-        while let Some(Queued { stage, mut meta, result, guard }) = queue.recv().await {
+        while let Some(Queued { stage, mut meta, result, guard, _traced }) = queue.recv().await {
             let batch_id = meta.batch_id;
             let output = match result.await {
                 Ok(Ok(output)) => output,

@@ -57,6 +57,8 @@ pub struct ProcessCluster {
     pub coordinators: Vec<CoordinatorProcess>,
     /// The namespaces the workers run in (worker `i` in host `i`), if any. Dropped last: after the processes.
     pub network: Option<Network>,
+    /// Environment variables given to every worker and coordinator started from now on.
+    pub env: Vec<(String, String)>,
     model: PathBuf,
 }
 
@@ -79,8 +81,14 @@ impl ProcessCluster {
             Some(net) => EtcdServer::start_on(&net.add_root_address(2)?)?,
             None => EtcdServer::start()?,
         };
-        let mut cluster =
-            ProcessCluster { etcd, workers: Vec::new(), coordinators: Vec::new(), network, model: model.into() };
+        let mut cluster = ProcessCluster {
+            etcd,
+            workers: Vec::new(),
+            coordinators: Vec::new(),
+            network,
+            env: Vec::new(),
+            model: model.into(),
+        };
         for i in 0..workers {
             cluster.add_worker(&format!("w{i}"))?;
         }
@@ -113,7 +121,8 @@ impl ProcessCluster {
             .args(extra)
             .arg("--model")
             .arg(&self.model)
-            .env("STRATA_LOG", "info");
+            .env("STRATA_LOG", "info")
+            .envs(self.env.iter().map(|(k, v)| (k, v)));
         self.workers.push((id.to_owned(), Process::spawn(id, cmd)?));
         Ok(())
     }
@@ -143,7 +152,8 @@ impl ProcessCluster {
             .arg(format!("--candidate=coordinator-{index}"))
             .arg("--model")
             .arg(&self.model)
-            .env("STRATA_LOG", "info");
+            .env("STRATA_LOG", "info")
+            .envs(self.env.iter().map(|(k, v)| (k, v)));
         let process = Process::spawn(&format!("coordinator-{index}"), cmd)?;
         self.coordinators.push(CoordinatorProcess { url: format!("http://{grpc}"), http, process });
         Ok(index)

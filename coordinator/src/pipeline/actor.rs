@@ -23,6 +23,8 @@ use super::kv_budget::KvBudget;
 use super::link::{Connected, Dialer, Failed, Suspect};
 use super::output::{SeqOutput, Verdict};
 use super::scheduler::{Effect, RequestId, Requeue, Scheduler};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
 use super::{Command, Finish, ModelInfo, PipelineOptions, SeqEvent, SeqRequest, StepTiming, Timeouts};
 use crate::metrics::Metrics;
 use crate::stage_client::{ForwardStream, TracedStageClient};
@@ -53,12 +55,21 @@ struct Caller {
 impl Caller {
     fn fail(&mut self, error: ServiceError) {
         self.ended = Some("error");
+        self.span.set_attribute("error.type", error.code.as_str().to_owned());
+        self.record_usage();
         let _ = self.tx.try_send(self.output.failed(error));
     }
 
     fn finish(&mut self, finish: Finish, timing: StepTiming) {
         self.ended = Some(finish.as_str());
+        self.span.set_attribute("gen_ai.response.finish_reasons", finish.as_str());
+        self.record_usage();
         let _ = self.tx.try_send(self.output.done(finish, timing));
+    }
+
+    /// OpenTelemetry GenAI attributes of the finished request on its span (exported with it, if traced).
+    fn record_usage(&self) {
+        self.span.set_attribute("gen_ai.usage.output_tokens", self.output.generated() as i64);
     }
 }
 
@@ -220,6 +231,12 @@ impl Actor {
             }
         };
         self.metrics.requests_admitted.inc();
+        if let Some(traceparent) = strata_proto::traceparent_of(&span) {
+            self.scheduler.trace(id, traceparent);
+            span.set_attribute("gen_ai.request.model", self.model.name.clone());
+            span.set_attribute("gen_ai.usage.input_tokens", req.prompt_ids.len() as i64);
+            span.set_attribute("gen_ai.request.max_tokens", req.max_tokens as i64);
+        }
         let (tx, rx) = mpsc::channel(EVENT_BUFFER.max(req.max_tokens + 2).min(4096));
         self.metrics.prompt_tokens.inc_by(req.prompt_ids.len() as u64);
         let output = SeqOutput::new(&req);
@@ -489,7 +506,11 @@ impl Actor {
             }
             let now = Instant::now();
             match caller.last_token.replace(now) {
-                None => Metrics::observe(&self.metrics.time_to_first_token, now - caller.admitted),
+                None => {
+                    let ttft = now - caller.admitted;
+                    Metrics::observe(&self.metrics.time_to_first_token, ttft);
+                    caller.span.set_attribute("gen_ai.server.time_to_first_token", ttft.as_secs_f64());
+                }
                 Some(last) => Metrics::observe(&self.metrics.inter_token_latency, now - last),
             }
             self.metrics.generation_tokens.inc();

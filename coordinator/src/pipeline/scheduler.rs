@@ -79,6 +79,8 @@ struct Seq {
     /// The caller left; the sequence may still fail (its event is then dropped) until it is forgotten.
     cancelled: bool,
     timing: StepTiming,
+    /// The request's W3C trace context, sent with each of its chunks (empty: not traced).
+    traceparent: String,
 }
 
 impl Seq {
@@ -168,6 +170,14 @@ impl Scheduler {
         !self.waiting.is_empty()
     }
 
+    /// Sends `traceparent` with every chunk of request `id`, so that each stage records its work on it as part
+    /// of the request's trace.
+    pub(super) fn trace(&mut self, id: RequestId, traceparent: String) {
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.traceparent = traceparent;
+        }
+    }
+
     /// Micro-batches sent and not yet answered.
     pub(super) fn batches_in_flight(&self) -> usize {
         self.batches.len()
@@ -215,6 +225,7 @@ impl Scheduler {
                 done: false,
                 cancelled: false,
                 timing: StepTiming::default(),
+                traceparent: String::new(),
             },
         );
         self.by_seq_id.insert(seq_id, id);
@@ -413,6 +424,7 @@ impl Scheduler {
                 want_logprobs: seq.logprobs,
                 // Only the last slice of a prompt is sampled from.
                 skip_sampling: !seq.input.is_empty(),
+                traceparent: seq.traceparent.clone(),
             });
             seq.pos += u32::try_from(len).unwrap_or(u32::MAX);
             seq.in_flight = true;
