@@ -4,6 +4,7 @@
 //! Names follow Prometheus conventions (`_seconds`, `_total`), close to what vLLM and TGI export, so existing
 //! dashboards map over: queue depth, running sequences, KV blocks, tokens, time to first token, inter-token latency.
 
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -28,6 +29,20 @@ pub struct Reason {
 pub struct Stage {
     /// Position in the pipeline, from 0.
     pub stage: u32,
+}
+
+/// Labels of the info metric.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Info {
+    /// The served model's name.
+    pub model: String,
+    /// strata's version.
+    pub version: &'static str,
+}
+
+/// Buckets of a stage's batch compute time: 0.1 ms .. 13 s.
+fn stage_compute_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.0001, 2.0, 18))
 }
 
 /// Labels of an HTTP response.
@@ -75,6 +90,8 @@ pub struct Metrics {
     pub kv_blocks_capacity: Gauge,
     /// Of those, blocks no sequence holds.
     pub kv_blocks_free: Gauge,
+    /// Share of the KV blocks sequences hold (0 to 1).
+    pub kv_usage_ratio: Gauge<f64, AtomicU64>,
     /// Each stage's KV cache capacity in tokens (from its memory budget), by pipeline position.
     pub stage_kv_tokens: Family<Stage, Gauge>,
     /// Each stage's offloaded layers (paged in or streamed per batch), by pipeline position.
@@ -85,6 +102,12 @@ pub struct Metrics {
     pub stages: Gauge,
     /// Admission to first generated token.
     pub time_to_first_token: Histogram,
+    /// Admission until the request's first chunk is sent to the stages.
+    pub queue_time: Histogram,
+    /// Each stage's compute time per micro-batch, as the stages report it, by pipeline position.
+    pub stage_compute: Family<Stage, Histogram, fn() -> Histogram>,
+    /// The served model and the strata version (`model`, `version` labels, value 1).
+    pub info: Family<Info, Gauge>,
     /// Between consecutive tokens of one sequence.
     pub inter_token_latency: Histogram,
     /// Admission to the end of a request that finished normally.
@@ -119,12 +142,17 @@ impl Metrics {
             stage_failures: Family::default(),
             kv_blocks_capacity: Gauge::default(),
             kv_blocks_free: Gauge::default(),
+            kv_usage_ratio: Gauge::default(),
             stage_kv_tokens: Family::default(),
             stage_offloaded_layers: Family::default(),
             plan_epoch: Gauge::default(),
             stages: Gauge::default(),
             // 5 ms .. 41 s
             time_to_first_token: Histogram::new(exponential_buckets(0.005, 2.0, 14)),
+            // 1 ms .. 65 s
+            queue_time: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
+            stage_compute: Family::new_with_constructor(stage_compute_histogram),
+            info: Family::default(),
             // 1 ms .. 2 s
             inter_token_latency: Histogram::new(exponential_buckets(0.001, 2.0, 12)),
             // 10 ms .. 5.5 min
@@ -151,6 +179,7 @@ impl Metrics {
         );
         r.register("kv_blocks_capacity", "KV blocks of the tightest stage", m.kv_blocks_capacity.clone());
         r.register("kv_blocks_free", "KV blocks no sequence holds", m.kv_blocks_free.clone());
+        r.register("kv_usage_ratio", "Share of the KV blocks sequences hold", m.kv_usage_ratio.clone());
         r.register(
             "stage_kv_capacity_tokens",
             "KV cache capacity of each stage of the served plan, in tokens",
@@ -165,6 +194,14 @@ impl Metrics {
         r.register("plan_epoch", "Plan epoch being served", m.plan_epoch.clone());
         r.register("plan_stages", "Stages in the plan being served", m.stages.clone());
         r.register("time_to_first_token_seconds", "Admission to first generated token", m.time_to_first_token.clone());
+        r.register("queue_time_seconds", "Admission until a request's first chunk is sent", m.queue_time.clone());
+        r.register(
+            "stage_compute_seconds",
+            "Compute time of one micro-batch on each stage of the pipeline, as the stage reports it",
+            m.stage_compute.clone(),
+        );
+        r.register("info", "The served model and the strata version", m.info.clone());
+        m.info.get_or_create(&Info { model: String::new(), version: env!("CARGO_PKG_VERSION") }).set(1);
         r.register(
             "inter_token_latency_seconds",
             "Time between consecutive tokens of a sequence",
@@ -213,6 +250,17 @@ impl Metrics {
         }
     }
 
+    /// Names the served model in `strata_info`.
+    pub fn set_model(&self, model: &str) {
+        self.info.clear();
+        self.info.get_or_create(&Info { model: model.to_owned(), version: env!("CARGO_PKG_VERSION") }).set(1);
+    }
+
+    /// Stage `stage` computed a micro-batch in `took`.
+    pub fn stage_computed(&self, stage: u32, took: Duration) {
+        self.stage_compute.get_or_create(&Stage { stage }).observe(took.as_secs_f64());
+    }
+
     /// Observes a duration in seconds.
     pub fn observe(histogram: &Histogram, d: Duration) {
         histogram.observe(d.as_secs_f64());
@@ -241,6 +289,10 @@ mod tests {
         m.finished("length");
         m.preempted("kv_full");
         m.kv_blocks_capacity.set(64);
+        m.kv_usage_ratio.set(0.25);
+        m.set_model("smol");
+        m.stage_computed(1, Duration::from_millis(2));
+        Metrics::observe(&m.queue_time, Duration::from_millis(5));
         m.set_stage_memory(&[
             StageMemory { kv_tokens: 1024, offloaded_layers: 0 },
             StageMemory { kv_tokens: 512, offloaded_layers: 3 },
@@ -251,6 +303,10 @@ mod tests {
         assert!(text.contains("strata_requests_admitted_total 1"), "{text}");
         assert!(text.contains("strata_requests_finished_total{reason=\"length\"} 2"), "{text}");
         assert!(text.contains("strata_kv_blocks_capacity 64"), "{text}");
+        assert!(text.contains("strata_kv_usage_ratio 0.25"), "{text}");
+        assert!(text.contains(r#"strata_info{model="smol",version=""#), "{text}");
+        assert!(text.contains(r#"strata_stage_compute_seconds_count{stage="1"} 1"#), "{text}");
+        assert!(text.contains("strata_queue_time_seconds_count 1"), "{text}");
         assert!(text.contains(r#"strata_stage_kv_capacity_tokens{stage="1"} 512"#), "{text}");
         assert!(text.contains(r#"strata_stage_offloaded_layers{stage="1"} 3"#), "{text}");
         assert!(text.contains("strata_time_to_first_token_seconds_count 1"), "{text}");

@@ -90,6 +90,10 @@ pub struct Args {
     /// no limit is given, like vLLM's --gpu-memory-utilization.
     #[arg(long, env = "STRATA_MEMORY_FRACTION", default_value_t = DEFAULT_MEMORY_FRACTION)]
     memory_fraction: f64,
+    /// Serve Prometheus metrics at `GET /metrics` on this address (`host:port`, e.g. `0.0.0.0:9464`); without it
+    /// the worker has no metrics endpoint.
+    #[arg(long, env = "STRATA_METRICS_LISTEN")]
+    metrics_listen: Option<String>,
     /// Keep at most this many of the stage's layers resident and offload the rest: on the CPU they page in from
     /// the model file as they run and out after (converted weights from a file in TMPDIR), on a GPU they stream
     /// from host memory. Default: as many as the memory budget holds.
@@ -171,6 +175,7 @@ impl Args {
             memory_limit,
             memory_fraction: self.memory_fraction,
             resident_layers: self.resident_layers,
+            metrics_listen: self.metrics_listen,
             block_size: self.block_size,
             kv_dtype: self.kv_dtype,
             hidden_dtype: self.hidden_dtype,

@@ -110,6 +110,9 @@ pub struct WorkerConfig {
     /// with `UNAVAILABLE`).
     #[serde(default = "default_keepalive_timeout_ms")]
     pub keepalive_timeout_ms: u64,
+    /// Address (`host:port`) to serve Prometheus metrics on at `GET /metrics`; `None`: no metrics endpoint.
+    #[serde(default)]
+    pub metrics_listen: Option<String>,
     /// Testing hook: the executor panics when it is about to run a batch after this many, to exercise how a
     /// worker takes itself out of service. Never set in production.
     #[serde(default)]
@@ -143,6 +146,7 @@ impl WorkerConfig {
             tls: None,
             keepalive_interval_ms: default_keepalive_interval_ms(),
             keepalive_timeout_ms: default_keepalive_timeout_ms(),
+            metrics_listen: None,
             fault_panic_after_batches: None,
         }
     }

@@ -20,6 +20,7 @@ mod downstream;
 mod error;
 mod executor;
 mod memory;
+mod metrics;
 mod registration;
 mod sampler;
 mod server;

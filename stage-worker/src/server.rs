@@ -4,6 +4,9 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use prost::Message;
 
 use strata_proto::pb;
 use strata_proto::pb::stage_server::Stage;
@@ -15,6 +18,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::executor::{BatchResult, Output};
+use crate::metrics::StageMetrics;
 use crate::slot::{ActiveStage, StageSlot};
 
 /// Responses buffered per upstream stream, and batches between its reader and dispatcher.
@@ -25,14 +29,20 @@ pub struct StageService {
     node_id: String,
     slot: StageSlot,
     inflight: Arc<AtomicU32>,
+    metrics: Arc<StageMetrics>,
     shutdown: CancellationToken,
 }
 
 impl StageService {
-    /// A service running batches on whatever stage `slot` holds when they arrive.
+    /// A service running batches on whatever stage `slot` holds when they arrive, counting them in `metrics`.
     /// Open `Forward` streams stop taking batches when `shutdown` is cancelled.
-    pub fn new(node_id: String, slot: StageSlot, shutdown: CancellationToken) -> Self {
-        StageService { node_id, slot, inflight: Arc::default(), shutdown }
+    pub fn new(node_id: String, slot: StageSlot, metrics: Arc<StageMetrics>, shutdown: CancellationToken) -> Self {
+        StageService { node_id, slot, inflight: Arc::default(), metrics, shutdown }
+    }
+
+    /// Batches received and not yet answered, as the service counts them.
+    pub fn inflight(&self) -> Arc<AtomicU32> {
+        self.inflight.clone()
     }
 }
 
@@ -68,7 +78,9 @@ struct Queued {
 
 type Responses = mpsc::Sender<Result<pb::ForwardResponse, Status>>;
 
-fn error_response(batch_id: u64, err: ServiceError) -> pb::ForwardResponse {
+/// The answer to a batch that failed here, counted by kind.
+fn error_response(metrics: &StageMetrics, batch_id: u64, err: ServiceError) -> pb::ForwardResponse {
+    metrics.error(err.code);
     pb::ForwardResponse { batch_id, error: Some(err.into()), ..Default::default() }
 }
 
@@ -90,13 +102,14 @@ impl Stage for StageService {
         let reader = read_batches(
             inbound,
             self.node_id.clone(),
+            self.metrics.clone(),
             self.slot.clone(),
             queue_tx,
             out_tx.clone(),
             self.inflight.clone(),
             self.shutdown.clone(),
         );
-        let dispatcher = Dispatcher { out: out_tx };
+        let dispatcher = Dispatcher { out: out_tx, metrics: self.metrics.clone() };
         tokio::spawn(tracing::Instrument::instrument(reader, span.clone()));
         tokio::spawn(tracing::Instrument::instrument(dispatcher.run(queue_rx), span));
         Ok(Response::new(ReceiverStream::new(out_rx)))
@@ -191,6 +204,7 @@ fn request_spans(node_id: &str, stage: &ActiveStage, batch: &pb::ForwardRequest)
 async fn read_batches(
     mut inbound: Streaming<pb::ForwardRequest>,
     node_id: String,
+    metrics: Arc<StageMetrics>,
     slot: StageSlot,
     queue: mpsc::Sender<Queued>,
     out: Responses,
@@ -210,6 +224,7 @@ async fn read_batches(
                 break;
             }
         };
+        metrics.received(batch.encoded_len());
         let guard = InflightGuard::new(&inflight);
         let batch_id = batch.batch_id;
         // The term first: a newer leader's batch raises it even on a stage with nothing loaded.
@@ -217,12 +232,12 @@ async fn read_batches(
         let stage = match admitted.and_then(|()| slot.current().ok_or_else(no_stage)) {
             Ok(stage) => stage,
             Err(err) => {
-                let _ = out.send(Ok(error_response(batch_id, err))).await;
+                let _ = out.send(Ok(error_response(&metrics, batch_id, err))).await;
                 continue;
             }
         };
         if let Err(err) = check_epoch(&stage, &batch) {
-            let _ = out.send(Ok(error_response(batch_id, err))).await;
+            let _ = out.send(Ok(error_response(&metrics, batch_id, err))).await;
             continue;
         }
         // The executor takes the hidden states; the rest travels on to the next stage.
@@ -237,7 +252,7 @@ async fn read_batches(
                 }
             }
             Err(err) => {
-                let _ = out.send(Ok(error_response(batch_id, err))).await;
+                let _ = out.send(Ok(error_response(&metrics, batch_id, err))).await;
                 drop(guard);
             }
         }
@@ -248,6 +263,7 @@ async fn read_batches(
 /// sampled tokens and errors directly.
 struct Dispatcher {
     out: Responses,
+    metrics: Arc<StageMetrics>,
 }
 
 impl Dispatcher {
@@ -257,16 +273,17 @@ impl Dispatcher {
             let output = match result.await {
                 Ok(Ok(output)) => output,
                 Ok(Err(err)) => {
-                    let _ = self.out.send(Ok(error_response(batch_id, err))).await;
+                    let _ = self.out.send(Ok(error_response(&self.metrics, batch_id, err))).await;
                     continue;
                 }
                 Err(_) => {
                     // Only a stopped (panicked) executor drops a batch unanswered.
-                    let _ = self.out.send(Ok(error_response(batch_id, stage.executor.gone()))).await;
+                    let _ = self.out.send(Ok(error_response(&self.metrics, batch_id, stage.executor.gone()))).await;
                     continue;
                 }
             };
             let timing = pb::StageTiming { stage_index: stage.stage_index, compute_micros: output.compute_micros };
+            self.metrics.computed(Duration::from_micros(output.compute_micros));
             match (output.output, &stage.downstream) {
                 (Output::Tokens(tokens), _) => {
                     let resp = pb::ForwardResponse {
@@ -276,18 +293,21 @@ impl Dispatcher {
                         timings: vec![timing],
                         error: None,
                     };
+                    self.metrics.sent(resp.encoded_len());
                     let _ = self.out.send(Ok(resp)).await;
                     drop(guard);
                 }
                 (Output::Hidden(hidden), Some(down)) => {
                     meta.hidden = Some(hidden);
+                    self.metrics.sent(meta.encoded_len());
                     let answer = down.send(meta).await;
-                    let out = self.out.clone();
+                    let (out, metrics) = (self.out.clone(), self.metrics.clone());
                     tokio::spawn(async move {
                         let mut resp = match answer.await {
                             Ok(Ok(resp)) => resp,
-                            Ok(Err(err)) => error_response(batch_id, err),
+                            Ok(Err(err)) => error_response(&metrics, batch_id, err),
                             Err(_) => error_response(
+                                &metrics,
                                 batch_id,
                                 ServiceError::unavailable("the link to the next stage stopped"),
                             ),
@@ -300,7 +320,7 @@ impl Dispatcher {
                 }
                 (Output::Hidden(_), None) => {
                     let err = ServiceError::internal("this stage produced hidden states but has no next stage");
-                    let _ = self.out.send(Ok(error_response(batch_id, err))).await;
+                    let _ = self.out.send(Ok(error_response(&self.metrics, batch_id, err))).await;
                 }
             }
         }

@@ -24,6 +24,7 @@ use crate::downstream::{Downstream, MAX_MESSAGE_BYTES};
 use crate::error::{Error, Result};
 use crate::executor::ExecutorHandle;
 use crate::memory::{mib, size_kv_cache};
+use crate::metrics::{StageMetrics, serve_metrics};
 use crate::registration::{RegistrationOptions, run_registered};
 use crate::server::StageService;
 use crate::slot::{ActiveStage, StageSlot};
@@ -151,7 +152,19 @@ pub async fn serve_slot(
 ) -> Result<()> {
     let node_id = config.node_id.clone();
     let keepalive = config.keepalive()?;
-    let service = StageService::new(node_id.clone(), slot.clone(), shutdown.clone());
+    let metrics = Arc::new(StageMetrics::new(&node_id));
+    let service = StageService::new(node_id.clone(), slot.clone(), metrics.clone(), shutdown.clone());
+    let metrics_task = match &config.metrics_listen {
+        Some(addr) => {
+            let listener = TcpListener::bind(addr)
+                .await
+                .map_err(|e| Error::Config(format!("cannot serve metrics on --metrics-listen {addr}: {e}")))?;
+            tracing::info!(node = %node_id, addr = %listener.local_addr()?, "serving metrics");
+            let (slot, inflight, shutdown) = (slot.clone(), service.inflight(), shutdown.clone());
+            Some(tokio::spawn(serve_metrics(listener, metrics, slot, inflight, shutdown)))
+        }
+        None => None,
+    };
     let (health_reporter, health) = health_service();
     let health_task = tokio::spawn(report_health(slot, health_reporter, shutdown.clone()));
     let stage = StageServer::new(service)
@@ -171,6 +184,13 @@ pub async fn serve_slot(
             let _ = health_task.await;
         })
         .await?;
+    if let Some(task) = metrics_task {
+        match task.await {
+            Ok(Err(e)) => tracing::warn!(error = %e, "the metrics endpoint failed"),
+            Err(e) => tracing::warn!(error = %e, "the metrics endpoint panicked"),
+            Ok(Ok(())) => {}
+        }
+    }
     tracing::info!(node = %node_id, "stopped");
     Ok(())
 }

@@ -471,7 +471,17 @@ impl Actor {
                     Requeue::StageFailed => self.metrics.preempted("stage_failed"),
                     Requeue::PlanChanged => {}
                 },
-                Effect::BatchReturned { elapsed } => Metrics::observe(&self.metrics.batch_duration, elapsed),
+                Effect::BatchReturned { elapsed, stages } => {
+                    Metrics::observe(&self.metrics.batch_duration, elapsed);
+                    for t in &stages {
+                        self.metrics.stage_computed(t.stage_index, Duration::from_micros(t.compute_micros));
+                    }
+                }
+                Effect::Started { req } => {
+                    if let Some(caller) = self.callers.get(&req) {
+                        Metrics::observe(&self.metrics.queue_time, caller.admitted.elapsed());
+                    }
+                }
                 Effect::Stalled { error } => self.stalled(error),
                 Effect::Ended { req } => self.forget(req),
             }
@@ -541,6 +551,8 @@ impl Actor {
         self.metrics.waiting.set(g.waiting + self.pending.len() as i64);
         self.metrics.kv_blocks_capacity.set(g.kv_total as i64);
         self.metrics.kv_blocks_free.set(g.kv_free as i64);
+        let used = g.kv_total.saturating_sub(g.kv_free) as f64;
+        self.metrics.kv_usage_ratio.set(if g.kv_total == 0 { 0.0 } else { used / g.kv_total as f64 });
     }
 
     /// Frees `seq_ids` on every stage in the background (each stage directly, so a dead stage does not keep the

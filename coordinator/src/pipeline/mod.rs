@@ -265,6 +265,7 @@ impl Pipeline {
         let model = Arc::new(model);
         let (tx, rx) = mpsc::channel(COMMAND_BUFFER);
         let metrics = Arc::new(Metrics::new());
+        metrics.set_model(&model.name);
         let tls = options.tls.clone();
         let actor = actor::Actor::new(model.clone(), plan, options, metrics.clone());
         tokio::spawn(actor.run(rx, shutdown).instrument(tracing::info_span!("pipeline")));

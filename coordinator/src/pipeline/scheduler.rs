@@ -81,6 +81,8 @@ struct Seq {
     timing: StepTiming,
     /// The request's W3C trace context, sent with each of its chunks (empty: not traced).
     traceparent: String,
+    /// A chunk of it has been sent (it left the queue once; a recompute does not count again).
+    started: bool,
 }
 
 impl Seq {
@@ -226,6 +228,7 @@ impl Scheduler {
                 cancelled: false,
                 timing: StepTiming::default(),
                 traceparent: String::new(),
+                started: false,
             },
         );
         self.by_seq_id.insert(seq_id, id);
@@ -287,6 +290,14 @@ impl Scheduler {
             }
             if group.is_empty() {
                 continue;
+            }
+            for (id, _) in &group {
+                if let Some(seq) = self.seqs.get_mut(id)
+                    && !seq.started
+                {
+                    seq.started = true;
+                    effects.push(Effect::Started { req: *id });
+                }
             }
             let batch = self.build_batch(&group);
             tracing::trace!(batch_id = batch.batch_id, seqs = group.len(), "batch built");
@@ -440,7 +451,7 @@ impl Scheduler {
             return effects;
         };
         let elapsed = now.saturating_duration_since(batch.sent);
-        effects.push(Effect::BatchReturned { elapsed });
+        effects.push(Effect::BatchReturned { elapsed, stages: resp.timings.clone() });
         let elapsed = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
         for id in &batch.reqs {
             if let Some(seq) = self.seqs.get_mut(id) {

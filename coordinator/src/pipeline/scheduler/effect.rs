@@ -66,6 +66,13 @@ pub(in crate::pipeline) enum Effect {
     BatchReturned {
         /// Send-to-response time.
         elapsed: Duration,
+        /// Each stage's compute time for it, as the stages reported.
+        stages: Vec<pb::StageTiming>,
+    },
+    /// `req`'s first chunk went out: it left the queue.
+    Started {
+        /// The request.
+        req: RequestId,
     },
     /// The stages failed: every sequence went back to the queue and the budget is gone. Drop the `Forward`
     /// stream and connect again (or wait for a new plan); nothing is scheduled until a new budget is set.

@@ -117,7 +117,7 @@ fn every_batch_takes_an_equal_share_of_the_running_set_oldest_first() -> Result<
     assert!(s.schedule(now).is_empty(), "no free slot");
     // The first batch returns: its three decode steps fill the free slot together.
     let fx = s.apply_response(answer(&first[0]), now + Duration::from_millis(3));
-    assert_eq!(fx[0], Effect::BatchReturned { elapsed: Duration::from_millis(3) });
+    assert_eq!(fx[0], Effect::BatchReturned { elapsed: Duration::from_millis(3), stages: Vec::new() });
     assert_eq!(tokens(&fx), vec![(1, 1001), (2, 1002), (3, 1003)]);
     let fx = s.schedule(now);
     assert_eq!(batches(&fx), vec![vec![(1, 2, 1, false), (2, 2, 1, false), (3, 2, 1, false)]]);
@@ -250,7 +250,7 @@ fn a_stage_out_of_kv_requeues_the_batch_until_the_limit_then_fails_it() -> Resul
         assert_eq!(
             fx,
             [
-                Effect::BatchReturned { elapsed: Duration::ZERO },
+                Effect::BatchReturned { elapsed: Duration::ZERO, stages: Vec::new() },
                 Effect::Requeued { req: a, why: Requeue::StageOutOfKv },
                 Effect::Release { seq_ids: vec![n], blocks: 1, generation: 1 },
             ]
@@ -475,7 +475,8 @@ fn a_sequence_running_through_too_many_stage_failures_fails_instead_of_looping()
     let a = s.admit(&request(&[1, 2], 4))?;
     let error = ServiceError::unavailable("stage 0 closed the Forward stream");
     for round in 1..=MAX_STAGE_FAILURES {
-        assert_eq!(s.schedule(now).len(), 1, "round {round}");
+        let sent = s.schedule(now).iter().filter(|e| matches!(e, Effect::Send(_))).count();
+        assert_eq!(sent, 1, "round {round}");
         let fx = s.stall(&error);
         assert!(fx.contains(&Effect::Requeued { req: a, why: Requeue::StageFailed }), "round {round}: {fx:?}");
         assert!(!fx.iter().any(|e| matches!(e, Effect::Fail { .. })), "round {round}: {fx:?}");
@@ -511,5 +512,20 @@ fn sequence_ids_carry_the_leadership_term_so_coordinators_never_share_one() -> R
     s.set_budget(KvBudget::new(4, 100));
     assert_eq!(seq_ids(&s.schedule(now)), vec![vec![(12 << 32) | 1]]);
     assert!(sent(&s.schedule(now)).iter().all(|b| b.term == 12));
+    Ok(())
+}
+
+#[test]
+fn a_request_starts_once_however_often_it_is_recomputed() -> Result<(), ServiceError> {
+    let now = Instant::now();
+    let mut s = scheduler(1, 100, 4, 512);
+    let a = s.admit(&request(&[1, 2], 4))?;
+    let started = |fx: &[Effect]| fx.iter().filter(|e| matches!(e, Effect::Started { req } if *req == a)).count();
+    assert_eq!(started(&s.schedule(now)), 1);
+    s.stall(&ServiceError::unavailable("stage 0 closed the Forward stream"));
+    s.set_budget(KvBudget::new(4, 100));
+    let again = s.schedule(now);
+    assert!(again.iter().any(|e| matches!(e, Effect::Send(_))), "{again:?}");
+    assert_eq!(started(&again), 0, "{again:?}");
     Ok(())
 }
