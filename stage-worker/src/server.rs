@@ -24,7 +24,8 @@ use crate::slot::{ActiveStage, StageSlot};
 /// Responses buffered per upstream stream, and batches between its reader and dispatcher.
 const STREAM_DEPTH: usize = 64;
 
-/// The `Stage` service of one worker.
+/// The `Stage` service of one worker (a cheap handle: each `Forward` stream's reader holds a copy).
+#[derive(Clone)]
 pub struct StageService {
     node_id: String,
     slot: StageSlot,
@@ -99,16 +100,7 @@ impl Stage for StageService {
         let inbound = request.into_inner();
         let (out_tx, out_rx) = mpsc::channel(STREAM_DEPTH);
         let (queue_tx, queue_rx) = mpsc::channel(STREAM_DEPTH);
-        let reader = read_batches(
-            inbound,
-            self.node_id.clone(),
-            self.metrics.clone(),
-            self.slot.clone(),
-            queue_tx,
-            out_tx.clone(),
-            self.inflight.clone(),
-            self.shutdown.clone(),
-        );
+        let reader = read_batches(inbound, self.clone(), queue_tx, out_tx.clone());
         let dispatcher = Dispatcher { out: out_tx, metrics: self.metrics.clone() };
         tokio::spawn(tracing::Instrument::instrument(reader, span.clone()));
         tokio::spawn(tracing::Instrument::instrument(dispatcher.run(queue_rx), span));
@@ -203,14 +195,11 @@ fn request_spans(node_id: &str, stage: &ActiveStage, batch: &pb::ForwardRequest)
 /// batch N+1 computes while batch N is downstream.
 async fn read_batches(
     mut inbound: Streaming<pb::ForwardRequest>,
-    node_id: String,
-    metrics: Arc<StageMetrics>,
-    slot: StageSlot,
+    service: StageService,
     queue: mpsc::Sender<Queued>,
     out: Responses,
-    inflight: Arc<AtomicU32>,
-    shutdown: CancellationToken,
 ) {
+    let StageService { node_id, slot, inflight, metrics, shutdown } = service;
     loop {
         let next = tokio::select! {
             () = shutdown.cancelled() => break,
