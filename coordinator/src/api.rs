@@ -8,7 +8,7 @@ use std::sync::Arc;
 use strata_engine::tokenizer::ChatMessage;
 use strata_proto::pb::coordinator_server::{Coordinator as CoordinatorRpc, CoordinatorServer};
 use strata_proto::{
-    COORDINATOR_SERVICE, NodeId, ServiceError, Tls, health_service, pb, reflection_service, set_serving,
+    COORDINATOR_SERVICE, NodeId, ServiceError, Tls, health_service, pb, reflection_services, set_serving,
 };
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -246,7 +246,7 @@ pub async fn serve(
 ) -> Result<(), ServiceError> {
     let (reporter, health) = health_service();
     set_serving(&reporter, COORDINATOR_SERVICE, true).await;
-    let reflection = reflection_service().map_err(|e| ServiceError::internal(e.to_string()))?;
+    let (reflection, reflection_v1alpha) = reflection_services().map_err(|e| ServiceError::internal(e.to_string()))?;
     let addr = listener.local_addr().map_err(|e| ServiceError::internal(e.to_string()))?;
     tracing::info!(%addr, tls = tls.is_some(), "coordinator API serving");
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
@@ -255,6 +255,7 @@ pub async fn serve(
         .map_err(|e| ServiceError::internal(format!("coordinator API: {e}")))?
         .add_service(health)
         .add_service(reflection)
+        .add_service(reflection_v1alpha)
         .add_service(CoordinatorServer::new(api))
         .serve_with_incoming_shutdown(incoming, async move {
             shutdown.cancelled().await;
