@@ -10,12 +10,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
-use strata_proto::pb::coordinator_client::CoordinatorClient;
 use strata_proto::{TlsArgs, pb};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 
 use crate::cluster::LocalCluster;
-use crate::connect;
+use crate::connect::{self, Client};
 
 /// What to measure.
 pub struct ClusterBench {
@@ -182,7 +181,7 @@ fn request(client: usize, index: usize, b: &ClusterBench) -> pb::GenerateRequest
 }
 
 /// Connects to `endpoint` (the coordinator at `url`) and waits (up to 120 s) until a one-token generation succeeds.
-async fn ready_client(url: &str, endpoint: &Endpoint) -> Result<CoordinatorClient<Channel>> {
+async fn ready_client(url: &str, endpoint: &Endpoint) -> Result<Client> {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let attempt = async {
@@ -204,7 +203,7 @@ async fn ready_client(url: &str, endpoint: &Endpoint) -> Result<CoordinatorClien
     }
 }
 
-async fn one_request(mut client: CoordinatorClient<Channel>, req: pb::GenerateRequest) -> Result<Sample> {
+async fn one_request(mut client: Client, req: pb::GenerateRequest) -> Result<Sample> {
     let start = Instant::now();
     let mut stream = client.generate(req).await?.into_inner();
     let (mut ttft, mut last, mut itl, mut tokens, mut usage) = (None, start, Vec::new(), 0u64, None);
@@ -225,12 +224,7 @@ async fn one_request(mut client: CoordinatorClient<Channel>, req: pb::GenerateRe
     Ok(Sample { ttft: ttft.context("no token came back")?, itl, tokens, usage: usage.unwrap_or_default() })
 }
 
-async fn measure(
-    client: &CoordinatorClient<Channel>,
-    b: &ClusterBench,
-    stages: usize,
-    concurrency: usize,
-) -> Result<Run> {
+async fn measure(client: &Client, b: &ClusterBench, stages: usize, concurrency: usize) -> Result<Run> {
     let start = Instant::now();
     let tasks: Vec<_> = (0..concurrency)
         .map(|c| {
@@ -317,7 +311,7 @@ fn single_process_itl_ms(model: &Path, threads: usize, prompt_tokens: usize, max
 
 /// The number of stages served and the plan as `node layers a..b (x ms/layer)` per stage, printed and kept in the
 /// report: how layers were split explains much of a multi-stage result.
-async fn describe_plan(client: &mut CoordinatorClient<Channel>) -> Result<(usize, String)> {
+async fn describe_plan(client: &mut Client) -> Result<(usize, String)> {
     let s = client.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner();
     let mut nodes: Vec<_> = s.nodes.iter().filter(|n| n.layer_end > n.layer_start).collect();
     nodes.sort_by_key(|n| n.layer_start);

@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status};
 
+use crate::auth::{ApiKeys, GrpcAuthLayer};
 use crate::coordinator::{ClusterView, cordon_node, drain_node, uncordon_node};
 use crate::pipeline::{Pipeline, SeqEvent, SeqRequest};
 use crate::request::{self, GenerateParams, Prompt};
@@ -68,6 +69,8 @@ pub fn service_error(err: &Error) -> ServiceError {
         Error::Membership(
             M::EtcdUnreachable { .. } | M::Etcd { .. } | M::LeaseExpired(_) | M::Contention { .. } | M::Deposed { .. },
         ) => ServiceError::unavailable(message),
+        Error::Unauthenticated(_) => ServiceError::unauthenticated(message),
+        Error::PermissionDenied(_) => ServiceError::permission_denied(message),
         Error::Membership(M::Decode { .. } | M::Encode { .. } | M::Compacted { .. })
         | Error::Bind { .. }
         | Error::Tls(_)
@@ -80,13 +83,20 @@ pub struct CoordinatorApi {
     pipeline: Arc<Pipeline>,
     view: ClusterView,
     admin: Option<Arc<dyn NodeAdmin>>,
+    keys: Arc<ApiKeys>,
 }
 
 impl CoordinatorApi {
     /// A service generating through `pipeline`, reporting `view`; without `admin` (a static plan) the node calls
-    /// answer `FAILED_PRECONDITION`.
+    /// answer `FAILED_PRECONDITION`. No API keys: see [`CoordinatorApi::with_keys`].
     pub fn new(pipeline: Arc<Pipeline>, view: ClusterView, admin: Option<Arc<dyn NodeAdmin>>) -> Self {
-        Self { pipeline, view, admin }
+        Self { pipeline, view, admin, keys: Arc::default() }
+    }
+
+    /// Requires the API keys `keys` of every call [`serve`] serves (see [`crate::auth`]).
+    pub fn with_keys(mut self, keys: Arc<ApiKeys>) -> Self {
+        self.keys = keys;
+        self
     }
 
     /// Turns a wire request into a validated token-space request.
@@ -237,7 +247,8 @@ async fn forward_events(
 }
 
 /// Serves the `Coordinator` service (with health and reflection) on `listener` until `shutdown` is cancelled; over
-/// TLS when `tls` is given (with a CA, callers must present a certificate it signed).
+/// TLS when `tls` is given (with a CA, callers must present a certificate it signed); calls the API's keys do not
+/// allow are refused before any service sees them.
 pub async fn serve(
     listener: TcpListener,
     api: CoordinatorApi,
@@ -251,8 +262,10 @@ pub async fn serve(
     tracing::info!(%addr, tls = tls.is_some(), "coordinator API serving");
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let stopping = reporter.clone();
+    let auth = GrpcAuthLayer::new(api.keys.clone());
     strata_proto::tls::server(tls.as_ref())
         .map_err(|e| ServiceError::internal(format!("coordinator API: {e}")))?
+        .layer(auth)
         .add_service(health)
         .add_service(reflection)
         .add_service(reflection_v1alpha)
