@@ -26,10 +26,10 @@ impl ApiKeyArgs {
     /// The credentials to send (none without a key).
     pub fn credentials(&self) -> Result<Credentials> {
         let key = self.api_key.as_deref().and_then(|k| k.split(',').map(str::trim).find(|k| !k.is_empty()));
-        let value = key
-            .map(|k| MetadataValue::try_from(format!("Bearer {k}")))
-            .transpose()
-            .context("--api-key must be printable ASCII")?;
+        if key.is_some_and(|k| !k.bytes().all(|b| b.is_ascii_graphic())) {
+            anyhow::bail!("--api-key must be printable ASCII without spaces, as the coordinator's keys are");
+        }
+        let value = key.map(|k| MetadataValue::try_from(format!("Bearer {k}"))).transpose().context("--api-key")?;
         Ok(Credentials(value))
     }
 }
@@ -103,6 +103,7 @@ mod tests {
         assert_eq!(sent(Some(" k1 , k2"))?.as_deref(), Some("Bearer k1"), "the first of a list");
         assert_eq!(sent(Some(""))?, None);
         assert!(sent(Some("k\u{e9}")).is_err(), "not ASCII");
+        assert!(sent(Some("a b")).is_err(), "a space inside the key");
         Ok(())
     }
 }
