@@ -1,7 +1,7 @@
 //! The OpenAI-compatible HTTP API: `/v1/models`, `/v1/completions` and `/v1/chat/completions` (whole responses or
-//! server-sent events) through the [`Pipeline`], plus `/health`, which runs a one-token generation through every
-//! stage (readiness), `/live`, which only says the process answers (liveness), and `/metrics` (Prometheus). With
-//! API keys every path but the last three needs one (`crate::auth`).
+//! server-sent events) through the [`Pipeline`], vLLM's `/tokenize`, `/detokenize` and `/version`, plus `/health`,
+//! which runs a one-token generation through every stage (readiness), `/live`, which only says the process answers
+//! (liveness), and `/metrics` (Prometheus). With API keys every path but the last three needs one (`crate::auth`).
 //! [`serve`] takes a bound listener and a shutdown token, so tests serve on port 0.
 //!
 //! Requests are validated by [`crate::request::prepare`], the same function the gRPC API uses; every error is
@@ -10,6 +10,7 @@
 pub mod completions;
 pub mod errors;
 pub mod openai;
+pub mod tokenize;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,7 +30,6 @@ use tracing::Instrument;
 use self::completions::Delivery;
 use self::errors::ApiError;
 use self::openai::{Body, ChatRequest, CompletionRequest, GenerationRequest, ModelCard, ModelList};
-use crate::Error;
 use crate::auth::{self, ApiKeys};
 use crate::config::DEFAULT_MAX_BODY_BYTES;
 use crate::metrics::{self, HttpLabels};
@@ -93,6 +93,9 @@ pub fn router(state: HttpState) -> Router {
         .route("/v1/models/{id}", get(get_model))
         .route("/v1/completions", post(generate::<CompletionRequest>))
         .route("/v1/chat/completions", post(generate::<ChatRequest>))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
+        .route("/version", get(tokenize::version))
         .route("/health", get(health))
         .route("/metrics", get(render_metrics))
         // Liveness: the process answers. Unlike /health it needs no stage, so a standby coordinator (or one whose
@@ -184,10 +187,7 @@ async fn list_models(State(state): State<Arc<HttpState>>) -> Json<ModelList> {
 }
 
 async fn get_model(State(state): State<Arc<HttpState>>, Path(id): Path<String>) -> Result<Json<ModelCard>, ApiError> {
-    let served = &state.pipeline.model().name;
-    if &id != served {
-        return Err(Error::UnknownModel { requested: id, served: served.clone() }.into());
-    }
+    tokenize::check_model(&state, Some(id))?;
     Ok(Json(model_card(&state)))
 }
 
