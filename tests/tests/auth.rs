@@ -130,13 +130,18 @@ async fn check_http(k: &Keyed) -> Result<()> {
     let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
     let model_path = format!("/v1/models/{}", k.model_name);
     // Every guarded endpoint, with the status the right key gets.
-    let guarded: [(&str, &str, Option<&Value>, u16); 5] = [
+    let tokenize = json!({"prompt": "hi"});
+    let detokenize = json!({"tokens": [17]});
+    let guarded: [(&str, &str, Option<&Value>, u16); 8] = [
         ("GET", "/v1/models", None, 200),
         ("GET", &model_path, None, 200),
         ("POST", "/v1/completions", Some(&completion), 200),
-        // The tiny model has no chat template: the key is accepted, the request is not.
+        // The tiny model has no tokenizer: the key is accepted, the request is not.
         ("POST", "/v1/chat/completions", Some(&chat), 400),
+        ("POST", "/tokenize", Some(&tokenize), 400),
+        ("POST", "/detokenize", Some(&detokenize), 400),
         ("GET", "/v1/nope", None, 404),
+        ("GET", "/version", None, 200),
     ];
     for (method, path, body, served) in guarded {
         for key in [None, Some(WRONG_KEY), Some("")] {
