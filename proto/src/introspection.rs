@@ -107,31 +107,25 @@ mod tests {
         );
         let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?.connect().await?;
 
-        let mut client = v1::server_reflection_client::ServerReflectionClient::new(channel.clone());
-        let ask = v1::ServerReflectionRequest {
-            message_request: Some(v1::server_reflection_request::MessageRequest::ListServices(String::new())),
-            ..Default::default()
-        };
-        let mut answers = client.server_reflection_info(tokio_stream::once(ask)).await?.into_inner();
-        let v1_names = match answers.message().await?.and_then(|r| r.message_response) {
-            Some(v1::server_reflection_response::MessageResponse::ListServicesResponse(l)) => {
-                l.service.into_iter().map(|s| s.name).collect::<Vec<_>>()
-            }
-            other => return Err(format!("v1: {other:?}").into()),
-        };
-
-        let mut client = v1alpha::server_reflection_client::ServerReflectionClient::new(channel);
-        let ask = v1alpha::ServerReflectionRequest {
-            message_request: Some(v1alpha::server_reflection_request::MessageRequest::ListServices(String::new())),
-            ..Default::default()
-        };
-        let mut answers = client.server_reflection_info(tokio_stream::once(ask)).await?.into_inner();
-        let v1alpha_names = match answers.message().await?.and_then(|r| r.message_response) {
-            Some(v1alpha::server_reflection_response::MessageResponse::ListServicesResponse(l)) => {
-                l.service.into_iter().map(|s| s.name).collect::<Vec<_>>()
-            }
-            other => return Err(format!("v1alpha: {other:?}").into()),
-        };
+        // The two versions' messages are the same in different modules: one body for both.
+        macro_rules! list_services {
+            ($v:ident) => {{
+                let mut client = $v::server_reflection_client::ServerReflectionClient::new(channel.clone());
+                let ask = $v::ServerReflectionRequest {
+                    message_request: Some($v::server_reflection_request::MessageRequest::ListServices(String::new())),
+                    ..Default::default()
+                };
+                let mut answers = client.server_reflection_info(tokio_stream::once(ask)).await?.into_inner();
+                match answers.message().await?.and_then(|r| r.message_response) {
+                    Some($v::server_reflection_response::MessageResponse::ListServicesResponse(l)) => {
+                        l.service.into_iter().map(|s| s.name).collect::<Vec<_>>()
+                    }
+                    other => return Err(format!("{}: {other:?}", stringify!($v)).into()),
+                }
+            }};
+        }
+        let v1_names = list_services!(v1);
+        let v1alpha_names = list_services!(v1alpha);
         for name in [COORDINATOR_SERVICE, STAGE_SERVICE, "grpc.health.v1.Health"] {
             assert!(v1_names.iter().any(|n| n == name), "v1 lists {name}: {v1_names:?}");
             assert!(v1alpha_names.iter().any(|n| n == name), "v1alpha lists {name}: {v1alpha_names:?}");
