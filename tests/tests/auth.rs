@@ -243,6 +243,7 @@ async fn check_drain(k: &Keyed) -> Result<()> {
 async fn check_cli(k: &Keyed) -> Result<()> {
     let strata = workspace_bin("strata")?;
     let url = format!("http://{}", k.grpc);
+    let bench_url = url.clone();
     let run = move |args: &[&str], env_key: Option<&str>| -> Result<(bool, String)> {
         let mut cmd = Command::new(&strata);
         cmd.args(args).env_remove("STRATA_API_KEY").env("STRATA_COORDINATOR", &url);
@@ -273,6 +274,30 @@ async fn check_cli(k: &Keyed) -> Result<()> {
         ensure!(ok && out.contains("CORDONED"), "nodes cordon with the admin key: {out}");
         let (ok, out) = run(&["nodes", "uncordon", "w0", "--api-key", ADMIN_KEY], None)?;
         ensure!(ok && out.contains("READY"), "nodes uncordon with the admin key: {out}");
+        let out_dir = tempfile::tempdir()?;
+        let report = out_dir.path().join("bench.json");
+        let report = report.to_str().context("temp path")?;
+        let bench = [
+            "bench",
+            "--coordinator",
+            &bench_url,
+            "--concurrency",
+            "1",
+            "--requests-per-client",
+            "1",
+            "--prompt-tokens",
+            "2",
+            "--decode-tokens",
+            "2",
+            "--out",
+            report,
+        ];
+        let (ok, out) = run(&bench, None)?;
+        ensure!(!ok && out.contains("API key"), "bench without a key: {out}");
+        // Its prompts draw ids beyond the tiny model's vocabulary, so the measured requests fail; getting the plan
+        // and a first generation (ready_client) through shows the key went with every call.
+        let (_, out) = run(&bench, Some(USER_KEY))?;
+        ensure!(out.contains("plan: 1 stage(s)") && !out.contains("API key"), "bench with STRATA_API_KEY: {out}");
         Ok(())
     });
     cli.await?
