@@ -16,7 +16,7 @@ use strata_proto::pb::coordinator_client::CoordinatorClient;
 use strata_proto::{NodeId, pb};
 use strata_stage_worker::{RegistrationOptions, Worker, WorkerConfig};
 use strata_testkit::{free_port, workspace_bin};
-use strata_tests::{eventually, http_client, ids_request, tiny_model};
+use strata_tests::{eventually, grpcurl, http_client, ids_request, tiny_model};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
@@ -222,7 +222,26 @@ async fn check_grpc(k: &Keyed) -> Result<()> {
     let mut health = tonic_health::pb::health_client::HealthClient::new(k.channel().await?);
     let check = tonic_health::pb::HealthCheckRequest { service: strata_proto::COORDINATOR_SERVICE.into() };
     health.check(check).await.context("health must stay open")?;
-    Ok(())
+    check_grpcurl(k).await
+}
+
+/// grpcurl lists the services (reflection is open) and calls `Generate` with `-H 'authorization: Bearer KEY'`.
+async fn check_grpcurl(k: &Keyed) -> Result<()> {
+    let Some(grpcurl) = strata_tests::grpcurl::find()? else { return Ok(()) };
+    let addr = k.grpc.to_string();
+    tokio::task::spawn_blocking(move || -> Result<()> {
+        let listed = grpcurl::run(&grpcurl, &addr, &[], None, &["list"])?;
+        ensure!(listed.ok && listed.stdout.contains(strata_proto::COORDINATOR_SERVICE), "list: {listed:?}");
+        let method = format!("{}/Generate", strata_proto::COORDINATOR_SERVICE);
+        let request = Some(r#"{"ids": {"ids": [17, 42]}, "maxTokens": 2}"#);
+        let refused = grpcurl::run(&grpcurl, &addr, &[], request, &[&method])?;
+        ensure!(!refused.ok && refused.stderr.contains("Unauthenticated"), "Generate without a key: {refused:?}");
+        let header = format!("authorization: Bearer {USER_KEY}");
+        let served = grpcurl::run(&grpcurl, &addr, &[&header], request, &[&method])?;
+        ensure!(served.ok && served.stdout.contains("FINISH_REASON_LENGTH"), "Generate with -H: {served:?}");
+        Ok(())
+    })
+    .await?
 }
 
 /// `DrainNode`, last: it takes the only worker out of the plan.

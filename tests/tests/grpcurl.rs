@@ -1,55 +1,21 @@
 //! grpcurl 1.8.6 (the version users have; it speaks only `grpc.reflection.v1alpha`) against a real coordinator and
 //! real stage workers: it lists their services through reflection, checks their health, and runs `Generate` from
-//! JSON, getting the same tokens as the Rust client.
-//!
-//! grpcurl comes from `STRATA_GRPCURL`, else the project's venv (`scripts/python-env.sh` installs it; scripts/test
-//! exports the variable), else `PATH`. Without it the test fails in CI (`CI` set) or when `STRATA_GRPCURL` names a
-//! missing file, and otherwise skips, saying how to install it.
+//! JSON, getting the same tokens as the Rust client. Where grpcurl comes from, and when the test skips: `strata_tests::grpcurl`.
 
-use std::path::PathBuf;
-use std::process::Command;
+use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use serde_json::Value;
 use strata_proto::{COORDINATOR_SERVICE, STAGE_SERVICE};
 use strata_tests::{StageSizing, TestCluster, generate, ids_request, tiny_model};
 
 const PROMPT: [u32; 4] = [17, 42, 3, 250];
 
-/// The grpcurl to run, or `None` (skip) outside CI when there is none.
-fn grpcurl() -> Result<Option<PathBuf>> {
-    if let Some(path) = std::env::var_os("STRATA_GRPCURL").map(PathBuf::from) {
-        ensure!(path.exists(), "STRATA_GRPCURL={} does not exist", path.display());
-        return Ok(Some(path));
-    }
-    let cache = std::env::var_os("STRATA_CACHE").map_or_else(|| PathBuf::from("/var/cache/strata"), PathBuf::from);
-    let venv = cache.join("venv/bin/grpcurl");
-    if venv.exists() {
-        return Ok(Some(venv));
-    }
-    if Command::new("grpcurl").arg("-version").output().is_ok_and(|o| o.status.success()) {
-        return Ok(Some(PathBuf::from("grpcurl")));
-    }
-    if std::env::var_os("CI").is_some() {
-        bail!("grpcurl is missing in CI: scripts/python-env.sh installs it (scripts/test runs it)");
-    }
-    eprintln!(
-        "SKIPPED: grpcurl is not installed; run scripts/python-env.sh (or scripts/test) to install grpcurl 1.8.6"
-    );
-    Ok(None)
-}
-
-/// Runs `grpcurl -plaintext [-d data] addr args...`; fails with its output unless it succeeds.
-fn run(grpcurl: &PathBuf, addr: &str, data: Option<&str>, args: &[&str]) -> Result<String> {
-    let mut cmd = Command::new(grpcurl);
-    cmd.arg("-plaintext");
-    if let Some(data) = data {
-        cmd.args(["-d", data]);
-    }
-    let out = cmd.arg(addr).args(args).output().with_context(|| format!("running {}", grpcurl.display()))?;
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    ensure!(out.status.success(), "grpcurl {args:?}: {text}{}", String::from_utf8_lossy(&out.stderr));
-    Ok(text)
+/// Runs grpcurl in plaintext against `addr`; fails with its output unless it succeeds.
+fn run(grpcurl: &Path, addr: &str, data: Option<&str>, args: &[&str]) -> Result<String> {
+    let out = strata_tests::grpcurl::run(grpcurl, addr, &[], data, args)?;
+    ensure!(out.ok, "grpcurl {args:?}: {}{}", out.stdout, out.stderr);
+    Ok(out.stdout)
 }
 
 /// The JSON objects grpcurl printed one after another (a server stream).
@@ -59,7 +25,7 @@ fn messages(text: &str) -> Result<Vec<Value>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpcurl_lists_checks_health_and_generates_through_reflection() -> Result<()> {
-    let Some(grpcurl) = grpcurl()? else { return Ok(()) };
+    let Some(grpcurl) = strata_tests::grpcurl::find()? else { return Ok(()) };
     let model = tiny_model()?;
     let cluster = TestCluster::start(model.path(), &[0, 2, 4], StageSizing::default()).await?;
     let result = checks(&cluster, grpcurl).await;
