@@ -155,3 +155,32 @@ fn keys(given: Vec<String>, file: Option<&std::path::Path>) -> anyhow::Result<Ve
     }
     Ok(keys)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_come_from_the_flag_list_and_the_file() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let file = dir.path().join("keys");
+        std::fs::write(&file, "# ops team\nfile-key-1\n\n  file-key-2  \n")?;
+        let args = Args::try_parse_from([
+            "coordinator",
+            "--model",
+            "m",
+            "--api-key",
+            "flag-key-1, ,flag-key-2",
+            "--admin-api-key-file",
+            file.to_str().unwrap_or_default(),
+        ])?;
+        let plain = keys(args.api_keys, args.api_key_file.as_deref())?;
+        assert_eq!(plain, vec![ApiKey::new("flag-key-1"), ApiKey::new("flag-key-2")]);
+        let admin = keys(args.admin_api_keys, args.admin_api_key_file.as_deref())?;
+        assert_eq!(admin, vec![ApiKey::new("file-key-1"), ApiKey::new("file-key-2")]);
+        let missing = keys(Vec::new(), Some(&dir.path().join("nope")));
+        assert!(missing.is_err_and(|e| e.to_string().contains("nope")), "a missing key file names itself");
+        assert_eq!(args.max_body_bytes, DEFAULT_MAX_BODY_BYTES);
+        Ok(())
+    }
+}
