@@ -29,6 +29,8 @@ pub struct BenchArgs {
     coordinator: Option<String>,
     #[command(flatten)]
     tls: TlsArgs,
+    #[command(flatten)]
+    api_key: crate::connect::ApiKeyArgs,
     /// Benchmark serving through local clusters of these stage counts (e.g. `1,2,3`), started in this process;
     /// --threads is then the total, split evenly over the stages.
     #[arg(long, value_delimiter = ',')]
@@ -100,6 +102,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         return crate::bench_cluster::run(crate::bench_cluster::ClusterBench {
             coordinator: a.coordinator,
             tls: a.tls,
+            credentials: a.api_key.credentials()?,
             local: a.local,
             model: a.model,
             concurrency: a.concurrency,

@@ -10,12 +10,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
-use strata_proto::pb::coordinator_client::CoordinatorClient;
 use strata_proto::{TlsArgs, pb};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 
 use crate::cluster::LocalCluster;
-use crate::connect;
+use crate::connect::{self, Client, Credentials};
 
 /// What to measure.
 pub struct ClusterBench {
@@ -23,6 +22,8 @@ pub struct ClusterBench {
     pub coordinator: Option<String>,
     /// How to dial an `https://` coordinator.
     pub tls: TlsArgs,
+    /// The API key sent to a `--coordinator` that requires one (local clusters have none).
+    pub credentials: Credentials,
     /// Stage counts of the local clusters to start.
     pub local: Vec<usize>,
     /// The model (needed for local clusters and the single-process baseline).
@@ -98,7 +99,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
     let mut plans = Vec::new();
     match &b.coordinator {
         Some(url) => rt.block_on(async {
-            let mut client = ready_client(url, &connect::endpoint(url, &b.tls)?).await?;
+            let mut client = ready_client(url, &connect::endpoint(url, &b.tls)?, &b.credentials).await?;
             let (stages, plan) = describe_plan(&mut client).await?;
             plans.push(plan);
             for &c in &b.concurrency {
@@ -132,7 +133,8 @@ pub fn run(b: ClusterBench) -> Result<()> {
                     let cluster = LocalCluster::start(&model, stages, per_stage, kv_blocks, None, grpc, http).await?;
                     let bench = async {
                         let url = format!("http://{grpc}");
-                        let mut client = ready_client(&url, &strata_proto::endpoint(&url, None)?).await?;
+                        let endpoint = strata_proto::endpoint(&url, None)?;
+                        let mut client = ready_client(&url, &endpoint, &Credentials::default()).await?;
                         plans.push(describe_plan(&mut client).await?.1);
                         for &c in &b.concurrency {
                             let mut run = measure(&client, &b, stages, c).await?;
@@ -182,11 +184,11 @@ fn request(client: usize, index: usize, b: &ClusterBench) -> pb::GenerateRequest
 }
 
 /// Connects to `endpoint` (the coordinator at `url`) and waits (up to 120 s) until a one-token generation succeeds.
-async fn ready_client(url: &str, endpoint: &Endpoint) -> Result<CoordinatorClient<Channel>> {
+async fn ready_client(url: &str, endpoint: &Endpoint, credentials: &Credentials) -> Result<Client> {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let attempt = async {
-            let mut client = connect::connect(endpoint).await?;
+            let mut client = connect::connect_as(endpoint, credentials).await?;
             let req = pb::GenerateRequest {
                 prompt: Some(pb::generate_request::Prompt::Ids(pb::TokenIds { ids: vec![1] })),
                 max_tokens: 1,
@@ -196,15 +198,21 @@ async fn ready_client(url: &str, endpoint: &Endpoint) -> Result<CoordinatorClien
             while stream.message().await?.is_some() {}
             Ok::<_, anyhow::Error>(client)
         };
+        let refused = |e: &anyhow::Error| {
+            e.downcast_ref::<tonic::Status>()
+                .is_some_and(|s| matches!(s.code(), tonic::Code::Unauthenticated | tonic::Code::PermissionDenied))
+        };
         match attempt.await {
             Ok(c) => return Ok(c),
+            // A missing or wrong API key does not fix itself.
+            Err(e) if refused(&e) => return Err(e).context(format!("cluster at {url} refused the --api-key")),
             Err(e) if Instant::now() >= deadline => return Err(e).context(format!("cluster at {url} never served")),
             Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
         }
     }
 }
 
-async fn one_request(mut client: CoordinatorClient<Channel>, req: pb::GenerateRequest) -> Result<Sample> {
+async fn one_request(mut client: Client, req: pb::GenerateRequest) -> Result<Sample> {
     let start = Instant::now();
     let mut stream = client.generate(req).await?.into_inner();
     let (mut ttft, mut last, mut itl, mut tokens, mut usage) = (None, start, Vec::new(), 0u64, None);
@@ -225,12 +233,7 @@ async fn one_request(mut client: CoordinatorClient<Channel>, req: pb::GenerateRe
     Ok(Sample { ttft: ttft.context("no token came back")?, itl, tokens, usage: usage.unwrap_or_default() })
 }
 
-async fn measure(
-    client: &CoordinatorClient<Channel>,
-    b: &ClusterBench,
-    stages: usize,
-    concurrency: usize,
-) -> Result<Run> {
+async fn measure(client: &Client, b: &ClusterBench, stages: usize, concurrency: usize) -> Result<Run> {
     let start = Instant::now();
     let tasks: Vec<_> = (0..concurrency)
         .map(|c| {
@@ -317,7 +320,7 @@ fn single_process_itl_ms(model: &Path, threads: usize, prompt_tokens: usize, max
 
 /// The number of stages served and the plan as `node layers a..b (x ms/layer)` per stage, printed and kept in the
 /// report: how layers were split explains much of a multi-stage result.
-async fn describe_plan(client: &mut CoordinatorClient<Channel>) -> Result<(usize, String)> {
+async fn describe_plan(client: &mut Client) -> Result<(usize, String)> {
     let s = client.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner();
     let mut nodes: Vec<_> = s.nodes.iter().filter(|n| n.layer_end > n.layer_start).collect();
     nodes.sort_by_key(|n| n.layer_start);

@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use strata_proto::{TlsArgs, pb};
 use tonic::transport::Endpoint;
 
-use crate::connect;
+use crate::connect::{self, ApiKeyArgs, Credentials};
 use crate::generate::{Format, PromptArgs};
 use crate::retry::{Decision, Mismatch, Resume, Retrier, RetryBudget, TextResume, deterministic};
 
@@ -23,6 +23,8 @@ pub struct ClientGenerateArgs {
     coordinator: Vec<String>,
     #[command(flatten)]
     tls: TlsArgs,
+    #[command(flatten)]
+    api_key: ApiKeyArgs,
     #[command(flatten)]
     prompt: PromptArgs,
     /// Seconds to keep retrying before the first token, whatever --retries says (the cluster may still be
@@ -103,7 +105,7 @@ impl Output {
 }
 
 async fn attempt(
-    endpoint: &Endpoint,
+    (endpoint, credentials): (&Endpoint, &Credentials),
     req: &pb::GenerateRequest,
     out: &mut Output,
     retrier: &mut Retrier,
@@ -111,7 +113,7 @@ async fn attempt(
 ) -> Result<Attempt, Mismatch> {
     out.ids.restart();
     out.text.restart();
-    let mut stream = match connect::connect(endpoint).await {
+    let mut stream = match connect::connect_as(endpoint, credentials).await {
         Ok(mut client) => match client.generate(req.clone()).await {
             Ok(r) => r.into_inner(),
             Err(s) => return Ok(Attempt::Failed(s.into())),
@@ -156,6 +158,7 @@ pub fn client_generate(a: ClientGenerateArgs) -> Result<()> {
         bail!("--coordinator needs at least one URL");
     }
     let endpoints = urls.iter().map(|u| connect::endpoint(u, &a.tls)).collect::<Result<Vec<_>>>()?;
+    let credentials = a.api_key.credentials()?;
     let budget = RetryBudget {
         retries: a.retries,
         retry_timeout: Duration::from_secs(a.retry_timeout),
@@ -176,7 +179,8 @@ pub fn client_generate(a: ClientGenerateArgs) -> Result<()> {
         let mut next = 0;
         let finish = loop {
             let i = next % endpoints.len();
-            let error = match attempt(&endpoints[i], &req, &mut out, &mut retrier, &mut last_progress).await {
+            let target = (&endpoints[i], &credentials);
+            let error = match attempt(target, &req, &mut out, &mut retrier, &mut last_progress).await {
                 Ok(Attempt::Finished(f)) => break f,
                 Ok(Attempt::Failed(e)) => e,
                 Err(mismatch) => bail!("generate via {}: {mismatch}", urls[i]),

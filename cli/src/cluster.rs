@@ -11,6 +11,7 @@ use strata_proto::{NodeId, TlsArgs, pb, shutdown_signal};
 use strata_stage_worker::{RegistrationOptions, Worker, WorkerConfig};
 use tokio_util::sync::CancellationToken;
 
+use crate::connect::ApiKeyArgs;
 use crate::{connect, drain};
 
 /// Arguments of `strata local`.
@@ -195,6 +196,8 @@ pub struct NodesTarget {
     coordinator: String,
     #[command(flatten)]
     tls: TlsArgs,
+    #[command(flatten)]
+    api_key: ApiKeyArgs,
 }
 
 /// A node and the coordinator to ask.
@@ -242,7 +245,9 @@ pub fn nodes(cmd: NodesCommand) -> Result<()> {
         };
         let url = &target.coordinator;
         let endpoint = connect::endpoint(url, &target.tls)?;
-        let mut client = connect::connect(&endpoint).await.with_context(|| format!("connecting to {url}"))?;
+        let credentials = target.api_key.credentials()?;
+        let mut client =
+            connect::connect_as(&endpoint, &credentials).await.with_context(|| format!("connecting to {url}"))?;
         match cmd {
             NodesCommand::List(_) => {
                 let s = client.cluster_status(pb::ClusterStatusRequest {}).await?.into_inner();

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 use strata_proto::pb;
-use strata_proto::pb::coordinator_client::CoordinatorClient;
-use tonic::transport::Channel;
+
+use crate::connect::Client;
 
 /// How often the coordinator is asked.
 const POLL: Duration = Duration::from_millis(500);
@@ -58,7 +58,7 @@ pub fn progress(status: &pb::ClusterStatusResponse, id: &str) -> DrainProgress {
 /// Polls `ClusterStatus` until node `id` is drained, calling `report` with each new pending state; fails after
 /// `timeout` naming what is still pending. Returns how long it took.
 pub async fn wait_drained(
-    client: &mut CoordinatorClient<Channel>,
+    client: &mut Client,
     id: &str,
     timeout: Duration,
     mut report: impl FnMut(&str),

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use strata_engine::tokenizer::ChatMessage;
 use strata_proto::pb::coordinator_server::{Coordinator as CoordinatorRpc, CoordinatorServer};
 use strata_proto::{
-    COORDINATOR_SERVICE, NodeId, ServiceError, Tls, health_service, pb, reflection_service, set_serving,
+    COORDINATOR_SERVICE, NodeId, ServiceError, Tls, health_service, pb, reflection_services, set_serving,
 };
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -18,6 +18,7 @@ use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
+use crate::auth::{ApiKeys, GrpcAuthLayer};
 use crate::coordinator::{ClusterView, cordon_node, drain_node, uncordon_node};
 use crate::pipeline::{Pipeline, SeqEvent, SeqRequest};
 use crate::request::{self, GenerateParams, Prompt};
@@ -69,6 +70,8 @@ pub fn service_error(err: &Error) -> ServiceError {
         Error::Membership(
             M::EtcdUnreachable { .. } | M::Etcd { .. } | M::LeaseExpired(_) | M::Contention { .. } | M::Deposed { .. },
         ) => ServiceError::unavailable(message),
+        Error::Unauthenticated(_) => ServiceError::unauthenticated(message),
+        Error::PermissionDenied(_) => ServiceError::permission_denied(message),
         Error::Membership(M::Decode { .. } | M::Encode { .. } | M::Compacted { .. })
         | Error::Bind { .. }
         | Error::Tls(_)
@@ -81,13 +84,20 @@ pub struct CoordinatorApi {
     pipeline: Arc<Pipeline>,
     view: ClusterView,
     admin: Option<Arc<dyn NodeAdmin>>,
+    keys: Arc<ApiKeys>,
 }
 
 impl CoordinatorApi {
     /// A service generating through `pipeline`, reporting `view`; without `admin` (a static plan) the node calls
-    /// answer `FAILED_PRECONDITION`.
+    /// answer `FAILED_PRECONDITION`. No API keys: see [`CoordinatorApi::with_keys`].
     pub fn new(pipeline: Arc<Pipeline>, view: ClusterView, admin: Option<Arc<dyn NodeAdmin>>) -> Self {
-        Self { pipeline, view, admin }
+        Self { pipeline, view, admin, keys: Arc::default() }
+    }
+
+    /// Requires the API keys `keys` of every call [`serve`] serves (see [`crate::auth`]).
+    pub fn with_keys(mut self, keys: Arc<ApiKeys>) -> Self {
+        self.keys = keys;
+        self
     }
 
     /// Turns a wire request into a validated token-space request.
@@ -235,7 +245,8 @@ async fn forward_events(
 }
 
 /// Serves the `Coordinator` service (with health and reflection) on `listener` until `shutdown` is cancelled; over
-/// TLS when `tls` is given (with a CA, callers must present a certificate it signed).
+/// TLS when `tls` is given (with a CA, callers must present a certificate it signed); calls the API's keys do not
+/// allow are refused before any service sees them.
 pub async fn serve(
     listener: TcpListener,
     api: CoordinatorApi,
@@ -244,15 +255,18 @@ pub async fn serve(
 ) -> Result<(), ServiceError> {
     let (reporter, health) = health_service();
     set_serving(&reporter, COORDINATOR_SERVICE, true).await;
-    let reflection = reflection_service().map_err(|e| ServiceError::internal(e.to_string()))?;
+    let (reflection, reflection_v1alpha) = reflection_services().map_err(|e| ServiceError::internal(e.to_string()))?;
     let addr = listener.local_addr().map_err(|e| ServiceError::internal(e.to_string()))?;
     tracing::info!(%addr, tls = tls.is_some(), "coordinator API serving");
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let stopping = reporter.clone();
+    let auth = GrpcAuthLayer::new(api.keys.clone());
     strata_proto::tls::server(tls.as_ref())
         .map_err(|e| ServiceError::internal(format!("coordinator API: {e}")))?
+        .layer(auth)
         .add_service(health)
         .add_service(reflection)
+        .add_service(reflection_v1alpha)
         .add_service(CoordinatorServer::new(api))
         .serve_with_incoming_shutdown(incoming, async move {
             shutdown.cancelled().await;

@@ -9,6 +9,7 @@ use strata_engine::{KvDtype, QuantDtype};
 use strata_membership::{check_cluster_name, check_endpoints};
 use strata_proto::{Keepalive, Tls, TlsFiles};
 
+use crate::auth::{ApiKey, ApiKeys, check_keys};
 use crate::pipeline::{PipelineOptions, SchedulerLimits, Timeouts};
 use crate::sizing::{SizeOptions, context_limits};
 use crate::{Error, Result};
@@ -91,6 +92,16 @@ pub struct CoordinatorConfig {
     /// it signed and stages must present one too (mutual TLS); the HTTP API never asks for a client certificate.
     #[serde(default)]
     pub tls: Option<TlsFiles>,
+    /// API keys: with any key set (here or in `admin_api_keys`), calls to both APIs must carry
+    /// `Authorization: Bearer <key>` (the probes, `/metrics`, gRPC health and reflection stay open).
+    #[serde(default)]
+    pub api_keys: Vec<ApiKey>,
+    /// Admin API keys: they also work as plain keys, and only they may drain, cordon or uncordon nodes.
+    #[serde(default)]
+    pub admin_api_keys: Vec<ApiKey>,
+    /// Largest HTTP request body accepted, in bytes; larger ones get 413.
+    #[serde(default = "default_max_body_bytes")]
+    pub max_body_bytes: usize,
 }
 
 fn default_cluster() -> String {
@@ -125,6 +136,12 @@ fn default_keepalive_timeout() -> u64 {
 }
 fn default_shutdown_grace() -> u64 {
     30_000
+}
+/// The default HTTP body limit, 2 MiB (axum's): a prompt of the longest context in any model fits many times over.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 2 << 20;
+
+fn default_max_body_bytes() -> usize {
+    DEFAULT_MAX_BODY_BYTES
 }
 fn default_max_concurrent() -> usize {
     SchedulerLimits::default().max_concurrent_requests
@@ -161,6 +178,9 @@ impl CoordinatorConfig {
             keepalive_timeout_ms: default_keepalive_timeout(),
             shutdown_grace_ms: default_shutdown_grace(),
             tls: None,
+            api_keys: Vec::new(),
+            admin_api_keys: Vec::new(),
+            max_body_bytes: default_max_body_bytes(),
         }
     }
 
@@ -205,7 +225,16 @@ impl CoordinatorConfig {
         if self.model.as_os_str().is_empty() {
             return bad("model path is empty".into());
         }
-        Ok(())
+        if self.max_body_bytes == 0 {
+            return bad("max_body_bytes must be positive".into());
+        }
+        check_keys("api_keys", &self.api_keys)?;
+        check_keys("admin_api_keys", &self.admin_api_keys)
+    }
+
+    /// The keys both APIs accept (none: the APIs are open).
+    pub fn keys(&self) -> ApiKeys {
+        ApiKeys::new(self.api_keys.clone(), self.admin_api_keys.clone())
     }
 
     /// The longest sequence served and the KV tokens every stage must hold, for a model whose context is
@@ -320,6 +349,15 @@ mod tests {
         let mut c = base();
         c.max_batch_tokens = 0;
         assert!(c.validate().is_err_and(|e| e.to_string().contains("max_batch_tokens")));
+        let mut c = base();
+        c.max_body_bytes = 0;
+        assert!(c.validate().is_err_and(|e| e.to_string().contains("max_body_bytes")));
+        let mut c = base();
+        assert!(!c.keys().enabled(), "no keys: open");
+        c.admin_api_keys = vec![ApiKey::new("a b")];
+        assert!(c.validate().is_err_and(|e| e.to_string().contains("admin_api_keys[0]")));
+        c.admin_api_keys = vec![ApiKey::new("admin")];
+        assert!(c.validate().is_ok() && c.keys().enabled());
     }
 
     #[test]

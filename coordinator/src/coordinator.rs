@@ -182,8 +182,9 @@ pub async fn run_with_registry<R: Registry>(
     let http = bind("HTTP", config.http_addr).await?;
     let options = config.pipeline_options(tls.clone());
     let grace = config.shutdown_grace();
+    let listeners = Listeners { grpc, http, tls, keys: Arc::new(config.keys()), max_body_bytes: config.max_body_bytes };
     let coordinator = Coordinator::new(registry.clone(), config, shape, model_name);
-    lead_and_serve(coordinator, registry, model, options, grace, Listeners { grpc, http, tls }, shutdown).await
+    lead_and_serve(coordinator, registry, model, options, grace, listeners, shutdown).await
 }
 
 async fn bind(api: &'static str, addr: std::net::SocketAddr) -> Result<tokio::net::TcpListener> {

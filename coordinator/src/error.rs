@@ -49,6 +49,12 @@ pub enum Error {
     /// Placement failed.
     #[error(transparent)]
     Placement(#[from] PlacementError),
+    /// The caller presented no API key, or one the coordinator does not know.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// The caller's API key does not allow the call (an admin call with a plain key).
+    #[error("{0}")]
+    PermissionDenied(String),
     /// A value does not fit its wire field (a layer index or count beyond `u32`).
     #[error(transparent)]
     Wire(strata_proto::ProtoError),

@@ -5,6 +5,7 @@
 //! `docs/architecture.md`.
 
 pub mod api;
+pub mod auth;
 pub mod config;
 pub mod coordinator;
 mod error;

@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use strata_coordinator::CoordinatorConfig;
+use strata_coordinator::auth::{ApiKey, read_key_file};
+use strata_coordinator::config::DEFAULT_MAX_BODY_BYTES;
 use strata_engine::{KvDtype, QuantDtype};
 use strata_membership::parse_endpoints;
 use strata_proto::{Keepalive, LogArgs, TlsArgs, shutdown_token};
@@ -86,6 +88,24 @@ struct Args {
     /// On SIGTERM, how long (ms) in-flight requests get to finish before the rest fail; new ones are refused.
     #[arg(long, env = "STRATA_SHUTDOWN_GRACE_MS", default_value_t = 30_000)]
     shutdown_grace_ms: u64,
+    /// API keys callers must send as `Authorization: Bearer <key>` (HTTP header or gRPC metadata),
+    /// comma-separated; none (and no admin key): both APIs are open. Prefer the env var or a file to the flag, which
+    /// `ps` shows.
+    #[arg(long = "api-key", env = "STRATA_API_KEY", value_delimiter = ',', hide_env_values = true)]
+    api_keys: Vec<String>,
+    /// A file of API keys, one per line (blank lines and `#` comments skipped), added to --api-key.
+    #[arg(long, env = "STRATA_API_KEY_FILE")]
+    api_key_file: Option<PathBuf>,
+    /// Admin API keys, comma-separated: they also work as plain keys, and only they may drain, cordon or
+    /// uncordon nodes (with keys set and no admin key, nobody may).
+    #[arg(long = "admin-api-key", env = "STRATA_ADMIN_API_KEY", value_delimiter = ',', hide_env_values = true)]
+    admin_api_keys: Vec<String>,
+    /// A file of admin API keys, one per line, added to --admin-api-key.
+    #[arg(long, env = "STRATA_ADMIN_API_KEY_FILE")]
+    admin_api_key_file: Option<PathBuf>,
+    /// Largest HTTP request body accepted, in bytes; larger ones get 413.
+    #[arg(long, env = "STRATA_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES)]
+    max_body_bytes: usize,
     /// TLS for both APIs (HTTPS on the HTTP one) and for dialling the stages.
     #[command(flatten)]
     tls: TlsArgs,
@@ -120,6 +140,47 @@ async fn main() -> anyhow::Result<()> {
     config.keepalive_timeout_ms = args.keepalive_timeout_ms;
     config.shutdown_grace_ms = args.shutdown_grace_ms;
     config.tls = args.tls.files()?;
+    config.api_keys = keys(args.api_keys, args.api_key_file.as_deref())?;
+    config.admin_api_keys = keys(args.admin_api_keys, args.admin_api_key_file.as_deref())?;
+    config.max_body_bytes = args.max_body_bytes;
     strata_coordinator::run(config, shutdown_token()).await?;
     Ok(())
+}
+
+/// The keys given on the command line (or env; empty entries dropped) and in `file`.
+fn keys(given: Vec<String>, file: Option<&std::path::Path>) -> anyhow::Result<Vec<ApiKey>> {
+    let mut keys: Vec<ApiKey> = given.iter().map(|k| k.trim()).filter(|k| !k.is_empty()).map(ApiKey::new).collect();
+    if let Some(file) = file {
+        keys.extend(read_key_file(file)?);
+    }
+    Ok(keys)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_come_from_the_flag_list_and_the_file() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let file = dir.path().join("keys");
+        std::fs::write(&file, "# ops team\nfile-key-1\n\n  file-key-2  \n")?;
+        let args = Args::try_parse_from([
+            "coordinator",
+            "--model",
+            "m",
+            "--api-key",
+            "flag-key-1, ,flag-key-2",
+            "--admin-api-key-file",
+            file.to_str().unwrap_or_default(),
+        ])?;
+        let plain = keys(args.api_keys, args.api_key_file.as_deref())?;
+        assert_eq!(plain, vec![ApiKey::new("flag-key-1"), ApiKey::new("flag-key-2")]);
+        let admin = keys(args.admin_api_keys, args.admin_api_key_file.as_deref())?;
+        assert_eq!(admin, vec![ApiKey::new("file-key-1"), ApiKey::new("file-key-2")]);
+        let missing = keys(Vec::new(), Some(&dir.path().join("nope")));
+        assert!(missing.is_err_and(|e| e.to_string().contains("nope")), "a missing key file names itself");
+        assert_eq!(args.max_body_bytes, DEFAULT_MAX_BODY_BYTES);
+        Ok(())
+    }
 }

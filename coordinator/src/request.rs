@@ -11,6 +11,10 @@ use crate::{Error, Result};
 
 /// `max_tokens` used when a request leaves it unset (capped by the context left after the prompt).
 pub const DEFAULT_MAX_TOKENS: usize = 256;
+/// Most stop strings a request may carry: every generated token is checked against each of them.
+pub const MAX_STOP_STRINGS: usize = 16;
+/// Longest stop string, in bytes.
+pub const MAX_STOP_BYTES: usize = 256;
 
 /// What to generate from, before tokenizing.
 #[derive(Debug, Clone, PartialEq)]
@@ -58,20 +62,10 @@ pub fn prepare(model: &ModelInfo, params: GenerateParams) -> Result<SeqRequest> 
     if let Some(asked) = params.model.filter(|m| *m != model.name) {
         return Err(Error::UnknownModel { requested: asked, served: model.name.clone() });
     }
+    check_stop(&params.stop)?;
     let param = params.prompt.param();
     let invalid = |message: String| Error::InvalidRequest { param: Some(param), message };
-    let prompt_ids = match params.prompt {
-        Prompt::Ids(ids) => ids,
-        // Checked before tokenizing: a tokenizer that adds BOS would turn "" into a one-token prompt.
-        Prompt::Text(text) if text.is_empty() => Vec::new(),
-        Prompt::Chat(messages) if messages.is_empty() => return Err(invalid("messages is empty".into())),
-        Prompt::Text(text) => encode(model, &text).map_err(invalid)?,
-        Prompt::Chat(messages) => {
-            let tok = model.tokenizer.as_ref().ok_or_else(|| invalid(no_tokenizer()))?;
-            let text = tok.apply_chat_template(&messages).map_err(|e| invalid(format!("chat template: {e}")))?;
-            encode(model, &text).map_err(invalid)?
-        }
-    };
+    let prompt_ids = prompt_ids(model, params.prompt)?;
     if prompt_ids.is_empty() {
         return Err(invalid("the prompt is empty".into()));
     }
@@ -100,6 +94,47 @@ pub fn prepare(model: &ModelInfo, params: GenerateParams) -> Result<SeqRequest> 
         logprobs: params.logprobs,
         ignore_eos: params.ignore_eos,
     })
+}
+
+/// The token ids generation starts from: text tokenized as is, a conversation through the chat template, ids as
+/// given. `/tokenize` answers with the same ids.
+pub fn prompt_ids(model: &ModelInfo, prompt: Prompt) -> Result<Vec<u32>> {
+    let param = prompt.param();
+    let invalid = |message: String| Error::InvalidRequest { param: Some(param), message };
+    Ok(match prompt {
+        Prompt::Ids(ids) => ids,
+        // Checked before tokenizing: a tokenizer that adds BOS would turn "" into a one-token prompt.
+        Prompt::Text(text) if text.is_empty() => Vec::new(),
+        Prompt::Chat(messages) if messages.is_empty() => return Err(invalid("messages is empty".into())),
+        Prompt::Text(text) => encode(model, &text).map_err(invalid)?,
+        Prompt::Chat(messages) => {
+            let tok = model.tokenizer.as_ref().ok_or_else(|| invalid(no_tokenizer()))?;
+            let text = tok.apply_chat_template(&messages).map_err(|e| invalid(format!("chat template: {e}")))?;
+            encode(model, &text).map_err(invalid)?
+        }
+    })
+}
+
+/// The text of `ids` (`/detokenize`); ids outside the vocabulary are refused.
+pub fn detokenize(model: &ModelInfo, ids: &[u32]) -> Result<String> {
+    let invalid = |message: String| Error::InvalidRequest { param: Some("tokens"), message };
+    if let Some(id) = ids.iter().find(|&&id| id as usize >= model.vocab_size) {
+        return Err(invalid(format!("token id {id} is outside the vocabulary of {} tokens", model.vocab_size)));
+    }
+    let tok = model.tokenizer.as_ref().ok_or_else(|| invalid(no_tokenizer()))?;
+    tok.decode(ids).map_err(|e| invalid(format!("detokenizing: {e}")))
+}
+
+/// Refuses more than [`MAX_STOP_STRINGS`] stop strings, or one longer than [`MAX_STOP_BYTES`] or empty.
+fn check_stop(stop: &[String]) -> Result<()> {
+    let invalid = |message: String| Error::InvalidRequest { param: Some("stop"), message };
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(invalid(format!("{} stop strings; at most {MAX_STOP_STRINGS} are accepted", stop.len())));
+    }
+    if let Some((i, s)) = stop.iter().enumerate().find(|(_, s)| s.len() > MAX_STOP_BYTES || s.is_empty()) {
+        return Err(invalid(format!("stop string {i} is {} bytes; each must be 1 to {MAX_STOP_BYTES} bytes", s.len())));
+    }
+    Ok(())
 }
 
 fn no_tokenizer() -> String {
@@ -167,5 +202,16 @@ mod tests {
         let chat = vec![ChatMessage { role: "user".into(), content: "hi".into() }];
         let no_tokenizer = GenerateParams { prompt: Prompt::Chat(chat), ..ids(&[], None) };
         assert_eq!(param_of(prepare(&model(), no_tokenizer)), Some("messages"));
+    }
+
+    #[test]
+    fn stop_strings_are_capped_in_count_and_length() -> Result<()> {
+        let with_stop = |stop: Vec<String>| GenerateParams { stop, ..ids(&[1], None) };
+        prepare(&model(), with_stop(vec!["x".repeat(MAX_STOP_BYTES); MAX_STOP_STRINGS]))?;
+        let too_many = with_stop(vec!["x".into(); MAX_STOP_STRINGS + 1]);
+        assert_eq!(param_of(prepare(&model(), too_many)), Some("stop"));
+        assert_eq!(param_of(prepare(&model(), with_stop(vec!["x".repeat(MAX_STOP_BYTES + 1)]))), Some("stop"));
+        assert_eq!(param_of(prepare(&model(), with_stop(vec![String::new()]))), Some("stop"));
+        Ok(())
     }
 }

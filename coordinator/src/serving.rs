@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::Result;
 use crate::api::{self, CoordinatorApi, NodeAdmin};
+use crate::auth::ApiKeys;
 use crate::coordinator::{ClusterSnapshot, ClusterView, Coordinator};
 use crate::http::{self, HttpState};
 use crate::pipeline::{ModelInfo, Pipeline, PipelineOptions};
@@ -32,6 +33,10 @@ pub(crate) struct Listeners {
     pub http: TcpListener,
     /// TLS for both APIs and the stage connections; `None`: plaintext.
     pub tls: Option<Tls>,
+    /// The API keys both APIs require (none: open).
+    pub keys: Arc<ApiKeys>,
+    /// The HTTP API's body limit.
+    pub max_body_bytes: usize,
 }
 
 /// Leads (or stands by) with `coordinator` until `shutdown` and the grace period after it, serving both APIs
@@ -51,14 +56,16 @@ pub(crate) async fn lead_and_serve<R: Registry>(
     let coordinator = coordinator.with_suspects(suspects_rx);
     let view = coordinator.view();
     let empty = no_plan(&model.name);
-    let Listeners { grpc, http, tls } = listeners;
+    let Listeners { grpc, http, tls, keys, max_body_bytes } = listeners;
     let options = PipelineOptions { tls: tls.clone(), suspects: Some(suspects_tx), ..options };
     let pipeline = Arc::new(Pipeline::start_with(model, empty, options, stop.clone()));
     tokio::spawn(follow_ready_plans(view.clone(), pipeline.clone(), stop.clone()));
     tokio::spawn(graceful_stop(pipeline.clone(), grace, shutdown.clone(), stop.clone()));
     let admin: Arc<dyn NodeAdmin> = Arc::new(registry);
-    let http = tokio::spawn(http::serve(http, HttpState::new(pipeline.clone()), tls.clone(), shutdown.clone()));
-    let grpc = tokio::spawn(api::serve(grpc, CoordinatorApi::new(pipeline, view, Some(admin)), tls, shutdown.clone()));
+    let state = HttpState::new(pipeline.clone()).with_keys(keys.clone()).with_max_body_bytes(max_body_bytes);
+    let http = tokio::spawn(http::serve(http, state, tls.clone(), shutdown.clone()));
+    let api = CoordinatorApi::new(pipeline, view, Some(admin)).with_keys(keys);
+    let grpc = tokio::spawn(api::serve(grpc, api, tls, shutdown.clone()));
     let result = coordinator.run(stop.clone()).await;
     stop.cancel();
     for (name, server) in [("gRPC", grpc), ("HTTP", http)] {

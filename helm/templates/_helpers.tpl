@@ -38,6 +38,9 @@ Names, labels and small builders shared by every template.
 {{- define "strata.tls.secretName" -}}
 {{- default (printf "%s-tls" (include "strata.fullname" .)) .Values.tls.existingSecret -}}
 {{- end -}}
+{{- define "strata.auth.secretName" -}}
+{{- default (printf "%s-api-keys" (include "strata.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
 {{- define "strata.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "strata.fullname" .) .Values.serviceAccount.name -}}
@@ -180,6 +183,29 @@ the binaries refuse to start on a CA file that is missing, rather than silently 
 {{- end }}
 {{- end }}
 {{- end -}}
+{{- define "strata.auth.env" -}}
+{{- if .Values.auth.enabled }}
+- name: STRATA_API_KEY_FILE
+  value: {{ printf "%s/api-keys" .Values.auth.mountPath | quote }}
+- name: STRATA_ADMIN_API_KEY_FILE
+  value: {{ printf "%s/admin-api-keys" .Values.auth.mountPath | quote }}
+{{- end }}
+{{- end -}}
+{{- define "strata.auth.volumeMount" -}}
+{{- if .Values.auth.enabled }}
+- name: api-keys
+  mountPath: {{ .Values.auth.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+{{- define "strata.auth.volume" -}}
+{{- if .Values.auth.enabled }}
+- name: api-keys
+  secret:
+    secretName: {{ include "strata.auth.secretName" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
 {{- define "strata.tls.volumeMount" -}}
 {{- if .Values.tls.enabled }}
 - name: tls
@@ -252,6 +278,9 @@ The coordinator only reads config and tokenizer files, so in initCopy mode it mo
 {{- define "strata.validate" -}}
 {{- if and .Values.tls.enabled (not .Values.tls.existingSecret) (not (and .Values.tls.cert .Values.tls.key)) -}}
 {{- fail "tls.enabled=true needs tls.existingSecret, or both tls.cert and tls.key" -}}
+{{- end -}}
+{{- if and .Values.auth.enabled (not .Values.auth.existingSecret) (not (or .Values.auth.apiKeys .Values.auth.adminApiKeys)) -}}
+{{- fail "auth.enabled=true needs auth.existingSecret, or keys in auth.apiKeys or auth.adminApiKeys" -}}
 {{- end -}}
 {{- if and (not .Values.etcd.external.endpoints) (not (has (int .Values.etcd.replicas) (list 1 3 5))) -}}
 {{- fail "etcd.replicas must be 1, 3 or 5" -}}

@@ -1,10 +1,14 @@
 //! The standard gRPC introspection services every strata server exposes: health (`grpc.health.v1`) and
-//! reflection (`grpc.reflection.v1`, built from this crate's descriptor set).
+//! reflection, built from this crate's descriptor set, in both versions clients speak: `grpc.reflection.v1` and
+//! `grpc.reflection.v1alpha` (grpcurl before 1.9 and many other tools know only v1alpha).
 
 use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::server::HealthReporter;
 use tonic_reflection::server::v1::{ServerReflection, ServerReflectionServer};
+use tonic_reflection::server::v1alpha::{
+    ServerReflection as ServerReflectionV1Alpha, ServerReflectionServer as ServerReflectionServerV1Alpha,
+};
 
 use crate::error::Result;
 use crate::pb;
@@ -26,12 +30,17 @@ pub async fn set_serving(reporter: &HealthReporter, service: &str, serving: bool
     reporter.set_service_status(service, status).await;
 }
 
-/// A v1 reflection service describing every `strata.v1` service and the health service.
-pub fn reflection_service() -> Result<ServerReflectionServer<impl ServerReflection>> {
-    Ok(tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?)
+/// The reflection services, v1 and v1alpha, describing every `strata.v1` service and the health service. Serve
+/// both.
+pub fn reflection_services()
+-> Result<(ServerReflectionServer<impl ServerReflection>, ServerReflectionServerV1Alpha<impl ServerReflectionV1Alpha>)>
+{
+    let builder = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    Ok((builder().build_v1()?, builder().build_v1alpha()?))
 }
 
 #[cfg(test)]
@@ -77,8 +86,53 @@ mod tests {
     }
 
     #[test]
-    fn reflection_service_builds() {
-        assert!(reflection_service().is_ok());
+    fn reflection_services_build() {
+        assert!(reflection_services().is_ok());
+    }
+
+    #[tokio::test]
+    async fn both_reflection_versions_list_every_service() -> Result<(), Box<dyn std::error::Error>> {
+        use tonic_reflection::pb::{v1, v1alpha};
+        let (reflection, reflection_v1alpha) = reflection_services()?;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(reflection)
+                .add_service(reflection_v1alpha)
+                .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), async {
+                    let _ = stopped.await;
+                }),
+        );
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?.connect().await?;
+
+        // The two versions' messages are the same in different modules: one body for both.
+        macro_rules! list_services {
+            ($v:ident) => {{
+                let mut client = $v::server_reflection_client::ServerReflectionClient::new(channel.clone());
+                let ask = $v::ServerReflectionRequest {
+                    message_request: Some($v::server_reflection_request::MessageRequest::ListServices(String::new())),
+                    ..Default::default()
+                };
+                let mut answers = client.server_reflection_info(tokio_stream::once(ask)).await?.into_inner();
+                match answers.message().await?.and_then(|r| r.message_response) {
+                    Some($v::server_reflection_response::MessageResponse::ListServicesResponse(l)) => {
+                        l.service.into_iter().map(|s| s.name).collect::<Vec<_>>()
+                    }
+                    other => return Err(format!("{}: {other:?}", stringify!($v)).into()),
+                }
+            }};
+        }
+        let v1_names = list_services!(v1);
+        let v1alpha_names = list_services!(v1alpha);
+        for name in [COORDINATOR_SERVICE, STAGE_SERVICE, "grpc.health.v1.Health"] {
+            assert!(v1_names.iter().any(|n| n == name), "v1 lists {name}: {v1_names:?}");
+            assert!(v1alpha_names.iter().any(|n| n == name), "v1alpha lists {name}: {v1alpha_names:?}");
+        }
+        let _ = stop.send(());
+        server.await??;
+        Ok(())
     }
 
     #[tokio::test]
@@ -90,7 +144,7 @@ mod tests {
         let server = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(health)
-                .add_service(reflection_service()?)
+                .add_service(reflection_services()?.0)
                 .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), async {
                     let _ = stopped.await;
                 }),

@@ -29,7 +29,7 @@ pub mod pb {
 pub use codec::{decode_to_f32, dtype_size, encode_f32, validate_hidden};
 pub use error::{ProtoError, Result};
 pub use ids::{NodeId, PlanEpoch, SeqId};
-pub use introspection::{COORDINATOR_SERVICE, STAGE_SERVICE, health_service, reflection_service, set_serving};
+pub use introspection::{COORDINATOR_SERVICE, STAGE_SERVICE, health_service, reflection_services, set_serving};
 pub use keepalive::Keepalive;
 pub use layers::{WireLayers, wire_u32};
 #[cfg(feature = "clap")]

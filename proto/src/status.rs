@@ -27,11 +27,15 @@ pub enum ErrorCode {
     DeadlineExceeded,
     /// A bug or unexpected failure on the serving side.
     Internal,
+    /// The caller presented no valid credentials (API key).
+    Unauthenticated,
+    /// The caller's credentials do not allow this call.
+    PermissionDenied,
 }
 
 impl ErrorCode {
     /// Every code, in wire order.
-    pub const ALL: [ErrorCode; 8] = [
+    pub const ALL: [ErrorCode; 10] = [
         ErrorCode::InvalidArgument,
         ErrorCode::NotFound,
         ErrorCode::ResourceExhausted,
@@ -40,6 +44,8 @@ impl ErrorCode {
         ErrorCode::Cancelled,
         ErrorCode::DeadlineExceeded,
         ErrorCode::Internal,
+        ErrorCode::Unauthenticated,
+        ErrorCode::PermissionDenied,
     ];
 
     /// Whether retrying the same request later may succeed.
@@ -58,6 +64,8 @@ impl ErrorCode {
             ErrorCode::Cancelled => "cancelled",
             ErrorCode::DeadlineExceeded => "deadline_exceeded",
             ErrorCode::Internal => "internal",
+            ErrorCode::Unauthenticated => "unauthenticated",
+            ErrorCode::PermissionDenied => "permission_denied",
         }
     }
 
@@ -72,6 +80,8 @@ impl ErrorCode {
             ErrorCode::Cancelled => Code::Cancelled,
             ErrorCode::DeadlineExceeded => Code::DeadlineExceeded,
             ErrorCode::Internal => Code::Internal,
+            ErrorCode::Unauthenticated => Code::Unauthenticated,
+            ErrorCode::PermissionDenied => Code::PermissionDenied,
         }
     }
 
@@ -82,9 +92,9 @@ impl ErrorCode {
             Code::NotFound => ErrorCode::NotFound,
             Code::ResourceExhausted => ErrorCode::ResourceExhausted,
             Code::Unavailable | Code::Aborted => ErrorCode::Unavailable,
-            Code::FailedPrecondition | Code::AlreadyExists | Code::PermissionDenied | Code::Unauthenticated => {
-                ErrorCode::FailedPrecondition
-            }
+            Code::FailedPrecondition | Code::AlreadyExists => ErrorCode::FailedPrecondition,
+            Code::Unauthenticated => ErrorCode::Unauthenticated,
+            Code::PermissionDenied => ErrorCode::PermissionDenied,
             Code::Cancelled => ErrorCode::Cancelled,
             Code::DeadlineExceeded => ErrorCode::DeadlineExceeded,
             Code::Ok | Code::Unknown | Code::Unimplemented | Code::Internal | Code::DataLoss => ErrorCode::Internal,
@@ -102,6 +112,8 @@ impl ErrorCode {
             ErrorCode::Cancelled => pb::ErrorCode::Cancelled,
             ErrorCode::DeadlineExceeded => pb::ErrorCode::DeadlineExceeded,
             ErrorCode::Internal => pb::ErrorCode::Internal,
+            ErrorCode::Unauthenticated => pb::ErrorCode::Unauthenticated,
+            ErrorCode::PermissionDenied => pb::ErrorCode::PermissionDenied,
         }
     }
 
@@ -115,6 +127,8 @@ impl ErrorCode {
             Ok(pb::ErrorCode::FailedPrecondition) => ErrorCode::FailedPrecondition,
             Ok(pb::ErrorCode::Cancelled) => ErrorCode::Cancelled,
             Ok(pb::ErrorCode::DeadlineExceeded) => ErrorCode::DeadlineExceeded,
+            Ok(pb::ErrorCode::Unauthenticated) => ErrorCode::Unauthenticated,
+            Ok(pb::ErrorCode::PermissionDenied) => ErrorCode::PermissionDenied,
             Ok(pb::ErrorCode::Internal | pb::ErrorCode::Unspecified) | Err(_) => ErrorCode::Internal,
         }
     }
@@ -181,6 +195,16 @@ impl ServiceError {
     /// An `Internal` error.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(ErrorCode::Internal, message)
+    }
+
+    /// An `Unauthenticated` error.
+    pub fn unauthenticated(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::Unauthenticated, message)
+    }
+
+    /// A `PermissionDenied` error.
+    pub fn permission_denied(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::PermissionDenied, message)
     }
 }
 
@@ -258,7 +282,7 @@ mod tests {
             (Code::Unimplemented, ErrorCode::Internal),
             (Code::Aborted, ErrorCode::Unavailable),
             (Code::OutOfRange, ErrorCode::InvalidArgument),
-            (Code::PermissionDenied, ErrorCode::FailedPrecondition),
+            (Code::AlreadyExists, ErrorCode::FailedPrecondition),
         ];
         for (grpc, expected) in cases {
             assert_eq!(ServiceError::from(tonic::Status::new(grpc, "x")).code, expected);

@@ -12,7 +12,7 @@ use strata_engine::{LayerRange, OnBackend, on_device};
 use strata_membership::Registry;
 use strata_proto::pb::stage_server::StageServer;
 use strata_proto::tonic_health::server::HealthReporter;
-use strata_proto::{STAGE_SERVICE, Tls, health_service, reflection_service, set_serving};
+use strata_proto::{STAGE_SERVICE, Tls, health_service, reflection_services, set_serving};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -174,10 +174,12 @@ pub async fn serve_slot(
     tracing::info!(node = %node_id, %addr, tls = tls.is_some(), "serving");
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let server = strata_proto::tls::server(tls.as_ref()).map_err(Error::Tls)?;
+    let (reflection, reflection_v1alpha) = reflection_services()?;
     keepalive
         .server(server)
         .add_service(health)
-        .add_service(reflection_service()?)
+        .add_service(reflection)
+        .add_service(reflection_v1alpha)
         .add_service(stage)
         .serve_with_incoming_shutdown(incoming, async move {
             // The health task reports NOT_SERVING as it stops.

@@ -135,6 +135,7 @@ async fn send(
     https: Option<&Https>,
     method: Method,
     path: &str,
+    headers: &[(&str, &str)],
     body: Option<Vec<u8>>,
 ) -> Result<Sent> {
     let stream = TcpStream::connect(addr).await.with_context(|| format!("connecting to {addr}"))?;
@@ -149,6 +150,9 @@ async fn send(
     let mut req = Request::builder().method(method).uri(path).header(HOST, addr.to_string());
     if body.is_some() {
         req = req.header(CONTENT_TYPE, "application/json");
+    }
+    for (name, value) in headers {
+        req = req.header(*name, *value);
     }
     let req = req.body(Full::new(Bytes::from(body.unwrap_or_default())))?;
     let resp = tokio::time::timeout(BUDGET, sender.send_request(req)).await.context("no response in time")??;
@@ -166,7 +170,7 @@ async fn whole(sent: Sent) -> Result<Reply> {
 
 /// `GET path`.
 pub async fn get(addr: SocketAddr, path: &str) -> Result<Reply> {
-    whole(send(addr, None, Method::GET, path, None).await?).await
+    whole(send(addr, None, Method::GET, path, &[], None).await?).await
 }
 
 /// `POST path` with `body` as JSON.
@@ -176,17 +180,28 @@ pub async fn post(addr: SocketAddr, path: &str, body: &serde_json::Value) -> Res
 
 /// `POST path` with these exact bytes (labelled JSON).
 pub async fn post_raw(addr: SocketAddr, path: &str, body: Vec<u8>) -> Result<Reply> {
-    whole(send(addr, None, Method::POST, path, Some(body)).await?).await
+    whole(send(addr, None, Method::POST, path, &[], Some(body)).await?).await
+}
+
+/// `method path` with extra `headers` and, if given, `body` (labelled JSON).
+pub async fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<Vec<u8>>,
+) -> Result<Reply> {
+    whole(send(addr, None, Method::from_bytes(method.as_bytes())?, path, headers, body).await?).await
 }
 
 /// `POST path` with `body` as JSON, over TLS.
 pub async fn post_https(addr: SocketAddr, https: &Https, path: &str, body: &serde_json::Value) -> Result<Reply> {
-    whole(send(addr, Some(https), Method::POST, path, Some(serde_json::to_vec(body)?)).await?).await
+    whole(send(addr, Some(https), Method::POST, path, &[], Some(serde_json::to_vec(body)?)).await?).await
 }
 
 /// `POST path` with `body` as JSON, reading the answer as server-sent events.
 pub async fn post_stream(addr: SocketAddr, path: &str, body: &serde_json::Value) -> Result<EventStream> {
     let (status, content_type, body, connection) =
-        send(addr, None, Method::POST, path, Some(serde_json::to_vec(body)?)).await?;
+        send(addr, None, Method::POST, path, &[], Some(serde_json::to_vec(body)?)).await?;
     Ok(EventStream { status, content_type, body, buf: Vec::new(), connection })
 }

@@ -1,8 +1,9 @@
 //! End-to-end test helpers: a test cluster of in-process stage workers on 127.0.0.1 port 0, chained with
 //! explicit layer ranges, behind a coordinator serving a static plan on a gRPC and an HTTP port (both port 0),
 //! optionally all over TLS; the single-process engine as the reference; a client that collects a whole `Generate`
-//! stream; a small HTTP(S) client (`http_client`).
+//! stream; a small HTTP(S) client (`http_client`); grpcurl (`grpcurl`).
 
+pub mod grpcurl;
 pub mod http_client;
 pub mod netns;
 pub mod processes;

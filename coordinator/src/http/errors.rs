@@ -93,6 +93,8 @@ pub fn from_service(err: &ServiceError) -> ApiError {
         }
         ErrorCode::DeadlineExceeded => (StatusCode::GATEWAY_TIMEOUT, "server_error", Some("timeout")),
         ErrorCode::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
+        ErrorCode::Unauthenticated => (StatusCode::UNAUTHORIZED, "authentication_error", Some("invalid_api_key")),
+        ErrorCode::PermissionDenied => (StatusCode::FORBIDDEN, "permission_error", Some("insufficient_permissions")),
     };
     ApiError { status, body: ErrorBody { message: err.message.clone(), kind, param: None, code } }
 }
@@ -128,6 +130,9 @@ impl IntoResponse for ApiError {
         if retry {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
+        if self.status == StatusCode::UNAUTHORIZED {
+            response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
         response
     }
 }
@@ -139,6 +144,10 @@ pub async fn read_json<S: Send + Sync>(req: Request, state: &S) -> Result<serde_
     let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
         let mut e = ApiError::invalid(rejection.body_text(), None);
         e.status = rejection.status();
+        if e.status == StatusCode::PAYLOAD_TOO_LARGE {
+            e.body.message = "the request body is larger than this server accepts (--max-body-bytes)".into();
+            e.body.code = Some("request_too_large");
+        }
         e
     })?;
     parse_json(&bytes)
@@ -182,6 +191,8 @@ mod tests {
             (ErrorCode::Cancelled, 503),
             (ErrorCode::DeadlineExceeded, 504),
             (ErrorCode::Internal, 500),
+            (ErrorCode::Unauthenticated, 401),
+            (ErrorCode::PermissionDenied, 403),
         ];
         assert_eq!(expected.len(), ErrorCode::ALL.len());
         for (code, want) in expected {

@@ -1,6 +1,7 @@
 //! The OpenAI-compatible HTTP API: `/v1/models`, `/v1/completions` and `/v1/chat/completions` (whole responses or
-//! server-sent events) through the [`Pipeline`], plus `/health`, which runs a one-token generation through every
-//! stage (readiness), `/live`, which only says the process answers (liveness), and `/metrics` (Prometheus).
+//! server-sent events) through the [`Pipeline`], vLLM's `/tokenize`, `/detokenize` and `/version`, plus `/health`,
+//! which runs a one-token generation through every stage (readiness), `/live`, which only says the process answers
+//! (liveness), and `/metrics` (Prometheus). With API keys every path but the last three needs one (`crate::auth`).
 //! [`serve`] takes a bound listener and a shutdown token, so tests serve on port 0.
 //!
 //! Requests are validated by [`crate::request::prepare`], the same function the gRPC API uses; every error is
@@ -9,11 +10,12 @@
 pub mod completions;
 pub mod errors;
 pub mod openai;
+pub mod tokenize;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::extract::{MatchedPath, Path, Request, State};
+use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
 use axum::http::{HeaderName, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -28,7 +30,8 @@ use tracing::Instrument;
 use self::completions::Delivery;
 use self::errors::ApiError;
 use self::openai::{Body, ChatRequest, CompletionRequest, GenerationRequest, ModelCard, ModelList};
-use crate::Error;
+use crate::auth::{self, ApiKeys};
+use crate::config::DEFAULT_MAX_BODY_BYTES;
 use crate::metrics::{self, HttpLabels};
 use crate::pipeline::{Pipeline, SeqEvent, SeqRequest};
 use crate::request::new_request_id;
@@ -43,12 +46,32 @@ pub struct HttpState {
     pipeline: Arc<Pipeline>,
     created: u64,
     health_timeout: Duration,
+    keys: Arc<ApiKeys>,
+    max_body_bytes: usize,
 }
 
 impl HttpState {
-    /// State serving through `pipeline`, with the default `/health` timeout.
+    /// State serving through `pipeline`, with the default `/health` timeout and body limit, and no API keys.
     pub fn new(pipeline: Arc<Pipeline>) -> Self {
-        HttpState { pipeline, created: completions::unix_now(), health_timeout: HEALTH_TIMEOUT }
+        HttpState {
+            pipeline,
+            created: completions::unix_now(),
+            health_timeout: HEALTH_TIMEOUT,
+            keys: Arc::default(),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+        }
+    }
+
+    /// Requires the API keys `keys` (see [`crate::auth`]).
+    pub fn with_keys(mut self, keys: Arc<ApiKeys>) -> Self {
+        self.keys = keys;
+        self
+    }
+
+    /// Refuses request bodies over `bytes` with 413.
+    pub fn with_max_body_bytes(mut self, bytes: usize) -> Self {
+        self.max_body_bytes = bytes;
+        self
     }
 
     /// Sets how long `/health` waits for its generation.
@@ -70,6 +93,9 @@ pub fn router(state: HttpState) -> Router {
         .route("/v1/models/{id}", get(get_model))
         .route("/v1/completions", post(generate::<CompletionRequest>))
         .route("/v1/chat/completions", post(generate::<ChatRequest>))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
+        .route("/version", get(tokenize::version))
         .route("/health", get(health))
         .route("/metrics", get(render_metrics))
         // Liveness: the process answers. Unlike /health it needs no stage, so a standby coordinator (or one whose
@@ -77,6 +103,8 @@ pub fn router(state: HttpState) -> Router {
         .route("/live", get(|| async { Json(serde_json::json!({"status": "alive"})) }))
         .fallback(|req: Request| async move { ApiError::no_route(req.uri().path()) })
         .method_not_allowed_fallback(|| async { ApiError::wrong_method() })
+        .layer(DefaultBodyLimit::max(state.max_body_bytes))
+        .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .layer(middleware::from_fn_with_state(state.clone(), trace_request))
         .with_state(state)
 }
@@ -137,6 +165,14 @@ async fn trace_request(State(state): State<Arc<HttpState>>, mut req: Request, ne
     response
 }
 
+/// Refuses requests the API keys do not allow (inside the tracing span, so refusals are logged and counted).
+async fn authorize(State(state): State<Arc<HttpState>>, req: Request, next: Next) -> Response {
+    match state.keys.check(req.headers(), auth::http_access(req.uri().path())) {
+        Ok(()) => next.run(req).await,
+        Err(e) => ApiError::from(e).into_response(),
+    }
+}
+
 /// `GET /metrics`: Prometheus / OpenMetrics text.
 async fn render_metrics(State(state): State<Arc<HttpState>>) -> Response {
     ([(header::CONTENT_TYPE, metrics::CONTENT_TYPE)], state.pipeline.metrics().render()).into_response()
@@ -151,10 +187,7 @@ async fn list_models(State(state): State<Arc<HttpState>>) -> Json<ModelList> {
 }
 
 async fn get_model(State(state): State<Arc<HttpState>>, Path(id): Path<String>) -> Result<Json<ModelCard>, ApiError> {
-    let served = &state.pipeline.model().name;
-    if &id != served {
-        return Err(Error::UnknownModel { requested: id, served: served.clone() }.into());
-    }
+    tokenize::check_model(&state, Some(id))?;
     Ok(Json(model_card(&state)))
 }
 

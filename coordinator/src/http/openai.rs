@@ -1,8 +1,10 @@
 //! OpenAI's request and response shapes for `/v1/completions`, `/v1/chat/completions` and `/v1/models`, and their
 //! conversion into the API-neutral [`GenerateParams`].
 //!
-//! Request types do not deny unknown fields: OpenAI ignores fields it does not know and clients send many
-//! (`frequency_penalty`, `user`, ...). A known field of the wrong type is still a 400.
+//! Request types do not deny unknown fields: OpenAI ignores fields it does not know and clients send many (`user`,
+//! `metadata`, ...). A known field of the wrong type is still a 400, and so is a field asking for something strata
+//! does not do ([`UNSUPPORTED`]: tools, response formats, logit biases, several choices, ...): silently ignoring
+//! it would return an answer the client did not ask for.
 
 use axum::extract::{FromRequest, Request};
 use serde::de::DeserializeOwned;
@@ -29,8 +31,50 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Body<T> {
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         let value = read_json(req, state).await?;
+        refuse_unsupported(&value)?;
         Ok(Body { fields: from_json(&value)?, common: from_json(&value)? })
     }
+}
+
+/// Fields of OpenAI's (and vLLM's) requests that ask for what strata does not do, with the values that ask for
+/// nothing (also accepted, as clients send defaults explicitly). `null` is always accepted.
+pub const UNSUPPORTED: [(&str, &[&str]); 21] = [
+    ("tools", &["[]"]),
+    ("tool_choice", &["\"none\""]),
+    ("parallel_tool_calls", &["false", "true"]),
+    ("functions", &["[]"]),
+    ("function_call", &["\"none\""]),
+    ("response_format", &["{\"type\":\"text\"}"]),
+    ("logit_bias", &["{}"]),
+    ("echo", &["false"]),
+    ("best_of", &["1"]),
+    ("suffix", &["\"\""]),
+    ("presence_penalty", &["0", "0.0"]),
+    ("frequency_penalty", &["0", "0.0"]),
+    ("audio", &[]),
+    ("modalities", &["[\"text\"]"]),
+    ("prediction", &[]),
+    ("min_p", &["0", "0.0"]),
+    ("min_tokens", &["0"]),
+    ("use_beam_search", &["false"]),
+    ("prompt_logprobs", &[]),
+    ("guided_json", &[]),
+    ("guided_regex", &[]),
+];
+
+/// Refuses a body with a field of [`UNSUPPORTED`] that asks for something, naming it.
+fn refuse_unsupported(body: &serde_json::Value) -> Result<(), ApiError> {
+    for (field, harmless) in UNSUPPORTED {
+        let Some(value) = body.get(field).filter(|v| !v.is_null()) else { continue };
+        let written = value.to_string();
+        if !harmless.contains(&written.as_str()) {
+            return Err(ApiError::invalid(
+                format!("{field} is not supported by this server (got {written})"),
+                Some(field),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `prompt` of a completion: text, a batch of one text, token ids, or a batch of one token-id list.
@@ -77,6 +121,12 @@ pub struct CommonFields {
     /// Nucleus sampling mass (1 = off).
     #[serde(default)]
     pub top_p: Option<f32>,
+    /// Keep only the k most likely tokens (vLLM's extension; 0 or -1 = off).
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    /// Divide the logits of tokens already seen by this (vLLM's extension; 1 = off).
+    #[serde(default)]
+    pub repetition_penalty: Option<f32>,
     /// Seed of the sampler's random stream.
     #[serde(default)]
     pub seed: Option<u64>,
@@ -108,11 +158,28 @@ impl CommonFields {
         if let Some(n) = self.n.filter(|&n| n != 1) {
             return Err(ApiError::invalid(format!("n = {n} is not supported; only n = 1 is served"), Some("n")));
         }
+        let top_k = match self.top_k {
+            None | Some(-1) => 0,
+            Some(k) => u32::try_from(k).map_err(|_| {
+                ApiError::invalid(format!("top_k must be -1 (off), 0 (off) or positive, got {k}"), Some("top_k"))
+            })?,
+        };
         let sampling = pb::SamplingParams {
             temperature: self.temperature.unwrap_or(1.0),
             top_p: self.top_p.unwrap_or(1.0),
+            top_k,
             seed: self.seed,
-            ..Default::default()
+            // The wire's 0 means off, so 0 is not a penalty that could be sent: the engine refuses it (<= 0).
+            repetition_penalty: match self.repetition_penalty {
+                Some(p) if p <= 0.0 || !p.is_finite() => {
+                    return Err(ApiError::invalid(
+                        format!("repetition_penalty must be > 0, got {p}"),
+                        Some("repetition_penalty"),
+                    ));
+                }
+                Some(p) => p,
+                None => 1.0,
+            },
         };
         let stop = match self.stop.clone() {
             None => Vec::new(),
@@ -183,12 +250,15 @@ fn single<T>(mut v: Vec<T>) -> Option<T> {
 /// One message of a chat request.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatMessageInput {
-    /// `system`, `user`, `assistant`, ...
+    /// One of [`CHAT_ROLES`].
     pub role: String,
-    /// The text; `null` counts as empty.
+    /// The text; absent or `null` is refused (it only comes with tool calls, which are not served).
     #[serde(default)]
     pub content: Option<MessageContent>,
 }
+
+/// The roles a chat message may have (tools and functions are not served, so neither are their roles).
+pub const CHAT_ROLES: [&str; 3] = ["system", "user", "assistant"];
 
 /// A message's `content`: text, or a list of parts of which only text parts are served.
 #[derive(Debug, Clone, Deserialize)]
@@ -234,29 +304,7 @@ impl GenerationRequest for ChatRequest {
     const ENDPOINT: Endpoint = Endpoint::Chat;
 
     fn params(&self, common: &CommonFields) -> Result<GenerateParams, ApiError> {
-        let messages = self
-            .messages
-            .iter()
-            .enumerate()
-            .map(|(i, m)| {
-                let content = match &m.content {
-                    None => String::new(),
-                    Some(MessageContent::Text(t)) => t.clone(),
-                    Some(MessageContent::Parts(parts)) => parts
-                        .iter()
-                        .map(|p| match (&*p.kind, &p.text) {
-                            ("text", Some(t)) => Ok(t.as_str()),
-                            _ => Err(ApiError::invalid(
-                                format!("content part of type {:?} is not served (only text)", p.kind),
-                                Some(&format!("messages[{i}].content")),
-                            )),
-                        })
-                        .collect::<Result<Vec<_>, _>>()?
-                        .concat(),
-                };
-                Ok(ChatMessage { role: m.role.clone(), content })
-            })
-            .collect::<Result<Vec<_>, ApiError>>()?;
+        let messages = chat_messages(&self.messages)?;
         if let Some(k) = self.top_logprobs.filter(|&k| k > 0) {
             return Err(ApiError::invalid(
                 format!("top_logprobs = {k} asks for alternatives, which are not served"),
@@ -266,6 +314,43 @@ impl GenerationRequest for ChatRequest {
         let max_tokens = self.max_completion_tokens.or(self.max_tokens);
         common.params(Prompt::Chat(messages), max_tokens, self.logprobs.unwrap_or(false))
     }
+}
+
+/// The conversation of a chat request, refusing unknown roles, missing content and non-text parts.
+pub fn chat_messages(messages: &[ChatMessageInput]) -> Result<Vec<ChatMessage>, ApiError> {
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            if !CHAT_ROLES.contains(&m.role.as_str()) {
+                return Err(ApiError::invalid(
+                    format!("role {:?} is not served (one of {})", m.role, CHAT_ROLES.join(", ")),
+                    Some(&format!("messages[{i}].role")),
+                ));
+            }
+            let content = match &m.content {
+                None => {
+                    return Err(ApiError::invalid(
+                        "content is missing or null; send the message's text",
+                        Some(&format!("messages[{i}].content")),
+                    ));
+                }
+                Some(MessageContent::Text(t)) => t.clone(),
+                Some(MessageContent::Parts(parts)) => parts
+                    .iter()
+                    .map(|p| match (&*p.kind, &p.text) {
+                        ("text", Some(t)) => Ok(t.as_str()),
+                        _ => Err(ApiError::invalid(
+                            format!("content part of type {:?} is not served (only text)", p.kind),
+                            Some(&format!("messages[{i}].content")),
+                        )),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?
+                    .concat(),
+            };
+            Ok(ChatMessage { role: m.role.clone(), content })
+        })
+        .collect()
 }
 
 /// Token counts of a response.
