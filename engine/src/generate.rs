@@ -76,6 +76,8 @@ pub fn validate_request(req: &GenerateRequest, vocab_size: usize, context: usize
 #[derive(Debug)]
 pub struct StopState {
     stop: Vec<String>,
+    /// The longest stop string, in bytes.
+    longest: usize,
     text: String,
     sent: usize,
 }
@@ -83,21 +85,29 @@ pub struct StopState {
 impl StopState {
     /// Starts tracking with the given stop strings.
     pub fn new(stop: Vec<String>) -> Self {
-        StopState { stop: stop.into_iter().filter(|s| !s.is_empty()).collect(), text: String::new(), sent: 0 }
+        let stop: Vec<String> = stop.into_iter().filter(|s| !s.is_empty()).collect();
+        let longest = stop.iter().map(String::len).max().unwrap_or(0);
+        StopState { stop, longest, text: String::new(), sent: 0 }
     }
 
-    /// Adds newly decoded text; returns the text safe to emit now and whether a stop string was hit.
+    /// Adds newly decoded text; returns the text safe to emit now and whether a stop string was hit. Only the new
+    /// text and the few bytes before it a match could start in are searched: earlier matches were looked for
+    /// when their text arrived, so a step costs O(new text), not O(all text).
     pub fn push(&mut self, piece: &str) -> (String, bool) {
+        let mut from = self.text.len().saturating_sub(self.longest.saturating_sub(1));
+        while !self.text.is_char_boundary(from) {
+            from -= 1;
+        }
         self.text.push_str(piece);
-        if let Some(cut) = self.stop.iter().filter_map(|s| self.text.find(s.as_str())).min() {
-            self.text.truncate(cut);
+        let tail = &self.text[from..];
+        if let Some(cut) = self.stop.iter().filter_map(|s| tail.find(s.as_str())).min() {
+            self.text.truncate(from + cut);
             let delta = self.text.get(self.sent..).unwrap_or("").to_string();
             self.sent = self.text.len();
             return (delta, true);
         }
         // Hold back a tail that could still grow into a stop string.
-        let hold = self.stop.iter().map(|s| s.len().saturating_sub(1)).max().unwrap_or(0);
-        let mut upto = self.text.len().saturating_sub(hold).max(self.sent);
+        let mut upto = self.text.len().saturating_sub(self.longest.saturating_sub(1)).max(self.sent);
         while !self.text.is_char_boundary(upto) {
             upto -= 1;
         }

@@ -207,11 +207,18 @@ fn gguf_tokenizer_json(md: &HashMap<String, Value>) -> Result<serde_json::Value>
     }))
 }
 
-/// Turns a growing list of ids into text deltas, holding back incomplete UTF-8 sequences.
+/// Turns a growing list of ids into text deltas, holding back incomplete UTF-8 sequences. Each step decodes only a
+/// short window (the ids of the last emitted delta, kept as context because decoders treat a sequence's first
+/// token specially, plus the ids not emitted yet), so a token costs the same at position 4,000 as at 4; the
+/// deltas still add up to the decoding of all ids.
 #[derive(Debug, Default)]
 pub struct IncrementalDecoder {
+    /// The window: context ids first, then ids whose text is not emitted yet.
     ids: Vec<u32>,
-    emitted: usize,
+    /// How many of `ids` are context.
+    context: usize,
+    /// The decoding of the context ids: the window's text already emitted.
+    context_text: String,
 }
 
 impl IncrementalDecoder {
@@ -219,11 +226,17 @@ impl IncrementalDecoder {
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
         self.ids.push(id);
         let text = tok.decode(&self.ids)?;
-        if text.ends_with('\u{fffd}') || text.len() < self.emitted || !text.is_char_boundary(self.emitted) {
+        let done = self.context_text.len();
+        if text.len() <= done || text.ends_with('\u{fffd}') || !text.is_char_boundary(done) {
             return Ok(String::new());
         }
-        let delta = text[self.emitted..].to_string();
-        self.emitted = text.len();
+        // Decoding more ids can in principle rewrite earlier text (a tokenizer's cleanup); what was emitted
+        // stays emitted, and the delta is what lies beyond it.
+        let delta = text[done..].to_string();
+        // The ids just emitted become the context of the next step.
+        self.ids.drain(..self.context);
+        self.context = self.ids.len();
+        self.context_text = tok.decode(&self.ids)?;
         Ok(delta)
     }
 }
