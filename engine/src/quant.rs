@@ -2,7 +2,7 @@
 //! the scalar reference dequantizer and, where strata writes the format, the reference quantizer (llama.cpp's
 //! rounding). [`DType`]'s block queries, GGUF type mapping and dequantization all read this table; backend
 //! kernels are selected from it by format (the CPU backend's `backend::cpu::kernels`, the CUDA kernels by
-//! [`BlockFormat::name`]). The 32-element formats are here, the 256-element K-quants in [`kquant`].
+//! [`BlockFormat::name`]). The 32-element formats are here, the 256-element K-quants in `quant/kquant.rs`.
 
 use std::fmt;
 use std::str::FromStr;
@@ -89,10 +89,7 @@ pub static Q4_0: BlockFormat = BlockFormat {
     },
     quantize: Some(|src, out| {
         for b in src.chunks_exact(QK) {
-            let max = b.iter().fold(0f32, |m, &x| if x.abs() > m.abs() { x } else { m });
-            let d = max / -8.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+            let id = push_signed_step(b, -8.0, out);
             let q = |x: f32| ((x * id + 8.5) as i32).clamp(0, 15) as u8;
             out.extend((0..16).map(|j| q(b[j]) | (q(b[j + 16]) << 4)));
         }
@@ -115,11 +112,7 @@ pub static Q4_1: BlockFormat = BlockFormat {
     },
     quantize: Some(|src, out| {
         for b in src.chunks_exact(QK) {
-            let (min, max) = b.iter().fold((f32::MAX, f32::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
-            let d = (max - min) / 15.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-            out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
+            let (min, id) = push_min_step(b, 15.0, out);
             let q = |x: f32| (((x - min) * id + 0.5) as i32).clamp(0, 15) as u8;
             out.extend((0..16).map(|j| q(b[j]) | (q(b[j + 16]) << 4)));
         }
@@ -142,10 +135,7 @@ pub static Q5_0: BlockFormat = BlockFormat {
     },
     quantize: Some(|src, out| {
         for b in src.chunks_exact(QK) {
-            let max = b.iter().fold(0f32, |m, &x| if x.abs() > m.abs() { x } else { m });
-            let d = max / -16.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+            let id = push_signed_step(b, -16.0, out);
             // ggml truncates through an int8 before clamping: x·id + 16.5 lies in [0.5, 32.5].
             push_five_bit(b.iter().map(|x| ((x * id + 16.5) as i8 as i32).clamp(0, 31) as u8), out);
         }
@@ -167,15 +157,30 @@ pub static Q5_1: BlockFormat = BlockFormat {
     },
     quantize: Some(|src, out| {
         for b in src.chunks_exact(QK) {
-            let (min, max) = b.iter().fold((f32::MAX, f32::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
-            let d = (max - min) / 31.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-            out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
+            let (min, id) = push_min_step(b, 31.0, out);
             push_five_bit(b.iter().map(|x| (((x - min) * id + 0.5) as i32).clamp(0, 31) as u8), out);
         }
     }),
 };
+
+/// ggml's Q4_0/Q5_0 scale: the element of largest magnitude, with its sign, over `bottom` (-8 or -16), so that
+/// element maps to code 0 and the opposite end clips. Appends the scale as f16; returns its inverse (0 for 0).
+fn push_signed_step(b: &[f32], bottom: f32, out: &mut Vec<u8>) -> f32 {
+    let max = b.iter().fold(0f32, |m, &x| if x.abs() > m.abs() { x } else { m });
+    let d = max / bottom;
+    out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+    if d != 0.0 { 1.0 / d } else { 0.0 }
+}
+
+/// ggml's Q4_1/Q5_1 fit: the block's range over `steps` (15 or 31) from its minimum. Appends step and minimum as
+/// f16s; returns the minimum and the step's inverse (0 for 0).
+fn push_min_step(b: &[f32], steps: f32, out: &mut Vec<u8>) -> (f32, f32) {
+    let (min, max) = b.iter().fold((f32::MAX, f32::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+    let d = (max - min) / steps;
+    out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+    out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
+    (min, if d != 0.0 { 1.0 / d } else { 0.0 })
+}
 
 /// Element `i` (0..32) of a Q5 block's 5-bit values, `qhs` being the u32 of high bits then the 16 nibble bytes.
 #[inline]

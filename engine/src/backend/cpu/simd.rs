@@ -11,7 +11,7 @@ use crate::tensor::DType;
 pub struct Q8Block {
     /// Scale: value ≈ `d * qs[i]`.
     pub d: f32,
-    /// `d * Σ qs`, used by the offset terms of Q4_0/Q4_1.
+    /// `d * Σ qs`, used by the offset terms of the formats with a minimum or a bias (Q4_0, Q4_1, Q5, Q4_K, Q5_K).
     pub s: f32,
     /// Quantized values.
     pub qs: [i8; QK],
