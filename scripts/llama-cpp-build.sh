@@ -2,8 +2,8 @@
 # Builds llama.cpp tools from the source vendored in the PyPI sdist of llama-cpp-python, cached under
 # ${STRATA_CACHE:-/var/cache/strata}/llama.cpp: the sdist, the extracted source and one CMake build tree shared by
 # every caller (scripts/llama-cpp-baseline.sh builds llama-bench and llama-batched-bench; scripts/test builds
-# llama-quantize for engine/tests/quantize_fidelity.rs). Every step is skipped when its output is there already,
-# so a second run only checks the targets are up to date (seconds).
+# llama-quantize and llama-completion for engine/tests/{quantize_fidelity,gguf_kquants}.rs). Every step is skipped
+# when its output is there already, so a second run only checks the targets are up to date (seconds).
 #
 # Usage: scripts/llama-cpp-build.sh TARGET...
 # Prints, on stdout, shell assignments for the caller to eval: LLAMA_BIN (the directory holding the built tools),

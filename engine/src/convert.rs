@@ -79,6 +79,14 @@ fn file_type(dtype: DType) -> u64 {
         DType::Q4_0 => 2,
         DType::Q4_1 => 3,
         DType::Q8_0 => 7,
+        DType::Q5_0 => 8,
+        DType::Q5_1 => 9,
+        // The K-quants as llama.cpp's "_M" mixes name them (strata does not write these; the arms keep the map
+        // whole). Q8_K has no file type: 1024 is llama.cpp's "guessed".
+        DType::Q4_K => 15,
+        DType::Q5_K => 17,
+        DType::Q6_K => 18,
+        DType::Q8_K => 1024,
         DType::BF16 => 32,
     }
 }

@@ -1,7 +1,8 @@
 //! GGML block-quantized weight formats: one [`BlockFormat`] per format gives its block geometry, GGUF type code,
-//! the scalar reference dequantizer and the reference quantizer (llama.cpp's rounding). [`DType`]'s block
-//! queries, GGUF type mapping and dequantization all read this table; backend kernels are selected from it by
-//! format (the CPU backend's `backend::cpu::kernels`, the CUDA kernels by [`BlockFormat::name`]).
+//! the scalar reference dequantizer and, where strata writes the format, the reference quantizer (llama.cpp's
+//! rounding). [`DType`]'s block queries, GGUF type mapping and dequantization all read this table; backend
+//! kernels are selected from it by format (the CPU backend's `backend::cpu::kernels`, the CUDA kernels by
+//! [`BlockFormat::name`]). The 32-element formats are here, the 256-element K-quants in `quant/kquant.rs`.
 
 use std::fmt;
 use std::str::FromStr;
@@ -13,8 +14,16 @@ use serde::{Deserialize, Serialize};
 use crate::tensor::{Bytes, DType, HostTensor, f16_at};
 use crate::{Error, Result};
 
-/// Elements per block of the GGML block-quantized types.
+mod kquant;
+
+pub use kquant::{Q4_K, Q5_K, Q6_K, Q8_K, QK_K, k4_scale_min, q4k_value, q5k_value, q6k_value};
+
+/// Elements per block of the 32-element GGML formats, and per sub-block of the K-quants: the unit the CPU
+/// kernels quantize activations in.
 pub const QK: usize = 32;
+
+/// Appends the blocks of `src` (a multiple of the block's elements long) to `out`.
+pub type Quantizer = fn(src: &[f32], out: &mut Vec<u8>);
 
 /// One block-quantized storage format.
 #[derive(Debug)]
@@ -31,8 +40,10 @@ pub struct BlockFormat {
     pub block_bytes: usize,
     /// Dequantizes one block into `block_elems` floats (the scalar reference every kernel is checked against).
     pub dequantize: fn(blk: &[u8], dst: &mut [f32]),
-    /// Appends the blocks of `src` (a multiple of `block_elems` long), rounding as llama.cpp does.
-    pub quantize: fn(src: &[f32], out: &mut Vec<u8>),
+    /// Appends the blocks of `src` (a multiple of `block_elems` long), rounding as llama.cpp's reference
+    /// quantizer does; `None` for formats strata reads but does not write (the K-quants, whose llama.cpp
+    /// quantizers search for scales; strata leaves making them to `llama-quantize`).
+    pub quantize: Option<Quantizer>,
 }
 
 /// GGML Q8_0: blocks of 32 × i8 with an f16 scale.
@@ -48,16 +59,19 @@ pub static Q8_0: BlockFormat = BlockFormat {
             *o = d * (q as i8) as f32;
         }
     },
-    quantize: |src, out| {
-        for b in src.chunks_exact(QK) {
-            let amax = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-            let d = amax / 127.0;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-            out.extend(b.iter().map(|x| ((x * id).round() as i8) as u8));
-        }
-    },
+    quantize: Some(quantize_q8_0),
 };
+
+/// [`Q8_0`]'s quantizer, by name for the KV cache's hot path.
+pub fn quantize_q8_0(src: &[f32], out: &mut Vec<u8>) {
+    for b in src.chunks_exact(QK) {
+        let amax = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let d = amax / 127.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+        out.extend(b.iter().map(|x| ((x * id).round() as i8) as u8));
+    }
+}
 
 /// GGML Q4_0: blocks of 32 × 4-bit with an f16 scale, offset 8; low nibbles hold elements 0..16.
 pub static Q4_0: BlockFormat = BlockFormat {
@@ -73,16 +87,13 @@ pub static Q4_0: BlockFormat = BlockFormat {
             dst[j + 16] = d * ((blk[2 + j] >> 4) as i32 - 8) as f32;
         }
     },
-    quantize: |src, out| {
+    quantize: Some(|src, out| {
         for b in src.chunks_exact(QK) {
-            let max = b.iter().fold(0f32, |m, &x| if x.abs() > m.abs() { x } else { m });
-            let d = max / -8.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+            let id = push_signed_step(b, -8.0, out);
             let q = |x: f32| ((x * id + 8.5) as i32).clamp(0, 15) as u8;
             out.extend((0..16).map(|j| q(b[j]) | (q(b[j + 16]) << 4)));
         }
-    },
+    }),
 };
 
 /// GGML Q4_1: blocks of 32 × 4-bit with an f16 scale and an f16 minimum; nibbles as in Q4_0.
@@ -99,21 +110,96 @@ pub static Q4_1: BlockFormat = BlockFormat {
             dst[j + 16] = d * (blk[4 + j] >> 4) as f32 + m;
         }
     },
-    quantize: |src, out| {
+    quantize: Some(|src, out| {
         for b in src.chunks_exact(QK) {
-            let (min, max) = b.iter().fold((f32::MAX, f32::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
-            let d = (max - min) / 15.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-            out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
+            let (min, id) = push_min_step(b, 15.0, out);
             let q = |x: f32| (((x - min) * id + 0.5) as i32).clamp(0, 15) as u8;
             out.extend((0..16).map(|j| q(b[j]) | (q(b[j + 16]) << 4)));
         }
-    },
+    }),
 };
 
+/// GGML Q5_0: blocks of 32 × 5-bit with an f16 scale, offset 16: low 4 bits as Q4_0's nibbles, bit 4 of
+/// element `i` is bit `i` of a little-endian u32 stored after the scale.
+pub static Q5_0: BlockFormat = BlockFormat {
+    dtype: DType::Q5_0,
+    name: "q5_0",
+    ggml_type: 6,
+    block_elems: QK,
+    block_bytes: 22,
+    dequantize: |blk, dst| {
+        let d = f16_at(blk, 0);
+        for (i, o) in dst.iter_mut().enumerate() {
+            *o = d * (five_bit(&blk[2..22], i) as i32 - 16) as f32;
+        }
+    },
+    quantize: Some(|src, out| {
+        for b in src.chunks_exact(QK) {
+            let id = push_signed_step(b, -16.0, out);
+            // ggml truncates through an int8 before clamping: x·id + 16.5 lies in [0.5, 32.5].
+            push_five_bit(b.iter().map(|x| ((x * id + 16.5) as i8 as i32).clamp(0, 31) as u8), out);
+        }
+    }),
+};
+
+/// GGML Q5_1: blocks of 32 × 5-bit with an f16 scale and an f16 minimum; bits as in Q5_0.
+pub static Q5_1: BlockFormat = BlockFormat {
+    dtype: DType::Q5_1,
+    name: "q5_1",
+    ggml_type: 7,
+    block_elems: QK,
+    block_bytes: 24,
+    dequantize: |blk, dst| {
+        let (d, m) = (f16_at(blk, 0), f16_at(blk, 2));
+        for (i, o) in dst.iter_mut().enumerate() {
+            *o = d * five_bit(&blk[4..24], i) as f32 + m;
+        }
+    },
+    quantize: Some(|src, out| {
+        for b in src.chunks_exact(QK) {
+            let (min, id) = push_min_step(b, 31.0, out);
+            push_five_bit(b.iter().map(|x| (((x - min) * id + 0.5) as i32).clamp(0, 31) as u8), out);
+        }
+    }),
+};
+
+/// ggml's Q4_0/Q5_0 scale: the element of largest magnitude, with its sign, over `bottom` (-8 or -16), so that
+/// element maps to code 0 and the opposite end clips. Appends the scale as f16; returns its inverse (0 for 0).
+fn push_signed_step(b: &[f32], bottom: f32, out: &mut Vec<u8>) -> f32 {
+    let max = b.iter().fold(0f32, |m, &x| if x.abs() > m.abs() { x } else { m });
+    let d = max / bottom;
+    out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+    if d != 0.0 { 1.0 / d } else { 0.0 }
+}
+
+/// ggml's Q4_1/Q5_1 fit: the block's range over `steps` (15 or 31) from its minimum. Appends step and minimum as
+/// f16s; returns the minimum and the step's inverse (0 for 0).
+fn push_min_step(b: &[f32], steps: f32, out: &mut Vec<u8>) -> (f32, f32) {
+    let (min, max) = b.iter().fold((f32::MAX, f32::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+    let d = (max - min) / steps;
+    out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+    out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
+    (min, if d != 0.0 { 1.0 / d } else { 0.0 })
+}
+
+/// Element `i` (0..32) of a Q5 block's 5-bit values, `qhs` being the u32 of high bits then the 16 nibble bytes.
+#[inline]
+pub fn five_bit(qhs: &[u8], i: usize) -> u8 {
+    let qh = u32::from_le_bytes([qhs[0], qhs[1], qhs[2], qhs[3]]);
+    let nibble = if i < 16 { qhs[4 + i] & 0x0f } else { qhs[4 + i - 16] >> 4 };
+    nibble | (((qh >> i) & 1) as u8) << 4
+}
+
+/// Appends 32 five-bit values as Q5 blocks store them: the u32 of high bits, then the nibbles.
+fn push_five_bit(q: impl Iterator<Item = u8>, out: &mut Vec<u8>) {
+    let q: Vec<u8> = q.collect();
+    let qh = q.iter().enumerate().fold(0u32, |h, (i, &v)| h | (u32::from(v >> 4) << i));
+    out.extend_from_slice(&qh.to_le_bytes());
+    out.extend((0..16).map(|j| (q[j] & 0x0f) | ((q[j + 16] & 0x0f) << 4)));
+}
+
 /// Every block format, for lookups by GGUF code and for tests that cover them all.
-pub static FORMATS: [&BlockFormat; 3] = [&Q8_0, &Q4_0, &Q4_1];
+pub static FORMATS: [&BlockFormat; 9] = [&Q8_0, &Q4_0, &Q4_1, &Q5_0, &Q5_1, &Q8_K, &Q4_K, &Q5_K, &Q6_K];
 
 /// The block format of `dtype`, or `None` for float types.
 pub fn format(dtype: DType) -> Option<&'static BlockFormat> {
@@ -121,6 +207,12 @@ pub fn format(dtype: DType) -> Option<&'static BlockFormat> {
         DType::Q8_0 => Some(&Q8_0),
         DType::Q4_0 => Some(&Q4_0),
         DType::Q4_1 => Some(&Q4_1),
+        DType::Q5_0 => Some(&Q5_0),
+        DType::Q5_1 => Some(&Q5_1),
+        DType::Q8_K => Some(&Q8_K),
+        DType::Q4_K => Some(&Q4_K),
+        DType::Q5_K => Some(&Q5_K),
+        DType::Q6_K => Some(&Q6_K),
         DType::F32 | DType::F16 | DType::BF16 => None,
     }
 }
@@ -159,11 +251,11 @@ pub fn dequantize(dtype: DType, src: &[u8], dst: &mut [f32]) {
 /// Quantizes a row-major matrix (length a multiple of the block) into blocks of `dtype`, as llama.cpp does.
 ///
 /// # Panics
-/// When `dtype` is a float type.
+/// When `dtype` is a float type or a format strata does not write ([`BlockFormat::quantize`] is `None`).
 pub fn quantize(dtype: DType, src: &[f32]) -> Vec<u8> {
-    let f = format(dtype).unwrap_or_else(|| panic!("quantize: {dtype} is not a block type"));
-    let mut out = Vec::with_capacity(src.len() / f.block_elems * f.block_bytes);
-    (f.quantize)(src, &mut out);
+    let q = format(dtype).and_then(|f| f.quantize).unwrap_or_else(|| panic!("strata does not quantize into {dtype}"));
+    let mut out = Vec::with_capacity(src.len() / dtype.block_elems() * dtype.block_bytes());
+    q(src, &mut out);
     out
 }
 
@@ -176,6 +268,9 @@ const ROWS_PER_TASK: usize = 16;
 /// rows are not whole blocks.
 pub fn quantize_tensor(name: &str, t: &HostTensor, to: DType) -> Result<HostTensor> {
     let f = format(to).ok_or_else(|| Error::Config(format!("{to} is not a block-quantized type")))?;
+    let quantize = f.quantize.ok_or_else(|| {
+        Error::Config(format!("strata reads {to} but does not quantize into it (use llama-quantize)"))
+    })?;
     if t.dtype.is_quantized() {
         return Err(Error::Config(format!("{name} is already {}; strata does not requantize", t.dtype)));
     }
@@ -196,7 +291,7 @@ pub fn quantize_tensor(name: &str, t: &HostTensor, to: DType) -> Result<HostTens
         for (o, s) in o.chunks_exact_mut(row_out).zip(s.chunks_exact(cols * elem)) {
             widen(t.dtype, s, &mut row);
             blocks.clear();
-            (f.quantize)(&row, &mut blocks);
+            quantize(&row, &mut blocks);
             o.copy_from_slice(&blocks);
         }
     });
@@ -275,6 +370,35 @@ impl fmt::Display for QuantDtype {
     }
 }
 
+/// `n` blocks of `dtype` with random quantized bits and random but moderate scales (a few hundredths; K-quant
+/// super-scales a few thousandths, as their sub-scales multiply up to 63 or ±128): every bit pattern a kernel
+/// can meet, values of a plausible size.
+#[cfg(test)]
+pub(crate) fn random_blocks(dtype: DType, n: usize, rng: &mut impl rand::Rng) -> Vec<u8> {
+    let f = format(dtype).unwrap_or_else(|| panic!("{dtype} is not a block type"));
+    let mut out: Vec<u8> = (0..n * f.block_bytes).map(|_| rng.random()).collect();
+    let mut half = |b: &mut [u8], at: usize, lo: f32, hi: f32| {
+        b[at..at + 2].copy_from_slice(&f16::from_f32(rng.random_range(lo..hi)).to_le_bytes())
+    };
+    for blk in out.chunks_exact_mut(f.block_bytes) {
+        match dtype {
+            DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => half(blk, 0, -0.05, 0.05),
+            DType::Q4_1 | DType::Q5_1 => {
+                half(blk, 0, 0.0, 0.05);
+                half(blk, 2, -0.5, 0.5);
+            }
+            DType::Q4_K | DType::Q5_K => {
+                half(blk, 0, 0.0, 0.004);
+                half(blk, 2, 0.0, 0.004);
+            }
+            DType::Q6_K => half(blk, 208, -0.002, 0.002),
+            DType::Q8_K => blk[0..4].copy_from_slice(&0.01f32.to_le_bytes()),
+            DType::F32 | DType::F16 | DType::BF16 => unreachable!("float types have no format"),
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -292,7 +416,8 @@ mod tests {
             assert_eq!(from_ggml_type(ggml_type(d)), Some(d));
             assert!(format(d).is_none());
         }
-        assert_eq!((ggml_type(DType::BF16), from_ggml_type(6)), (30, None));
+        assert_eq!((ggml_type(DType::BF16), from_ggml_type(9)), (30, None), "Q8_1 is not read");
+        assert_eq!(FORMATS.map(|f| f.ggml_type), [8, 2, 3, 6, 7, 15, 12, 13, 14]);
     }
 
     #[test]
@@ -308,10 +433,15 @@ mod tests {
         assert_eq!(out[1], -1.0);
     }
 
+    /// The formats strata writes.
+    fn writable() -> impl Iterator<Item = &'static BlockFormat> {
+        FORMATS.into_iter().filter(|f| f.quantize.is_some())
+    }
+
     #[test]
     fn quantize_then_dequantize_is_close_for_every_format() {
         let v: Vec<f32> = (0..4 * QK).map(|i| ((i * 37 % 101) as f32 - 50.0) / 100.0).collect();
-        for f in FORMATS {
+        for f in writable() {
             let q = quantize(f.dtype, &v);
             assert_eq!(q.len(), 4 * f.block_bytes);
             let mut back = vec![0f32; v.len()];
@@ -358,13 +488,41 @@ mod tests {
         // An all-zero block: zero scales (Q4_0's is -0.0, as ggml's 0 / -8) and the middle code.
         let q = quantize(DType::Q4_0, &[0f32; QK]);
         assert_eq!((q[0], q[1], q[2]), (0x00, 0x80, 0x88));
+        // Q5_0: d = max / -16, q = min(31, trunc(x / d + 16.5)); bit 4 of element i is bit i of the u32 after d.
+        let q = quantize(DType::Q5_0, &block(&[-8.0, 8.0, 1.0, -1.0, 0.25]));
+        assert_eq!(f16::from_le_bytes([q[0], q[1]]).to_f32(), 0.5);
+        let qh = u32::from_le_bytes([q[2], q[3], q[4], q[5]]);
+        let v = |j: usize| (q[6 + j] & 0x0f) | ((((qh >> j) & 1) as u8) << 4);
+        // -8 -> 0; 8 -> trunc(32.5) = 32 -> 31; 1 -> 18; -1 -> 14; 0.25 -> trunc(17.0) = 17; 0 -> 16.
+        assert_eq!([v(0), v(1), v(2), v(3), v(4), v(5)], [0, 31, 18, 14, 17, 16]);
+        assert_eq!(qh >> 16, 0xffff, "elements 16.. are 0 -> 16: bit 4 set");
+        // Q5_1: d = (max - min) / 31, q = trunc((x - min) / d + 0.5).
+        let mut b = block(&[]);
+        b.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 - 1.0);
+        let q = quantize(DType::Q5_1, &b);
+        let (d, m) = (f16::from_le_bytes([q[0], q[1]]).to_f32(), f16::from_le_bytes([q[2], q[3]]).to_f32());
+        assert_eq!((d, m), (1.0, -1.0));
+        let qh = u32::from_le_bytes([q[4], q[5], q[6], q[7]]);
+        assert_eq!((q[8] & 0x0f, q[8 + 15] >> 4, qh), (0, 15, 0xffff_0000), "q = i");
+    }
+
+    #[test]
+    fn q5_blocks_dequantize_through_their_high_bits() {
+        for f in [&Q5_0, &Q5_1] {
+            let v: Vec<f32> = (0..QK).map(|i| i as f32 - 16.0).collect();
+            let q = quantize(f.dtype, &v);
+            let mut back = [0f32; QK];
+            dequantize(f.dtype, &q, &mut back);
+            // Both grids hold the integers -16..16 exactly (Q5_0 from d = -1 with -16 -> code 0 ... 15 -> 31).
+            assert_eq!(back.to_vec(), v, "{}", f.name);
+        }
     }
 
     #[test]
     fn quantize_tensor_matches_quantize_from_any_float_type_and_refuses_what_it_cannot() -> Result<()> {
         let v: Vec<f32> = (0..3 * 64).map(|i| ((i * 53 % 97) as f32 - 48.0) / 64.0).collect();
         let f32_t = HostTensor::from_f32(vec![3, 64], &v);
-        for f in FORMATS {
+        for f in writable() {
             for src in [DType::F32, DType::F16, DType::BF16] {
                 let t = f32_t.convert(src);
                 let q = quantize_tensor("w", &t, f.dtype)?;
@@ -377,6 +535,11 @@ mod tests {
         assert!(quantize_tensor("w", &f32_t, DType::F16).is_err());
         let odd = HostTensor::from_f32(vec![4, 48], &v[..192]);
         assert!(quantize_tensor("w", &odd, DType::Q8_0).is_err(), "48 is not whole blocks of 32");
+        let wide = HostTensor::from_f32(vec![1, 256], &[0.5; 256]);
+        for f in FORMATS.into_iter().filter(|f| f.quantize.is_none()) {
+            let err = quantize_tensor("w", &wide, f.dtype).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(err.contains(&format!("reads {} but does not quantize", f.name)), "{}: {err}", f.name);
+        }
         Ok(())
     }
 

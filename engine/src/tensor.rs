@@ -13,6 +13,8 @@ use crate::quant;
 use crate::{Error, Result};
 
 /// Element types a weight can be stored in.
+// The block formats keep ggml's names (`Q4_K`), as `Q8_0` does.
+#[allow(non_camel_case_types)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     /// 32-bit float.
@@ -27,6 +29,18 @@ pub enum DType {
     Q4_0,
     /// GGML Q4_1 ([`quant::Q4_1`]).
     Q4_1,
+    /// GGML Q5_0 ([`quant::Q5_0`]).
+    Q5_0,
+    /// GGML Q5_1 ([`quant::Q5_1`]).
+    Q5_1,
+    /// GGML Q8_K ([`quant::Q8_K`]).
+    Q8_K,
+    /// GGML Q4_K ([`quant::Q4_K`]).
+    Q4_K,
+    /// GGML Q5_K ([`quant::Q5_K`]).
+    Q5_K,
+    /// GGML Q6_K ([`quant::Q6_K`]).
+    Q6_K,
 }
 
 impl DType {
@@ -60,10 +74,7 @@ impl DType {
             "f32" | "float32" => DType::F32,
             "f16" | "float16" | "fp16" => DType::F16,
             "bf16" | "bfloat16" => DType::BF16,
-            "q8_0" => DType::Q8_0,
-            "q4_0" => DType::Q4_0,
-            "q4_1" => DType::Q4_1,
-            _ => return None,
+            name => return quant::FORMATS.iter().find(|f| f.name == name).map(|f| f.dtype),
         })
     }
 }

@@ -133,8 +133,21 @@ fn gguf_unknown_tensor_type_is_a_clear_error() -> Result<()> {
     let spec = TinySpec { config: tiny_config(), dtype: DType::F32, seed: 1 };
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("bad.gguf");
+    // 11 is ggml's Q3_K, which strata does not read.
+    write_gguf(&path, &spec, &random_weights(&spec), &GgufOverrides { bogus_type_code: Some(11) })?;
+    let err = ModelFiles::open(&path).err().expect("must fail");
+    assert!(err.to_string().contains("unsupported type Q3_K"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn gguf_rows_that_are_not_whole_k_quant_super_blocks_are_a_clear_error() -> Result<()> {
+    let spec = TinySpec { config: tiny_config(), dtype: DType::F32, seed: 1 };
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("narrow.gguf");
+    // 12 is ggml's Q4_K: the tiny model's 64-wide rows are a quarter of its 256-element super-block.
     write_gguf(&path, &spec, &random_weights(&spec), &GgufOverrides { bogus_type_code: Some(12) })?;
     let err = ModelFiles::open(&path).err().expect("must fail");
-    assert!(err.to_string().contains("unsupported type"), "{err}");
+    assert!(err.to_string().contains("rows of 64 are not whole q4_k blocks of 256"), "{err}");
     Ok(())
 }

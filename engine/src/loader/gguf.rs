@@ -173,10 +173,9 @@ impl<'a> Reader<'a> {
 /// The element type of a tensor's `ggml_type`, or a name for the error when strata does not read it.
 fn ggml_type(code: u32) -> std::result::Result<DType, String> {
     quant::from_ggml_type(code).ok_or_else(|| match code {
-        6 => "Q5_0".into(),
-        7 => "Q5_1".into(),
         9 => "Q8_1".into(),
-        10..=15 => format!("K-quant type {code}"),
+        10 => "Q2_K".into(),
+        11 => "Q3_K".into(),
         other => format!("ggml type {other}"),
     })
 }
@@ -230,8 +229,13 @@ impl GgufSource {
             // GGUF lists the fastest-varying dimension first; Hugging Face order is the reverse.
             let shape: Vec<usize> = dims.iter().rev().copied().collect();
             let elems = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+            if let Some(row) = dims.first().filter(|&&c| !c.is_multiple_of(dtype.block_elems())) {
+                return Err(r.err(format!(
+                    "tensor {name:?} {shape:?}: rows of {row} are not whole {dtype} blocks of {}",
+                    dtype.block_elems()
+                )));
+            }
             let len = elems
-                .filter(|_| dims.first().is_some_and(|c| c % dtype.block_elems() == 0))
                 .and_then(|n| dtype.bytes_for(n))
                 .ok_or_else(|| r.err(format!("tensor {name:?} has invalid shape {shape:?} for {dtype}")))?;
             let start = data_start.checked_add(offset).filter(|s| s.checked_add(len).is_some_and(|e| e <= map.len()));

@@ -1,18 +1,20 @@
 //! The CPU kernels of each block-quantized format ([`crate::quant`]), selected by format here and nowhere
-//! else: the scalar reference dot (one weight row against 8-bit activation blocks) and, on x86-64, the AVX2
-//! instances of the one-row, multi-row and token-tile kernels specialized to the format's block layout
-//! (`simd::x86::unpack` decodes a block for them). A new format adds one [`QuantKernels`] here and its
-//! `unpack` arm; `simd` and `qgemm` call through the table and need no edit.
+//! else: the scalar reference dot (one weight row against 8-bit activation blocks of 32, several per K-quant
+//! block) and, on x86-64, the AVX2 instances of the one-row, multi-row and token-tile kernels specialized to the
+//! format's block layout (`unpack` decodes a sub-block for them). A new format adds one [`QuantKernels`] here
+//! and its `unpack` arm; `simd` and `qgemm` call through the table and need no edit.
 
 #[cfg(target_arch = "x86_64")]
 use super::qgemm::{self, Q8x8};
-use super::simd::{self, Q8Block};
-use crate::quant::{self, QK};
+use super::simd::Q8Block;
+#[cfg(target_arch = "x86_64")]
+use super::{simd, unpack};
+use crate::quant::{self, BlockFormat, QK, five_bit, k4_scale_min, q4k_value, q5k_value, q6k_value};
 use crate::tensor::{DType, f16_at};
 
 /// One format's CPU kernels.
 pub(super) struct QuantKernels {
-    /// Scalar reference: one weight row (whole blocks) against as many activation blocks.
+    /// Scalar reference: one weight row (whole blocks) against its activation blocks (one per 32 elements).
     pub scalar_dot: fn(w: &[u8], a: &[Q8Block]) -> f32,
     /// AVX2 `simd::x86::dot_quant_one` for this layout.
     #[cfg(target_arch = "x86_64")]
@@ -49,18 +51,33 @@ pub(super) fn kernels(dtype: DType) -> &'static QuantKernels {
         DType::Q8_0 => &Q8_0,
         DType::Q4_0 => &Q4_0,
         DType::Q4_1 => &Q4_1,
+        DType::Q5_0 => &Q5_0,
+        DType::Q5_1 => &Q5_1,
+        DType::Q8_K => &Q8_K,
+        DType::Q4_K => &Q4_K,
+        DType::Q5_K => &Q5_K,
+        DType::Q6_K => &Q6_K,
         DType::F32 | DType::F16 | DType::BF16 => panic!("no quantized kernels for {dtype}"),
     }
 }
 
-/// Sums `block(w_b, a_b)` over the row's blocks, in order (the order the AVX2 kernels reproduce).
+/// Sums `sub(block, j, a)` over the row's blocks and their 32-element sub-blocks `j`, in order (the order the
+/// AVX2 kernels reproduce).
 #[inline(always)]
-fn row_dot(w: &[u8], a: &[Q8Block], block_bytes: usize, block: impl Fn(&[u8], &Q8Block) -> f32) -> f32 {
+fn row_dot(w: &[u8], a: &[Q8Block], f: &BlockFormat, sub: impl Fn(&[u8], usize, &Q8Block) -> f32) -> f32 {
     let mut sum = 0f32;
-    for (blk, ab) in w.chunks_exact(block_bytes).zip(a) {
-        sum += block(blk, ab);
+    for (blk, acts) in w.chunks_exact(f.block_bytes).zip(a.chunks_exact(f.block_elems / QK)) {
+        for (j, ab) in acts.iter().enumerate() {
+            sum += sub(blk, j, ab);
+        }
     }
     sum
+}
+
+/// Σ q(l)·a_l over one activation block.
+#[inline(always)]
+fn int_dot(a: &Q8Block, q: impl Fn(usize) -> i32) -> i32 {
+    a.qs.iter().enumerate().map(|(l, &x)| q(l) * x as i32).sum()
 }
 
 /// Σ w·a over a block of 4-bit weights (low nibbles elements 0..16, high nibbles 16..32).
@@ -72,68 +89,134 @@ fn nibble_dot(qs: &[u8], a: &[i8; QK]) -> i32 {
     isum
 }
 
-static Q8_0: QuantKernels = QuantKernels {
-    scalar_dot: |w, a| {
-        row_dot(w, a, quant::Q8_0.block_bytes, |blk, ab| {
-            let isum: i32 = blk[2..].iter().zip(&ab.qs).map(|(&q, &x)| (q as i8) as i32 * x as i32).sum();
-            f16_at(blk, 0) * ab.d * isum as f32
+/// The AVX2 kernel instances of layout tag `$tag`.
+macro_rules! avx2_kernels {
+    ($scalar:expr, $tag:path) => {
+        QuantKernels {
+            scalar_dot: $scalar,
+            #[cfg(target_arch = "x86_64")]
+            dot_one: simd::x86::dot_quant_one::<{ $tag }>,
+            #[cfg(target_arch = "x86_64")]
+            dot_rows8: simd::x86::dot_rows_n::<8, { $tag }>,
+            #[cfg(target_arch = "x86_64")]
+            dot_rows4: simd::x86::dot_rows_n::<4, { $tag }>,
+            #[cfg(target_arch = "x86_64")]
+            tile: qgemm::x86::dispatch::<{ $tag }>,
+        }
+    };
+}
+
+static Q8_0: QuantKernels = avx2_kernels!(
+    |w, a| {
+        row_dot(w, a, &quant::Q8_0, |blk, _, ab| {
+            f16_at(blk, 0) * ab.d * int_dot(ab, |l| (blk[2 + l] as i8) as i32) as f32
         })
     },
-    #[cfg(target_arch = "x86_64")]
-    dot_one: simd::x86::dot_quant_one::<{ simd::Q8_0 }>,
-    #[cfg(target_arch = "x86_64")]
-    dot_rows8: simd::x86::dot_rows_n::<8, { simd::Q8_0 }>,
-    #[cfg(target_arch = "x86_64")]
-    dot_rows4: simd::x86::dot_rows_n::<4, { simd::Q8_0 }>,
-    #[cfg(target_arch = "x86_64")]
-    tile: qgemm::x86::dispatch::<{ simd::Q8_0 }>,
-};
+    unpack::Q8_0
+);
 
-static Q4_0: QuantKernels = QuantKernels {
-    scalar_dot: |w, a| {
-        row_dot(w, a, quant::Q4_0.block_bytes, |blk, ab| {
+static Q4_0: QuantKernels = avx2_kernels!(
+    |w, a| {
+        row_dot(w, a, &quant::Q4_0, |blk, _, ab| {
             f16_at(blk, 0) * (ab.d * nibble_dot(&blk[2..18], &ab.qs) as f32 - 8.0 * ab.s)
         })
     },
-    #[cfg(target_arch = "x86_64")]
-    dot_one: simd::x86::dot_quant_one::<{ simd::Q4_0 }>,
-    #[cfg(target_arch = "x86_64")]
-    dot_rows8: simd::x86::dot_rows_n::<8, { simd::Q4_0 }>,
-    #[cfg(target_arch = "x86_64")]
-    dot_rows4: simd::x86::dot_rows_n::<4, { simd::Q4_0 }>,
-    #[cfg(target_arch = "x86_64")]
-    tile: qgemm::x86::dispatch::<{ simd::Q4_0 }>,
-};
+    unpack::Q4_0
+);
 
-static Q4_1: QuantKernels = QuantKernels {
-    scalar_dot: |w, a| {
-        row_dot(w, a, quant::Q4_1.block_bytes, |blk, ab| {
+static Q4_1: QuantKernels = avx2_kernels!(
+    |w, a| {
+        row_dot(w, a, &quant::Q4_1, |blk, _, ab| {
             f16_at(blk, 0) * ab.d * nibble_dot(&blk[4..20], &ab.qs) as f32 + f16_at(blk, 2) * ab.s
         })
     },
-    #[cfg(target_arch = "x86_64")]
-    dot_one: simd::x86::dot_quant_one::<{ simd::Q4_1 }>,
-    #[cfg(target_arch = "x86_64")]
-    dot_rows8: simd::x86::dot_rows_n::<8, { simd::Q4_1 }>,
-    #[cfg(target_arch = "x86_64")]
-    dot_rows4: simd::x86::dot_rows_n::<4, { simd::Q4_1 }>,
-    #[cfg(target_arch = "x86_64")]
-    tile: qgemm::x86::dispatch::<{ simd::Q4_1 }>,
-};
+    unpack::Q4_1
+);
+
+static Q5_0: QuantKernels = avx2_kernels!(
+    |w, a| {
+        row_dot(w, a, &quant::Q5_0, |blk, _, ab| {
+            let isum = int_dot(ab, |l| five_bit(&blk[2..22], l) as i32);
+            f16_at(blk, 0) * (ab.d * isum as f32 - 16.0 * ab.s)
+        })
+    },
+    unpack::Q5_0
+);
+
+static Q5_1: QuantKernels = avx2_kernels!(
+    |w, a| {
+        row_dot(w, a, &quant::Q5_1, |blk, _, ab| {
+            let isum = int_dot(ab, |l| five_bit(&blk[4..24], l) as i32);
+            f16_at(blk, 0) * ab.d * isum as f32 + f16_at(blk, 2) * ab.s
+        })
+    },
+    unpack::Q5_1
+);
+
+static Q8_K: QuantKernels = avx2_kernels!(
+    |w, a| {
+        row_dot(w, a, &quant::Q8_K, |blk, j, ab| {
+            let d = f32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]]);
+            d * ab.d * int_dot(ab, |l| (blk[4 + 32 * j + l] as i8) as i32) as f32
+        })
+    },
+    unpack::Q8_K
+);
+
+/// Sub-block `j` of a Q4_K/Q5_K block: `d·sc_j·da·Σ q·a − dmin·m_j·s`.
+#[inline(always)]
+fn k4_sub(blk: &[u8], j: usize, ab: &Q8Block, value: fn(&[u8], usize) -> u8) -> f32 {
+    let (sc, m) = k4_scale_min(&blk[4..16], j);
+    let isum = int_dot(ab, |l| value(blk, 32 * j + l) as i32);
+    f16_at(blk, 0) * sc as f32 * ab.d * isum as f32 - f16_at(blk, 2) * m as f32 * ab.s
+}
+
+static Q4_K: QuantKernels =
+    avx2_kernels!(|w, a| row_dot(w, a, &quant::Q4_K, |blk, j, ab| k4_sub(blk, j, ab, q4k_value)), unpack::Q4_K);
+
+static Q5_K: QuantKernels =
+    avx2_kernels!(|w, a| row_dot(w, a, &quant::Q5_K, |blk, j, ab| k4_sub(blk, j, ab, q5k_value)), unpack::Q5_K);
+
+static Q6_K: QuantKernels = avx2_kernels!(
+    |w, a| {
+        row_dot(w, a, &quant::Q6_K, |blk, j, ab| {
+            let isum = int_dot(ab, |l| (blk[192 + 2 * j + l / 16] as i8) as i32 * q6k_value(blk, 32 * j + l));
+            f16_at(blk, 208) * ab.d * isum as f32
+        })
+    },
+    unpack::Q6_K
+);
 
 #[cfg(test)]
 mod tests {
+    use super::super::simd::quantize_row;
     use super::*;
+    use rand::{Rng, SeedableRng};
 
+    /// Every format's scalar dot is the f32 dot of the table's dequantized row with the dequantized 8-bit
+    /// activations, to float rounding; and within the activations' rounding (at most half a step, 1/254 of
+    /// the block's largest |x|) of the dot with the original x.
     #[test]
-    fn every_block_format_has_kernels_for_its_layout() {
+    fn scalar_dots_are_the_dequantized_dot_for_every_format() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let n = 2 * quant::QK_K;
         for f in quant::FORMATS {
-            // One block of ones against activations of ones: Σ = 32 for every layout.
-            let w = quant::quantize(f.dtype, &[1.0; QK]);
-            let mut a = [Q8Block { d: 0.0, s: 0.0, qs: [0; QK] }];
-            simd::quantize_row(&[1.0; QK], &mut a);
-            let got = (kernels(f.dtype).scalar_dot)(&w, &a);
-            assert!((got - QK as f32).abs() < 0.05, "{}: {got}", f.name);
+            for _ in 0..4 {
+                let w = quant::random_blocks(f.dtype, n / f.block_elems, &mut rng);
+                let x: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; QK] }; n / QK];
+                quantize_row(&x, &mut xq);
+                let mut wf = vec![0f32; n];
+                quant::dequantize(f.dtype, &w, &mut wf);
+                let xd: Vec<f32> = (0..n).map(|i| xq[i / QK].d * xq[i / QK].qs[i % QK] as f32).collect();
+                let dot = |a: &[f32]| wf.iter().zip(a).map(|(p, q)| f64::from(*p) * f64::from(*q)).sum::<f64>();
+                let mass: f64 = wf.iter().zip(&xd).map(|(p, q)| f64::from((p * q).abs())).sum();
+                let got = f64::from((kernels(f.dtype).scalar_dot)(&w, &xq));
+                let (on_grid, exact) = (dot(&xd), dot(&x));
+                assert!((got - on_grid).abs() <= 1e-5 * mass + 1e-6, "{}: {got} vs {on_grid}", f.name);
+                let step: f64 = wf.iter().map(|p| f64::from(p.abs()) / 254.0).sum();
+                assert!((got - exact).abs() <= step + 1e-5 * mass, "{}: {got} vs f32 {exact}", f.name);
+            }
         }
     }
 }

@@ -69,7 +69,7 @@ impl KvStore {
             KvStore::Bf16(v) => v[slot * n..][..n].convert_from_f32_slice(src),
             KvStore::Q8_0(v) => {
                 scratch.clear();
-                (quant::Q8_0.quantize)(src, scratch);
+                quant::quantize_q8_0(src, scratch);
                 v[slot * scratch.len()..][..scratch.len()].copy_from_slice(scratch);
             }
         }

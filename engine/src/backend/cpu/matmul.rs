@@ -205,12 +205,14 @@ mod tests {
     use crate::tensor::Bytes;
     use rand::{Rng, SeedableRng};
 
-    fn matrix(dtype: DType, rows: usize, cols: usize, v: &[f32]) -> CpuMatrix {
+    /// `v` as a `dtype` matrix; random blocks for formats strata does not quantize into.
+    fn matrix(dtype: DType, rows: usize, cols: usize, v: &[f32], rng: &mut rand::rngs::StdRng) -> CpuMatrix {
         let bytes: Vec<u8> = match dtype {
             DType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             DType::F16 => v.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect(),
             DType::BF16 => v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
-            q => crate::quant::quantize(q, v),
+            q if crate::quant::format(q).is_some_and(|f| f.quantize.is_some()) => crate::quant::quantize(q, v),
+            q => crate::quant::random_blocks(q, rows * cols / q.block_elems(), rng),
         };
         CpuMatrix { rows, cols, dtype, bytes: Bytes::owned(&bytes) }
     }
@@ -218,12 +220,13 @@ mod tests {
     #[test]
     fn every_token_count_and_path_gives_each_row_the_one_token_result() -> Result<()> {
         let mut rng = rand::rngs::StdRng::seed_from_u64(21);
-        let (n, k) = (37, 96);
+        // k: two K-quant super-blocks.
+        let (n, k) = (37, 512);
         let isa = Isa::detect();
         let quantized = crate::quant::FORMATS.map(|f| f.dtype);
         for dtype in [DType::F32, DType::F16, DType::BF16].into_iter().chain(quantized) {
             let wv: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-            let (w, w2) = (matrix(dtype, n, k, &wv), matrix(dtype, 5, k, &wv[..5 * k]));
+            let (w, w2) = (matrix(dtype, n, k, &wv, &mut rng), matrix(dtype, 5, k, &wv[..5 * k], &mut rng));
             let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();
             for m in [1, 3, 9, 17] {
                 let x =

@@ -8,6 +8,8 @@ mod kv;
 mod matmul;
 mod qgemm;
 pub mod simd;
+#[cfg(target_arch = "x86_64")]
+mod unpack;
 
 pub use self::kv::CpuKvLayer;
 use super::{AttnSeq, AttnShape, Backend};

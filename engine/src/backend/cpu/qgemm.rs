@@ -64,7 +64,7 @@ pub unsafe fn rows_by_tokens(
     let n = w.len() / row_bytes.max(1);
     // These bounds are what every raw-pointer access below relies on.
     assert!(
-        row_bytes >= blocks * dtype.block_bytes()
+        dtype.bytes_for(blocks * QK).is_some_and(|b| row_bytes >= b)
             && acts.groups.len() == m.div_ceil(GROUP) * blocks
             && dtype.is_quantized()
             && super::simd::Isa::detect() == super::simd::Isa::Avx2,
@@ -105,8 +105,8 @@ struct Align32([f32; GROUP]);
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
     use super::{GROUP, Q8x8};
-    use crate::backend::cpu::simd::x86::{block_bytes, hsum, unpack};
-    use crate::backend::cpu::simd::{Q4_0, Q8_0};
+    use crate::backend::cpu::simd::x86::hsum;
+    use crate::backend::cpu::unpack::{Q4_0, Q4_1, Q5_0, Q5_1, has_offset, scales, signed, sub_offset, subs, unpack};
     use std::arch::x86_64::*;
 
     /// How far ahead in the weight row to prefetch.
@@ -153,51 +153,61 @@ pub(super) mod x86 {
     /// `hsum(acc) + Σ min·s`, the arithmetic of `simd::x86::dot_quant_one`.
     ///
     /// # Safety
-    /// AVX2/FMA/F16C available; `w` points at one row of at least `blocks` blocks of layout `Q`; `a` at `blocks`
-    /// groups; `scales` at `blocks · GROUP` writable floats, 32-byte aligned; `out + t·stride` writable for `t < T`.
+    /// AVX2/FMA/F16C available; `w` points at one row of at least `blocks` sub-blocks of layout `Q`; `a` at
+    /// `blocks` groups; `sc` at `blocks · GROUP` writable floats, 32-byte aligned; `out + t·stride` writable for
+    /// `t < T`.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile<const T: usize, const Q: u8>(
         w: *const u8,
         a: *const Q8x8,
         blocks: usize,
-        scales: *mut f32,
+        sc: *mut f32,
         out: *mut f32,
         stride: usize,
     ) {
-        let bb = block_bytes::<Q>();
         // SAFETY (whole body): every pointer stays inside the ranges the caller guarantees.
         unsafe {
             // First pass: the products d_w·d_a the one-token kernel forms (read back with load-port broadcasts in
             // the main loop, which costs no ALU slot) and the offset terms, lanes = tokens.
             let mut offset = _mm256_setzero_ps();
             for b in 0..blocks {
-                let blk = w.add(b * bb);
                 let ab = &*a.add(b);
-                let d = half8(blk);
-                _mm256_store_ps(scales.add(b * GROUP), _mm256_mul_ps(d, _mm256_load_ps(ab.d.as_ptr())));
-                if Q != Q8_0 {
-                    // The offset multiplier `unpack` returns: -8·d for Q4_0, the stored minimum for Q4_1.
-                    let min = if Q == Q4_0 { _mm256_mul_ps(_mm256_set1_ps(-8.0), d) } else { half8(blk.add(2)) };
+                let (d, min) = if subs::<Q>() == 1 {
+                    // The 32-element formats' f16s converted by a load-broadcast (scalar conversion made every
+                    // block wait on the previous block's offset sum); the values `scales` gives.
+                    let blk = w.add(sub_offset::<Q>(b));
+                    let d = half8(blk);
+                    let min = match Q {
+                        Q4_0 => _mm256_mul_ps(_mm256_set1_ps(-8.0), d),
+                        Q5_0 => _mm256_mul_ps(_mm256_set1_ps(-16.0), d),
+                        Q4_1 | Q5_1 => half8(blk.add(2)),
+                        _ => _mm256_setzero_ps(),
+                    };
+                    (d, min)
+                } else {
+                    let (d, min) = scales::<Q>(w, b);
+                    (_mm256_set1_ps(d), _mm256_set1_ps(min))
+                };
+                _mm256_store_ps(sc.add(b * GROUP), _mm256_mul_ps(d, _mm256_load_ps(ab.d.as_ptr())));
+                if has_offset::<Q>() {
                     offset = _mm256_add_ps(offset, _mm256_mul_ps(min, _mm256_load_ps(ab.s.as_ptr())));
                 }
             }
             let mut acc = [_mm256_setzero_ps(); T];
             let mask = _mm256_set1_epi8(0x0f);
-            let ones = _mm256_set1_epi16(1);
             for b in 0..blocks {
-                let p = w.add(b * bb);
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
-                let (wabs, wq, _, _) = unpack::<Q>(p, mask);
+                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(sub_offset::<Q>(b) + PREFETCH_BYTES) as *const i8);
+                let sub = unpack::<Q>(w, b, mask);
                 let ab = &*a.add(b);
                 for (t, acc) in acc.iter_mut().enumerate() {
                     let av = _mm256_load_si256(ab.qs[t].as_ptr() as *const __m256i);
-                    let av = if Q == Q8_0 { _mm256_sign_epi8(av, wq) } else { av };
-                    let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, av), ones);
-                    let scale = _mm256_broadcast_ss(&*scales.add(b * GROUP + t));
+                    let av = if signed::<Q>() { _mm256_sign_epi8(av, sub.wq) } else { av };
+                    let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(sub.wabs, av), sub.mul);
+                    let scale = _mm256_broadcast_ss(&*sc.add(b * GROUP + t));
                     *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), scale, *acc);
                 }
             }
-            // Q8_0 has no offsets: its sum of `0·s` terms is +0 whatever s is, and +0 is what `offset` holds.
+            // Formats without offsets add nothing: +0, as the one-token kernel's sum of zeros.
             let mut off = [0f32; GROUP];
             _mm256_storeu_ps(off.as_mut_ptr(), offset);
             for t in 0..T {
@@ -219,13 +229,14 @@ mod tests {
             return;
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-        let blocks = 5;
+        // One K-quant super-block, eight blocks of the 32-element formats.
+        let blocks = 8;
         let k = blocks * QK;
         // Every tile width: tokens 1..=17 (whole and partial groups of 8).
-        for dtype in crate::quant::FORMATS.map(|f| f.dtype) {
+        for f in crate::quant::FORMATS {
+            let dtype = f.dtype;
             for rows in 1..=5 {
-                let wf: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-                let w = crate::quant::quantize(dtype, &wf);
+                let w = crate::quant::random_blocks(dtype, rows * k / f.block_elems, &mut rng);
                 let row_bytes = w.len() / rows;
                 for tokens in 1..=17 {
                     let x: Vec<f32> = (0..tokens * k).map(|_| rng.random_range(-2.0f32..2.0)).collect();

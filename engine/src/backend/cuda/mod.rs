@@ -2,7 +2,8 @@
 //!
 //! - Activations, norm weights, biases and the KV cache are kept in one activation type (bf16 by default on
 //!   sm_80+, f16 below; f32 for parity tests); the KV cache may be Q8_0 blocks instead (`--kv-dtype q8_0`). Float weights are converted to it on upload so cuBLAS runs one
-//!   type; quantized weights (Q8_0/Q4_0/Q4_1) stay quantized and run through the `gemv_*`/`gemm_*` kernels.
+//!   type; quantized weights (Q8_0/Q4_0/Q4_1) stay quantized and run through the `gemv_*`/`gemm_*` kernels; other
+//!   block formats (Q5, the K-quants) are refused at upload.
 //! - Work runs on one compute stream; a second stream copies offloaded layers in (see [`staging`]). cudarc's
 //!   automatic per-buffer event tracking is off: every buffer is allocated, used and freed on the compute
 //!   stream, and the only cross-stream traffic (weight staging) is ordered by explicit events.
@@ -285,6 +286,17 @@ impl CudaBackend {
             return Err(Error::Shape { op: "upload_matrix", reason: format!("expected 2-D, got {:?}", t.shape) });
         }
         if t.dtype.is_quantized() {
+            // The kernel list is the one record of which formats have CUDA kernels (q8_0, q4_0, q4_1 today).
+            let gemv = format!("gemv_{}_{}", t.dtype, self.act);
+            if strata_kernels::module_of(&gemv).is_none() {
+                return Err(Error::Shape {
+                    op: "upload_matrix",
+                    reason: format!(
+                        "the CUDA backend has no {} kernels (no {gemv}); the CPU backend runs them",
+                        t.dtype
+                    ),
+                });
+            }
             let block = t.dtype.block_elems();
             if !t.shape[1].is_multiple_of(block) {
                 return Err(Error::Shape {

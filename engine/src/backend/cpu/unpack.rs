@@ -1,0 +1,271 @@
+//! AVX2 decoding of the block formats ([`crate::quant`]) for the integer dot kernels of `simd::x86` and
+//! `qgemm::x86`: every format is read in 32-element sub-blocks (one per block of the 32-element formats, eight
+//! per K-quant super-block), each lined up with one 8-bit activation block. A sub-block becomes the unsigned
+//! operand of `maddubs`, the 16-bit multipliers of the following `madd` (ones, or Q6_K's two scales), its
+//! float scale and the multiplier of the activation sum (the offset term of formats with a minimum or a bias).
+//! Formats are const-generic tags so each kernel instance is specialized to one layout.
+
+use std::arch::x86_64::*;
+
+use crate::quant::k4_scale_min;
+
+pub(super) const Q8_0: u8 = 0;
+pub(super) const Q4_0: u8 = 1;
+pub(super) const Q4_1: u8 = 2;
+pub(super) const Q5_0: u8 = 3;
+pub(super) const Q5_1: u8 = 4;
+pub(super) const Q8_K: u8 = 5;
+pub(super) const Q4_K: u8 = 6;
+pub(super) const Q5_K: u8 = 7;
+pub(super) const Q6_K: u8 = 8;
+
+/// Bytes per block of layout `Q` (checked against the format table in the tests).
+pub(super) const fn block_bytes<const Q: u8>() -> usize {
+    match Q {
+        Q8_0 => 34,
+        Q4_0 => 18,
+        Q4_1 => 20,
+        Q5_0 => 22,
+        Q5_1 => 24,
+        Q8_K => 292,
+        Q4_K => 144,
+        Q5_K => 176,
+        _ => 210,
+    }
+}
+
+/// 32-element sub-blocks per block.
+pub(super) const fn subs<const Q: u8>() -> usize {
+    if Q >= Q8_K { 8 } else { 1 }
+}
+
+/// Whether weights are signed (`maddubs` then takes their magnitude and moves the sign onto the activation).
+pub(super) const fn signed<const Q: u8>() -> bool {
+    matches!(Q, Q8_0 | Q8_K | Q6_K)
+}
+
+/// Whether a sub-block has an offset term `min · Σa` (a minimum, or the fixed bias of Q4_0/Q5_0).
+pub(super) const fn has_offset<const Q: u8>() -> bool {
+    !signed::<Q>()
+}
+
+/// Byte offset of sub-block `b` in a row, for prefetching.
+pub(super) const fn sub_offset<const Q: u8>(b: usize) -> usize {
+    b * block_bytes::<Q>() / subs::<Q>()
+}
+
+/// One decoded sub-block: `Σ w·a = d · madd(maddubs(wabs, a'), mul)` (a' = a with `wq`'s signs for signed
+/// formats), plus `min · s` with `s` the activation block's `d · Σ qs`.
+pub(super) struct Sub {
+    pub wabs: __m256i,
+    pub wq: __m256i,
+    pub mul: __m256i,
+    pub d: f32,
+    pub min: f32,
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn half(bits: u16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// The f16 at `p`.
+///
+/// # Safety
+/// Two readable bytes at `p`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn half_at(p: *const u8) -> f32 {
+    // SAFETY: forwarded.
+    half(unsafe { (p as *const u16).read_unaligned() })
+}
+
+/// Sub-block `b` of a row of layout `Q`: its block and index within the block.
+#[inline(always)]
+fn locate<const Q: u8>(row: *const u8, b: usize) -> (*const u8, usize) {
+    (row.wrapping_add(b / subs::<Q>() * block_bytes::<Q>()), b % subs::<Q>())
+}
+
+/// The float scale and offset multiplier of sub-block `b` of `row` (what [`unpack`] returns beside the
+/// integers; `qgemm` reads them alone in its first pass).
+///
+/// # Safety
+/// AVX2/FMA/F16C available; `row` holds at least block `b / subs::<Q>()` of layout `Q`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn scales<const Q: u8>(row: *const u8, b: usize) -> (f32, f32) {
+    let (blk, j) = locate::<Q>(row, b);
+    // SAFETY (whole body): every read lies inside that block (the layouts of ggml-common.h).
+    unsafe {
+        match Q {
+            Q8_0 => (half_at(blk), 0.0),
+            Q4_0 => (half_at(blk), -8.0 * half_at(blk)),
+            Q5_0 => (half_at(blk), -16.0 * half_at(blk)),
+            Q4_1 | Q5_1 => (half_at(blk), half_at(blk.add(2))),
+            Q8_K => ((blk as *const f32).read_unaligned(), 0.0),
+            Q4_K | Q5_K => {
+                let (sc, m) = k4_scale_min(std::slice::from_raw_parts(blk.add(4), 12), j);
+                (half_at(blk) * sc as f32, -(half_at(blk.add(2)) * m as f32))
+            }
+            _ => (half_at(blk.add(208)), 0.0),
+        }
+    }
+}
+
+/// 32 bytes, byte `i` 0xFF where bit `i` of `bits` is set.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn bit_bytes(bits: u32) -> __m256i {
+    // Byte i takes byte i / 8 of `bits` (the shuffle works within each 128-bit lane, both holding all 4 bytes),
+    // then keeps bit i % 8.
+    let spread = _mm256_set_epi64x(0x0303_0303_0303_0303, 0x0202_0202_0202_0202, 0x0101_0101_0101_0101, 0);
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), spread);
+    let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select)
+}
+
+/// 32 nibbles of a 32-element block (low nibbles elements 0..16, high ones 16..32) at `p`, one per byte.
+///
+/// # Safety
+/// 16 readable bytes at `p`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles16(p: *const u8, mask: __m256i) -> __m256i {
+    // SAFETY: forwarded.
+    let q = unsafe { _mm_loadu_si128(p as *const __m128i) };
+    _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), mask)
+}
+
+/// Low (`shift` 0) or high (`shift` 4) nibbles of the 32 bytes at `p`, one per byte.
+///
+/// # Safety
+/// 32 readable bytes at `p`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles32(p: *const u8, shift: usize, mask: __m256i) -> __m256i {
+    // SAFETY: forwarded.
+    let q = unsafe { _mm256_loadu_si256(p as *const __m256i) };
+    _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(shift as i32)), mask)
+}
+
+/// Decodes sub-block `b` of `row`. `mask` is 0x0f in every byte (hoisted by the callers).
+///
+/// # Safety
+/// AVX2/FMA/F16C available; `row` holds at least block `b / subs::<Q>()` of layout `Q`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn unpack<const Q: u8>(row: *const u8, b: usize, mask: __m256i) -> Sub {
+    let (blk, j) = locate::<Q>(row, b);
+    let ones = _mm256_set1_epi16(1);
+    // SAFETY (whole body): every read lies inside that block.
+    unsafe {
+        let (d, min) = scales::<Q>(row, b);
+        let unsigned = |wq| Sub { wabs: wq, wq, mul: ones, d, min };
+        let five = |wq: __m256i, qh: u32| _mm256_or_si256(wq, _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(0x10)));
+        match Q {
+            Q8_0 | Q8_K => {
+                let wq = _mm256_loadu_si256(blk.add(if Q == Q8_0 { 2 } else { 4 + 32 * j }) as *const __m256i);
+                Sub { wabs: _mm256_sign_epi8(wq, wq), wq, mul: ones, d, min }
+            }
+            Q4_0 => unsigned(nibbles16(blk.add(2), mask)),
+            Q4_1 => unsigned(nibbles16(blk.add(4), mask)),
+            Q5_0 => unsigned(five(nibbles16(blk.add(6), mask), (blk.add(2) as *const u32).read_unaligned())),
+            Q5_1 => unsigned(five(nibbles16(blk.add(8), mask), (blk.add(4) as *const u32).read_unaligned())),
+            Q4_K => unsigned(nibbles32(blk.add(16 + 32 * (j / 2)), 4 * (j % 2), mask)),
+            Q5_K => {
+                let q = nibbles32(blk.add(48 + 32 * (j / 2)), 4 * (j % 2), mask);
+                // Bit j of byte l of qh is bit 4 of element l.
+                let bit = _mm256_set1_epi8((1u8 << j) as i8);
+                let qh = _mm256_loadu_si256(blk.add(16) as *const __m256i);
+                let high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(0x10));
+                unsigned(_mm256_or_si256(q, high))
+            }
+            _ => {
+                // Q6_K: sub-block j = 4n + c takes ql nibbles (c / 2 picks high) at 64n + 32(c % 2), the 2-bit
+                // tops at bit 2c of qh's 32 bytes at 128 + 32n, and the i8 scales 2j (elements 0..16) and 2j + 1.
+                let (n, c) = (j / 4, j % 4);
+                let low = nibbles32(blk.add(64 * n + 32 * (c % 2)), 4 * (c / 2), mask);
+                let qh = _mm256_loadu_si256(blk.add(128 + 32 * n) as *const __m256i);
+                let top = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c as i32)), _mm256_set1_epi8(3));
+                let q = _mm256_or_si256(low, _mm256_slli_epi16(top, 4));
+                let wq = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+                let sc = |k: usize| _mm_set1_epi16(i16::from(*blk.add(192 + 2 * j + k) as i8));
+                Sub { wabs: _mm256_sign_epi8(wq, wq), wq, mul: _mm256_set_m128i(sc(1), sc(0)), d, min }
+            }
+        }
+    }
+}
+
+/// The layout tag of each block format, for tests that run every instance.
+#[cfg(test)]
+pub(super) fn tag(dtype: crate::tensor::DType) -> u8 {
+    use crate::tensor::DType;
+    match dtype {
+        DType::Q8_0 => Q8_0,
+        DType::Q4_0 => Q4_0,
+        DType::Q4_1 => Q4_1,
+        DType::Q5_0 => Q5_0,
+        DType::Q5_1 => Q5_1,
+        DType::Q8_K => Q8_K,
+        DType::Q4_K => Q4_K,
+        DType::Q5_K => Q5_K,
+        _ => Q6_K,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant;
+    use rand::SeedableRng;
+
+    /// Reads the 32 lanes of `wq` (and `mul`'s two halves) back as the integers the dot products see.
+    fn decoded<const Q: u8>(row: &[u8], b: usize) -> (Vec<i32>, f32, f32) {
+        // SAFETY: only run after AVX2 detection; `row` holds the block of sub-block b.
+        unsafe {
+            let s = unpack::<Q>(row.as_ptr(), b, _mm256_set1_epi8(0x0f));
+            let (mut q, mut mul) = ([0i8; 32], [0i16; 16]);
+            _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, s.wq);
+            _mm256_storeu_si256(mul.as_mut_ptr() as *mut __m256i, s.mul);
+            let v = q.iter().enumerate().map(|(i, &x)| i32::from(x) * i32::from(mul[i / 16 * 8])).collect();
+            (v, s.d, s.min)
+        }
+    }
+
+    fn check<const Q: u8>(dtype: crate::tensor::DType, rng: &mut rand::rngs::StdRng) {
+        let f = quant::format(dtype).map(|f| (f.block_bytes, f.block_elems));
+        let Some((bb, elems)) = f else { panic!("{dtype} has no format") };
+        assert_eq!((block_bytes::<Q>(), subs::<Q>() * quant::QK, tag(dtype)), (bb, elems, Q), "{dtype}");
+        let row = quant::random_blocks(dtype, 2, rng);
+        let mut want = vec![0f32; 2 * elems];
+        quant::dequantize(dtype, &row, &mut want);
+        for b in 0..2 * subs::<Q>() {
+            let (q, d, min) = decoded::<Q>(&row, b);
+            for (l, &v) in q.iter().enumerate() {
+                let got = d * v as f32 + min;
+                let w = want[b * 32 + l];
+                assert!((got - w).abs() <= 1e-6 * w.abs().max(1.0), "{dtype} sub-block {b} element {l}: {got} vs {w}");
+            }
+        }
+    }
+
+    /// Every decoded sub-block, as `d · q + min`, is the table's dequantized block.
+    #[test]
+    fn unpacked_sub_blocks_are_the_reference_dequantization() {
+        if super::super::simd::Isa::detect() != super::super::simd::Isa::Avx2 {
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        use crate::tensor::DType as D;
+        check::<Q8_0>(D::Q8_0, &mut rng);
+        check::<Q4_0>(D::Q4_0, &mut rng);
+        check::<Q4_1>(D::Q4_1, &mut rng);
+        check::<Q5_0>(D::Q5_0, &mut rng);
+        check::<Q5_1>(D::Q5_1, &mut rng);
+        check::<Q8_K>(D::Q8_K, &mut rng);
+        check::<Q4_K>(D::Q4_K, &mut rng);
+        check::<Q5_K>(D::Q5_K, &mut rng);
+        check::<Q6_K>(D::Q6_K, &mut rng);
+    }
+}
