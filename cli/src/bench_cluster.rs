@@ -55,6 +55,10 @@ struct Run {
     ttft_ms_p99: f64,
     itl_ms_p50: f64,
     itl_ms_p99: f64,
+    /// Mean inter-token latency over the first and the last tenth of each request's tokens (median over requests),
+    /// in ms: the scheduler's per-token work must not grow with the output (equal within noise for long outputs).
+    itl_ms_first_tenth: f64,
+    itl_ms_last_tenth: f64,
     /// Stage compute (all stages) per micro-batch step, in ms.
     compute_ms_per_step: f64,
     /// Pipeline time minus stage compute, per micro-batch step, in µs.
@@ -272,11 +276,38 @@ async fn measure(client: &Client, b: &ClusterBench, stages: usize, concurrency: 
         ttft_ms_p99: percentile(&mut ttft, 0.99),
         itl_ms_p50: percentile(&mut itl, 0.50),
         itl_ms_p99: percentile(&mut itl, 0.99),
+        itl_ms_first_tenth: tenth_ms(&samples, Tenth::First),
+        itl_ms_last_tenth: tenth_ms(&samples, Tenth::Last),
         overhead_us_per_step,
         overhead_us_per_hop: overhead_us_per_step / (2 * stages.max(1)) as f64,
         compute_ms_per_step: if steps == 0 { 0.0 } else { compute as f64 / steps as f64 / 1e3 },
         ..Run::default()
     })
+}
+
+/// Which end of a request's tokens.
+#[derive(Clone, Copy)]
+enum Tenth {
+    First,
+    Last,
+}
+
+/// The median over `samples` of the mean inter-token latency over the `which` tenth of a request's tokens (ms);
+/// requests with fewer than 10 gaps are left out, and 0 when none is left.
+fn tenth_ms(samples: &[Sample], which: Tenth) -> f64 {
+    let mut means: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.itl.len() >= 10)
+        .map(|s| {
+            let n = s.itl.len() / 10;
+            let part = match which {
+                Tenth::First => &s.itl[..n],
+                Tenth::Last => &s.itl[s.itl.len() - n..],
+            };
+            part.iter().map(Duration::as_secs_f64).sum::<f64>() * 1e3 / n as f64
+        })
+        .collect();
+    percentile(&mut means, 0.5)
 }
 
 /// Nearest-rank percentile (`q` in 0..=1); 0 for no samples.
@@ -338,8 +369,16 @@ async fn describe_plan(client: &mut Client) -> Result<(usize, String)> {
 fn print_run(run: Option<&Run>) {
     if let Some(r) = run {
         eprintln!(
-            "stages {} concurrency {:>3}: {:>7.1} tok/s, TTFT p50 {:.1} ms, ITL p50 {:.2} ms p99 {:.2} ms",
-            r.stages, r.concurrency, r.tokens_per_s, r.ttft_ms_p50, r.itl_ms_p50, r.itl_ms_p99
+            "stages {} concurrency {:>3}: {:>7.1} tok/s, TTFT p50 {:.1} ms, ITL p50 {:.2} ms p99 {:.2} ms, \
+             first/last tenth {:.2}/{:.2} ms",
+            r.stages,
+            r.concurrency,
+            r.tokens_per_s,
+            r.ttft_ms_p50,
+            r.itl_ms_p50,
+            r.itl_ms_p99,
+            r.itl_ms_first_tenth,
+            r.itl_ms_last_tenth
         );
     }
 }
@@ -348,14 +387,14 @@ fn table(report: &Report) -> String {
     let mut t = String::new();
     let _ = writeln!(
         t,
-        "| stages | threads/stage | streams | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | compute ms/step | overhead µs/hop | added µs/hop vs 1 process |"
+        "| stages | threads/stage | streams | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ITL first/last tenth ms | compute ms/step | overhead µs/hop | added µs/hop vs 1 process |"
     );
-    let _ = writeln!(t, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(t, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &report.runs {
         let added = r.added_us_per_hop_vs_single_process.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"));
         let _ = writeln!(
             t,
-            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {:.0} | {added} |",
+            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2}/{:.2} | {:.2} | {:.0} | {added} |",
             r.stages,
             r.threads_per_stage,
             r.concurrency,
@@ -364,6 +403,8 @@ fn table(report: &Report) -> String {
             r.ttft_ms_p99,
             r.itl_ms_p50,
             r.itl_ms_p99,
+            r.itl_ms_first_tenth,
+            r.itl_ms_last_tenth,
             r.compute_ms_per_step,
             r.overhead_us_per_hop
         );
@@ -480,6 +521,20 @@ fn write_outputs(report: &Report, out: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tenths_compare_the_start_and_the_end_of_each_request() {
+        let ms = |v: &[u64]| v.iter().map(|&m| Duration::from_millis(m)).collect::<Vec<_>>();
+        let sample = |itl: Vec<Duration>| Sample { ttft: Duration::ZERO, itl, tokens: 0, usage: pb::Usage::default() };
+        // 20 gaps: the first two average 1 ms, the last two 5 ms.
+        let mut gaps = vec![1u64, 1];
+        gaps.extend([3; 16]);
+        gaps.extend([4, 6]);
+        let samples = [sample(ms(&gaps)), sample(ms(&[9; 5]))];
+        assert!((tenth_ms(&samples, Tenth::First) - 1.0).abs() < 1e-9);
+        assert!((tenth_ms(&samples, Tenth::Last) - 5.0).abs() < 1e-9);
+        assert_eq!(tenth_ms(&samples[1..], Tenth::First), 0.0);
+    }
 
     #[test]
     fn percentiles_use_the_nearest_rank() {
