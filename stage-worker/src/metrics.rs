@@ -1,7 +1,8 @@
 //! The stage worker's Prometheus metrics, served at `GET /metrics` (OpenMetrics text) on `--metrics-listen`. The
 //! data path counts batches, bytes, errors and compute time as they happen; what the stage holds (KV blocks,
 //! weights, layers, plan epoch, term, queue depth, resident memory) is read from the served stage when scraped,
-//! so it is never stale. Names share the coordinator's `strata_` prefix; `strata_stage_` ones are this worker's.
+//! so it is never stale. Names start `strata_worker_`, apart from the coordinator's `strata_` ones (its per-stage
+//! `strata_stage_*{stage}` gauges among them), so a query never sums both.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -67,7 +68,7 @@ impl StageMetrics {
     /// The metrics of worker `node`, all at zero.
     pub fn new(node: &str) -> Self {
         let mut m = StageMetrics {
-            registry: Registry::with_prefix("strata_stage"),
+            registry: Registry::with_prefix("strata_worker"),
             node: node.to_owned(),
             batches: Counter::default(),
             // 0.1 ms .. 13 s
@@ -210,14 +211,14 @@ mod tests {
         m.error(ErrorCode::NotFound);
         let text = m.render(&StageSlot::empty(TermFence::default()), 2);
         for line in [
-            "strata_stage_batches_total 1",
-            "strata_stage_batch_compute_seconds_count 1",
-            "strata_stage_received_bytes_total 100",
-            "strata_stage_sent_bytes_total 40",
-            "strata_stage_errors_total{kind=\"not_found\"} 1",
-            "strata_stage_queue_depth 2",
-            "strata_stage_kv_blocks_total 0",
-            "strata_stage_info{node=\"w0\",version=\"",
+            "strata_worker_batches_total 1",
+            "strata_worker_batch_compute_seconds_count 1",
+            "strata_worker_received_bytes_total 100",
+            "strata_worker_sent_bytes_total 40",
+            "strata_worker_errors_total{kind=\"not_found\"} 1",
+            "strata_worker_queue_depth 2",
+            "strata_worker_kv_blocks_total 0",
+            "strata_worker_info{node=\"w0\",version=\"",
         ] {
             assert!(text.contains(line), "{line} missing from\n{text}");
         }

@@ -54,18 +54,18 @@ async fn each_worker_exports_what_it_computed_and_holds() -> Result<()> {
 
     for (addr, name) in addrs.iter().zip(["first", "last"]) {
         let text = scrape(addr)?;
-        let batches = value(&text, "strata_stage_batches_total")?;
+        let batches = value(&text, "strata_worker_batches_total")?;
         ensure!(batches >= rounds.len() as f64, "{name}: {batches} batches for {} rounds\n{text}", rounds.len());
-        ensure!(value(&text, "strata_stage_batch_compute_seconds_count")? == batches, "{name}\n{text}");
-        ensure!(value(&text, "strata_stage_received_bytes_total")? > 0.0, "{name}\n{text}");
-        ensure!(value(&text, "strata_stage_sent_bytes_total")? > 0.0, "{name}\n{text}");
+        ensure!(value(&text, "strata_worker_batch_compute_seconds_count")? == batches, "{name}\n{text}");
+        ensure!(value(&text, "strata_worker_received_bytes_total")? > 0.0, "{name}\n{text}");
+        ensure!(value(&text, "strata_worker_sent_bytes_total")? > 0.0, "{name}\n{text}");
         // stage_config: 64 blocks of 4 tokens, two of the tiny model's four layers.
-        ensure!(value(&text, "strata_stage_kv_blocks_total")? == 64.0, "{name}\n{text}");
-        ensure!(value(&text, "strata_stage_kv_capacity_tokens")? == 256.0, "{name}\n{text}");
-        ensure!(value(&text, "strata_stage_layers")? == 2.0, "{name}\n{text}");
-        ensure!(value(&text, "strata_stage_weight_bytes")? > 0.0, "{name}\n{text}");
-        ensure!(value(&text, "strata_stage_resident_bytes")? > 0.0, "{name}\n{text}");
-        ensure!(value(&text, "strata_stage_queue_depth")? == 0.0, "{name}\n{text}");
+        ensure!(value(&text, "strata_worker_kv_blocks_total")? == 64.0, "{name}\n{text}");
+        ensure!(value(&text, "strata_worker_kv_capacity_tokens")? == 256.0, "{name}\n{text}");
+        ensure!(value(&text, "strata_worker_layers")? == 2.0, "{name}\n{text}");
+        ensure!(value(&text, "strata_worker_weight_bytes")? > 0.0, "{name}\n{text}");
+        ensure!(value(&text, "strata_worker_resident_bytes")? > 0.0, "{name}\n{text}");
+        ensure!(value(&text, "strata_worker_queue_depth")? == 0.0, "{name}\n{text}");
     }
     stop_all(vec![first, last]).await
 }
