@@ -301,7 +301,7 @@ async fn fill_stage_facts(nodes: &mut [pb::NodeInfo], tls: Option<&strata_proto:
         {
             node.kv_total_blocks = s.kv_total_blocks;
             node.kv_free_blocks = s.kv_free_blocks;
-            node.kv_capacity_tokens = s.kv_total_blocks.saturating_mul(u64::from(s.block_size));
+            node.kv_capacity_tokens = s.kv_capacity_tokens();
             node.offloaded_layers = s.offloaded_layers;
         }
     }

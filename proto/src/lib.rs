@@ -26,6 +26,13 @@ pub mod pb {
     pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("strata_descriptor");
 }
 
+impl pb::StageStatus {
+    /// The stage's KV cache capacity in tokens: its blocks times the tokens a block holds.
+    pub fn kv_capacity_tokens(&self) -> u64 {
+        self.kv_total_blocks.saturating_mul(u64::from(self.block_size))
+    }
+}
+
 pub use codec::{decode_to_f32, dtype_size, encode_f32, validate_hidden};
 pub use error::{ProtoError, Result};
 pub use ids::{NodeId, PlanEpoch, SeqId};

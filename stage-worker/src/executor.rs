@@ -88,6 +88,13 @@ pub struct StageFacts {
     pub offloaded_layers: std::ops::Range<usize>,
 }
 
+impl StageFacts {
+    /// KV cache capacity in tokens: blocks times the tokens a block holds.
+    pub fn kv_capacity_tokens(&self) -> u64 {
+        self.kv_total_blocks.saturating_mul(u64::from(self.block_size))
+    }
+}
+
 /// How the executor thread ended, once it has: `Some(why)` after a panic.
 #[derive(Default)]
 struct Death {

@@ -146,7 +146,7 @@ impl StageMetrics {
                 let total = facts.kv_total_blocks;
                 self.kv_blocks_total.set(gauge(total));
                 self.kv_blocks_used.set(gauge(total.saturating_sub(stage.executor.kv_free_blocks())));
-                self.kv_capacity_tokens.set(gauge(total.saturating_mul(u64::from(facts.block_size))));
+                self.kv_capacity_tokens.set(gauge(facts.kv_capacity_tokens()));
                 self.weight_bytes.set(gauge(facts.weight_bytes));
                 self.layers.set(gauge(facts.layers.len() as u64));
                 self.offloaded_layers.set(gauge(facts.offloaded_layers.len() as u64));

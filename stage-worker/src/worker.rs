@@ -59,7 +59,7 @@ impl LoadedStage {
             layers = ?facts.layers,
             weight_bytes = facts.weight_bytes,
             kv_blocks = facts.kv_total_blocks,
-            kv_tokens = facts.kv_total_blocks * u64::from(facts.block_size),
+            kv_tokens = facts.kv_capacity_tokens(),
             offloaded_layers = ?facts.offloaded_layers,
             device = %facts.device,
             "stage loaded"

@@ -116,10 +116,7 @@ impl Dialer {
         let budget = KvBudget::from_statuses(&statuses).map_err(|error| Failed::new(error, Vec::new()))?;
         let memory = statuses
             .iter()
-            .map(|s| StageMemory {
-                kv_tokens: s.kv_total_blocks.saturating_mul(u64::from(s.block_size)),
-                offloaded_layers: u64::from(s.offloaded_layers),
-            })
+            .map(|s| StageMemory { kv_tokens: s.kv_capacity_tokens(), offloaded_layers: u64::from(s.offloaded_layers) })
             .collect();
         let stage0 = &plan.stages[0];
         let mut client = clients[0].clone();
