@@ -142,22 +142,17 @@ pub fn size_kv_cache<B: Backend>(model: &StageModel<B>, config: &WorkerConfig) -
         return Ok(KvSizing { blocks, budget: None, usage: None });
     }
     let hidden = model.config().hidden_size;
-    let (budget, usage) = match model.backend().device_memory_capacity() {
-        Some(capacity) => {
-            let budget = budget(config.gpu_memory_limit, config.memory_fraction, Some(capacity as u64));
-            (
-                budget,
-                Usage::new(device_peak(model, config.max_batch_tokens, kv_dtype)?, config.max_batch_tokens, hidden),
-            )
-        }
+    let tokens = config.max_batch_tokens;
+    let (budget, peak) = match model.backend().device_memory_capacity() {
+        Some(capacity) => (
+            budget(config.gpu_memory_limit, config.memory_fraction, Some(capacity as u64)),
+            device_peak(model, tokens, kv_dtype)?,
+        ),
         None => {
-            let budget = budget(config.memory_limit, config.memory_fraction, total_ram());
-            (
-                budget,
-                Usage::new(profile_peak(model, config.max_batch_tokens, kv_dtype)?, config.max_batch_tokens, hidden),
-            )
+            (budget(config.memory_limit, config.memory_fraction, total_ram()), profile_peak(model, tokens, kv_dtype)?)
         }
     };
+    let usage = Usage::new(peak, tokens, hidden);
     let budget = budget.ok_or_else(|| {
         Error::Config("cannot tell how much memory this machine has; pass --memory-limit or --kv-blocks".into())
     })?;

@@ -18,13 +18,12 @@ use strata_proto::{ErrorCode, ServiceError, pb};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::kv_budget::KvBudget;
 use super::link::{Connected, Dialer, Failed, Suspect};
 use super::output::{SeqOutput, Verdict};
 use super::scheduler::{Effect, RequestId, Requeue, Scheduler};
-use tracing_opentelemetry::OpenTelemetrySpanExt;
-
 use super::{Command, Finish, ModelInfo, PipelineOptions, SeqEvent, SeqRequest, StepTiming, Timeouts};
 use crate::metrics::Metrics;
 use crate::stage_client::{ForwardStream, TracedStageClient};
