@@ -46,6 +46,18 @@ fn peak_rss(pid: u32) -> Result<u64> {
     Ok(kib.trim().trim_end_matches("kB").trim().parse::<u64>()? * 1024)
 }
 
+/// Checks every worker's peak resident memory against its limit of `limit_mib` MiB, and prints the peaks.
+fn workers_within(cluster: &ProcessCluster, limit_mib: u64) -> Result<()> {
+    let mut report = Vec::new();
+    for (id, process) in &cluster.workers {
+        let peak = peak_rss(process.id())?;
+        report.push(format!("{id}: {:.1} MiB", peak as f64 / f64::from(1 << 20)));
+        ensure!(peak <= limit_mib << 20, "{id} peaked at {peak} bytes, over its {limit_mib} MiB limit");
+    }
+    eprintln!("peak resident memory per worker (limit {limit_mib} MiB): {}", report.join(", "));
+    Ok(())
+}
+
 async fn greedy_tokens(url: &str) -> Result<Vec<Vec<u32>>> {
     let mut client = CoordinatorClient::connect(url.to_owned()).await?;
     let mut all = Vec::new();
@@ -122,14 +134,7 @@ async fn a_model_no_worker_can_hold_is_split_and_every_worker_stays_within_its_l
     ensure!(got == expected, "after the join: {got:?}, expected {expected:?}");
     // (A join keeps the pipeline's order, which a what-if from scratch does not know.)
 
-    let mut report = Vec::new();
-    for (id, process) in &cluster.workers {
-        let peak = peak_rss(process.id())?;
-        report.push(format!("{id}: {:.1} MiB", peak as f64 / f64::from(1 << 20)));
-        ensure!(peak <= LIMIT_MIB << 20, "{id} peaked at {peak} bytes, over its {LIMIT_MIB} MiB limit");
-    }
-    eprintln!("peak resident memory per worker (limit {LIMIT_MIB} MiB): {}", report.join(", "));
-    Ok(())
+    workers_within(&cluster, LIMIT_MIB)
 }
 
 /// Less memory than the model: two workers of 150 MiB (314 MB together, the model alone is 304 MB and each stage
@@ -182,12 +187,5 @@ async fn a_model_bigger_than_all_the_workers_memory_is_served_with_offloaded_lay
         ensure!(node.kv_capacity_tokens >= 512, "{} holds {} KV tokens", node.node_id, node.kv_capacity_tokens);
     }
     eprintln!("{}", report.join("\n"));
-    let mut report = Vec::new();
-    for (id, process) in &cluster.workers {
-        let peak = peak_rss(process.id())?;
-        report.push(format!("{id}: {:.1} MiB", peak as f64 / f64::from(1 << 20)));
-        ensure!(peak <= OFFLOAD_LIMIT_MIB << 20, "{id} peaked at {peak} bytes, over its {OFFLOAD_LIMIT_MIB} MiB limit");
-    }
-    eprintln!("peak resident memory per offloading worker (limit {OFFLOAD_LIMIT_MIB} MiB): {}", report.join(", "));
-    Ok(())
+    workers_within(&cluster, OFFLOAD_LIMIT_MIB)
 }
