@@ -95,6 +95,10 @@ pub enum Error {
         /// Why, and what would work instead.
         reason: String,
     },
+    /// The prefix cache on this stage does not match what the coordinator asked of it (it has restarted or missed
+    /// a batch): the batch must be recomputed after the coordinator resets the cache.
+    #[error("prefix cache out of step with the coordinator: {0}")]
+    PrefixCache(String),
     /// A sequence id the KV cache does not know.
     #[error("unknown sequence {0}")]
     UnknownSequence(u64),
