@@ -67,6 +67,9 @@ pub struct CoordinatorConfig {
     /// Tokens per micro-batch; longer prompts are prefilled in chunks of this size.
     #[serde(default = "default_max_batch_tokens")]
     pub max_batch_tokens: usize,
+    /// Keep prompts' KV blocks on the stages and reuse them for later prompts that start with the same tokens.
+    #[serde(default = "default_prefix_caching")]
+    pub enable_prefix_caching: bool,
     /// A micro-batch unanswered this long means a stage hangs: its sequences are recomputed elsewhere.
     #[serde(default = "default_batch_timeout")]
     pub batch_timeout_ms: u64,
@@ -149,6 +152,9 @@ fn default_max_concurrent() -> usize {
 fn default_max_batch_tokens() -> usize {
     SchedulerLimits::default().max_batch_tokens
 }
+fn default_prefix_caching() -> bool {
+    SchedulerLimits::default().prefix_caching
+}
 
 impl CoordinatorConfig {
     /// A config with defaults for everything but the model and the API addresses.
@@ -170,6 +176,7 @@ impl CoordinatorConfig {
             kv_dtype: None,
             max_concurrent_requests: default_max_concurrent(),
             max_batch_tokens: default_max_batch_tokens(),
+            enable_prefix_caching: default_prefix_caching(),
             batch_timeout_ms: default_batch_timeout(),
             recovery_timeout_ms: default_recovery_timeout(),
             probe_timeout_ms: default_probe_timeout(),
@@ -263,6 +270,7 @@ impl CoordinatorConfig {
         SchedulerLimits {
             max_concurrent_requests: self.max_concurrent_requests,
             max_batch_tokens: self.max_batch_tokens,
+            prefix_caching: self.enable_prefix_caching,
         }
     }
 

@@ -45,6 +45,11 @@ struct Args {
     /// Tokens per micro-batch (prompts longer than this are prefilled in chunks).
     #[arg(long, env = "STRATA_MAX_BATCH_TOKENS", default_value_t = 512)]
     max_batch_tokens: usize,
+    /// Keep prompts' KV blocks on the stages and reuse them for prompts that start with the same tokens
+    /// (`--enable-prefix-caching false` turns it off).
+    #[arg(long, env = "STRATA_ENABLE_PREFIX_CACHING", default_value_t = true, action = clap::ArgAction::Set,
+        num_args = 0..=1, default_missing_value = "true")]
+    enable_prefix_caching: bool,
     /// Longest sequence served, prompt plus generated tokens (default: the model's context length); longer
     /// requests are refused.
     #[arg(long, env = "STRATA_MAX_MODEL_LEN")]
@@ -126,6 +131,7 @@ async fn main() -> anyhow::Result<()> {
     config.connect_timeout_ms = args.connect_timeout_ms;
     config.max_concurrent_requests = args.max_concurrent_requests;
     config.max_batch_tokens = args.max_batch_tokens;
+    config.enable_prefix_caching = args.enable_prefix_caching;
     config.max_model_len = args.max_model_len;
     config.min_kv_tokens = args.min_kv_tokens;
     config.quantize = args.quantize;

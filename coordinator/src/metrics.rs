@@ -92,6 +92,12 @@ pub struct Metrics {
     pub kv_blocks_free: Gauge,
     /// Share of the KV blocks sequences hold (0 to 1).
     pub kv_usage_ratio: Gauge<f64, AtomicU64>,
+    /// Of the capacity, blocks in the prefix cache (those no sequence uses count as free).
+    pub kv_blocks_cached: Gauge,
+    /// Prompt tokens matched against the prefix cache.
+    pub prefix_cache_queries: Counter,
+    /// Of those, tokens found cached (not computed again).
+    pub prefix_cache_hits: Counter,
     /// Each stage's KV cache capacity in tokens (from its memory budget), by pipeline position.
     pub stage_kv_tokens: Family<Stage, Gauge>,
     /// Each stage's offloaded layers (paged in or streamed per batch), by pipeline position.
@@ -143,6 +149,9 @@ impl Metrics {
             kv_blocks_capacity: Gauge::default(),
             kv_blocks_free: Gauge::default(),
             kv_usage_ratio: Gauge::default(),
+            kv_blocks_cached: Gauge::default(),
+            prefix_cache_queries: Counter::default(),
+            prefix_cache_hits: Counter::default(),
             stage_kv_tokens: Family::default(),
             stage_offloaded_layers: Family::default(),
             plan_epoch: Gauge::default(),
@@ -180,6 +189,17 @@ impl Metrics {
         r.register("kv_blocks_capacity", "KV blocks of the tightest stage", m.kv_blocks_capacity.clone());
         r.register("kv_blocks_free", "KV blocks no sequence holds", m.kv_blocks_free.clone());
         r.register("kv_usage_ratio", "Share of the KV blocks sequences hold", m.kv_usage_ratio.clone());
+        r.register(
+            "kv_blocks_cached",
+            "KV blocks in the prefix cache (those no sequence uses are counted free)",
+            m.kv_blocks_cached.clone(),
+        );
+        r.register(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            m.prefix_cache_queries.clone(),
+        );
+        r.register("prefix_cache_hits", "Prompt tokens found in the prefix cache", m.prefix_cache_hits.clone());
         r.register(
             "stage_kv_capacity_tokens",
             "KV cache capacity of each stage of the served plan, in tokens",

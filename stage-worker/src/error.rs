@@ -45,6 +45,8 @@ pub fn engine_to_service(err: &strata_engine::Error) -> ServiceError {
     let code = match err {
         E::InvalidRequest(_) | E::Shape { .. } | E::LayerRange { .. } => ErrorCode::InvalidArgument,
         E::KvExhausted { .. } => ErrorCode::ResourceExhausted,
+        // The coordinator resets the cache and recomputes, as after any stage fault.
+        E::PrefixCache(_) => ErrorCode::FailedPrecondition,
         E::UnknownSequence(_) => ErrorCode::NotFound,
         E::Device(_) => ErrorCode::Unavailable,
         _ => ErrorCode::Internal,
@@ -63,6 +65,8 @@ mod tests {
         let shape = strata_engine::Error::Shape { op: "forward", reason: "x".into() };
         assert_eq!(engine_to_service(&shape).code, ErrorCode::InvalidArgument);
         assert_eq!(engine_to_service(&strata_engine::Error::UnknownSequence(4)).code, ErrorCode::NotFound);
+        let prefix = strata_engine::Error::PrefixCache("x".into());
+        assert_eq!(engine_to_service(&prefix).code, ErrorCode::FailedPrecondition);
         assert_eq!(engine_to_service(&strata_engine::Error::Config("x".into())).code, ErrorCode::Internal);
     }
 }

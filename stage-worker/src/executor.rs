@@ -109,9 +109,25 @@ struct Death {
 pub struct ExecutorHandle {
     tx: mpsc::Sender<Command>,
     releases: Releases,
-    kv_free: Arc<AtomicU64>,
+    kv_counts: Arc<KvCounts>,
     facts: Arc<StageFacts>,
     death: Arc<Death>,
+}
+
+/// The KV cache's block counts after the executor's last command, for status and metrics.
+#[derive(Default)]
+struct KvCounts {
+    free: AtomicU64,
+    cached: AtomicU64,
+}
+
+impl KvCounts {
+    fn store<B: Backend>(&self, kv: &KvCache<B>) {
+        // Cached blocks no sequence holds count as free, as the coordinator counts them: a drained, idle stage
+        // reports all its blocks free.
+        self.free.store((kv.free_blocks() + kv.idle_cached_blocks()) as u64, Ordering::Relaxed);
+        self.cached.store(kv.cached_blocks() as u64, Ordering::Relaxed);
+    }
 }
 
 impl ExecutorHandle {
@@ -139,7 +155,8 @@ impl ExecutorHandle {
             device: model.backend().name(),
             offloaded_layers: model.offloaded_layers(),
         });
-        let kv_free = Arc::new(AtomicU64::new(kv.free_blocks() as u64));
+        let kv_counts = Arc::new(KvCounts::default());
+        kv_counts.store(&kv);
         let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
         let releases = Releases::default();
         let death = Arc::new(Death::default());
@@ -150,7 +167,7 @@ impl ExecutorHandle {
             hidden_dtype: wire_dtype(config.hidden_dtype),
             kv_term: term.current(),
             term,
-            kv_free: kv_free.clone(),
+            kv_counts: kv_counts.clone(),
             releases: releases.clone(),
             batches_run: 0,
             panic_after_batches: config.fault_panic_after_batches,
@@ -160,7 +177,7 @@ impl ExecutorHandle {
             .name("strata-executor".into())
             .spawn(move || run_contained(exec, rx, &thread_death))
             .map_err(|e| Error::Executor(format!("cannot start the executor thread: {e}")))?;
-        Ok(ExecutorHandle { tx, releases, kv_free, facts, death })
+        Ok(ExecutorHandle { tx, releases, kv_counts, facts, death })
     }
 
     /// Queues a batch (waiting while the queue is full) and returns where its result will arrive. Its compute is
@@ -214,9 +231,14 @@ impl ExecutorHandle {
         }
     }
 
-    /// KV blocks free after the last command.
+    /// KV blocks free after the last command, counting cached blocks no sequence holds.
     pub fn kv_free_blocks(&self) -> u64 {
-        self.kv_free.load(Ordering::Relaxed)
+        self.kv_counts.free.load(Ordering::Relaxed)
+    }
+
+    /// KV blocks in the prefix cache after the last command.
+    pub fn kv_cached_blocks(&self) -> u64 {
+        self.kv_counts.cached.load(Ordering::Relaxed)
     }
 
     /// Fixed facts about the stage.
@@ -263,7 +285,7 @@ struct Executor<B: Backend> {
     term: TermFence,
     /// The term the sequences in `kv` belong to; below `term`, they belong to a deposed leader.
     kv_term: u64,
-    kv_free: Arc<AtomicU64>,
+    kv_counts: Arc<KvCounts>,
     releases: Releases,
     batches_run: u64,
     /// Testing hook ([`WorkerConfig::fault_panic_after_batches`]).
@@ -310,7 +332,7 @@ impl<B: Backend> Executor<B> {
             }
             let _ = reply.send(released);
         }
-        self.kv_free.store(self.kv.free_blocks() as u64, Ordering::Relaxed);
+        self.kv_counts.store(&self.kv);
     }
 
     fn run(&mut self, rx: &mut mpsc::Receiver<Command>) {
@@ -340,7 +362,7 @@ impl<B: Backend> Executor<B> {
                 }
                 Command::Wake => {}
             }
-            self.kv_free.store(self.kv.free_blocks() as u64, Ordering::Relaxed);
+            self.kv_counts.store(&self.kv);
         }
     }
 
@@ -367,8 +389,12 @@ impl<B: Backend> Executor<B> {
                     start + len
                 )));
             }
-            let cached = self.kv.seq_len(seq);
-            if start > 0 && self.kv.table(seq).is_none() {
+            let known = self.kv.table(seq).is_some();
+            if !c.cached_blocks.is_empty() {
+                self.check_cached(c, known)?;
+            }
+            let cached = if known { self.kv.seq_len(seq) } else { c.cached_blocks.len() * self.kv.block_size() };
+            if start > 0 && !known && c.cached_blocks.is_empty() {
                 return Err(ServiceError::not_found(format!(
                     "unknown sequence {seq}: chunk starts at position {start} but the sequence has no KV cache here"
                 )));
@@ -391,11 +417,50 @@ impl<B: Backend> Executor<B> {
         Ok((chunks, n_tokens))
     }
 
+    /// A chunk that starts a sequence on cached blocks: the sequence is new here and every block is cached.
+    fn check_cached(&self, c: &pb::SeqChunk, known: bool) -> Result<(), ServiceError> {
+        let seq = c.seq_id;
+        if known || c.start_pos as usize != c.cached_blocks.len() * self.kv.block_size() {
+            return Err(ServiceError::invalid_argument(format!(
+                "sequence {seq}: {} cached blocks of {} tokens start a new sequence at their end, not at position {}",
+                c.cached_blocks.len(),
+                self.kv.block_size(),
+                c.start_pos
+            )));
+        }
+        if c.cached_token_ids.len() != c.start_pos as usize {
+            return Err(ServiceError::invalid_argument(format!(
+                "sequence {seq}: {} cached token ids for {} cached positions",
+                c.cached_token_ids.len(),
+                c.start_pos
+            )));
+        }
+        if !self.kv.has_cached(&c.cached_blocks) {
+            let err = strata_engine::Error::PrefixCache(format!("sequence {seq} starts on blocks not cached here"));
+            return Err(engine_to_service(&err));
+        }
+        Ok(())
+    }
+
+    /// The coordinator's prefix-cache orders that come before a batch's chunks: drop blocks to free their space.
+    fn evict(&mut self, batch: &pb::ForwardRequest) {
+        if batch.clear_prefix_cache {
+            self.kv.clear_prefix_cache();
+        }
+        for &key in &batch.evict_blocks {
+            self.kv.evict(key);
+        }
+    }
+
     fn forward(&mut self, batch: &pb::ForwardRequest) -> Result<Output, ServiceError> {
         // Checked again here: a newer term may have arrived (on another stream, or in a plan) after the service
         // admitted this batch, and its sequences must not come back into the freed cache.
         self.term.check(batch.term, format_args!("batch {}", batch.batch_id))?;
+        self.evict(batch);
         let (chunks, n_tokens) = self.check_chunks(batch)?;
+        for c in batch.chunks.iter().filter(|c| !c.cached_blocks.is_empty()) {
+            self.kv.attach(c.seq_id, &c.cached_blocks).map_err(|e| engine_to_service(&e))?;
+        }
         let params = if self.model.is_last() {
             batch.chunks.iter().map(|c| engine_params(c.sampling.as_ref())).collect::<Result<Vec<_>, _>>()?
         } else {
@@ -426,6 +491,11 @@ impl<B: Backend> Executor<B> {
         };
         let out =
             self.model.forward(&mut self.kv, &chunks, input, LogitRows::Last).map_err(|e| engine_to_service(&e))?;
+        for c in &batch.chunks {
+            for b in &c.publish {
+                self.kv.publish(c.seq_id, b.index as usize, b.key).map_err(|e| engine_to_service(&e))?;
+            }
+        }
         let host = backend.act_to_host(&out).map_err(|e| engine_to_service(&e))?;
         let (rows, cols) = backend.act_shape(&out);
         if !self.model.is_last() {
@@ -450,7 +520,7 @@ impl<B: Backend> Executor<B> {
             let len = chunk.len as usize;
             let ids = batch.token_ids.get(offset..offset + len).unwrap_or_default();
             offset += len;
-            self.samplers.observe(chunk.seq_id, chunk.start_pos as usize, ids, params);
+            self.samplers.observe(chunk.seq_id, chunk.start_pos as usize, &chunk.cached_token_ids, ids, params);
             if chunk.skip_sampling {
                 continue;
             }

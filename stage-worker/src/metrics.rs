@@ -54,6 +54,7 @@ pub struct StageMetrics {
     queue_depth: Gauge,
     kv_blocks_total: Gauge,
     kv_blocks_used: Gauge,
+    kv_blocks_cached: Gauge,
     kv_capacity_tokens: Gauge,
     weight_bytes: Gauge,
     resident_bytes: Gauge,
@@ -79,6 +80,7 @@ impl StageMetrics {
             queue_depth: Gauge::default(),
             kv_blocks_total: Gauge::default(),
             kv_blocks_used: Gauge::default(),
+            kv_blocks_cached: Gauge::default(),
             kv_capacity_tokens: Gauge::default(),
             weight_bytes: Gauge::default(),
             resident_bytes: Gauge::default(),
@@ -97,6 +99,7 @@ impl StageMetrics {
         r.register("queue_depth", "Micro-batches received and not yet answered", m.queue_depth.clone());
         r.register("kv_blocks_total", "KV cache capacity in blocks", m.kv_blocks_total.clone());
         r.register("kv_blocks_used", "KV cache blocks held by sequences", m.kv_blocks_used.clone());
+        r.register("kv_blocks_cached", "KV cache blocks kept in the prefix cache", m.kv_blocks_cached.clone());
         r.register("kv_capacity_tokens", "KV cache capacity in tokens", m.kv_capacity_tokens.clone());
         r.register("weight_bytes", "Bytes of weights loaded on the device", m.weight_bytes.clone());
         r.register(
@@ -146,6 +149,7 @@ impl StageMetrics {
                 let total = facts.kv_total_blocks;
                 self.kv_blocks_total.set(gauge(total));
                 self.kv_blocks_used.set(gauge(total.saturating_sub(stage.executor.kv_free_blocks())));
+                self.kv_blocks_cached.set(gauge(stage.executor.kv_cached_blocks()));
                 self.kv_capacity_tokens.set(gauge(facts.kv_capacity_tokens()));
                 self.weight_bytes.set(gauge(facts.weight_bytes));
                 self.layers.set(gauge(facts.layers.len() as u64));
@@ -156,6 +160,7 @@ impl StageMetrics {
                 for g in [
                     &self.kv_blocks_total,
                     &self.kv_blocks_used,
+                    &self.kv_blocks_cached,
                     &self.kv_capacity_tokens,
                     &self.weight_bytes,
                     &self.layers,

@@ -27,15 +27,16 @@ pub struct SeqSamplers {
 }
 
 impl SeqSamplers {
-    /// Records a chunk's tokens. A chunk at position 0 starts the sequence over with a fresh sampler.
-    pub fn observe(&mut self, seq_id: u64, start_pos: usize, tokens: &[u32], params: &SamplingParams) {
-        if start_pos == 0 {
+    /// Records a chunk's tokens. A chunk at position 0, or one starting on cached blocks (whose tokens are
+    /// `cached`), starts the sequence over with a fresh sampler.
+    pub fn observe(&mut self, seq_id: u64, start_pos: usize, cached: &[u32], tokens: &[u32], params: &SamplingParams) {
+        if start_pos == 0 || !cached.is_empty() {
             self.seqs.remove(&seq_id);
         }
         let state = self
             .seqs
             .entry(seq_id)
-            .or_insert_with(|| SeqState { sampler: Sampler::new(params.clone()), history: Vec::new() });
+            .or_insert_with(|| SeqState { sampler: Sampler::new(params.clone()), history: cached.to_vec() });
         state.history.extend_from_slice(tokens);
     }
 
@@ -91,7 +92,7 @@ mod tests {
     #[test]
     fn greedy_with_logprob_matches_log_softmax() -> Result<(), ServiceError> {
         let mut s = SeqSamplers::default();
-        s.observe(1, 0, &[0], &SamplingParams::default());
+        s.observe(1, 0, &[], &[0], &SamplingParams::default());
         let (tok, lp) = s.sample(1, &mut [1.0, 2.0, 0.5], true)?;
         assert_eq!(tok, 1);
         let expected = 2.0 - (1f32.exp() + 2f32.exp() + 0.5f32.exp()).ln();
@@ -106,10 +107,12 @@ mod tests {
     fn history_drives_the_repetition_penalty_and_restarts_at_position_zero() -> Result<(), ServiceError> {
         let params = SamplingParams { repetition_penalty: 4.0, ..Default::default() };
         let mut s = SeqSamplers::default();
-        s.observe(7, 0, &[0, 5], &params);
+        s.observe(7, 0, &[], &[0, 5], &params);
         assert_eq!(s.sample(7, &mut [3.0, 2.0], false)?.0, 1, "token 0 was seen and is penalized");
-        s.observe(7, 0, &[1], &params);
+        s.observe(7, 0, &[], &[1], &params);
         assert_eq!(s.sample(7, &mut [3.0, 2.0], false)?.0, 0, "a new sequence forgets the old history");
+        s.observe(8, 4, &[5, 0, 5, 5], &[1], &params);
+        assert_eq!(s.sample(8, &mut [3.0, 2.0], false)?.0, 1, "the cached prompt tokens are history too");
         Ok(())
     }
 }

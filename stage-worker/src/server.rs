@@ -142,6 +142,7 @@ impl Stage for StageService {
             plan_epoch: stage.plan_epoch.unwrap_or(0),
             kv_total_blocks: facts.kv_total_blocks,
             kv_free_blocks: stage.executor.kv_free_blocks(),
+            kv_cached_blocks: stage.executor.kv_cached_blocks(),
             block_size: facts.block_size,
             inflight_batches,
             device: facts.device.clone(),

@@ -109,9 +109,9 @@ pub(super) struct Actor {
     quiescing: Option<Vec<oneshot::Sender<()>>>,
     /// Set when the stages follow a newer coordinator: refuse everything until this one leads again (a new plan).
     deposed: Option<ServiceError>,
-    /// Finished releases: (budget generation, blocks).
-    released_tx: mpsc::Sender<(u64, usize)>,
-    released_rx: mpsc::Receiver<(u64, usize)>,
+    /// Finished releases: (budget generation, blocks, cached blocks used).
+    released_tx: mpsc::Sender<(u64, usize, Vec<u64>)>,
+    released_rx: mpsc::Receiver<(u64, usize, Vec<u64>)>,
     metrics: Arc<Metrics>,
 }
 
@@ -172,7 +172,9 @@ impl Actor {
                     Some(cmd) => self.command(cmd),
                 },
                 resp = next_response(&mut self.stream), if waiting => self.on_response(resp),
-                Some((generation, n)) = self.released_rx.recv() => self.scheduler.released(generation, n),
+                Some((generation, n, cached)) = self.released_rx.recv() => {
+                    self.scheduler.released(generation, n, &cached);
+                }
                 Some((attempt, result)) = self.attempts_rx.recv() => self.on_attempt(attempt, result),
                 () = tokio::time::sleep_until(wake) => {}
             }
@@ -457,7 +459,9 @@ impl Actor {
                     }
                     self.metrics.batch_tokens.observe(tokens as f64);
                 }
-                Effect::Release { seq_ids, blocks, generation } => self.release(seq_ids, blocks, generation),
+                Effect::Release { seq_ids, blocks, cached, generation } => {
+                    self.release(seq_ids, blocks, cached, generation);
+                }
                 Effect::Token { req, token, timing } => self.on_token(req, &token, timing),
                 Effect::Fail { req, error } => {
                     if let Some(caller) = self.callers.get_mut(&req) {
@@ -552,11 +556,20 @@ impl Actor {
         self.metrics.kv_blocks_free.set(g.kv_free as i64);
         let used = g.kv_total.saturating_sub(g.kv_free) as f64;
         self.metrics.kv_usage_ratio.set(if g.kv_total == 0 { 0.0 } else { used / g.kv_total as f64 });
+        self.metrics.kv_blocks_cached.set(g.kv_cached as i64);
+        // The scheduler counts from the start; the counters catch up.
+        for (counter, total) in [
+            (&self.metrics.prefix_cache_queries, g.prefix.queried_tokens),
+            (&self.metrics.prefix_cache_hits, g.prefix.hit_tokens),
+        ] {
+            counter.inc_by(total.saturating_sub(counter.get()));
+        }
     }
 
     /// Frees `seq_ids` on every stage in the background (each stage directly, so a dead stage does not keep the
-    /// others from freeing theirs); their `blocks` of budget `generation` return to the budget when it finishes.
-    fn release(&self, seq_ids: Vec<u64>, blocks: usize, generation: u64) {
+    /// others from freeing theirs); their `blocks` of budget `generation` return to the budget when it finishes,
+    /// and the `cached` blocks they used lose a reference.
+    fn release(&self, seq_ids: Vec<u64>, blocks: usize, cached: Vec<u64>, generation: u64) {
         let released = self.released_tx.clone();
         let clients = self.clients.clone();
         let term = self.plan.term;
@@ -574,7 +587,7 @@ impl Actor {
             futures_util::future::join_all(calls).await;
             // Even a failed release gives the blocks back: a stage that still holds them answers
             // RESOURCE_EXHAUSTED, and that batch is preempted and retried.
-            let _ = released.send((generation, blocks)).await;
+            let _ = released.send((generation, blocks, cached)).await;
         });
     }
 }

@@ -11,12 +11,14 @@ pub(crate) struct KvBudget {
     used: usize,
     /// Blocks of finished or preempted sequences whose `Release` has not yet returned: still held on the stages.
     releasing: usize,
+    /// Every stage uses `block_size`, so a block here is a block on each stage (prefix caching needs that).
+    uniform: bool,
 }
 
 impl KvBudget {
     /// A budget of `total` blocks of `block_size` tokens.
     pub(crate) fn new(block_size: usize, total: usize) -> Self {
-        Self { block_size: block_size.max(1), total, used: 0, releasing: 0 }
+        Self { block_size: block_size.max(1), total, used: 0, releasing: 0, uniform: true }
     }
 
     /// The budget the stages' statuses allow: the smallest capacity in tokens, in blocks of the largest block
@@ -31,7 +33,18 @@ impl KvBudget {
             .map(|s| usize::try_from(s.kv_total_blocks).unwrap_or(usize::MAX).saturating_mul(s.block_size as usize))
             .min()
             .unwrap_or(0);
-        Ok(Self::new(block_size, tokens / block_size))
+        let uniform = statuses.iter().all(|s| s.block_size as usize == block_size);
+        Ok(Self { uniform, ..Self::new(block_size, tokens / block_size) })
+    }
+
+    /// Whether every stage's blocks are this budget's blocks.
+    pub(crate) fn uniform(&self) -> bool {
+        self.uniform
+    }
+
+    /// `n` cached blocks were evicted: their space is free (the stages drop them before the next batch runs).
+    pub(crate) fn evicted(&mut self, n: usize) {
+        self.used = self.used.saturating_sub(n);
     }
 
     /// Blocks needed to hold `tokens` positions.
@@ -94,6 +107,8 @@ mod tests {
         // Mixed block sizes: 30 blocks of 32 tokens = 960 tokens is the least; counted in 32-token blocks.
         let b = KvBudget::from_statuses(&[status(64, 16), status(30, 32)])?;
         assert_eq!((b.total(), b.block_size()), (30, 32));
+        assert!(!b.uniform(), "mixed block sizes");
+        assert!(KvBudget::from_statuses(&[status(64, 16), status(40, 16)])?.uniform());
         assert!(KvBudget::from_statuses(&[]).is_err());
         assert!(KvBudget::from_statuses(&[status(10, 0)]).is_err());
         Ok(())

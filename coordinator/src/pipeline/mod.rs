@@ -25,6 +25,7 @@ mod actor;
 mod kv_budget;
 mod link;
 mod output;
+mod prefix_cache;
 mod scheduler;
 
 use std::path::Path;
@@ -54,11 +55,13 @@ pub struct SchedulerLimits {
     pub max_concurrent_requests: usize,
     /// Tokens per micro-batch: longer prompts are prefilled in chunks of at most this many tokens.
     pub max_batch_tokens: usize,
+    /// Keep the KV blocks of prompts on the stages and reuse them for prompts that start with the same tokens.
+    pub prefix_caching: bool,
 }
 
 impl Default for SchedulerLimits {
     fn default() -> Self {
-        Self { max_concurrent_requests: 128, max_batch_tokens: 512 }
+        Self { max_concurrent_requests: 128, max_batch_tokens: 512, prefix_caching: true }
     }
 }
 

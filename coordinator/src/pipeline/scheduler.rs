@@ -31,9 +31,12 @@ use std::time::Instant;
 use strata_proto::{ErrorCode, ServiceError, pb};
 
 use super::kv_budget::KvBudget;
+use super::prefix_cache::{PrefixCache, PrefixStats, SeqPrefix};
 use super::{SchedulerLimits, SeqRequest, StepTiming};
 
 mod effect;
+#[cfg(test)]
+mod prefix_tests;
 #[cfg(test)]
 mod tests;
 
@@ -83,11 +86,18 @@ struct Seq {
     traceparent: String,
     /// A chunk of it has been sent (it left the queue once; a recompute does not count again).
     started: bool,
+    /// Its cached blocks (prefix caching).
+    prefix: SeqPrefix,
 }
 
 impl Seq {
     fn gone(&self) -> bool {
         self.done || self.cancelled
+    }
+
+    /// Blocks of its table on the stages: its own and the cached ones it uses.
+    fn table_blocks(&self) -> usize {
+        self.blocks + self.prefix.shared()
     }
 }
 
@@ -105,6 +115,9 @@ pub(super) struct Scheduler {
     term: u64,
     stages: usize,
     kv: Option<KvBudget>,
+    /// The blocks cached on the stages, with the budget that holds them (`None`: prefix caching is off).
+    prefix: Option<PrefixCache>,
+    prefix_stats: PrefixStats,
     /// Bumped with every new budget, so that a late release of an old one is ignored.
     kv_generation: u64,
     /// Every live request, oldest first.
@@ -128,6 +141,8 @@ impl Scheduler {
             term,
             stages,
             kv: None,
+            prefix: None,
+            prefix_stats: PrefixStats::default(),
             kv_generation: 0,
             seqs: BTreeMap::new(),
             by_seq_id: HashMap::new(),
@@ -145,15 +160,31 @@ impl Scheduler {
     }
 
     /// The budget the stages reported on (re)connecting; releases of the previous one are ignored from now on.
+    /// With prefix caching on, the budget starts an empty cache, and the next batch clears the stages' caches.
     pub(super) fn set_budget(&mut self, kv: KvBudget) {
+        self.prefix = None;
+        if self.limits.prefix_caching {
+            if kv.uniform() {
+                self.prefix = Some(PrefixCache::new(kv.block_size(), self.epoch));
+            } else {
+                tracing::warn!("prefix caching is off: the stages' KV blocks hold different numbers of tokens");
+            }
+        }
         self.kv = Some(kv);
         self.kv_generation += 1;
     }
 
-    /// A `Release` of `blocks` of budget `generation` returned from every stage.
-    pub(super) fn released(&mut self, generation: u64, blocks: usize) {
-        if let Some(kv) = self.kv.as_mut().filter(|_| generation == self.kv_generation) {
+    /// A `Release` of `blocks` of budget `generation` returned from every stage; its sequences used the `cached`
+    /// blocks.
+    pub(super) fn released(&mut self, generation: u64, blocks: usize, cached: &[u64]) {
+        if generation != self.kv_generation {
+            return;
+        }
+        if let Some(kv) = self.kv.as_mut() {
             kv.released(blocks);
+        }
+        if let Some(prefix) = self.prefix.as_mut() {
+            prefix.unref(cached);
         }
     }
 
@@ -229,6 +260,7 @@ impl Scheduler {
                 timing: StepTiming::default(),
                 traceparent: String::new(),
                 started: false,
+                prefix: SeqPrefix::default(),
             },
         );
         self.by_seq_id.insert(seq_id, id);
@@ -325,12 +357,19 @@ impl Scheduler {
                 self.waiting.pop_front();
                 continue;
             }
+            if let Some(prefix) = self.prefix.as_mut().filter(|_| seq.pos == 0 && !seq.prefix.looked_up()) {
+                // It keeps the blocks found while it waits at the front of the queue.
+                let hit = prefix.lookup(&mut seq.prefix, &seq.input, &mut self.prefix_stats);
+                seq.input.drain(..hit);
+                seq.pos = u32::try_from(hit).unwrap_or(u32::MAX);
+            }
             let first = seq.input.len().min(self.limits.max_batch_tokens);
-            let need = kv.blocks_for(seq.pos as usize + first).saturating_sub(seq.blocks);
-            if running && kv.free() < need + watermark {
+            let need = kv.blocks_for(seq.pos as usize + first).saturating_sub(seq.table_blocks());
+            let evictable = self.prefix.as_ref().map_or(0, PrefixCache::evictable);
+            if running && kv.free() + evictable < need + watermark {
                 break;
             }
-            if !kv.grow(&mut seq.blocks, seq.pos as usize + first) {
+            if !grow(kv, &mut self.prefix, seq, first) {
                 break;
             }
             seq.running = true;
@@ -352,7 +391,7 @@ impl Scheduler {
             if len == 0 {
                 return None;
             }
-            if kv.grow(&mut seq.blocks, seq.pos as usize + len) {
+            if grow(kv, &mut self.prefix, seq, len) {
                 // Claimed for this batch: nobody may preempt it now.
                 seq.in_flight = true;
                 return Some(len);
@@ -385,7 +424,12 @@ impl Scheduler {
         }
         seq.blocks = 0;
         self.by_seq_id.remove(&seq.seq_id);
-        effects.push(Effect::Release { seq_ids: vec![seq.seq_id], blocks, generation: self.kv_generation });
+        effects.push(Effect::Release {
+            seq_ids: vec![seq.seq_id],
+            blocks,
+            cached: seq.prefix.take_refs(),
+            generation: self.kv_generation,
+        });
         let error = if seq.refusals > MAX_STAGE_REFUSALS {
             Some(ServiceError::resource_exhausted(format!(
                 "a stage refused this sequence's batches {} times for want of KV cache",
@@ -427,6 +471,18 @@ impl Scheduler {
         for &(id, len) in group {
             let Some(seq) = self.seqs.get_mut(&id) else { continue };
             token_ids.extend(seq.input.drain(..len));
+            let (cached_blocks, cached_token_ids) = seq.prefix.take_attach();
+            let end = seq.pos as usize + len;
+            let publish = match &mut self.prefix {
+                Some(prefix) => prefix.publish(&mut seq.prefix, end),
+                None => Vec::new(),
+            };
+            // Published blocks pass from the sequence to the cache; the budget counts them as before.
+            seq.blocks = seq.blocks.saturating_sub(publish.len());
+            let publish = publish
+                .into_iter()
+                .map(|(index, key)| pb::PublishedBlock { index: u32::try_from(index).unwrap_or(u32::MAX), key })
+                .collect();
             chunks.push(pb::SeqChunk {
                 seq_id: seq.seq_id,
                 start_pos: seq.pos,
@@ -436,11 +492,24 @@ impl Scheduler {
                 // Only the last slice of a prompt is sampled from.
                 skip_sampling: !seq.input.is_empty(),
                 traceparent: seq.traceparent.clone(),
+                cached_blocks,
+                cached_token_ids,
+                publish,
             });
             seq.pos += u32::try_from(len).unwrap_or(u32::MAX);
             seq.in_flight = true;
         }
-        pb::ForwardRequest { plan_epoch: self.epoch, batch_id, chunks, token_ids, hidden: None, term: self.term }
+        let (clear_prefix_cache, evict_blocks) = self.prefix.as_mut().map(PrefixCache::take_orders).unwrap_or_default();
+        pb::ForwardRequest {
+            plan_epoch: self.epoch,
+            batch_id,
+            chunks,
+            token_ids,
+            hidden: None,
+            term: self.term,
+            evict_blocks,
+            clear_prefix_cache,
+        }
     }
 
     /// A stage's response to a batch, arriving at `now`: per-sequence timing, then its tokens or its error.
@@ -505,6 +574,7 @@ impl Scheduler {
         tracing::warn!(error = %err, in_flight = self.batches.len(), "stages failed: requeueing every sequence");
         let mut effects = self.abandon_and_requeue(Requeue::StageFailed);
         self.kv = None;
+        self.prefix = None;
         self.kv_generation += 1;
         effects.push(Effect::Stalled { error: err.clone() });
         effects
@@ -555,6 +625,7 @@ impl Scheduler {
         self.term = term;
         self.stages = stages;
         self.kv = None;
+        self.prefix = None;
         self.kv_generation += 1;
         effects
     }
@@ -571,6 +642,7 @@ impl Scheduler {
         self.waiting.retain(|id| seqs.get(id).is_some_and(|s| !s.gone()));
         let mut blocks = 0;
         let mut held = Vec::new();
+        let mut cached = Vec::new();
         for id in gone {
             let Some(mut seq) = self.seqs.remove(&id) else { continue };
             self.by_seq_id.remove(&seq.seq_id);
@@ -581,10 +653,14 @@ impl Scheduler {
                     kv.release(&mut seq.blocks);
                 }
                 held.push(seq.seq_id);
+                cached.extend(seq.prefix.take_refs());
+            } else if let Some(prefix) = &mut self.prefix {
+                // Waiting with blocks found in the cache: no stage has it yet.
+                prefix.unref(&seq.prefix.take_refs());
             }
         }
         if !held.is_empty() {
-            effects.push(Effect::Release { seq_ids: held, blocks, generation: self.kv_generation });
+            effects.push(Effect::Release { seq_ids: held, blocks, cached, generation: self.kv_generation });
         }
         effects
     }
@@ -600,7 +676,26 @@ impl Scheduler {
             }
         }
         let (kv_total, kv_free) = self.kv.as_ref().map_or((0, 0), |kv| (kv.total(), kv.free()));
-        Gauges { running, waiting, kv_total, kv_free }
+        // Cached blocks no sequence uses are free: eviction gets them back when needed.
+        let (evictable, kv_cached) = self.prefix.as_ref().map_or((0, 0), |p| (p.evictable(), p.cached()));
+        Gauges { running, waiting, kv_total, kv_free: kv_free + evictable, kv_cached, prefix: self.prefix_stats }
+    }
+}
+
+/// Grows `seq`'s blocks to cover its next `len` tokens, evicting cached blocks no sequence uses while the budget
+/// lacks room; false (and no change to `seq`) when even that does not make room.
+fn grow(kv: &mut KvBudget, prefix: &mut Option<PrefixCache>, seq: &mut Seq, len: usize) -> bool {
+    let shared = seq.prefix.shared();
+    let mut held = seq.table_blocks();
+    loop {
+        if kv.grow(&mut held, seq.pos as usize + len) {
+            seq.blocks = held - shared;
+            return true;
+        }
+        if !prefix.as_mut().is_some_and(PrefixCache::evict_one) {
+            return false;
+        }
+        kv.evicted(1);
     }
 }
 

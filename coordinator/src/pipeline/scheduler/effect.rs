@@ -35,6 +35,8 @@ pub(in crate::pipeline) enum Effect {
         seq_ids: Vec<u64>,
         /// Blocks they held in the budget.
         blocks: usize,
+        /// Cached blocks they used (prefix caching): they lose a reference once the release returns.
+        cached: Vec<u64>,
         /// The budget they belong to: a release of an older budget (plan) is ignored.
         generation: u64,
     },
@@ -96,6 +98,10 @@ pub(in crate::pipeline) struct Gauges {
     pub(in crate::pipeline) waiting: i64,
     /// Blocks of the tightest stage (0 without a budget).
     pub(in crate::pipeline) kv_total: usize,
-    /// Of those, blocks neither held nor being released.
+    /// Of those, blocks neither held nor being released (cached blocks no sequence uses count as free).
     pub(in crate::pipeline) kv_free: usize,
+    /// Blocks in the prefix cache.
+    pub(in crate::pipeline) kv_cached: usize,
+    /// Prefix-cache lookups since the start.
+    pub(in crate::pipeline) prefix: crate::pipeline::prefix_cache::PrefixStats,
 }

@@ -6,9 +6,9 @@ use strata_proto::{ErrorCode, ServiceError, pb};
 
 use super::*;
 
-const EPOCH: u64 = 7;
+pub(super) const EPOCH: u64 = 7;
 
-fn request(prompt: &[u32], max_tokens: usize) -> SeqRequest {
+pub(super) fn request(prompt: &[u32], max_tokens: usize) -> SeqRequest {
     SeqRequest {
         prompt_ids: prompt.to_vec(),
         max_tokens,
@@ -20,15 +20,15 @@ fn request(prompt: &[u32], max_tokens: usize) -> SeqRequest {
 }
 
 /// A scheduler over `stages` stages whose tightest one holds `blocks` KV blocks of `block_size` tokens.
-fn scheduler(stages: usize, blocks: usize, block_size: usize, max_batch_tokens: usize) -> Scheduler {
-    let limits = SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens };
+pub(super) fn scheduler(stages: usize, blocks: usize, block_size: usize, max_batch_tokens: usize) -> Scheduler {
+    let limits = SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens, prefix_caching: false };
     let mut s = Scheduler::new(limits, EPOCH, 0, stages);
     s.set_budget(KvBudget::new(block_size, blocks));
     s
 }
 
 /// The batches to send among `effects`.
-fn sent(effects: &[Effect]) -> Vec<pb::ForwardRequest> {
+pub(super) fn sent(effects: &[Effect]) -> Vec<pb::ForwardRequest> {
     effects
         .iter()
         .filter_map(|e| match e {
@@ -39,7 +39,7 @@ fn sent(effects: &[Effect]) -> Vec<pb::ForwardRequest> {
 }
 
 /// Each batch's chunks as (seq_id, start_pos, len, skip_sampling).
-fn batches(effects: &[Effect]) -> Vec<Vec<(u64, u32, u32, bool)>> {
+pub(super) fn batches(effects: &[Effect]) -> Vec<Vec<(u64, u32, u32, bool)>> {
     sent(effects)
         .iter()
         .map(|b| b.chunks.iter().map(|c| (c.seq_id, c.start_pos, c.len, c.skip_sampling)).collect())
@@ -52,7 +52,7 @@ fn seq_ids(effects: &[Effect]) -> Vec<Vec<u64>> {
 }
 
 /// The tokens handed to outputs, as (seq_id, token_id).
-fn tokens(effects: &[Effect]) -> Vec<(u64, u32)> {
+pub(super) fn tokens(effects: &[Effect]) -> Vec<(u64, u32)> {
     effects
         .iter()
         .filter_map(|e| match e {
@@ -63,7 +63,7 @@ fn tokens(effects: &[Effect]) -> Vec<(u64, u32)> {
 }
 
 /// The last stage's answer to `batch`: token 1000 + seq_id for every sampled chunk.
-fn answer(batch: &pb::ForwardRequest) -> pb::ForwardResponse {
+pub(super) fn answer(batch: &pb::ForwardRequest) -> pb::ForwardResponse {
     let tokens = batch
         .chunks
         .iter()
@@ -79,7 +79,7 @@ fn refuse(batch: &pb::ForwardRequest, error: ServiceError) -> pb::ForwardRespons
 }
 
 /// The one batch among `effects`.
-fn only_batch(effects: &[Effect]) -> pb::ForwardRequest {
+pub(super) fn only_batch(effects: &[Effect]) -> pb::ForwardRequest {
     let mut sent = sent(effects);
     assert_eq!(sent.len(), 1, "{effects:?}");
     sent.remove(0)
@@ -177,7 +177,10 @@ fn a_waiting_sequence_joins_only_if_one_percent_of_the_blocks_stays_free() -> Re
     s.admit(&request(&[2; 20], 1))?; // 5 blocks: 6 free = 5 + the watermark; 1 free
     s.admit(&request(&[3; 1], 1))?; // 1 block: 1 free < 1 + the watermark
     assert_eq!(seq_ids(&s.schedule(now)), vec![vec![1], vec![2]]);
-    assert_eq!(s.gauges(), Gauges { running: 2, waiting: 1, kv_total: 10, kv_free: 1 });
+    assert_eq!(
+        s.gauges(),
+        Gauges { running: 2, waiting: 1, kv_total: 10, kv_free: 1, kv_cached: 0, prefix: PrefixStats::default() }
+    );
 
     // Alone, a sequence may take every block.
     let mut s = scheduler(1, 4, 4, 512);
@@ -204,14 +207,17 @@ fn a_full_cache_preempts_the_youngest_sequence_not_in_flight_and_recomputes_it()
         fx[1..],
         [
             Effect::Requeued { req: c, why: Requeue::KvFull },
-            Effect::Release { seq_ids: vec![3], blocks: 1, generation: 1 },
+            Effect::Release { seq_ids: vec![3], blocks: 1, cached: vec![], generation: 1 },
         ]
     );
-    assert_eq!(s.gauges(), Gauges { running: 3, waiting: 1, kv_total: 5, kv_free: 0 });
+    assert_eq!(
+        s.gauges(),
+        Gauges { running: 3, waiting: 1, kv_total: 5, kv_free: 0, kv_cached: 0, prefix: PrefixStats::default() }
+    );
     // c waits first, to be recomputed from its prompt and output under a new sequence id.
     assert_eq!(s.waiting.front(), Some(&c));
     // Its blocks come back when its release returns; b takes one.
-    s.released(1, 1);
+    s.released(1, 1, &[]);
     s.apply_response(answer(&first[3]), now);
     let fx = s.schedule(now);
     assert_eq!(batches(&fx), vec![vec![(2, 1, 1, false)]], "d, the youngest running, finds no victim");
@@ -225,14 +231,17 @@ fn a_full_cache_preempts_the_youngest_sequence_not_in_flight_and_recomputes_it()
         [
             Effect::Ended { req: a },
             Effect::Ended { req: d },
-            Effect::Release { seq_ids: vec![1, 4], blocks: 3, generation: 1 },
+            Effect::Release { seq_ids: vec![1, 4], blocks: 3, cached: vec![], generation: 1 },
         ]
     );
-    s.released(1, 3);
+    s.released(1, 3, &[]);
     let fx = s.schedule(now);
     assert_eq!(batches(&fx), vec![vec![(5, 0, 2, false)]]);
     assert_eq!(sent(&fx)[0].token_ids, vec![3, 1003], "prompt + output");
-    assert_eq!(s.gauges(), Gauges { running: 2, waiting: 0, kv_total: 5, kv_free: 1 });
+    assert_eq!(
+        s.gauges(),
+        Gauges { running: 2, waiting: 0, kv_total: 5, kv_free: 1, kv_cached: 0, prefix: PrefixStats::default() }
+    );
     Ok(())
 }
 
@@ -252,10 +261,10 @@ fn a_stage_out_of_kv_requeues_the_batch_until_the_limit_then_fails_it() -> Resul
             [
                 Effect::BatchReturned { elapsed: Duration::ZERO, stages: Vec::new() },
                 Effect::Requeued { req: a, why: Requeue::StageOutOfKv },
-                Effect::Release { seq_ids: vec![n], blocks: 1, generation: 1 },
+                Effect::Release { seq_ids: vec![n], blocks: 1, cached: vec![], generation: 1 },
             ]
         );
-        s.released(1, 1);
+        s.released(1, 1, &[]);
     }
     let batch = only_batch(&s.schedule(now));
     let fx = s.apply_response(refuse(&batch, out_of_kv), now);
@@ -265,20 +274,26 @@ fn a_stage_out_of_kv_requeues_the_batch_until_the_limit_then_fails_it() -> Resul
         fx[1..],
         [
             Effect::Requeued { req: a, why: Requeue::StageOutOfKv },
-            Effect::Release { seq_ids: vec![17], blocks: 1, generation: 1 },
+            Effect::Release { seq_ids: vec![17], blocks: 1, cached: vec![], generation: 1 },
             Effect::Fail { req: a, error },
             Effect::Ended { req: a },
         ]
     );
     assert!(s.schedule(now).is_empty());
-    assert_eq!(s.gauges(), Gauges { running: 0, waiting: 0, kv_total: 10, kv_free: 9 });
+    assert_eq!(
+        s.gauges(),
+        Gauges { running: 0, waiting: 0, kv_total: 10, kv_free: 9, kv_cached: 0, prefix: PrefixStats::default() }
+    );
 
     // Any other error fails the batch's sequences, which are then released.
     let b = s.admit(&request(&[1], 4))?;
     let batch = only_batch(&s.schedule(now));
     let fx = s.apply_response(refuse(&batch, ServiceError::internal("stage 1 crashed")), now);
     assert_eq!(fx[1..], [Effect::Fail { req: b, error: ServiceError::internal("stage 1 crashed") }]);
-    assert_eq!(s.reap(), [Effect::Ended { req: b }, Effect::Release { seq_ids: vec![18], blocks: 1, generation: 1 }]);
+    assert_eq!(
+        s.reap(),
+        [Effect::Ended { req: b }, Effect::Release { seq_ids: vec![18], blocks: 1, cached: vec![], generation: 1 }]
+    );
     Ok(())
 }
 
@@ -295,7 +310,7 @@ fn a_broken_stream_fails_every_request_and_releases_what_they_hold() -> Result<(
     assert_eq!(fx, failed);
     assert_eq!(s.batches_in_flight(), 0);
     let mut ended: Vec<Effect> = ids.iter().map(|&req| Effect::Ended { req }).collect();
-    ended.push(Effect::Release { seq_ids: vec![1, 2], blocks: 2, generation: 1 });
+    ended.push(Effect::Release { seq_ids: vec![1, 2], blocks: 2, cached: vec![], generation: 1 });
     assert_eq!(s.reap(), ended, "only running sequences hold blocks");
     assert!(!s.has_waiting());
     Ok(())
@@ -318,18 +333,18 @@ fn a_new_plan_requeues_every_sequence_to_recompute_through_the_new_stages() -> R
         fx,
         [
             Effect::Requeued { req: c, why: Requeue::PlanChanged },
-            Effect::Release { seq_ids: vec![3], blocks: 0, generation: 1 },
+            Effect::Release { seq_ids: vec![3], blocks: 0, cached: vec![], generation: 1 },
             Effect::Requeued { req: b, why: Requeue::PlanChanged },
-            Effect::Release { seq_ids: vec![2], blocks: 1, generation: 1 },
+            Effect::Release { seq_ids: vec![2], blocks: 1, cached: vec![], generation: 1 },
             Effect::Requeued { req: a, why: Requeue::PlanChanged },
-            Effect::Release { seq_ids: vec![1], blocks: 1, generation: 1 },
+            Effect::Release { seq_ids: vec![1], blocks: 1, cached: vec![], generation: 1 },
         ]
     );
     assert!(!s.has_budget() && s.has_waiting());
     assert_eq!(s.batches_in_flight(), 0);
     assert!(s.apply_response(answer(&old[1]), now).is_empty(), "an answer from the old plan is ignored");
     s.set_budget(KvBudget::new(4, 100));
-    s.released(1, 2);
+    s.released(1, 2, &[]);
     assert_eq!(s.gauges().kv_free, 100, "a release against the old plan's budget is ignored");
     // One stage now: 2 batches in flight, 2 sequences each.
     let fx = s.schedule(now);
@@ -352,11 +367,14 @@ fn blocks_of_an_ended_sequence_stay_held_until_its_release_returns() -> Result<(
     // The output ended it: no more steps.
     s.finish(a);
     assert!(s.schedule(now).is_empty());
-    assert_eq!(s.reap(), [Effect::Ended { req: a }, Effect::Release { seq_ids: vec![1], blocks: 2, generation: 1 }]);
+    assert_eq!(
+        s.reap(),
+        [Effect::Ended { req: a }, Effect::Release { seq_ids: vec![1], blocks: 2, cached: vec![], generation: 1 }]
+    );
     assert_eq!(s.gauges().kv_free, 2, "still held by the stages");
-    s.released(0, 2);
+    s.released(0, 2, &[]);
     assert_eq!(s.gauges().kv_free, 2, "a release of an older budget is ignored");
-    s.released(1, 2);
+    s.released(1, 2, &[]);
     assert_eq!(s.gauges().kv_free, 4);
 
     // A cancelled sequence is released only once its batch is back, and its token goes nowhere.
@@ -365,13 +383,16 @@ fn blocks_of_an_ended_sequence_stay_held_until_its_release_returns() -> Result<(
     s.cancel(b);
     assert!(s.reap().is_empty(), "its batch is in flight");
     assert_eq!(tokens(&s.apply_response(answer(&batch), now)), []);
-    assert_eq!(s.reap(), [Effect::Ended { req: b }, Effect::Release { seq_ids: vec![2], blocks: 1, generation: 1 }]);
+    assert_eq!(
+        s.reap(),
+        [Effect::Ended { req: b }, Effect::Release { seq_ids: vec![2], blocks: 1, cached: vec![], generation: 1 }]
+    );
     Ok(())
 }
 
 #[test]
 fn admission_refuses_what_can_never_fit_and_more_than_the_queue_holds() -> Result<(), ServiceError> {
-    let limits = SchedulerLimits { max_concurrent_requests: 2, max_batch_tokens: 512 };
+    let limits = SchedulerLimits { max_concurrent_requests: 2, max_batch_tokens: 512, prefix_caching: false };
     let mut s = Scheduler::new(limits, EPOCH, 0, 1);
     let code = |r: Result<RequestId, ServiceError>| r.map(|_| ()).map_err(|e| e.code);
     assert_eq!(code(s.admit(&request(&[1], 1))), Err(ErrorCode::Unavailable), "no budget yet");
@@ -401,9 +422,9 @@ fn victims_are_taken_youngest_first_until_the_step_fits_or_none_is_left() -> Res
         fx[1..],
         [
             Effect::Requeued { req: ids[3], why: Requeue::KvFull },
-            Effect::Release { seq_ids: vec![4], blocks: 1, generation: 1 },
+            Effect::Release { seq_ids: vec![4], blocks: 1, cached: vec![], generation: 1 },
             Effect::Requeued { req: ids[2], why: Requeue::KvFull },
-            Effect::Release { seq_ids: vec![3], blocks: 1, generation: 1 },
+            Effect::Release { seq_ids: vec![3], blocks: 1, cached: vec![], generation: 1 },
         ]
     );
     // Both wait in admission order, ahead of anything newer.
@@ -430,9 +451,9 @@ fn a_stage_failure_requeues_every_sequence_to_recompute_and_stalls_until_a_new_b
         fx[1..],
         [
             Effect::Requeued { req: b, why: Requeue::StageFailed },
-            Effect::Release { seq_ids: vec![2], blocks: 1, generation: 1 },
+            Effect::Release { seq_ids: vec![2], blocks: 1, cached: vec![], generation: 1 },
             Effect::Requeued { req: a, why: Requeue::StageFailed },
-            Effect::Release { seq_ids: vec![1], blocks: 1, generation: 1 },
+            Effect::Release { seq_ids: vec![1], blocks: 1, cached: vec![], generation: 1 },
             Effect::Stalled { error },
         ]
     );
@@ -502,7 +523,7 @@ fn a_sequence_running_through_too_many_stage_failures_fails_instead_of_looping()
 #[test]
 fn sequence_ids_carry_the_leadership_term_so_coordinators_never_share_one() -> Result<(), ServiceError> {
     let now = Instant::now();
-    let limits = SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens: 512 };
+    let limits = SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens: 512, prefix_caching: false };
     let mut s = Scheduler::new(limits, EPOCH, 9, 1);
     s.set_budget(KvBudget::new(4, 100));
     s.admit(&request(&[1], 4))?;

@@ -1,0 +1,131 @@
+//! Prefix caching through the scheduler, on plain data: what the batches tell the stages, and how the budget
+//! counts cached blocks.
+
+use std::time::Instant;
+
+use strata_proto::{ServiceError, pb};
+
+use super::tests::{EPOCH, answer, only_batch, request, sent, tokens};
+use super::*;
+
+/// One stage of `blocks` blocks of 4 tokens, prefix caching on.
+fn caching(blocks: usize) -> Scheduler {
+    let limits = SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens: 512, prefix_caching: true };
+    let mut s = Scheduler::new(limits, EPOCH, 0, 1);
+    s.set_budget(KvBudget::new(4, blocks));
+    s
+}
+
+/// Runs `req` alone to its end (`max_tokens` 1: prefill only), lets its release return, and returns its first
+/// batch.
+fn run_alone(s: &mut Scheduler, prompt: &[u32]) -> Result<pb::ForwardRequest, ServiceError> {
+    let now = Instant::now();
+    let id = s.admit(&request(prompt, 1))?;
+    let batch = only_batch(&s.schedule(now));
+    assert_eq!(tokens(&s.apply_response(answer(&batch), now)).len(), 1);
+    s.finish(id);
+    for effect in s.reap() {
+        if let Effect::Release { blocks, cached, generation, .. } = effect {
+            s.released(generation, blocks, &cached);
+        }
+    }
+    Ok(batch)
+}
+
+#[test]
+fn a_prompt_starts_after_the_blocks_an_earlier_prompt_published() -> Result<(), ServiceError> {
+    let mut s = caching(10);
+    let first: Vec<u32> = (1..=10).collect();
+    let a = run_alone(&mut s, &first)?;
+    assert!(a.clear_prefix_cache, "the first batch of a budget clears the stages' caches");
+    let published: Vec<(u32, u64)> = a.chunks[0].publish.iter().map(|p| (p.index, p.key)).collect();
+    assert_eq!(published.iter().map(|p| p.0).collect::<Vec<_>>(), [0, 1], "two full blocks of 10 tokens");
+    assert!(a.chunks[0].cached_blocks.is_empty());
+    let g = s.gauges();
+    assert_eq!((g.kv_cached, g.kv_free), (2, 10), "unused cached blocks count as free");
+
+    // Same 8 first tokens: starts at 8 on both blocks and computes only its own 3 tokens.
+    let mut second = first[..8].to_vec();
+    second.extend([50, 51, 52]);
+    let b = run_alone(&mut s, &second)?;
+    let chunk = &b.chunks[0];
+    assert!(!b.clear_prefix_cache);
+    assert_eq!((chunk.start_pos, chunk.len), (8, 3));
+    assert_eq!(chunk.cached_blocks, published.iter().map(|p| p.1).collect::<Vec<_>>());
+    assert_eq!(chunk.cached_token_ids, first[..8]);
+    assert_eq!(b.token_ids, [50, 51, 52]);
+    assert!(chunk.publish.is_empty(), "its only full blocks were cached already");
+
+    // A prompt of exactly the cached 8 tokens recomputes its last block: its last token's logits are sampled.
+    let c = run_alone(&mut s, &first[..8])?;
+    assert_eq!((c.chunks[0].start_pos, c.chunks[0].len, c.chunks[0].cached_blocks.len()), (4, 4, 1));
+    assert_eq!(s.gauges().prefix, PrefixStats { queried_tokens: 29, hit_tokens: 12 });
+    Ok(())
+}
+
+#[test]
+fn cached_blocks_no_sequence_uses_are_evicted_for_room_and_the_next_batch_says_so() -> Result<(), ServiceError> {
+    let now = Instant::now();
+    let mut s = caching(4);
+    run_alone(&mut s, &(1..=9).collect::<Vec<_>>())?; // publishes 2 blocks
+    assert_eq!(s.gauges().kv_cached, 2);
+    // 13 tokens need 4 blocks: both cached ones go, the end of the chain first, and the batch evicts them.
+    let id = s.admit(&request(&(100..113).collect::<Vec<_>>(), 1))?;
+    let batch = only_batch(&s.schedule(now));
+    assert_eq!(batch.evict_blocks.len(), 2);
+    assert_eq!(batch.chunks[0].start_pos, 0);
+    let g = s.gauges();
+    assert_eq!((g.kv_cached, g.kv_free), (3, 0), "it published three blocks of its own, which it still uses");
+    s.apply_response(answer(&batch), now);
+    s.finish(id);
+    let release = s.reap();
+    assert!(
+        release.iter().any(|e| matches!(e, Effect::Release { cached, .. } if cached.len() == 3)),
+        "the release carries the cached blocks it used: {release:?}"
+    );
+    assert_eq!(s.gauges().kv_free, 0, "until the release returns, its blocks are held");
+    Ok(())
+}
+
+#[test]
+fn a_preempted_sequence_gives_its_cached_blocks_back_and_a_new_budget_forgets_the_cache() -> Result<(), ServiceError> {
+    let now = Instant::now();
+    let mut s = caching(10);
+    let prompt: Vec<u32> = (1..=9).collect();
+    run_alone(&mut s, &prompt)?;
+    s.admit(&request(&prompt, 4))?;
+    let batch = only_batch(&s.schedule(now));
+    assert_eq!(batch.chunks[0].cached_blocks.len(), 2);
+    // The stages fail: it is requeued, and its release carries the cached blocks it used.
+    let fx = s.apply_response(
+        pb::ForwardResponse {
+            batch_id: batch.batch_id,
+            error: Some(ServiceError::unavailable("stage down").into()),
+            ..Default::default()
+        },
+        now,
+    );
+    assert!(fx.iter().any(|e| matches!(e, Effect::Release { cached, .. } if cached.len() == 2)), "{fx:?}");
+    // Reconnected: a new budget and an empty cache; the stages are told to clear theirs, and the sequence is
+    // recomputed from position 0.
+    s.set_budget(KvBudget::new(4, 10));
+    let batch = only_batch(&s.schedule(now));
+    assert!(batch.clear_prefix_cache);
+    assert_eq!((batch.chunks[0].start_pos, batch.chunks[0].cached_blocks.len()), (0, 0));
+    assert_eq!(batch.chunks[0].publish.len(), 2);
+    assert_eq!(sent(&s.apply_response(answer(&batch), now)).len(), 0);
+    Ok(())
+}
+
+#[test]
+fn off_it_sends_no_cache_orders() -> Result<(), ServiceError> {
+    let limits = SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens: 512, prefix_caching: false };
+    let mut s = Scheduler::new(limits, EPOCH, 0, 1);
+    s.set_budget(KvBudget::new(4, 10));
+    for _ in 0..2 {
+        let b = run_alone(&mut s, &(1..=9).collect::<Vec<_>>())?;
+        assert!(!b.clear_prefix_cache && b.chunks[0].publish.is_empty() && b.chunks[0].cached_blocks.is_empty());
+    }
+    assert_eq!(s.gauges().prefix, PrefixStats::default());
+    Ok(())
+}

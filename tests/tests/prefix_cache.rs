@@ -1,0 +1,92 @@
+//! Prefix caching through a real 3-stage loopback cluster on the real SmolLM2 file: prompts that share a system
+//! prompt start on its cached blocks on every stage, and every stream's greedy tokens equal what its prompt
+//! produces alone in a single process with nothing cached, also when the KV cache is too small for all of them
+//! and sequences are preempted and recomputed. Idle, every block counts as free again while the cache keeps the
+//! shared prompt, the same on each stage.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use strata_coordinator::SchedulerLimits;
+use strata_tests::{StageSizing, TestCluster, eventually, generate, ids_request, reference, smollm2};
+
+/// SmolLM2's 30 layers over three stages.
+const BOUNDS: [usize; 4] = [0, 10, 20, 30];
+const MAX_TOKENS: u32 = 6;
+
+/// A 41-token "system prompt" (10 full blocks of 4 and one token more) and a question of its own for stream `i`.
+fn prompt(i: usize) -> Vec<u32> {
+    let system = (0..41u32).map(|j| 200 + j * 613 % 20_000);
+    let question = (0..3 + i % 4).map(|j| 30_000 + u32::try_from(i * 97 + j * 13).unwrap_or(0));
+    system.chain(question).collect()
+}
+
+/// Runs every prompt concurrently and checks each stream against its single-process tokens.
+async fn run_and_check(cluster: &TestCluster, prompts: &[Vec<u32>], alone: &[Vec<u32>]) -> Result<()> {
+    let client = cluster.client().await?;
+    let tasks: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let mut client = client.clone();
+            let req = ids_request(p, MAX_TOKENS);
+            tokio::spawn(async move { generate(&mut client, req).await })
+        })
+        .collect();
+    for (i, (task, expected)) in tasks.into_iter().zip(alone).enumerate() {
+        let got = task.await?.with_context(|| format!("stream {i}"))?;
+        ensure!(&got.token_ids == expected, "stream {i}: {:?} != alone {expected:?}", got.token_ids);
+    }
+    Ok(())
+}
+
+fn sizing(kv_blocks: usize) -> StageSizing {
+    let limits = SchedulerLimits { prefix_caching: true, ..SchedulerLimits::default() };
+    StageSizing { kv_blocks, limits, ..StageSizing::default() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompts_sharing_a_system_prompt_reuse_its_blocks_and_generate_the_same_tokens() -> Result<()> {
+    let model = smollm2();
+    let prompts: Vec<Vec<u32>> = (0..6).map(prompt).collect();
+    let alone: Vec<Vec<u32>> =
+        prompts.iter().map(|p| reference(&model, 1, p, MAX_TOKENS as usize)).collect::<Result<_>>()?;
+    let cluster = TestCluster::start(&model, &BOUNDS, sizing(256)).await?;
+    // One first, so that the others find its blocks; then all of them, twice.
+    run_and_check(&cluster, &prompts[..1], &alone[..1]).await?;
+    for _ in 0..2 {
+        run_and_check(&cluster, &prompts, &alone).await?;
+    }
+    let metrics = cluster.pipeline.metrics();
+    let (queried, hits) = (metrics.prefix_cache_queries.get(), metrics.prefix_cache_hits.get());
+    // 13 streams; every one after the first finds at least the 40 tokens of the 10 shared blocks.
+    ensure!(hits >= 12 * 40 && hits < queried, "{hits} of {queried} prompt tokens found cached");
+    ensure!(cluster.pipeline.preemptions() == 0);
+
+    // Idle: every block is free or cached unused, and every stage caches the same blocks.
+    eventually(Duration::from_secs(10), || cluster.kv_all_free()).await.context("KV blocks were not all returned")?;
+    let mut cached = Vec::new();
+    for i in 0..BOUNDS.len() - 1 {
+        cached.push(cluster.stage_status(i).await?.kv_cached_blocks);
+    }
+    ensure!(cached[0] >= 10 && cached.iter().all(|&c| c == cached[0]), "cached blocks per stage: {cached:?}");
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_too_little_kv_cached_blocks_are_evicted_and_preempted_streams_still_match() -> Result<()> {
+    let model = smollm2();
+    let prompts: Vec<Vec<u32>> = (0..8).map(prompt).collect();
+    let alone: Vec<Vec<u32>> =
+        prompts.iter().map(|p| reference(&model, 1, p, MAX_TOKENS as usize)).collect::<Result<_>>()?;
+    // 24 blocks of 4 tokens: the 10 shared blocks, and 14 for 8 streams that need up to 3 each of their own.
+    let cluster = TestCluster::start(&model, &BOUNDS, sizing(24)).await?;
+    run_and_check(&cluster, &prompts, &alone).await?;
+    ensure!(cluster.pipeline.preemptions() > 0, "the cache is meant to be too small for every stream at once");
+    ensure!(cluster.pipeline.metrics().prefix_cache_hits.get() > 0, "later streams reuse the system prompt");
+    // A different prompt needs the room the cached blocks hold: they are evicted, and it still matches.
+    let other: Vec<u32> = (0..80u32).map(|j| 5_000 + j * 7).collect();
+    let expected = reference(&model, 1, &other, MAX_TOKENS as usize)?;
+    run_and_check(&cluster, &[other], &[expected]).await?;
+    eventually(Duration::from_secs(10), || cluster.kv_all_free()).await.context("KV blocks were not all returned")?;
+    cluster.stop().await
+}
