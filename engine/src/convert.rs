@@ -123,9 +123,10 @@ pub fn llama_metadata(c: &ModelConfig) -> Vec<(String, Value)> {
 /// report). Q and K rows are interleaved per head as llama.cpp expects.
 pub fn to_gguf(files: &ModelFiles, out: &Path, dtype: DType) -> Result<GgufReport> {
     let cfg = files.config();
-    // GGUF `llama` has no q/k/v biases and strata's GGUF reader no RoPE scaling: such a file would load as a
-    // different model.
-    if cfg.architecture == Architecture::Qwen2 || cfg.attention_bias || cfg.rope_scaling.is_some() {
+    // GGUF `llama` has no q/k/v biases or q/k norms and strata's GGUF reader no RoPE scaling: such a file would
+    // load as a different model.
+    let llama = matches!(cfg.architecture, Architecture::Llama | Architecture::Mistral);
+    if !llama || cfg.attention_bias || cfg.rope_scaling.is_some() {
         return Err(Error::Config(format!(
             "a {} model{} cannot be written as a llama GGUF",
             cfg.architecture.hf_name(),

@@ -61,7 +61,7 @@ pub fn random_weights(spec: &TinySpec) -> Weights {
             let id = TensorId::Layer(l, t);
             if layout.contains(id) {
                 // Norms scale around 1, biases shift around 0.
-                vec_(id, if matches!(t, LayerTensor::AttnNorm | LayerTensor::MlpNorm) { 1.0 } else { 0.0 });
+                vec_(id, if t.is_norm() { 1.0 } else { 0.0 });
             }
         }
     }

@@ -69,6 +69,7 @@ fn fixtures_match_numpy_reference() -> Result<()> {
         "tiny-mistral-headdim",
         "tiny-llama-bf16",
         "tiny-llama-f16",
+        "tiny-qwen3",
     ];
     let simd = Arc::new(CpuBackend::new(2)?);
     let scalar = Arc::new(CpuBackend::scalar(2)?);

@@ -49,10 +49,16 @@ fn load(files: &ModelFiles, cuts: &[usize], be: &Arc<CpuBackend>) -> Result<Vec<
         .collect::<Result<_, _>>()?)
 }
 
+/// Qwen3: per-head q/k norms, a head width (24) that is not hidden / heads (64 / 4), untied head.
+fn qwen3_config() -> ModelConfig {
+    ModelConfig { architecture: Architecture::Qwen3, head_dim: 24, ..tiny_config() }
+}
+
 fn specs() -> Vec<(&'static str, TinySpec)> {
     let base = tiny_config();
     let mha = ModelConfig { num_kv_heads: 4, tie_word_embeddings: true, ..base.clone() };
     let qwen = ModelConfig { architecture: Architecture::Qwen2, attention_bias: true, ..base.clone() };
+    let qwen3 = qwen3_config();
     let scaled = ModelConfig {
         rope_scaling: Some(Llama3RopeScaling {
             factor: 8.0,
@@ -66,6 +72,7 @@ fn specs() -> Vec<(&'static str, TinySpec)> {
         ("mha-tied", TinySpec { config: mha, dtype: DType::F32, seed: 1 }),
         ("gqa-untied", TinySpec { config: base.clone(), dtype: DType::F32, seed: 2 }),
         ("qwen2-bias", TinySpec { config: qwen, dtype: DType::F32, seed: 3 }),
+        ("qwen3-qk-norm", TinySpec { config: qwen3, dtype: DType::F32, seed: 7 }),
         ("llama3-rope", TinySpec { config: scaled, dtype: DType::F32, seed: 4 }),
         ("bf16", TinySpec { config: base.clone(), dtype: DType::BF16, seed: 5 }),
         ("f16", TinySpec { config: base, dtype: DType::F16, seed: 6 }),

@@ -321,7 +321,7 @@ fn config_from_metadata(
 ) -> Result<ModelConfig> {
     let arch = md.get("general.architecture").and_then(Value::as_str).unwrap_or("");
     if arch != "llama" {
-        return Err(Error::UnsupportedArchitecture(format!("gguf:{arch}")));
+        return Err(Error::UnsupportedArchitecture { name: format!("gguf:{arch}"), supported: "gguf:llama".into() });
     }
     let get = |k: &str| -> Result<u64> {
         md.get(&format!("llama.{k}"))
