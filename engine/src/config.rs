@@ -42,6 +42,34 @@ impl Architecture {
         }
     }
 
+    /// The GGUF `general.architecture` (llama.cpp's name). Mistral has none of its own: llama.cpp's converter
+    /// writes Mistral models as `llama`.
+    pub fn gguf_name(self) -> &'static str {
+        match self {
+            Architecture::Llama | Architecture::Mistral => "llama",
+            Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
+        }
+    }
+
+    /// Whether llama.cpp's converter interleaves the rows of each query and key head for its RoPE. It does so
+    /// only for `llama` (rotating adjacent pairs); qwen2 and qwen3 run NEOX-style RoPE in llama.cpp, which
+    /// rotates halves as Hugging Face does, so their GGUF rows keep Hugging Face's order.
+    pub fn gguf_permutes_qk(self) -> bool {
+        self.gguf_name() == "llama"
+    }
+
+    /// Whether a GGUF file of this architecture is read with q/k/v biases, given whether it holds them:
+    /// llama.cpp's qwen2 always has them (its loader requires them), a qwen3 file when its model does, and strata
+    /// reads none from `llama` (llama.cpp's converter would have permuted them with the rows).
+    pub fn gguf_attention_bias(self, file_has_bias: bool) -> bool {
+        match self {
+            Architecture::Llama | Architecture::Mistral => false,
+            Architecture::Qwen2 => true,
+            Architecture::Qwen3 => file_has_bias,
+        }
+    }
+
     /// Whether each query and key head goes through its own RMSNorm before RoPE (`q_norm`, `k_norm`).
     pub fn has_qk_norm(self) -> bool {
         self == Architecture::Qwen3
@@ -52,6 +80,18 @@ impl Architecture {
         Self::ALL.into_iter().find(|a| a.hf_name() == name).ok_or_else(|| Error::UnsupportedArchitecture {
             name: name.to_string(),
             supported: Self::ALL.map(Self::hf_name).join(", "),
+        })
+    }
+
+    /// Parses a GGUF `general.architecture`; `llama` maps to [`Architecture::Llama`].
+    pub fn from_gguf_name(name: &str) -> Result<Self> {
+        Self::ALL.into_iter().find(|a| a.gguf_name() == name).ok_or_else(|| {
+            let mut names: Vec<&str> = Self::ALL.map(Self::gguf_name).to_vec();
+            names.dedup();
+            Error::UnsupportedArchitecture {
+                name: format!("gguf:{name}"),
+                supported: format!("gguf:{}", names.join(", gguf:")),
+            }
         })
     }
 }
@@ -324,6 +364,21 @@ mod tests {
         for arch in Architecture::ALL {
             assert!(msg.contains(arch.hf_name()), "{msg} should list {}", arch.hf_name());
         }
+    }
+
+    #[test]
+    fn gguf_names_map_to_architectures_and_others_are_refused() {
+        assert_eq!(Architecture::from_gguf_name("llama").ok(), Some(Architecture::Llama));
+        assert_eq!(Architecture::from_gguf_name("qwen2").ok(), Some(Architecture::Qwen2));
+        assert_eq!(Architecture::from_gguf_name("qwen3").ok(), Some(Architecture::Qwen3));
+        assert_eq!(Architecture::Mistral.gguf_name(), "llama", "llama.cpp writes Mistral models as llama");
+        for other in ["mistral", "gemma2", ""] {
+            let msg = Architecture::from_gguf_name(other).expect_err("must fail").to_string();
+            assert!(msg.contains(&format!("\"gguf:{other}\"")), "{msg}");
+            assert!(msg.contains("gguf:llama, gguf:qwen2, gguf:qwen3"), "{msg}");
+        }
+        assert!(Architecture::Llama.gguf_permutes_qk() && Architecture::Mistral.gguf_permutes_qk());
+        assert!(!Architecture::Qwen2.gguf_permutes_qk() && !Architecture::Qwen3.gguf_permutes_qk());
     }
 
     #[test]

@@ -252,8 +252,13 @@ impl<'a> ModelLayout<'a> {
     }
 
     /// Rows of a GGUF tensor that llama.cpp interleaved per head for its RoPE: the head count for the query and
-    /// key projections.
+    /// key projections of an architecture whose converter permutes them (see [`Architecture::gguf_permutes_qk`]).
+    ///
+    /// [`Architecture::gguf_permutes_qk`]: crate::config::Architecture::gguf_permutes_qk
     pub fn gguf_permuted_heads(&self, id: TensorId) -> Option<usize> {
+        if !self.cfg.architecture.gguf_permutes_qk() {
+            return None;
+        }
         match id {
             TensorId::Layer(_, LayerTensor::Q) => Some(self.cfg.num_heads),
             TensorId::Layer(_, LayerTensor::K) => Some(self.cfg.num_kv_heads),
@@ -405,7 +410,7 @@ mod tests {
     }
 
     #[test]
-    fn qwen3_layers_hold_their_head_norms() {
+    fn qwen3_layers_hold_their_head_norms_and_keep_hf_row_order_in_gguf() {
         // head_dim 24 != hidden 64 / 4 heads: the norms follow head_dim, the projections q_dim.
         let cfg = ModelConfig { architecture: Architecture::Qwen3, head_dim: 24, ..tiny_config() };
         let layout = ModelLayout::new(&cfg);
@@ -425,5 +430,11 @@ mod tests {
             Some(TensorId::Layer(5, LayerTensor::KNorm))
         );
         assert!(!q_norm.is_matrix());
+        // llama.cpp permutes Q/K rows for llama only.
+        assert_eq!(layout.gguf_permuted_heads(TensorId::Layer(0, LayerTensor::Q)), None);
+        let qwen2 = ModelConfig { architecture: Architecture::Qwen2, attention_bias: true, ..tiny_config() };
+        assert_eq!(ModelLayout::new(&qwen2).gguf_permuted_heads(TensorId::Layer(0, LayerTensor::K)), None);
+        let mistral = ModelConfig { architecture: Architecture::Mistral, ..tiny_config() };
+        assert_eq!(ModelLayout::new(&mistral).gguf_permuted_heads(TensorId::Layer(0, LayerTensor::K)), Some(2));
     }
 }

@@ -113,10 +113,10 @@ pub struct GgufOverrides {
     pub bogus_type_code: Option<u32>,
 }
 
-/// Writes a llama-architecture GGUF with a byte-level BPE tokenizer over single bytes.
+/// Writes a GGUF of the config's llama.cpp architecture with a byte-level BPE tokenizer over single bytes.
 pub fn write_gguf(path: &Path, spec: &TinySpec, weights: &Weights, ov: &GgufOverrides) -> Result<()> {
     let c = &spec.config;
-    let mut md = crate::convert::llama_metadata(c);
+    let mut md = crate::convert::gguf_metadata(c);
     let s = |x: &str| Value::Str(x.into());
     md.push(("tokenizer.ggml.model".into(), s("gpt2")));
     md.push(("tokenizer.ggml.pre".into(), s("smollm")));

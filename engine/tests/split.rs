@@ -136,6 +136,30 @@ fn gguf_matches_safetensors() -> Result<()> {
 }
 
 #[test]
+fn qwen_gguf_round_trips_and_matches_safetensors() -> Result<()> {
+    let be = Arc::new(CpuBackend::new(2)?);
+    let qwen2 = ModelConfig { architecture: Architecture::Qwen2, attention_bias: true, ..tiny_config() };
+    for config in [qwen2, qwen3_config()] {
+        let arch = config.architecture;
+        let spec = TinySpec { config, dtype: DType::F32, seed: 11 };
+        let weights = random_weights(&spec);
+        let dir = tempfile::tempdir()?;
+        let gguf = dir.path().join("m.gguf");
+        write_gguf(&gguf, &spec, &weights, &GgufOverrides::default())?;
+        write_hf(&dir.path().join("hf"), &spec, &weights)?;
+        let g = ModelFiles::open(&gguf)?;
+        assert_eq!(g.config().architecture, arch);
+        for (name, (_, v)) in &weights {
+            assert_eq!(&g.tensor(name)?.to_f32(), v, "{arch:?}: {name} read back changed");
+        }
+        let a = run(&load(&g, &[], &be)?)?;
+        let b = run(&load(&ModelFiles::open(&dir.path().join("hf"))?, &[], &be)?)?;
+        assert_eq!(a, b, "{arch:?}: GGUF and safetensors logits differ");
+    }
+    Ok(())
+}
+
+#[test]
 fn gguf_unknown_tensor_type_is_a_clear_error() -> Result<()> {
     let spec = TinySpec { config: tiny_config(), dtype: DType::F32, seed: 1 };
     let dir = tempfile::tempdir()?;
