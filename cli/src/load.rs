@@ -117,7 +117,7 @@ pub struct ConvertArgs {
 enum Format {
     /// A Hugging Face directory (`config.json`, `model.safetensors`, tokenizer files).
     Hf,
-    /// A llama-architecture GGUF file.
+    /// A GGUF file of the model's llama.cpp architecture (`llama`, `qwen2` or `qwen3`).
     Gguf,
 }
 

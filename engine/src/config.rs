@@ -13,26 +13,86 @@ pub enum Architecture {
     Mistral,
     /// `Qwen2ForCausalLM` (q/k/v projections carry a bias).
     Qwen2,
+    /// `Qwen3ForCausalLM` (an RMSNorm on each query and key head before RoPE; no q/k/v bias by default).
+    Qwen3,
 }
 
 impl Architecture {
+    /// Every architecture, in the order error messages list them.
+    pub const ALL: [Architecture; 4] =
+        [Architecture::Llama, Architecture::Mistral, Architecture::Qwen2, Architecture::Qwen3];
+
     /// The Hugging Face class name.
     pub fn hf_name(self) -> &'static str {
         match self {
             Architecture::Llama => "LlamaForCausalLM",
             Architecture::Mistral => "MistralForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
+            Architecture::Qwen3 => "Qwen3ForCausalLM",
         }
+    }
+
+    /// The Hugging Face `model_type`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Mistral => "mistral",
+            Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
+        }
+    }
+
+    /// The GGUF `general.architecture` (llama.cpp's name). Mistral has none of its own: llama.cpp's converter
+    /// writes Mistral models as `llama`.
+    pub fn gguf_name(self) -> &'static str {
+        match self {
+            Architecture::Llama | Architecture::Mistral => "llama",
+            Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
+        }
+    }
+
+    /// Whether llama.cpp's converter interleaves the rows of each query and key head for its RoPE. It does so
+    /// only for `llama` (rotating adjacent pairs); qwen2 and qwen3 run NEOX-style RoPE in llama.cpp, which
+    /// rotates halves as Hugging Face does, so their GGUF rows keep Hugging Face's order.
+    pub fn gguf_permutes_qk(self) -> bool {
+        self.gguf_name() == "llama"
+    }
+
+    /// Whether a GGUF file of this architecture is read with q/k/v biases, given whether it holds them:
+    /// llama.cpp's qwen2 always has them (its loader requires them), a qwen3 file when its model does, and strata
+    /// reads none from `llama` (llama.cpp's converter would have permuted them with the rows).
+    pub fn gguf_attention_bias(self, file_has_bias: bool) -> bool {
+        match self {
+            Architecture::Llama | Architecture::Mistral => false,
+            Architecture::Qwen2 => true,
+            Architecture::Qwen3 => file_has_bias,
+        }
+    }
+
+    /// Whether each query and key head goes through its own RMSNorm before RoPE (`q_norm`, `k_norm`).
+    pub fn has_qk_norm(self) -> bool {
+        self == Architecture::Qwen3
     }
 
     /// Parses a Hugging Face class name.
     pub fn from_hf_name(name: &str) -> Result<Self> {
-        match name {
-            "LlamaForCausalLM" => Ok(Architecture::Llama),
-            "MistralForCausalLM" => Ok(Architecture::Mistral),
-            "Qwen2ForCausalLM" => Ok(Architecture::Qwen2),
-            other => Err(Error::UnsupportedArchitecture(other.to_string())),
-        }
+        Self::ALL.into_iter().find(|a| a.hf_name() == name).ok_or_else(|| Error::UnsupportedArchitecture {
+            name: name.to_string(),
+            supported: Self::ALL.map(Self::hf_name).join(", "),
+        })
+    }
+
+    /// Parses a GGUF `general.architecture`; `llama` maps to [`Architecture::Llama`].
+    pub fn from_gguf_name(name: &str) -> Result<Self> {
+        Self::ALL.into_iter().find(|a| a.gguf_name() == name).ok_or_else(|| {
+            let mut names: Vec<&str> = Self::ALL.map(Self::gguf_name).to_vec();
+            names.dedup();
+            Error::UnsupportedArchitecture {
+                name: format!("gguf:{name}"),
+                supported: format!("gguf:{}", names.join(", gguf:")),
+            }
+        })
     }
 }
 
@@ -122,12 +182,10 @@ impl ModelConfig {
         let raw: HfConfig = serde_json::from_str(text).map_err(|e| Error::Config(format!("config.json: {e}")))?;
         let arch_name = match (&raw.architectures, &raw.model_type) {
             (Some(a), _) if !a.is_empty() => a[0].clone(),
-            (_, Some(t)) => match t.as_str() {
-                "llama" => "LlamaForCausalLM".into(),
-                "mistral" => "MistralForCausalLM".into(),
-                "qwen2" => "Qwen2ForCausalLM".into(),
-                other => other.to_string(),
-            },
+            (_, Some(t)) => Architecture::ALL
+                .into_iter()
+                .find(|a| a.model_type() == t)
+                .map_or_else(|| t.clone(), |a| a.hf_name().to_string()),
             _ => return Err(Error::Config("config.json names no architecture".into())),
         };
         let architecture = Architecture::from_hf_name(&arch_name)?;
@@ -176,6 +234,7 @@ impl ModelConfig {
             rope_theta: raw.rope_theta.unwrap_or(10000.0),
             rope_scaling,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            // Qwen2 always has q/k/v biases (its config rarely says so); Qwen3 says `attention_bias` when it has them.
             attention_bias: raw.attention_bias.unwrap_or(architecture == Architecture::Qwen2),
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
             bos_token_id: ids(&raw.bos_token_id).first().copied(),
@@ -245,11 +304,7 @@ impl ModelConfig {
     pub fn to_hf_json(&self) -> serde_json::Value {
         let mut v = serde_json::json!({
             "architectures": [self.architecture.hf_name()],
-            "model_type": match self.architecture {
-                Architecture::Llama => "llama",
-                Architecture::Mistral => "mistral",
-                Architecture::Qwen2 => "qwen2",
-            },
+            "model_type": self.architecture.model_type(),
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_layers,
@@ -304,7 +359,41 @@ mod tests {
             "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100}"#,
         )
         .expect_err("must fail");
-        assert!(err.to_string().contains("GPTNeoXForCausalLM"), "{err}");
+        let msg = err.to_string();
+        assert!(msg.contains("GPTNeoXForCausalLM"), "{msg}");
+        for arch in Architecture::ALL {
+            assert!(msg.contains(arch.hf_name()), "{msg} should list {}", arch.hf_name());
+        }
+    }
+
+    #[test]
+    fn gguf_names_map_to_architectures_and_others_are_refused() {
+        assert_eq!(Architecture::from_gguf_name("llama").ok(), Some(Architecture::Llama));
+        assert_eq!(Architecture::from_gguf_name("qwen2").ok(), Some(Architecture::Qwen2));
+        assert_eq!(Architecture::from_gguf_name("qwen3").ok(), Some(Architecture::Qwen3));
+        assert_eq!(Architecture::Mistral.gguf_name(), "llama", "llama.cpp writes Mistral models as llama");
+        for other in ["mistral", "gemma2", ""] {
+            let msg = Architecture::from_gguf_name(other).expect_err("must fail").to_string();
+            assert!(msg.contains(&format!("\"gguf:{other}\"")), "{msg}");
+            assert!(msg.contains("gguf:llama, gguf:qwen2, gguf:qwen3"), "{msg}");
+        }
+        assert!(Architecture::Llama.gguf_permutes_qk() && Architecture::Mistral.gguf_permutes_qk());
+        assert!(!Architecture::Qwen2.gguf_permutes_qk() && !Architecture::Qwen3.gguf_permutes_qk());
+    }
+
+    #[test]
+    fn parses_qwen3_with_explicit_head_dim_and_no_bias() {
+        let text = r#"{"model_type":"qwen3","hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,
+            "num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":100,"tie_word_embeddings":false}"#;
+        let cfg = ModelConfig::from_hf_json(text).expect("valid config");
+        assert_eq!(cfg.architecture, Architecture::Qwen3);
+        assert!(cfg.architecture.has_qk_norm());
+        assert_eq!((cfg.head_dim, cfg.q_dim(), cfg.kv_dim()), (16, 64, 32));
+        assert!(!cfg.attention_bias, "Qwen3 has no q/k/v bias unless its config says so");
+        let with_bias = text.replace("\"head_dim\"", "\"attention_bias\":true,\"head_dim\"");
+        assert!(ModelConfig::from_hf_json(&with_bias).expect("valid config").attention_bias);
+        let back = ModelConfig::from_hf_json(&cfg.to_hf_json().to_string()).expect("round trip");
+        assert_eq!(back, cfg);
     }
 
     #[test]

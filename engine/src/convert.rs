@@ -1,11 +1,11 @@
 //! Converting between model formats: any model into a Hugging Face directory (dequantized safetensors), so both
 //! formats can be checked against each other and GGUF-only models served from safetensors; and any model into a
-//! llama-architecture GGUF file, in a float type or quantized with llama.cpp's reference rounding
+//! GGUF file of its llama.cpp architecture, in a float type or quantized with llama.cpp's reference rounding
 //! (`strata convert --quantize`), so a checkpoint is quantized once instead of at every load.
 
 use std::path::Path;
 
-use crate::config::{Architecture, ModelConfig};
+use crate::config::ModelConfig;
 use crate::gguf_writer::{self, TensorEntry};
 use crate::layout::{ModelLayout, TensorId};
 use crate::loader::ModelFiles;
@@ -91,45 +91,54 @@ fn file_type(dtype: DType) -> u64 {
     }
 }
 
-/// The `general.*` and `llama.*` metadata of a llama-architecture GGUF for `c` (what llama.cpp's loader and
-/// strata's [`crate::loader::gguf`] read).
-pub fn llama_metadata(c: &ModelConfig) -> Vec<(String, Value)> {
+/// The `general.*` and architecture metadata (`llama.*`, `qwen2.*`, `qwen3.*`) of a GGUF for `c` (what llama.cpp's
+/// loader and strata's [`crate::loader::gguf`] read).
+pub fn gguf_metadata(c: &ModelConfig) -> Vec<(String, Value)> {
     let u = |x: usize| Value::U64(x as u64);
-    let mut md = vec![("general.architecture".to_string(), Value::Str("llama".into()))];
+    let arch = c.architecture.gguf_name();
+    let mut md = vec![("general.architecture".to_string(), Value::Str(arch.into()))];
     md.extend(
         [
-            ("llama.block_count", u(c.num_layers)),
-            ("llama.context_length", u(c.max_position_embeddings)),
-            ("llama.embedding_length", u(c.hidden_size)),
-            ("llama.feed_forward_length", u(c.intermediate_size)),
-            ("llama.attention.head_count", u(c.num_heads)),
-            ("llama.attention.head_count_kv", u(c.num_kv_heads)),
-            ("llama.attention.key_length", u(c.head_dim)),
-            ("llama.attention.value_length", u(c.head_dim)),
-            ("llama.rope.dimension_count", u(c.head_dim)),
-            ("llama.rope.freq_base", Value::F64(c.rope_theta)),
-            ("llama.attention.layer_norm_rms_epsilon", Value::F64(c.rms_norm_eps)),
-            ("llama.vocab_size", u(c.vocab_size)),
+            ("block_count", u(c.num_layers)),
+            ("context_length", u(c.max_position_embeddings)),
+            ("embedding_length", u(c.hidden_size)),
+            ("feed_forward_length", u(c.intermediate_size)),
+            ("attention.head_count", u(c.num_heads)),
+            ("attention.head_count_kv", u(c.num_kv_heads)),
+            ("attention.key_length", u(c.head_dim)),
+            ("attention.value_length", u(c.head_dim)),
+            ("rope.dimension_count", u(c.head_dim)),
+            ("rope.freq_base", Value::F64(c.rope_theta)),
+            ("attention.layer_norm_rms_epsilon", Value::F64(c.rms_norm_eps)),
+            ("vocab_size", u(c.vocab_size)),
         ]
-        .map(|(k, v)| (k.to_string(), v)),
+        .map(|(k, v)| (format!("{arch}.{k}"), v)),
     );
     md
 }
 
-/// Writes `files` as a llama-architecture GGUF at `out`: 2-D matrices (embeddings and head included) as `dtype`,
-/// norms as f32, the tokenizer as `tokenizer.ggml.*` metadata. A quantized `dtype` quantizes float matrices one
+/// Writes `files` as a GGUF of its llama.cpp architecture at `out`: 2-D matrices (embeddings and head included)
+/// as `dtype`, norms as f32, the tokenizer as `tokenizer.ggml.*` metadata. A quantized `dtype` quantizes float matrices one
 /// at a time as llama.cpp's `llama-quantize --pure` does (bit for bit); matrices the source stores quantized in
 /// another format are dequantized for a float `dtype` and kept as they are for a quantized one (listed in the
-/// report). Q and K rows are interleaved per head as llama.cpp expects.
+/// report). Q and K rows are interleaved per head where llama.cpp expects it (`llama` only).
 pub fn to_gguf(files: &ModelFiles, out: &Path, dtype: DType) -> Result<GgufReport> {
     let cfg = files.config();
-    // GGUF `llama` has no q/k/v biases and strata's GGUF reader no RoPE scaling: such a file would load as a
-    // different model.
-    if cfg.architecture == Architecture::Qwen2 || cfg.attention_bias || cfg.rope_scaling.is_some() {
+    // Strata's GGUF reader knows no RoPE scaling, and takes q/k/v biases from the architecture: a model that
+    // differs would load as a different model.
+    let bias_as_read = cfg.architecture.gguf_attention_bias(cfg.attention_bias);
+    if cfg.attention_bias != bias_as_read || cfg.rope_scaling.is_some() {
         return Err(Error::Config(format!(
-            "a {} model{} cannot be written as a llama GGUF",
+            "a {} model{} cannot be written as a {} GGUF",
             cfg.architecture.hf_name(),
-            if cfg.rope_scaling.is_some() { " with rope_scaling" } else { "" }
+            if cfg.rope_scaling.is_some() {
+                " with rope_scaling"
+            } else if cfg.attention_bias {
+                " with q/k/v biases"
+            } else {
+                " without q/k/v biases"
+            },
+            cfg.architecture.gguf_name()
         )));
     }
     let layout = ModelLayout::new(cfg);
@@ -148,7 +157,7 @@ pub fn to_gguf(files: &ModelFiles, out: &Path, dtype: DType) -> Result<GgufRepor
         };
         entries.push(TensorEntry::new(id.gguf_name(), shape, target));
     }
-    let mut md = llama_metadata(cfg);
+    let mut md = gguf_metadata(cfg);
     md.push(("general.file_type".into(), Value::U64(file_type(dtype))));
     if dtype.is_quantized() {
         // ggml's quantization format version (GGML_QNT_VERSION), which llama.cpp writes beside quantized weights.

@@ -17,10 +17,13 @@ pub enum Error {
     #[error("invalid model config: {0}")]
     Config(String),
     /// The architecture is not one this engine implements.
-    #[error(
-        "unsupported architecture {0:?} (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, GGUF llama)"
-    )]
-    UnsupportedArchitecture(String),
+    #[error("unsupported architecture {name:?} (supported: {supported})")]
+    UnsupportedArchitecture {
+        /// The name the model gives (`gguf:` and the `general.architecture` for a GGUF file).
+        name: String,
+        /// The names this engine runs, from [`crate::config::Architecture::ALL`].
+        supported: String,
+    },
     /// A safetensors file is malformed (truncated, bad header, bad offsets).
     #[error("invalid safetensors file {path}: {reason}")]
     Safetensors {

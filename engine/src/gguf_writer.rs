@@ -149,7 +149,7 @@ mod tests {
         let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", e))?;
         let path = dir.path().join("m.gguf");
         let c = crate::testing::tiny_config();
-        let mut md = super::super::convert::llama_metadata(&c);
+        let mut md = super::super::convert::gguf_metadata(&c);
         md.push(("test.big".into(), Value::U64(1 << 40)));
         md.push(("test.ids".into(), Value::Array(vec![Value::I64(-1), Value::I64(3)])));
         md.push(("tokenizer.ggml.tokens".into(), Value::Array(vec![Value::Str("a".into()); c.vocab_size])));

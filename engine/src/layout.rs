@@ -3,8 +3,9 @@
 //! given storage type. Loaders, the stage loader and its offload planner, conversion, the test-model writers and
 //! the coordinator's placement all read the layout from here.
 //!
-//! Llama, Mistral and Qwen2 share one layout; Qwen2 differs only in its q/k/v biases, which the config's
-//! `attention_bias` carries (on by default for Qwen2).
+//! Llama, Mistral, Qwen2 and Qwen3 share one layout. Qwen2 adds q/k/v biases, which the config's
+//! `attention_bias` carries (on by default for Qwen2); Qwen3 adds a per-head RMSNorm weight for queries and keys
+//! (`q_norm`, `k_norm`, `[head_dim]` each).
 
 use std::ops::Range;
 
@@ -30,6 +31,10 @@ pub enum LayerTensor {
     KBias,
     /// Value bias (Qwen2).
     VBias,
+    /// RMSNorm weight applied to each query head before RoPE (Qwen3), `[head_dim]`.
+    QNorm,
+    /// RMSNorm weight applied to each key head before RoPE (Qwen3), `[head_dim]`.
+    KNorm,
     /// Attention output projection.
     O,
     /// RMSNorm before the MLP.
@@ -45,8 +50,9 @@ pub enum LayerTensor {
 impl LayerTensor {
     /// The seven matrices, in the order the forward pass runs them.
     pub const MATRICES: [LayerTensor; 7] = [Self::Q, Self::K, Self::V, Self::O, Self::Gate, Self::Up, Self::Down];
-    /// The vectors (norms, then biases), held as f32 on every backend.
-    pub const VECTORS: [LayerTensor; 5] = [Self::AttnNorm, Self::MlpNorm, Self::QBias, Self::KBias, Self::VBias];
+    /// The vectors (norms, biases, then the per-head norms), held as f32 on every backend.
+    pub const VECTORS: [LayerTensor; 7] =
+        [Self::AttnNorm, Self::MlpNorm, Self::QBias, Self::KBias, Self::VBias, Self::QNorm, Self::KNorm];
 
     /// Hugging Face and GGUF (llama.cpp) names, after `model.layers.{i}.` and `blk.{i}.`.
     fn leaves(self) -> (&'static str, &'static str) {
@@ -58,6 +64,8 @@ impl LayerTensor {
             Self::QBias => ("self_attn.q_proj.bias", "attn_q.bias"),
             Self::KBias => ("self_attn.k_proj.bias", "attn_k.bias"),
             Self::VBias => ("self_attn.v_proj.bias", "attn_v.bias"),
+            Self::QNorm => ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+            Self::KNorm => ("self_attn.k_norm.weight", "attn_k_norm.weight"),
             Self::O => ("self_attn.o_proj.weight", "attn_output.weight"),
             Self::MlpNorm => ("post_attention_layernorm.weight", "ffn_norm.weight"),
             Self::Gate => ("mlp.gate_proj.weight", "ffn_gate.weight"),
@@ -72,6 +80,15 @@ impl LayerTensor {
 
     fn is_bias(self) -> bool {
         matches!(self, Self::QBias | Self::KBias | Self::VBias)
+    }
+
+    /// Whether it is an RMSNorm weight (scales around 1) rather than a bias or matrix.
+    pub fn is_norm(self) -> bool {
+        matches!(self, Self::AttnNorm | Self::MlpNorm | Self::QNorm | Self::KNorm)
+    }
+
+    fn is_head_norm(self) -> bool {
+        matches!(self, Self::QNorm | Self::KNorm)
     }
 }
 
@@ -172,7 +189,11 @@ impl<'a> ModelLayout<'a> {
         match id {
             TensorId::Embed | TensorId::FinalNorm => true,
             TensorId::LmHead => !self.cfg.tie_word_embeddings,
-            TensorId::Layer(i, t) => i < self.cfg.num_layers && (!t.is_bias() || self.cfg.attention_bias),
+            TensorId::Layer(i, t) => {
+                i < self.cfg.num_layers
+                    && (!t.is_bias() || self.cfg.attention_bias)
+                    && (!t.is_head_norm() || self.cfg.architecture.has_qk_norm())
+            }
         }
     }
 
@@ -187,6 +208,7 @@ impl<'a> ModelLayout<'a> {
                 LayerTensor::AttnNorm | LayerTensor::MlpNorm => vec![h],
                 LayerTensor::QBias => vec![q],
                 LayerTensor::KBias | LayerTensor::VBias => vec![kv],
+                LayerTensor::QNorm | LayerTensor::KNorm => vec![c.head_dim],
                 LayerTensor::Q => vec![q, h],
                 LayerTensor::K | LayerTensor::V => vec![kv, h],
                 LayerTensor::O => vec![h, q],
@@ -198,7 +220,7 @@ impl<'a> ModelLayout<'a> {
 
     /// The tensors of layer `i` this architecture has, in load order.
     pub fn layer_tensors(&self, i: usize) -> impl Iterator<Item = TensorId> + '_ {
-        const LOAD_ORDER: [LayerTensor; 12] = [
+        const LOAD_ORDER: [LayerTensor; 14] = [
             LayerTensor::AttnNorm,
             LayerTensor::Q,
             LayerTensor::K,
@@ -206,6 +228,8 @@ impl<'a> ModelLayout<'a> {
             LayerTensor::QBias,
             LayerTensor::KBias,
             LayerTensor::VBias,
+            LayerTensor::QNorm,
+            LayerTensor::KNorm,
             LayerTensor::O,
             LayerTensor::MlpNorm,
             LayerTensor::Gate,
@@ -228,8 +252,13 @@ impl<'a> ModelLayout<'a> {
     }
 
     /// Rows of a GGUF tensor that llama.cpp interleaved per head for its RoPE: the head count for the query and
-    /// key projections.
+    /// key projections of an architecture whose converter permutes them (see [`Architecture::gguf_permutes_qk`]).
+    ///
+    /// [`Architecture::gguf_permutes_qk`]: crate::config::Architecture::gguf_permutes_qk
     pub fn gguf_permuted_heads(&self, id: TensorId) -> Option<usize> {
+        if !self.cfg.architecture.gguf_permutes_qk() {
+            return None;
+        }
         match id {
             TensorId::Layer(_, LayerTensor::Q) => Some(self.cfg.num_heads),
             TensorId::Layer(_, LayerTensor::K) => Some(self.cfg.num_kv_heads),
@@ -316,6 +345,7 @@ mod tests {
     use std::path::Path;
 
     use super::*;
+    use crate::config::Architecture;
     use crate::testing::tiny_config;
 
     #[test]
@@ -376,5 +406,35 @@ mod tests {
         assert_eq!(qwen.layer_vector_bytes(), (2 * cfg.hidden_size + cfg.q_dim() + 2 * cfg.kv_dim()) * 4);
         assert_eq!(qwen.shape(TensorId::Layer(3, LayerTensor::O)), vec![cfg.hidden_size, cfg.q_dim()]);
         assert_eq!(qwen.kv_bytes_per_token_layer(KvDtype::F16).ok(), Some(2 * cfg.kv_dim() * 2));
+        assert!(!qwen.contains(TensorId::Layer(0, LayerTensor::QNorm)), "only Qwen3 has per-head norms");
+    }
+
+    #[test]
+    fn qwen3_layers_hold_their_head_norms_and_keep_hf_row_order_in_gguf() {
+        // head_dim 24 != hidden 64 / 4 heads: the norms follow head_dim, the projections q_dim.
+        let cfg = ModelConfig { architecture: Architecture::Qwen3, head_dim: 24, ..tiny_config() };
+        let layout = ModelLayout::new(&cfg);
+        let layer: Vec<TensorId> = layout.layer_tensors(2).collect();
+        assert_eq!(layer.len(), 11);
+        for t in [LayerTensor::QNorm, LayerTensor::KNorm] {
+            assert!(layer.contains(&TensorId::Layer(2, t)));
+            assert_eq!(layout.shape(TensorId::Layer(2, t)), vec![24]);
+        }
+        assert_eq!(layout.shape(TensorId::Layer(0, LayerTensor::Q)), vec![4 * 24, 64]);
+        assert_eq!(layout.layer_vector_bytes(), (2 * 64 + 2 * 24) * 4);
+        let q_norm = TensorId::Layer(5, LayerTensor::QNorm);
+        assert_eq!(q_norm.hf_name(), "model.layers.5.self_attn.q_norm.weight");
+        assert_eq!(q_norm.gguf_name(), "blk.5.attn_q_norm.weight");
+        assert_eq!(
+            TensorId::from_hf_name("model.layers.5.self_attn.k_norm.weight"),
+            Some(TensorId::Layer(5, LayerTensor::KNorm))
+        );
+        assert!(!q_norm.is_matrix());
+        // llama.cpp permutes Q/K rows for llama only.
+        assert_eq!(layout.gguf_permuted_heads(TensorId::Layer(0, LayerTensor::Q)), None);
+        let qwen2 = ModelConfig { architecture: Architecture::Qwen2, attention_bias: true, ..tiny_config() };
+        assert_eq!(ModelLayout::new(&qwen2).gguf_permuted_heads(TensorId::Layer(0, LayerTensor::K)), None);
+        let mistral = ModelConfig { architecture: Architecture::Mistral, ..tiny_config() };
+        assert_eq!(ModelLayout::new(&mistral).gguf_permuted_heads(TensorId::Layer(0, LayerTensor::K)), Some(2));
     }
 }

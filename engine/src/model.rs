@@ -99,6 +99,8 @@ struct Layer<B: Backend> {
     q_bias: Option<B::Vector>,
     k_bias: Option<B::Vector>,
     v_bias: Option<B::Vector>,
+    q_norm: Option<B::Vector>,
+    k_norm: Option<B::Vector>,
     o: B::Mat,
     mlp_norm: B::Vector,
     gate: B::Mat,
@@ -175,8 +177,8 @@ impl<B: Backend> Loader<'_, '_, B> {
         self.backend.upload_vector(&t.to_f32())
     }
 
-    /// A layer's bias vector, when the architecture has it.
-    fn bias(&mut self, id: TensorId) -> Result<Option<B::Vector>> {
+    /// A layer's bias or per-head norm vector, when the architecture has it.
+    fn optional(&mut self, id: TensorId) -> Result<Option<B::Vector>> {
         if self.layout.contains(id) { self.vector(id).map(Some) } else { Ok(None) }
     }
 }
@@ -206,9 +208,11 @@ impl<B: Backend> StageModel<B> {
                 q: l.matrix_on(t(LayerTensor::Q), off)?,
                 k: l.matrix_on(t(LayerTensor::K), off)?,
                 v: l.matrix_on(t(LayerTensor::V), off)?,
-                q_bias: l.bias(t(LayerTensor::QBias))?,
-                k_bias: l.bias(t(LayerTensor::KBias))?,
-                v_bias: l.bias(t(LayerTensor::VBias))?,
+                q_bias: l.optional(t(LayerTensor::QBias))?,
+                k_bias: l.optional(t(LayerTensor::KBias))?,
+                v_bias: l.optional(t(LayerTensor::VBias))?,
+                q_norm: l.optional(t(LayerTensor::QNorm))?,
+                k_norm: l.optional(t(LayerTensor::KNorm))?,
                 o: l.matrix_on(t(LayerTensor::O), off)?,
                 mlp_norm: l.vector(t(LayerTensor::MlpNorm))?,
                 gate: l.matrix_on(t(LayerTensor::Gate), off)?,
@@ -407,6 +411,12 @@ impl<B: Backend> StageModel<B> {
             )?;
             let [mut q, mut k, v]: [B::Act; 3] =
                 qkv.try_into().map_err(|_| Error::Shape { op: "linear_many", reason: "expected 3 outputs".into() })?;
+            if let Some(w) = &layer.q_norm {
+                q = be.rms_norm_heads(&q, w, eps)?;
+            }
+            if let Some(w) = &layer.k_norm {
+                k = be.rms_norm_heads(&k, w, eps)?;
+            }
             be.rope(&mut q, &positions, &self.inv_freq, cfg.head_dim)?;
             be.rope(&mut k, &positions, &self.inv_freq, cfg.head_dim)?;
             let attn = be.attention(&q, &k, &v, cache, &seqs, shape)?;

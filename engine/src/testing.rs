@@ -61,7 +61,7 @@ pub fn random_weights(spec: &TinySpec) -> Weights {
             let id = TensorId::Layer(l, t);
             if layout.contains(id) {
                 // Norms scale around 1, biases shift around 0.
-                vec_(id, if matches!(t, LayerTensor::AttnNorm | LayerTensor::MlpNorm) { 1.0 } else { 0.0 });
+                vec_(id, if t.is_norm() { 1.0 } else { 0.0 });
             }
         }
     }
@@ -113,10 +113,10 @@ pub struct GgufOverrides {
     pub bogus_type_code: Option<u32>,
 }
 
-/// Writes a llama-architecture GGUF with a byte-level BPE tokenizer over single bytes.
+/// Writes a GGUF of the config's llama.cpp architecture with a byte-level BPE tokenizer over single bytes.
 pub fn write_gguf(path: &Path, spec: &TinySpec, weights: &Weights, ov: &GgufOverrides) -> Result<()> {
     let c = &spec.config;
-    let mut md = crate::convert::llama_metadata(c);
+    let mut md = crate::convert::gguf_metadata(c);
     let s = |x: &str| Value::Str(x.into());
     md.push(("tokenizer.ggml.model".into(), s("gpt2")));
     md.push(("tokenizer.ggml.pre".into(), s("smollm")));

@@ -17,6 +17,7 @@ use strata_engine::KvDtype;
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::backend::cuda::{CudaBackend, CudaOptions};
 use strata_engine::backend::{AttnSeq, AttnShape, Backend};
+use strata_engine::config::{Architecture, ModelConfig};
 use strata_engine::generate::Engine;
 use strata_engine::layout::ModelLayout;
 use strata_engine::loader::ModelFiles;
@@ -25,6 +26,7 @@ use strata_engine::offload::OffloadBudget;
 use strata_engine::quant::quantize;
 use strata_engine::sampling::argmax;
 use strata_engine::tensor::{Bytes, DType, HostTensor};
+use strata_engine::testing;
 
 fn cuda(act: DType) -> Result<CudaBackend> {
     let opts = CudaOptions { act_dtype: Some(act), ..CudaOptions::from_env(0, |k| std::env::var(k).ok()) };
@@ -85,6 +87,10 @@ fn check_ops(act: DType) -> Result<()> {
     let w = rounded(act, rand_vec(&mut rng, cols, 1.0));
     let (wc, wg) = (cpu.upload_vector(&w)?, gpu.upload_vector(&w)?);
     close("rms_norm", act, &gpu.act_to_host(&gpu.rms_norm(&xg, &wg, 1e-5)?)?, &cpu.rms_norm(&xc, &wc, 1e-5)?.data)?;
+    // Qwen3's q/k norms: each 64-wide head of a row on its own.
+    let (hc, hg) = (cpu.upload_vector(&w[..64])?, gpu.upload_vector(&w[..64])?);
+    let want = cpu.rms_norm_heads(&xc, &hc, 1e-6)?.data;
+    close("rms_norm_heads", act, &gpu.act_to_host(&gpu.rms_norm_heads(&xg, &hg, 1e-6)?)?, &want)?;
 
     let y = rounded(act, rand_vec(&mut rng, rows * cols, 1.0));
     let (yc, yg) = (cpu.act_from_host(&y, rows, cols)?, gpu.act_from_host(&y, rows, cols)?);
@@ -291,6 +297,27 @@ fn tiny_model_matches_cpu_and_splits_and_offload_change_nothing() -> Result<()> 
         offloaded[0].offload_plan()
     );
     ensure!(run(&offloaded)? == one, "offloaded layers change the logits");
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; scripts/gpu-check.sh runs it"]
+fn tiny_qwen3_matches_cpu_and_splits_change_nothing() -> Result<()> {
+    // Per-head q/k norms, head_dim 64 (a width the kernels support) != hidden 128 / 4 heads, GQA, untied head.
+    let config =
+        ModelConfig { architecture: Architecture::Qwen3, hidden_size: 128, head_dim: 64, ..testing::tiny_config() };
+    let spec = testing::TinySpec { config, dtype: DType::F32, seed: 21 };
+    let dir = tempfile::tempdir()?;
+    testing::write_hf(dir.path(), &spec, &testing::random_weights(&spec))?;
+    let files = ModelFiles::open(dir.path())?;
+    let cpu = Arc::new(CpuBackend::new(2)?);
+    let want = run(&load(&files, &[], &cpu, &LoadOptions::default())?)?;
+    let gpu = Arc::new(cuda(DType::F32)?);
+    let one = run(&load(&files, &[], &gpu, &LoadOptions::default())?)?;
+    for (i, (g, c)) in one.iter().zip(&want).enumerate() {
+        close(&format!("tiny qwen3 step {i}"), DType::F32, g, c)?;
+    }
+    ensure!(run(&load(&files, &[1, 3], &gpu, &LoadOptions::default())?)? == one, "2 stages differ from 1 stage");
     Ok(())
 }
 

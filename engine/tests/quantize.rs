@@ -6,7 +6,7 @@ use std::sync::Arc;
 use anyhow::Result;
 use strata_engine::KvDtype;
 use strata_engine::backend::cpu::CpuBackend;
-use strata_engine::config::ModelConfig;
+use strata_engine::config::{Architecture, ModelConfig};
 use strata_engine::convert;
 use strata_engine::loader::ModelFiles;
 use strata_engine::model::{LoadOptions, LogitRows, SeqChunk, StageInput, StageModel};
@@ -104,5 +104,33 @@ fn float_gguf_round_trips_and_unsupported_models_are_refused() -> Result<()> {
     let err = logits(&odd, &[], &opts).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(err.contains("down_proj") && err.contains("multiple of 32"), "{err}");
     assert!(convert::to_gguf(&odd, &dir.path().join("odd.gguf"), DType::Q4_1).is_err());
+    // A llama GGUF has no biases strata reads: refused rather than written as a different model.
+    let biased = TinySpec { config: ModelConfig { attention_bias: true, ..spec.config.clone() }, ..spec.clone() };
+    write_hf(&dir.path().join("biased"), &biased, &random_weights(&biased))?;
+    let err = convert::to_gguf(&ModelFiles::open(&dir.path().join("biased"))?, &dir.path().join("b.gguf"), DType::F32)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("with q/k/v biases cannot be written as a llama GGUF"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn qwen_models_convert_to_their_own_gguf_architecture() -> Result<()> {
+    let qwen2 =
+        ModelConfig { architecture: Architecture::Qwen2, attention_bias: true, ..spec(DType::F32, true).config };
+    let qwen3 = ModelConfig { architecture: Architecture::Qwen3, head_dim: 32, ..spec(DType::F32, false).config };
+    for config in [qwen2, qwen3] {
+        let spec = TinySpec { config, dtype: DType::F32, seed: 5 };
+        let dir = tempfile::tempdir()?;
+        write_hf(&dir.path().join("hf"), &spec, &random_weights(&spec))?;
+        let hf = ModelFiles::open(&dir.path().join("hf"))?;
+        let path = dir.path().join("m.gguf");
+        convert::to_gguf(&hf, &path, DType::F32)?;
+        let gguf = ModelFiles::open(&path)?;
+        assert_eq!(gguf.config().architecture, spec.config.architecture);
+        assert_eq!(gguf.config().attention_bias, spec.config.attention_bias);
+        assert_eq!(logits(&gguf, &[2], &LoadOptions::default())?, logits(&hf, &[], &LoadOptions::default())?);
+    }
     Ok(())
 }

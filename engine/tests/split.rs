@@ -49,10 +49,16 @@ fn load(files: &ModelFiles, cuts: &[usize], be: &Arc<CpuBackend>) -> Result<Vec<
         .collect::<Result<_, _>>()?)
 }
 
+/// Qwen3: per-head q/k norms, a head width (24) that is not hidden / heads (64 / 4), untied head.
+fn qwen3_config() -> ModelConfig {
+    ModelConfig { architecture: Architecture::Qwen3, head_dim: 24, ..tiny_config() }
+}
+
 fn specs() -> Vec<(&'static str, TinySpec)> {
     let base = tiny_config();
     let mha = ModelConfig { num_kv_heads: 4, tie_word_embeddings: true, ..base.clone() };
     let qwen = ModelConfig { architecture: Architecture::Qwen2, attention_bias: true, ..base.clone() };
+    let qwen3 = qwen3_config();
     let scaled = ModelConfig {
         rope_scaling: Some(Llama3RopeScaling {
             factor: 8.0,
@@ -66,6 +72,7 @@ fn specs() -> Vec<(&'static str, TinySpec)> {
         ("mha-tied", TinySpec { config: mha, dtype: DType::F32, seed: 1 }),
         ("gqa-untied", TinySpec { config: base.clone(), dtype: DType::F32, seed: 2 }),
         ("qwen2-bias", TinySpec { config: qwen, dtype: DType::F32, seed: 3 }),
+        ("qwen3-qk-norm", TinySpec { config: qwen3, dtype: DType::F32, seed: 7 }),
         ("llama3-rope", TinySpec { config: scaled, dtype: DType::F32, seed: 4 }),
         ("bf16", TinySpec { config: base.clone(), dtype: DType::BF16, seed: 5 }),
         ("f16", TinySpec { config: base, dtype: DType::F16, seed: 6 }),
@@ -124,6 +131,30 @@ fn gguf_matches_safetensors() -> Result<()> {
             // Unpermuting Q/K must reproduce the original weights exactly.
             assert_eq!(deq, weights);
         }
+    }
+    Ok(())
+}
+
+#[test]
+fn qwen_gguf_round_trips_and_matches_safetensors() -> Result<()> {
+    let be = Arc::new(CpuBackend::new(2)?);
+    let qwen2 = ModelConfig { architecture: Architecture::Qwen2, attention_bias: true, ..tiny_config() };
+    for config in [qwen2, qwen3_config()] {
+        let arch = config.architecture;
+        let spec = TinySpec { config, dtype: DType::F32, seed: 11 };
+        let weights = random_weights(&spec);
+        let dir = tempfile::tempdir()?;
+        let gguf = dir.path().join("m.gguf");
+        write_gguf(&gguf, &spec, &weights, &GgufOverrides::default())?;
+        write_hf(&dir.path().join("hf"), &spec, &weights)?;
+        let g = ModelFiles::open(&gguf)?;
+        assert_eq!(g.config().architecture, arch);
+        for (name, (_, v)) in &weights {
+            assert_eq!(&g.tensor(name)?.to_f32(), v, "{arch:?}: {name} read back changed");
+        }
+        let a = run(&load(&g, &[], &be)?)?;
+        let b = run(&load(&ModelFiles::open(&dir.path().join("hf"))?, &[], &be)?)?;
+        assert_eq!(a, b, "{arch:?}: GGUF and safetensors logits differ");
     }
     Ok(())
 }

@@ -7,7 +7,7 @@ numpy only (no torch).  Deterministic: every model has a fixed seed and the
 output is byte-identical on re-run.  See tests/reference/README.md.
 
 Reference semantics = Hugging Face LlamaForCausalLM / MistralForCausalLM /
-Qwen2ForCausalLM (eager attention, no sliding window), computed in float64
+Qwen2ForCausalLM / Qwen3ForCausalLM (eager attention, no sliding window), computed in float64
 from the weights *as stored* (bf16/f16 weights are upcast exactly).
 """
 
@@ -71,6 +71,13 @@ MODELS = [
         hidden=32, inter=64, layers=3, heads=4, kv_heads=2, head_dim=None, vocab=128,
         eps=1e-5, theta=10000.0, rope_scaling=None, tied=True, dtype="F16",
         bias=False, sharded=False, prompt_len=8,
+    ),
+    # Qwen3: RMSNorm per query/key head before RoPE; head_dim 16 != 32/4; GQA; untied head.
+    dict(
+        name="tiny-qwen3", seed=1008, arch="Qwen3ForCausalLM", model_type="qwen3",
+        hidden=32, inter=64, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=136,
+        eps=1e-6, theta=1000000.0, rope_scaling=None, tied=False, dtype="F32",
+        bias=False, qk_norm=True, sharded=False, prompt_len=7,
     ),
 ]
 
@@ -203,6 +210,10 @@ def make_weights(spec):
             w[p + "self_attn.q_proj.bias"] = Stored(normal((nh * hd,), 0.2), dt)
             w[p + "self_attn.k_proj.bias"] = Stored(normal((nkv * hd,), 0.2), dt)
             w[p + "self_attn.v_proj.bias"] = Stored(normal((nkv * hd,), 0.2), dt)
+        # Drawn only for models that have them, so the other fixtures' random streams are unchanged.
+        if spec.get("qk_norm"):
+            w[p + "self_attn.q_norm.weight"] = Stored(norm_w(hd), dt)
+            w[p + "self_attn.k_norm.weight"] = Stored(norm_w(hd), dt)
         w[p + "post_attention_layernorm.weight"] = Stored(norm_w(H), dt)
         w[p + "mlp.gate_proj.weight"] = Stored(normal((I, H), 0.15), dt)
         w[p + "mlp.up_proj.weight"] = Stored(normal((I, H), 0.15), dt)
@@ -278,8 +289,14 @@ class Model:
             k = k + w[p + "k_proj.bias"]
             v = v + w[p + "v_proj.bias"]
         T = h.shape[0]
-        q = rope(q.reshape(T, s["heads"], hd), positions, self.inv_freq)
-        k = rope(k.reshape(T, s["kv_heads"], hd), positions, self.inv_freq)
+        q = q.reshape(T, s["heads"], hd)
+        k = k.reshape(T, s["kv_heads"], hd)
+        if s.get("qk_norm"):
+            # Qwen3Attention: RMSNorm over each head's head_dim values, before RoPE.
+            q = rmsnorm(q, w[p + "q_norm.weight"], s["eps"])
+            k = rmsnorm(k, w[p + "k_norm.weight"], s["eps"])
+        q = rope(q, positions, self.inv_freq)
+        k = rope(k, positions, self.inv_freq)
         v = v.reshape(T, s["kv_heads"], hd)
         return q, k, v
 
@@ -387,6 +404,11 @@ def config_for(spec):
         c["pretraining_tp"] = 1
     elif spec["model_type"] == "qwen2":
         c["attention_bias"] = True  # informational; Qwen2 always has q/k/v bias
+        c["use_sliding_window"] = False
+        c["sliding_window"] = None
+        c["max_window_layers"] = spec["layers"]
+    elif spec["model_type"] == "qwen3":
+        c["attention_bias"] = spec["bias"]
         c["use_sliding_window"] = False
         c["sliding_window"] = None
         c["max_window_layers"] = spec["layers"]

@@ -133,6 +133,9 @@ pub trait Backend: Send + Sync + 'static {
     fn embed(&self, table: &Self::Mat, ids: &[u32]) -> Result<Self::Act>;
     /// RMSNorm of each row, scaled by `w`.
     fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Result<Self::Act>;
+    /// RMSNorm of each head of each row: every `w.len()`-wide slice of a row (its width must divide the row's)
+    /// is normalised on its own and scaled by `w` (Qwen3's `q_norm`/`k_norm`).
+    fn rms_norm_heads(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Result<Self::Act>;
     /// `x · wᵀ (+ bias)`.
     fn linear(&self, x: &Self::Act, w: &Self::Mat, bias: Option<&Self::Vector>) -> Result<Self::Act>;
     /// `x · wᵢᵀ (+ biasᵢ)` for several matrices sharing one input (q/k/v, gate/up); backends may fuse them.

@@ -1,4 +1,5 @@
-//! GGUF files (llama architecture): metadata, tensor directory, and the mapping to Hugging Face names.
+//! GGUF files (architectures `llama`, `qwen2`, `qwen3`): metadata, tensor directory, and the mapping to Hugging
+//! Face names.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -263,7 +264,8 @@ impl GgufSource {
         self.tensors.get(&gguf_name(hf_name)?).map(|t| (t.dtype, t.shape.clone()))
     }
 
-    /// Reads a tensor by its Hugging Face name, undoing llama.cpp's Q/K row permutation.
+    /// Reads a tensor by its Hugging Face name, undoing llama.cpp's Q/K row permutation where the architecture
+    /// has one.
     pub fn tensor(&self, hf_name: &str) -> Result<HostTensor> {
         let id = TensorId::from_hf_name(hf_name).ok_or_else(|| Error::MissingTensor(hf_name.to_string()))?;
         let name = id.gguf_name();
@@ -319,50 +321,41 @@ fn config_from_metadata(
     tensors: &HashMap<String, TensorInfo>,
     path: &Path,
 ) -> Result<ModelConfig> {
-    let arch = md.get("general.architecture").and_then(Value::as_str).unwrap_or("");
-    if arch != "llama" {
-        return Err(Error::UnsupportedArchitecture(format!("gguf:{arch}")));
-    }
-    let get = |k: &str| -> Result<u64> {
-        md.get(&format!("llama.{k}"))
-            .and_then(Value::as_u64)
-            .ok_or_else(|| Error::Gguf { path: path.to_path_buf(), reason: format!("metadata llama.{k} missing") })
+    let arch_name = md.get("general.architecture").and_then(Value::as_str).unwrap_or("");
+    let architecture = Architecture::from_gguf_name(arch_name)?;
+    // Hyper-parameters sit under the architecture's own prefix (`qwen3.block_count`).
+    let key = |k: &str| format!("{}.{k}", architecture.gguf_name());
+    let num = |k: &str| md.get(&key(k)).and_then(Value::as_u64).map(|v| v as usize);
+    let get = |k: &str| -> Result<usize> {
+        num(k).ok_or_else(|| Error::Gguf { path: path.to_path_buf(), reason: format!("metadata {} missing", key(k)) })
     };
-    let hidden = get("embedding_length")? as usize;
-    let heads = get("attention.head_count")? as usize;
-    let vocab = match md.get("llama.vocab_size").and_then(Value::as_u64) {
-        Some(v) => v as usize,
+    let hidden = get("embedding_length")?;
+    let heads = get("attention.head_count")?;
+    let vocab = match num("vocab_size") {
+        Some(v) => v,
         None => md.get("tokenizer.ggml.tokens").and_then(Value::as_array).map(|a| a.len()).ok_or_else(|| {
             Error::Gguf { path: path.to_path_buf(), reason: "no vocab size and no tokenizer.ggml.tokens".into() }
         })?,
     };
-    let head_dim = md
-        .get("llama.attention.key_length")
-        .or_else(|| md.get("llama.rope.dimension_count"))
-        .and_then(Value::as_u64)
-        .map(|d| d as usize)
-        .unwrap_or(hidden / heads.max(1));
-    let f = |k: &str, default: f64| md.get(&format!("llama.{k}")).and_then(Value::as_f64).unwrap_or(default);
+    let head_dim = num("attention.key_length").or_else(|| num("rope.dimension_count")).unwrap_or(hidden / heads.max(1));
+    let f = |k: &str, default: f64| md.get(&key(k)).and_then(Value::as_f64).unwrap_or(default);
     let tok_id = |k: &str| md.get(&format!("tokenizer.ggml.{k}")).and_then(Value::as_u64).map(|v| v as u32);
+    let attention_bias = architecture.gguf_attention_bias(tensors.contains_key("blk.0.attn_q.bias"));
     let cfg = ModelConfig {
-        architecture: Architecture::Llama,
+        architecture,
         hidden_size: hidden,
-        intermediate_size: get("feed_forward_length")? as usize,
-        num_layers: get("block_count")? as usize,
+        intermediate_size: get("feed_forward_length")?,
+        num_layers: get("block_count")?,
         num_heads: heads,
-        num_kv_heads: md
-            .get("llama.attention.head_count_kv")
-            .and_then(Value::as_u64)
-            .map(|v| v as usize)
-            .unwrap_or(heads),
+        num_kv_heads: num("attention.head_count_kv").unwrap_or(heads),
         head_dim,
         vocab_size: vocab,
         rms_norm_eps: f("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta: f("rope.freq_base", 10000.0),
         rope_scaling: None,
         tie_word_embeddings: !tensors.contains_key("output.weight"),
-        attention_bias: false,
-        max_position_embeddings: md.get("llama.context_length").and_then(Value::as_u64).unwrap_or(2048) as usize,
+        attention_bias,
+        max_position_embeddings: num("context_length").unwrap_or(2048),
         bos_token_id: tok_id("bos_token_id"),
         eos_token_ids: tok_id("eos_token_id").into_iter().collect(),
     };
@@ -373,6 +366,17 @@ fn config_from_metadata(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unknown_architecture_is_named_with_the_supported_ones() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::io(Path::new("tempdir"), e))?;
+        let path = dir.path().join("gemma.gguf");
+        let md = vec![("general.architecture".to_string(), Value::Str("gemma2".into()))];
+        crate::gguf_writer::write(&path, &md, &[], |_| Err(Error::MissingTensor("none".into())))?;
+        let err = GgufSource::open(&path).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("\"gguf:gemma2\"") && err.contains("gguf:llama, gguf:qwen2, gguf:qwen3"), "{err}");
+        Ok(())
+    }
 
     #[test]
     fn unpermute_inverts_llama_cpp_permutation() {

@@ -88,6 +88,20 @@ fn same_shape(op: &'static str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
     }
 }
 
+/// RMSNorm of every consecutive `w.len()`-wide slice of `x` (a whole row, or one head of it); the caller has
+/// checked that the slices tile the rows.
+fn rms_norm_slices(x: &CpuTensor, w: &[f32], eps: f32) -> CpuTensor {
+    let mut out = vec![0f32; x.data.len()];
+    for (dst, src) in out.chunks_exact_mut(w.len()).zip(x.data.chunks_exact(w.len())) {
+        let ss: f32 = src.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
+        let inv = 1.0 / (ss + eps).sqrt();
+        for ((d, s), w) in dst.iter_mut().zip(src).zip(w) {
+            *d = s * inv * w;
+        }
+    }
+    CpuTensor { data: out, rows: x.rows, cols: x.cols }
+}
+
 impl Backend for CpuBackend {
     type Act = CpuTensor;
     type Mat = CpuMatrix;
@@ -174,15 +188,17 @@ impl Backend for CpuBackend {
         if w.len() != x.cols {
             return Err(Error::Shape { op: "rms_norm", reason: format!("weight {} for {} columns", w.len(), x.cols) });
         }
-        let mut out = vec![0f32; x.data.len()];
-        for (dst, src) in out.chunks_exact_mut(x.cols).zip(x.data.chunks_exact(x.cols)) {
-            let ss: f32 = src.iter().map(|v| v * v).sum::<f32>() / x.cols as f32;
-            let inv = 1.0 / (ss + eps).sqrt();
-            for ((d, s), w) in dst.iter_mut().zip(src).zip(w) {
-                *d = s * inv * w;
-            }
+        Ok(rms_norm_slices(x, w, eps))
+    }
+
+    fn rms_norm_heads(&self, x: &CpuTensor, w: &Vec<f32>, eps: f32) -> Result<CpuTensor> {
+        if w.is_empty() || !x.cols.is_multiple_of(w.len()) {
+            return Err(Error::Shape {
+                op: "rms_norm_heads",
+                reason: format!("heads of {} do not tile {} columns", w.len(), x.cols),
+            });
         }
-        Ok(CpuTensor { data: out, rows: x.rows, cols: x.cols })
+        Ok(rms_norm_slices(x, w, eps))
     }
 
     fn linear(&self, x: &CpuTensor, w: &CpuMatrix, bias: Option<&Vec<f32>>) -> Result<CpuTensor> {

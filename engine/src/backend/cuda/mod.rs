@@ -486,6 +486,16 @@ impl Backend for CudaBackend {
         self.rms_norm_impl(x, w, eps)
     }
 
+    fn rms_norm_heads(&self, x: &CudaAct, w: &CudaVector, eps: f32) -> Result<CudaAct> {
+        if w.len == 0 || !x.cols.is_multiple_of(w.len) {
+            return Err(Error::Shape {
+                op: "rms_norm_heads",
+                reason: format!("heads of {} do not tile {} columns", w.len, x.cols),
+            });
+        }
+        self.rms_norm_heads_impl(x, w, eps)
+    }
+
     fn linear(&self, x: &CudaAct, w: &CudaMatrix, bias: Option<&CudaVector>) -> Result<CudaAct> {
         self.linear_impl(x, w, bias)
     }

@@ -246,6 +246,22 @@ impl CudaBackend {
         Ok(y)
     }
 
+    /// RMSNorm of each `w.len`-wide head: a row-major `[rows, heads × head_dim]` activation is, byte for byte,
+    /// `[rows × heads, head_dim]`, so the row kernel runs over heads as rows.
+    pub(super) fn rms_norm_heads_impl(&self, x: &CudaAct, w: &CudaVector, eps: f32) -> Result<CudaAct> {
+        let mut y = self.alloc_act(x.rows, x.cols)?;
+        let heads = x.rows * (x.cols / w.len);
+        let (rows, dim) = (int("rms_norm_heads", heads)?, int("rms_norm_heads", w.len)?);
+        // SAFETY: rmsnorm_<t>(x, w, y, n_rows, dim, eps) with n_rows × dim = x.rows × x.cols elements, which x and
+        // y hold; w holds dim (the caller checked that dim divides x.cols).
+        unsafe {
+            self.launch(&format!("rmsnorm_{}", self.act), (heads, 1, 1), 256, |b| {
+                b.arg(&x.buf).arg(&w.buf).arg(&mut y.buf).arg(&rows).arg(&dim).arg(&eps);
+            })?;
+        }
+        Ok(y)
+    }
+
     pub(super) fn silu_mul_impl(&self, gate: &CudaAct, up: &CudaAct) -> Result<CudaAct> {
         let mut out = self.alloc_act(gate.rows, gate.cols)?;
         let n = gate.rows * gate.cols;
