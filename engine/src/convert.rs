@@ -54,6 +54,7 @@ pub fn to_hf_dir(files: &ModelFiles, out: &Path, dtype: DType) -> Result<()> {
     write("tokenizer.json", tok.to_json()?)?;
     let tc = serde_json::json!({
         "add_bos_token": tok.add_bos.is_some(),
+        "add_eos_token": tok.add_eos.is_some(),
         "bos_token": tok.bos_token,
         "eos_token": tok.eos_token,
         "chat_template": tok.chat_template,
@@ -202,6 +203,7 @@ fn tokenizer_metadata(files: &ModelFiles) -> Result<Vec<(String, Value)>> {
             md.extend(id("bos_token_id", cfg.bos_token_id));
             md.extend(id("eos_token_id", cfg.eos_token_ids.first().copied()));
             md.push(("tokenizer.ggml.add_bos_token".into(), Value::Bool(tok.add_bos.is_some())));
+            md.push(("tokenizer.ggml.add_eos_token".into(), Value::Bool(tok.add_eos.is_some())));
             if let Some(t) = &tok.chat_template {
                 md.push(("tokenizer.chat_template".into(), Value::Str(t.clone())));
             }
