@@ -226,3 +226,62 @@ pub fn byte_level_alphabet() -> Vec<char> {
     chars.sort_unstable();
     chars.into_iter().map(|(_, c)| char::from_u32(c).unwrap_or('?')).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A Hugging Face directory whose tokenizer.json is rebuilt from a tiny GGUF vocabulary.
+    fn hf_dir(config: serde_json::Value, jinja: Option<&str>) -> tempfile::TempDir {
+        let tokens = ["<s>", "</s>", "a", "b"].map(|t| Value::Str(t.into())).to_vec();
+        let md = HashMap::from([
+            ("tokenizer.ggml.model".to_string(), Value::Str("gpt2".into())),
+            ("tokenizer.ggml.tokens".into(), Value::Array(tokens)),
+            ("tokenizer.ggml.token_type".into(), Value::Array([3, 3, 1, 1].map(Value::U64).to_vec())),
+            ("tokenizer.ggml.merges".into(), Value::Array(Vec::new())),
+        ]);
+        let dir = tempfile::tempdir().expect("temp files");
+        std::fs::write(
+            dir.path().join("tokenizer.json"),
+            Tokenizer::from_gguf(&md).expect("temp files").to_json().expect("temp files"),
+        )
+        .expect("test fixture");
+        std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).expect("temp files");
+        if let Some(t) = jinja {
+            std::fs::write(dir.path().join("chat_template.jinja"), t).expect("temp files");
+        }
+        dir
+    }
+
+    #[test]
+    fn chat_template_jinja_is_used_when_the_config_has_none() {
+        let only_file = hf_dir(serde_json::json!({"eos_token": "</s>"}), Some("from file"));
+        assert_eq!(
+            Tokenizer::from_hf_dir(only_file.path(), None).expect("tokenizer loads").chat_template.as_deref(),
+            Some("from file")
+        );
+        let both = hf_dir(serde_json::json!({"chat_template": "from config"}), Some("from file"));
+        assert_eq!(
+            Tokenizer::from_hf_dir(both.path(), None).expect("tokenizer loads").chat_template.as_deref(),
+            Some("from config")
+        );
+        let named = hf_dir(serde_json::json!({"chat_template": [{"name": "default", "template": "named"}]}), None);
+        assert_eq!(
+            Tokenizer::from_hf_dir(named.path(), None).expect("tokenizer loads").chat_template.as_deref(),
+            Some("named")
+        );
+        let none = hf_dir(serde_json::json!({}), None);
+        assert_eq!(Tokenizer::from_hf_dir(none.path(), None).expect("tokenizer loads").chat_template, None);
+    }
+
+    #[test]
+    fn add_bos_and_add_eos_wrap_the_prompt() {
+        let cfg =
+            serde_json::json!({"add_bos_token": true, "add_eos_token": true, "bos_token": "<s>", "eos_token": "</s>"});
+        let tok = Tokenizer::from_hf_dir(hf_dir(cfg, None).path(), Some(0)).expect("tokenizer loads");
+        assert_eq!(tok.encode("ab").expect("encodes"), [0, 2, 3, 1]);
+        // Special tokens in the text are single ids, and decoding leaves them out.
+        assert_eq!(tok.encode("a</s>b").expect("encodes"), [0, 2, 1, 3, 1]);
+        assert_eq!(tok.decode(&[0, 2, 1, 3]).expect("decodes"), "ab");
+    }
+}
