@@ -155,13 +155,17 @@ mod tests {
 
     #[test]
     fn generation_config_eos_ids_are_one_or_many() {
-        let tmp = tempfile::tempdir().unwrap();
-        assert_eq!(generation_eos_ids(tmp.path()).unwrap(), Vec::<u32>::new(), "no file, no ids");
-        let write = |t: &str| std::fs::write(tmp.path().join("generation_config.json"), t).unwrap();
+        let tmp = tempfile::tempdir().expect("temp files");
+        assert_eq!(
+            generation_eos_ids(tmp.path()).expect("reads generation_config.json"),
+            Vec::<u32>::new(),
+            "no file, no ids"
+        );
+        let write = |t: &str| std::fs::write(tmp.path().join("generation_config.json"), t).expect("temp files");
         write(r#"{"bos_token_id": 1, "eos_token_id": [128001, 128008, 128009]}"#);
-        assert_eq!(generation_eos_ids(tmp.path()).unwrap(), vec![128001, 128008, 128009]);
+        assert_eq!(generation_eos_ids(tmp.path()).expect("reads generation_config.json"), vec![128001, 128008, 128009]);
         write(r#"{"eos_token_id": 2}"#);
-        assert_eq!(generation_eos_ids(tmp.path()).unwrap(), vec![2]);
+        assert_eq!(generation_eos_ids(tmp.path()).expect("reads generation_config.json"), vec![2]);
         write(r#"{"eos_token_id": "x"}"#);
         assert!(generation_eos_ids(tmp.path()).is_err());
     }

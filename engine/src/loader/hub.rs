@@ -127,16 +127,16 @@ mod tests {
     fn repo(cache: &Path, repo: &str, commit: &str, refs: &[&str], files: &[&str]) {
         let dir = cache.join(format!("models--{}", repo.replace('/', "--")));
         let snap = dir.join("snapshots").join(commit);
-        std::fs::create_dir_all(dir.join("blobs")).unwrap();
-        std::fs::create_dir_all(dir.join("refs")).unwrap();
-        std::fs::create_dir_all(&snap).unwrap();
+        std::fs::create_dir_all(dir.join("blobs")).expect("temp files");
+        std::fs::create_dir_all(dir.join("refs")).expect("temp files");
+        std::fs::create_dir_all(&snap).expect("temp files");
         for f in files {
             let blob = dir.join("blobs").join(format!("{commit}-{f}"));
-            std::fs::write(&blob, f).unwrap();
-            std::os::unix::fs::symlink(&blob, snap.join(f)).unwrap();
+            std::fs::write(&blob, f).expect("temp files");
+            std::os::unix::fs::symlink(&blob, snap.join(f)).expect("temp files");
         }
         for r in refs {
-            std::fs::write(dir.join("refs").join(r), commit).unwrap();
+            std::fs::write(dir.join("refs").join(r), commit).expect("temp files");
         }
     }
 
@@ -151,47 +151,50 @@ mod tests {
 
     #[test]
     fn resolves_main_a_branch_and_a_bare_commit() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = tempfile::tempdir().expect("temp files");
         let cache = HubCache::new(tmp.path());
         repo(tmp.path(), "org/model", "aaaa", &["main"], &["config.json", "tokenizer.json"]);
         repo(tmp.path(), "org/model", "bbbb", &["dev"], &["config.json"]);
         let snap = |c: &str| tmp.path().join("models--org--model/snapshots").join(c);
         let resolve = |s: &str| resolve_model_path(Path::new(s), Some(&cache));
-        assert_eq!(resolve("org/model").unwrap(), snap("aaaa"));
-        assert_eq!(resolve("org/model@dev").unwrap(), snap("bbbb"));
-        assert_eq!(resolve("org/model@bbbb").unwrap(), snap("bbbb"));
+        assert_eq!(resolve("org/model").expect("resolves"), snap("aaaa"));
+        assert_eq!(resolve("org/model@dev").expect("resolves"), snap("bbbb"));
+        assert_eq!(resolve("org/model@bbbb").expect("resolves"), snap("bbbb"));
         // The snapshot's files are symlinks into blobs/, and read through.
-        assert_eq!(std::fs::read_to_string(snap("aaaa").join("tokenizer.json")).unwrap(), "tokenizer.json");
+        assert_eq!(std::fs::read_to_string(snap("aaaa").join("tokenizer.json")).expect("temp files"), "tokenizer.json");
     }
 
     #[test]
     fn a_gguf_only_snapshot_resolves_to_its_file() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = tempfile::tempdir().expect("temp files");
         repo(tmp.path(), "org/m-GGUF", "cccc", &["main"], &["m.Q4_0.gguf", "README.md"]);
-        let got = resolve_model_path(Path::new("org/m-GGUF"), Some(&HubCache::new(tmp.path()))).unwrap();
+        let got = resolve_model_path(Path::new("org/m-GGUF"), Some(&HubCache::new(tmp.path()))).expect("resolves");
         assert_eq!(got, tmp.path().join("models--org--m-GGUF/snapshots/cccc/m.Q4_0.gguf"));
     }
 
     #[test]
     fn an_existing_path_wins_over_the_cache() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = tempfile::tempdir().expect("temp files");
         let local = tmp.path().join("org/model");
-        std::fs::create_dir_all(&local).unwrap();
+        std::fs::create_dir_all(&local).expect("temp files");
         repo(&tmp.path().join("cache"), "org/model", "aaaa", &["main"], &["config.json"]);
         let cache = HubCache::new(tmp.path().join("cache"));
-        assert_eq!(resolve_model_path(&local, Some(&cache)).unwrap(), local);
+        assert_eq!(resolve_model_path(&local, Some(&cache)).expect("resolves"), local);
     }
 
     #[test]
     fn missing_names_say_where_they_were_looked_for() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = tempfile::tempdir().expect("temp files");
         let cache = HubCache::new(tmp.path());
-        let err = resolve_model_path(Path::new("org/absent"), Some(&cache)).unwrap_err().to_string();
+        let err = resolve_model_path(Path::new("org/absent"), Some(&cache)).expect_err("must fail").to_string();
         assert!(err.contains("org/absent") && err.contains("models--org--absent"), "{err}");
         repo(tmp.path(), "org/model", "aaaa", &["main"], &["config.json"]);
-        let err = resolve_model_path(Path::new("org/model@v9"), Some(&cache)).unwrap_err().to_string();
+        let err = resolve_model_path(Path::new("org/model@v9"), Some(&cache)).expect_err("must fail").to_string();
         assert!(err.contains("refs/v9"), "{err}");
         // Not a hub name: handed back for the caller's not-found error.
-        assert_eq!(resolve_model_path(Path::new("/no/such.gguf"), Some(&cache)).unwrap(), Path::new("/no/such.gguf"));
+        assert_eq!(
+            resolve_model_path(Path::new("/no/such.gguf"), Some(&cache)).expect("resolves"),
+            Path::new("/no/such.gguf")
+        );
     }
 }

@@ -266,33 +266,33 @@ mod tests {
             ("tokenizer.ggml.tokens".into(), strs(&["a"])),
             ("tokenizer.ggml.merges".into(), strs(&[])),
         ]);
-        let err = tokenizer_json(&md).unwrap_err().to_string();
+        let err = tokenizer_json(&md).expect_err("must fail").to_string();
         assert!(err.contains("\"deepseek-coder\"") && err.contains("llama-bpe, qwen2"), "{err}");
         md.insert("tokenizer.ggml.model".into(), Value::Str("bert".into()));
-        let err = tokenizer_json(&md).unwrap_err().to_string();
+        let err = tokenizer_json(&md).expect_err("must fail").to_string();
         assert!(err.contains("\"bert\"") && err.contains("llama"), "{err}");
     }
 
     #[test]
     fn sentencepiece_merges_by_score_falls_back_to_bytes_and_decodes_spaces() {
         // "▁ab" ranks above "ab", so "▁ab" is built as "▁a"+"b" even though "a"+"b" alone would merge too.
-        let tok = Tokenizer::from_gguf(&spm(&["▁", "a", "b", "▁a", "▁ab", "ab"])).unwrap();
-        let id = |t: &str| tok.token_id(t).unwrap();
+        let tok = Tokenizer::from_gguf(&spm(&["▁", "a", "b", "▁a", "▁ab", "ab"])).expect("tokenizer builds");
+        let id = |t: &str| tok.token_id(t).expect("token in vocabulary");
         assert_eq!(tok.add_bos, Some(1), "SentencePiece vocabularies add BOS unless told otherwise");
-        let ids = tok.encode("ab ab é").unwrap();
+        let ids = tok.encode("ab ab é").expect("encodes");
         // é has no piece: its two UTF-8 bytes.
         let want = [1, id("▁ab"), id("▁ab"), id("▁"), id("<0xC3>"), id("<0xA9>")];
         assert_eq!(ids, want);
-        assert_eq!(tok.decode(&ids).unwrap(), "ab ab é", "▁ back to spaces, the prefix space dropped");
+        assert_eq!(tok.decode(&ids).expect("decodes"), "ab ab é", "▁ back to spaces, the prefix space dropped");
         // Control tokens in the text are matched whole.
-        assert_eq!(tok.encode("a</s>").unwrap(), [1, id("▁a"), 2]);
+        assert_eq!(tok.encode("a</s>").expect("encodes"), [1, id("▁a"), 2]);
     }
 
     #[test]
     fn merges_from_scores_order_by_the_merged_piece() {
         let md = spm(&["a", "b", "c", "bc", "ab", "abc"]);
-        let vocab = Vocab::read(&md).unwrap();
-        let merges = merges_from_scores(&vocab, vocab.scores.as_ref().unwrap());
+        let vocab = Vocab::read(&md).expect("vocabulary reads");
+        let merges = merges_from_scores(&vocab, vocab.scores.as_ref().expect("has scores"));
         // bc (-262) before ab (-263) before abc (-264); abc's halves "a"+"bc" outrank "ab"+"c".
         assert_eq!(merges, [json!(["b", "c"]), json!(["a", "b"]), json!(["a", "bc"]), json!(["ab", "c"])]);
     }
@@ -303,9 +303,9 @@ mod tests {
         md.insert("tokenizer.ggml.add_bos_token".into(), Value::Bool(false));
         md.insert("tokenizer.ggml.add_eos_token".into(), Value::Bool(true));
         md.insert("tokenizer.ggml.add_space_prefix".into(), Value::Bool(false));
-        let tok = Tokenizer::from_gguf(&md).unwrap();
-        let id = |t: &str| tok.token_id(t).unwrap();
-        assert_eq!(tok.encode("a a").unwrap(), [id("a"), id("▁a"), 2]);
-        assert_eq!(tok.decode(&[id("a"), id("▁a")]).unwrap(), "a a");
+        let tok = Tokenizer::from_gguf(&md).expect("tokenizer builds");
+        let id = |t: &str| tok.token_id(t).expect("token in vocabulary");
+        assert_eq!(tok.encode("a a").expect("encodes"), [id("a"), id("▁a"), 2]);
+        assert_eq!(tok.decode(&[id("a"), id("▁a")]).expect("decodes"), "a a");
     }
 }
