@@ -21,9 +21,9 @@ pub const SUPPORTED_PRE_TOKENIZERS: &[&str] = &["gpt2", "smollm", "llama-bpe", "
 
 /// Llama 3's split (llama.cpp's LLAMA3 pre-tokenizer; the `Split` of Meta-Llama-3's `tokenizer.json`): numbers
 /// in runs of up to three digits.
-const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+pub(crate) const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen2's split (also Qwen2.5 and Qwen3): as Llama 3's, but every digit alone.
-const QWEN2_SPLIT: &str =
+pub(crate) const QWEN2_SPLIT: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 fn tok_err(msg: impl Into<String>) -> Error {
