@@ -163,3 +163,24 @@ fn llama3_byte_level_bpe_matches_hugging_face() -> Result<()> {
 fn qwen3_byte_level_bpe_matches_hugging_face() -> Result<()> {
     run("qwen3")
 }
+
+/// The real chat templates render through minijinja, and the special tokens they write come back as single ids.
+#[test]
+fn real_chat_templates_render_and_encode_special_tokens_whole() -> Result<()> {
+    use strata_engine::tokenizer::ChatMessage;
+    let dir = strata_testkit::reference_tokenizers();
+    let messages = [
+        ChatMessage { role: "system".into(), content: "Be brief.".into() },
+        ChatMessage { role: "user".into(), content: "Hi, 日本語?".into() },
+    ];
+    for (name, turn_start) in [("llama3", "<|start_header_id|>"), ("qwen3", "<|im_start|>")] {
+        let tok = Tokenizer::from_hf_dir(&dir.join(name), None)?;
+        let prompt = tok.apply_chat_template(&messages)?;
+        ensure!(prompt.contains("Hi, 日本語?") && prompt.contains(turn_start), "{name}: {prompt:?}");
+        let ids = tok.encode(&prompt)?;
+        let start = tok.token_id(turn_start).context("turn start token")?;
+        // system, user, and the assistant turn the generation prompt opens.
+        ensure!(ids.iter().filter(|&&i| i == start).count() == 3, "{name}: {prompt:?} -> {ids:?}");
+    }
+    Ok(())
+}
