@@ -12,6 +12,7 @@ use crate::loader::ModelFiles;
 use crate::loader::gguf::{Value, gguf_row_order};
 use crate::quant;
 use crate::tensor::DType;
+use crate::tokenizer::gguf as gguf_tok;
 use crate::{Error, Result};
 
 /// Writes `config.json`, `model.safetensors`, `tokenizer.json` and `tokenizer_config.json` into `out`.
@@ -54,6 +55,7 @@ pub fn to_hf_dir(files: &ModelFiles, out: &Path, dtype: DType) -> Result<()> {
     write("tokenizer.json", tok.to_json()?)?;
     let tc = serde_json::json!({
         "add_bos_token": tok.add_bos.is_some(),
+        "add_eos_token": tok.add_eos.is_some(),
         "bos_token": tok.bos_token,
         "eos_token": tok.eos_token,
         "chat_template": tok.chat_template,
@@ -211,6 +213,7 @@ fn tokenizer_metadata(files: &ModelFiles) -> Result<Vec<(String, Value)>> {
             md.extend(id("bos_token_id", cfg.bos_token_id));
             md.extend(id("eos_token_id", cfg.eos_token_ids.first().copied()));
             md.push(("tokenizer.ggml.add_bos_token".into(), Value::Bool(tok.add_bos.is_some())));
+            md.push(("tokenizer.ggml.add_eos_token".into(), Value::Bool(tok.add_eos.is_some())));
             if let Some(t) = &tok.chat_template {
                 md.push(("tokenizer.chat_template".into(), Value::Str(t.clone())));
             }
@@ -234,16 +237,19 @@ fn bpe_metadata(json: &serde_json::Value, vocab: usize) -> Result<Vec<(String, V
     }
     let pre = &json["pre_tokenizer"];
     let kind = |p: &serde_json::Value| p["type"].as_str().unwrap_or("").to_string();
-    // The two pre-tokenizers strata's GGUF reader rebuilds (see `tokenizer::pre_tokenizer`).
+    // The GGUF name of each pre-tokenizer strata's GGUF reader rebuilds (`tokenizer::gguf`), recognised by the
+    // pieces of the `tokenizer.json` it rebuilds.
+    let parts: Vec<String> = pre["pretokenizers"].as_array().map(|a| a.iter().map(kind).collect()).unwrap_or_default();
+    let split_regex = pre["pretokenizers"][0]["pattern"]["Regex"].as_str();
     let pre_name = match kind(pre).as_str() {
         "ByteLevel" => "gpt2",
-        "Sequence" => {
-            let parts: Vec<String> =
-                pre["pretokenizers"].as_array().map(|a| a.iter().map(kind).collect()).unwrap_or_default();
-            if parts != ["Digits", "ByteLevel"] || pre["pretokenizers"][0]["individual_digits"] != true {
-                return Err(err("its pre-tokenizer sequence is not SmolLM's (digits, byte-level)"));
-            }
+        "Sequence" if parts == ["Digits", "ByteLevel"] && pre["pretokenizers"][0]["individual_digits"] == true => {
             "smollm"
+        }
+        "Sequence" if parts == ["Split", "ByteLevel"] && split_regex == Some(gguf_tok::LLAMA3_SPLIT) => "llama-bpe",
+        "Sequence" if parts == ["Split", "ByteLevel"] && split_regex == Some(gguf_tok::QWEN2_SPLIT) => "qwen2",
+        "Sequence" => {
+            return Err(err("its pre-tokenizer sequence is not SmolLM's, Llama 3's or Qwen2's"));
         }
         other => return Err(err(&format!("pre-tokenizer {other:?}"))),
     };
@@ -296,4 +302,32 @@ fn bpe_metadata(json: &serde_json::Value, vocab: usize) -> Result<Vec<(String, V
         ("tokenizer.ggml.token_type".into(), Value::Array(types)),
         ("tokenizer.ggml.merges".into(), Value::Array(merges)),
     ])
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::tokenizer::Tokenizer;
+
+    /// Each pre-tokenizer the GGUF reader rebuilds is written back under the same name, so a converted file
+    /// tokenizes as its source did.
+    #[test]
+    fn pre_tokenizer_names_survive_gguf_to_hf_to_gguf() {
+        for pre in gguf_tok::SUPPORTED_PRE_TOKENIZERS {
+            let tokens = ["a", "b", "ab"].map(|t| Value::Str(t.into())).to_vec();
+            let md = HashMap::from([
+                ("tokenizer.ggml.model".to_string(), Value::Str("gpt2".into())),
+                ("tokenizer.ggml.pre".into(), Value::Str(pre.to_string())),
+                ("tokenizer.ggml.tokens".into(), Value::Array(tokens)),
+                ("tokenizer.ggml.merges".into(), Value::Array(vec![Value::Str("a b".into())])),
+            ]);
+            let json = Tokenizer::from_gguf(&md).expect("tokenizer builds").to_json().expect("serializes");
+            let json: serde_json::Value = serde_json::from_str(&json).expect("valid json");
+            let written = bpe_metadata(&json, 3).expect("writable as GGUF");
+            let got = written.iter().find(|(k, _)| k == "tokenizer.ggml.pre").map(|(_, v)| v.clone());
+            assert_eq!(got, Some(Value::Str(pre.to_string())), "{pre}");
+        }
+    }
 }

@@ -61,6 +61,14 @@ pub enum Error {
         /// The type as named by the file format.
         dtype: String,
     },
+    /// `--model ORG/NAME[@REVISION]` named no existing path and no snapshot in the Hugging Face cache.
+    #[error("model {spec:?} is neither a path nor in the Hugging Face cache: {reason}")]
+    NotInHubCache {
+        /// What was asked for.
+        spec: String,
+        /// Where it was looked for and what was missing.
+        reason: String,
+    },
     /// The tokenizer could not be built or failed to encode/decode.
     #[error("tokenizer: {0}")]
     Tokenizer(String),

@@ -126,8 +126,9 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, weights: &Weights, ov: &GgufOver
         (0..c.vocab_size).map(|id| byte_chars.get(id).map_or_else(|| format!("<tok{id}>"), |ch| ch.to_string()));
     md.push(("tokenizer.ggml.tokens".into(), Value::Array(tokens.map(Value::Str).collect())));
     md.push(("tokenizer.ggml.merges".into(), Value::Array(Vec::new())));
-    if let Some(e) = c.eos_token_ids.first() {
-        md.push(("tokenizer.ggml.eos_token_id".into(), Value::U64((*e).into())));
+    // A second stop id is written as the end-of-turn token, as chat models' GGUFs carry it.
+    for (key, id) in ["eos_token_id", "eot_token_id"].iter().zip(&c.eos_token_ids) {
+        md.push((format!("tokenizer.ggml.{key}"), Value::U64((*id).into())));
     }
     let layout = ModelLayout::new(c);
     let mut ids = Vec::with_capacity(weights.len());

@@ -357,10 +357,22 @@ fn config_from_metadata(
         attention_bias,
         max_position_embeddings: num("context_length").unwrap_or(2048),
         bos_token_id: tok_id("bos_token_id"),
-        eos_token_ids: tok_id("eos_token_id").into_iter().collect(),
+        // Generation stops at any of them: chat models end a turn with EOT (`<|eot_id|>`, `<|im_end|>`), not EOS.
+        eos_token_ids: eos_ids([tok_id("eos_token_id"), tok_id("eot_token_id"), tok_id("eom_token_id")]),
     };
     cfg.validate()?;
     Ok(cfg)
+}
+
+/// The distinct ids among `ids`, in order.
+fn eos_ids(ids: [Option<u32>; 3]) -> Vec<u32> {
+    let mut out = Vec::new();
+    for id in ids.into_iter().flatten() {
+        if !out.contains(&id) {
+            out.push(id);
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -37,7 +37,12 @@ impl HfSource {
     pub fn open(dir: &Path) -> Result<Self> {
         let cfg_path = dir.join("config.json");
         let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
-        let config = ModelConfig::from_hf_json(&text)?;
+        let mut config = ModelConfig::from_hf_json(&text)?;
+        for id in generation_eos_ids(dir)? {
+            if !config.eos_token_ids.contains(&id) {
+                config.eos_token_ids.push(id);
+            }
+        }
         let files = safetensors_files(dir)?;
         let mut maps = Vec::new();
         let mut entries = HashMap::new();
@@ -88,6 +93,34 @@ impl HfSource {
     }
 }
 
+/// `generation_config.json`'s `eos_token_id` (one id or a list): chat models list their end-of-turn token there
+/// (Llama 3's `<|eot_id|>`) while `config.json` names only the end of text, and generation must stop at both.
+fn generation_eos_ids(dir: &Path) -> Result<Vec<u32>> {
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Ids {
+        One(u32),
+        Many(Vec<u32>),
+    }
+    #[derive(serde::Deserialize)]
+    struct GenerationConfig {
+        eos_token_id: Option<Ids>,
+    }
+    let path = dir.join("generation_config.json");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(Error::io(&path, e)),
+    };
+    let cfg: GenerationConfig =
+        serde_json::from_str(&text).map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
+    Ok(match cfg.eos_token_id {
+        None => Vec::new(),
+        Some(Ids::One(id)) => vec![id],
+        Some(Ids::Many(ids)) => ids,
+    })
+}
+
 fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let single = dir.join("model.safetensors");
     if single.exists() {
@@ -114,4 +147,26 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
         return Ok(files.into_iter().map(|f| dir.join(f)).collect());
     }
     Err(Error::Config(format!("{} has neither model.safetensors nor model.safetensors.index.json", dir.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generation_config_eos_ids_are_one_or_many() {
+        let tmp = tempfile::tempdir().expect("temp files");
+        assert_eq!(
+            generation_eos_ids(tmp.path()).expect("reads generation_config.json"),
+            Vec::<u32>::new(),
+            "no file, no ids"
+        );
+        let write = |t: &str| std::fs::write(tmp.path().join("generation_config.json"), t).expect("temp files");
+        write(r#"{"bos_token_id": 1, "eos_token_id": [128001, 128008, 128009]}"#);
+        assert_eq!(generation_eos_ids(tmp.path()).expect("reads generation_config.json"), vec![128001, 128008, 128009]);
+        write(r#"{"eos_token_id": 2}"#);
+        assert_eq!(generation_eos_ids(tmp.path()).expect("reads generation_config.json"), vec![2]);
+        write(r#"{"eos_token_id": "x"}"#);
+        assert!(generation_eos_ids(tmp.path()).is_err());
+    }
 }

