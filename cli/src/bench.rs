@@ -44,6 +44,14 @@ pub struct BenchArgs {
     /// Prompt length for the prefill measurement.
     #[arg(long, default_value_t = 128)]
     prompt_tokens: usize,
+    /// Of --prompt-tokens, the first tokens every request shares, as a system prompt (--coordinator/--local).
+    /// One request with them runs first, unmeasured.
+    #[arg(long, default_value_t = 0)]
+    shared_prefix_tokens: usize,
+    /// Prefix caching of the --local clusters' coordinators: `on`, `off`, or `off,on` to run each cluster both
+    /// ways and compare.
+    #[arg(long, value_delimiter = ',', default_value = "on", value_parser = parse_on_off)]
+    prefix_caching: Vec<bool>,
     /// Tokens decoded per sequence.
     #[arg(long, default_value_t = 128)]
     decode_tokens: usize,
@@ -93,6 +101,14 @@ fn synthetic_prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
     (0..len).map(|i| ((i * 7919 + salt * 104_729 + 13) % vocab) as u32).collect()
 }
 
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("{s:?}: expected on or off")),
+    }
+}
+
 /// Runs `strata bench`.
 pub fn run(a: BenchArgs) -> Result<()> {
     if a.coordinator.is_some() || !a.local.is_empty() {
@@ -108,6 +124,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
             concurrency: a.concurrency,
             requests_per_client: a.requests_per_client,
             prompt_tokens: a.prompt_tokens,
+            shared_prefix_tokens: a.shared_prefix_tokens,
+            prefix_caching: a.prefix_caching,
             max_tokens: a.decode_tokens,
             threads: a.device.threads,
             out: a.out.unwrap_or_else(|| PathBuf::from("target/bench/cluster.json")),

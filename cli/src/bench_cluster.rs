@@ -13,6 +13,8 @@ use serde::Serialize;
 use strata_proto::{TlsArgs, pb};
 use tonic::transport::Endpoint;
 
+use strata_coordinator::CoordinatorConfig;
+
 use crate::cluster::LocalCluster;
 use crate::connect::{self, Client, Credentials};
 
@@ -34,6 +36,11 @@ pub struct ClusterBench {
     pub requests_per_client: usize,
     /// Prompt length in tokens.
     pub prompt_tokens: usize,
+    /// Of those, the first tokens every request shares (a system prompt); a request with them runs first, alone,
+    /// so that a cluster with prefix caching has them cached.
+    pub shared_prefix_tokens: usize,
+    /// Local clusters run once per setting, with the coordinator's prefix caching on or off.
+    pub prefix_caching: Vec<bool>,
     /// Tokens generated per request (EOS is ignored).
     pub max_tokens: usize,
     /// CPU threads in total, split evenly over a local cluster's stages.
@@ -45,6 +52,8 @@ pub struct ClusterBench {
 #[derive(Serialize, Default, Clone)]
 struct Run {
     stages: usize,
+    /// Whether the local cluster's coordinator cached prompt prefixes (`None`: a `--coordinator`, as it is set).
+    prefix_caching: Option<bool>,
     threads_per_stage: usize,
     concurrency: usize,
     requests: usize,
@@ -73,6 +82,7 @@ struct Run {
 struct Report {
     model: String,
     prompt_tokens: usize,
+    shared_prefix_tokens: usize,
     max_tokens: usize,
     threads_total: usize,
     /// Single-process batch-1 decode latency per token (p50, ms) by thread count.
@@ -121,7 +131,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
             let max_c = b.concurrency.iter().copied().max().unwrap_or(1);
             // Room for every stream's KV so the run measures serving, not preemption.
             let kv_blocks = (max_c * (b.prompt_tokens + b.max_tokens)).div_ceil(16) + 64;
-            for &stages in &b.local {
+            for (&stages, &caching) in b.local.iter().flat_map(|s| b.prefix_caching.iter().map(move |c| (s, c))) {
                 let per_stage = (threads_total / stages).max(1);
                 let single = match baselines.iter().find(|(t, _)| *t == per_stage) {
                     Some((_, ms)) => *ms,
@@ -134,7 +144,11 @@ pub fn run(b: ClusterBench) -> Result<()> {
                 rt.block_on(async {
                     let grpc = free_addr()?;
                     let http = free_addr()?;
-                    let cluster = LocalCluster::start(&model, stages, per_stage, kv_blocks, None, grpc, http).await?;
+                    let config = CoordinatorConfig {
+                        enable_prefix_caching: caching,
+                        ..CoordinatorConfig::new(&model, grpc, http)
+                    };
+                    let cluster = LocalCluster::start(config, stages, per_stage, kv_blocks, None).await?;
                     let bench = async {
                         let url = format!("http://{grpc}");
                         let endpoint = strata_proto::endpoint(&url, None)?;
@@ -143,6 +157,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
                         for &c in &b.concurrency {
                             let mut run = measure(&client, &b, stages, c).await?;
                             run.threads_per_stage = per_stage;
+                            run.prefix_caching = Some(caching);
                             if c == 1 {
                                 let added = (run.itl_ms_p50 - single) * 1e3 / (2 * stages) as f64;
                                 run.added_us_per_hop_vs_single_process = Some(added);
@@ -162,6 +177,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
     let report = Report {
         model: b.model.as_ref().map_or_else(|| b.coordinator.clone().unwrap_or_default(), |m| m.display().to_string()),
         prompt_tokens: b.prompt_tokens,
+        shared_prefix_tokens: b.shared_prefix_tokens,
         max_tokens: b.max_tokens,
         threads_total,
         single_process_itl_ms_p50: baselines,
@@ -176,9 +192,12 @@ fn free_addr() -> Result<SocketAddr> {
 }
 
 fn request(client: usize, index: usize, b: &ClusterBench) -> pb::GenerateRequest {
-    // Distinct prompts per request (ids below 1000 exist in any real vocabulary).
-    let ids =
-        (0..b.prompt_tokens).map(|i| ((i * 7919 + client * 104_729 + index * 31 + 13) % 999 + 1) as u32).collect();
+    // Distinct prompts per request after the shared prefix (ids below 1000 exist in any real vocabulary).
+    let shared = b.shared_prefix_tokens.min(b.prompt_tokens);
+    let ids = (0..shared)
+        .map(|i| ((i * 7919 + 13) % 999 + 1) as u32)
+        .chain((shared..b.prompt_tokens).map(|i| ((i * 7919 + client * 104_729 + index * 31 + 17) % 999 + 1) as u32))
+        .collect();
     pb::GenerateRequest {
         prompt: Some(pb::generate_request::Prompt::Ids(pb::TokenIds { ids })),
         max_tokens: u32::try_from(b.max_tokens).unwrap_or(u32::MAX),
@@ -238,6 +257,10 @@ async fn one_request(mut client: Client, req: pb::GenerateRequest) -> Result<Sam
 }
 
 async fn measure(client: &Client, b: &ClusterBench, stages: usize, concurrency: usize) -> Result<Run> {
+    if b.shared_prefix_tokens > 0 {
+        // Not measured: a cache that has seen the shared prefix once, as a serving cluster's has.
+        one_request(client.clone(), request(concurrency, 0, b)).await?;
+    }
     let start = Instant::now();
     let tasks: Vec<_> = (0..concurrency)
         .map(|c| {
@@ -369,9 +392,10 @@ async fn describe_plan(client: &mut Client) -> Result<(usize, String)> {
 fn print_run(run: Option<&Run>) {
     if let Some(r) = run {
         eprintln!(
-            "stages {} concurrency {:>3}: {:>7.1} tok/s, TTFT p50 {:.1} ms, ITL p50 {:.2} ms p99 {:.2} ms, \
-             first/last tenth {:.2}/{:.2} ms",
+            "stages {} prefix caching {} concurrency {:>3}: {:>7.1} tok/s, TTFT p50 {:.1} ms, ITL p50 {:.2} ms \
+             p99 {:.2} ms, first/last tenth {:.2}/{:.2} ms",
             r.stages,
+            on_off(r.prefix_caching),
             r.concurrency,
             r.tokens_per_s,
             r.ttft_ms_p50,
@@ -383,19 +407,28 @@ fn print_run(run: Option<&Run>) {
     }
 }
 
+fn on_off(setting: Option<bool>) -> &'static str {
+    match setting {
+        Some(true) => "on",
+        Some(false) => "off",
+        None => "as set",
+    }
+}
+
 fn table(report: &Report) -> String {
     let mut t = String::new();
     let _ = writeln!(
         t,
-        "| stages | threads/stage | streams | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ITL first/last tenth ms | compute ms/step | overhead µs/hop | added µs/hop vs 1 process |"
+        "| stages | prefix caching | threads/stage | streams | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ITL first/last tenth ms | compute ms/step | overhead µs/hop | added µs/hop vs 1 process |"
     );
-    let _ = writeln!(t, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(t, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &report.runs {
         let added = r.added_us_per_hop_vs_single_process.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"));
         let _ = writeln!(
             t,
-            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2}/{:.2} | {:.2} | {:.0} | {added} |",
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2}/{:.2} | {:.2} | {:.0} | {added} |",
             r.stages,
+            on_off(r.prefix_caching),
             r.threads_per_stage,
             r.concurrency,
             r.tokens_per_s,
@@ -465,15 +498,17 @@ fn svg(report: &Report) -> String {
         h / 2.0
     );
     let colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"];
-    let mut stage_counts: Vec<usize> = report.runs.iter().map(|r| r.stages).collect();
-    stage_counts.sort_unstable();
-    stage_counts.dedup();
-    for (k, stages) in stage_counts.iter().enumerate() {
+    // One line per cluster: its stage count, and its prefix caching when runs compare both.
+    let mut clusters: Vec<(usize, Option<bool>)> = report.runs.iter().map(|r| (r.stages, r.prefix_caching)).collect();
+    clusters.sort_unstable();
+    clusters.dedup();
+    let both = clusters.iter().any(|c| c.1 == Some(false)) && clusters.iter().any(|c| c.1 == Some(true));
+    for (k, &(stages, caching)) in clusters.iter().enumerate() {
         let color = colors[k % colors.len()];
         let points: Vec<String> = report
             .runs
             .iter()
-            .filter(|r| r.stages == *stages)
+            .filter(|r| (r.stages, r.prefix_caching) == (stages, caching))
             .map(|r| format!("{:.1},{:.1}", x(r.concurrency), y(r.tokens_per_s)))
             .collect();
         let _ = writeln!(
@@ -492,7 +527,10 @@ fn svg(report: &Report) -> String {
             w - right + 15.0,
             w - right + 35.0
         );
-        let label = if *stages == 1 { "1 stage".to_owned() } else { format!("{stages} stages") };
+        let mut label = if stages == 1 { "1 stage".to_owned() } else { format!("{stages} stages") };
+        if both {
+            label.push_str(&format!(", cache {}", on_off(caching)));
+        }
         let _ = writeln!(s, "<text x=\"{}\" y=\"{}\">{label}</text>", w - right + 40.0, ly + 4.0);
     }
     s.push_str("</svg>\n");
@@ -551,6 +589,7 @@ mod tests {
         let report = Report {
             model: "m".into(),
             prompt_tokens: 8,
+            shared_prefix_tokens: 0,
             max_tokens: 8,
             threads_total: 2,
             single_process_itl_ms_p50: vec![],

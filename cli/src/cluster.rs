@@ -1,7 +1,7 @@
 //! `strata local` (a whole cluster in this process) and `strata client generate` (a request to a coordinator).
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use strata_coordinator::CoordinatorConfig;
@@ -67,38 +67,35 @@ pub(crate) struct LocalCluster {
 }
 
 impl LocalCluster {
-    /// Starts `stages` CPU workers (each with `threads` threads and `kv_blocks` KV blocks) and a coordinator serving
-    /// gRPC on `grpc` and HTTP on `http`.
+    /// Starts `stages` CPU workers of `coordinator.model` (each with `threads` threads and `kv_blocks` KV blocks)
+    /// and the coordinator, which serves the APIs `coordinator` names.
     pub(crate) async fn start(
-        model: &Path,
+        coordinator: CoordinatorConfig,
         stages: usize,
         threads: usize,
         kv_blocks: usize,
         quantize: Option<QuantDtype>,
-        grpc: SocketAddr,
-        http: SocketAddr,
     ) -> Result<Self> {
         let device = StageDevice { quantize, ..StageDevice::default() };
-        Self::start_on(model, stages, threads, kv_blocks, grpc, http, device).await
+        Self::start_on(coordinator, stages, threads, kv_blocks, device).await
     }
 
     /// [`LocalCluster::start`] with every worker on `device`.
     async fn start_on(
-        model: &Path,
+        coordinator: CoordinatorConfig,
         stages: usize,
         threads: usize,
         kv_blocks: usize,
-        grpc: SocketAddr,
-        http: SocketAddr,
         device: StageDevice,
     ) -> Result<Self> {
+        let model = coordinator.model.clone();
         if stages == 0 {
             bail!("--stages must be at least 1");
         }
         let registry = EmbeddedRegistry::new("local");
         let mut workers = Vec::with_capacity(stages);
         for i in 0..stages {
-            let mut cfg = WorkerConfig::new(format!("local-{i}"), model, None);
+            let mut cfg = WorkerConfig::new(format!("local-{i}"), &model, None);
             cfg.threads = threads;
             cfg.kv_blocks = Some(kv_blocks);
             cfg.quantize = device.quantize;
@@ -120,7 +117,7 @@ impl LocalCluster {
             min_stages: stages,
             candidate: Some("local-coordinator".into()),
             min_kv_tokens: Some(256),
-            ..CoordinatorConfig::new(model, grpc, http)
+            ..coordinator
         };
         let shutdown = CancellationToken::new();
         let coordinator = tokio::spawn(strata_coordinator::run_with_registry(config, registry, shutdown.clone()));
@@ -167,8 +164,8 @@ async fn wait_ready(registry: &EmbeddedRegistry, node: &str) -> Result<()> {
 pub fn local(a: LocalArgs) -> Result<()> {
     let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     rt.block_on(async move {
-        let cluster =
-            LocalCluster::start_on(&a.model, a.stages, a.threads, a.kv_blocks, a.grpc, a.http, a.device).await?;
+        let coordinator = CoordinatorConfig::new(&a.model, a.grpc, a.http);
+        let cluster = LocalCluster::start_on(coordinator, a.stages, a.threads, a.kv_blocks, a.device).await?;
         eprintln!("coordinator gRPC API on {}, OpenAI-compatible HTTP API on http://{}/v1", a.grpc, a.http);
         eprintln!("{} stages; requests are served once every stage is ready (GET /health); Ctrl-C to stop", a.stages);
         cluster.run_until(shutdown_signal()).await

@@ -101,8 +101,10 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self.inner.encode(text, false).map_err(tok_err)?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
+        // A text that starts with the BOS token's text (a rendered chat template) has it already; an unnamed BOS
+        // token (empty text) is always added.
         if let Some(b) = self.add_bos
-            && !text.starts_with(&self.bos_token)
+            && (self.bos_token.is_empty() || !text.starts_with(&self.bos_token))
         {
             ids.push(b);
         }
@@ -283,5 +285,11 @@ mod tests {
         // Special tokens in the text are single ids, and decoding leaves them out.
         assert_eq!(tok.encode("a</s>b").expect("encodes"), [0, 2, 1, 3, 1]);
         assert_eq!(tok.decode(&[0, 2, 1, 3]).expect("decodes"), "ab");
+        // A text starting with the BOS token's text has it already.
+        assert_eq!(tok.encode("<s>ab").expect("encodes")[..2], [0, 2]);
+        // A BOS token without a name in tokenizer_config.json is still added.
+        let unnamed = serde_json::json!({"add_bos_token": true});
+        let tok = Tokenizer::from_hf_dir(hf_dir(unnamed, None).path(), Some(0)).expect("tokenizer loads");
+        assert_eq!(tok.encode("ab").expect("encodes"), [0, 2, 3]);
     }
 }
