@@ -1,0 +1,89 @@
+//! Admission and KV growth: which waiting sequences join the running set, and how a step gets its blocks (evicting
+//! unused cached blocks first, then preempting the youngest running sequence).
+
+use super::{Effect, KvBudget, PrefixCache, RequestId, Requeue, Scheduler, Seq};
+
+impl Scheduler {
+    /// Moves waiting sequences into the running set, oldest first, while the KV cache has room for their first
+    /// step.
+    pub(super) fn promote(&mut self) {
+        let Some(kv) = &mut self.kv else { return };
+        let mut running = self.seqs.values().any(|s| s.running && !s.gone());
+        // Headroom while others run, so the running set can grow a little before anyone is preempted.
+        let watermark = kv.total().div_ceil(100);
+        while let Some(&id) = self.waiting.front() {
+            let Some(seq) = self.seqs.get_mut(&id) else {
+                self.waiting.pop_front();
+                continue;
+            };
+            if seq.gone() {
+                self.waiting.pop_front();
+                continue;
+            }
+            if let Some(prefix) = self.prefix.as_mut().filter(|_| seq.pos == 0 && !seq.prefix.looked_up()) {
+                // It keeps the blocks found while it waits at the front of the queue.
+                let hit = prefix.lookup(&mut seq.prefix, &seq.input, &mut self.prefix_stats);
+                seq.input.drain(..hit);
+                seq.pos = u32::try_from(hit).unwrap_or(u32::MAX);
+            }
+            let first = seq.input.len().min(self.limits.max_batch_tokens);
+            let need = kv.blocks_for(seq.pos as usize + first).saturating_sub(seq.table_blocks());
+            let evictable = self.prefix.as_ref().map_or(0, PrefixCache::evictable);
+            if running && kv.free() + evictable < need + watermark {
+                break;
+            }
+            if !grow(kv, &mut self.prefix, seq, first) {
+                break;
+            }
+            seq.running = true;
+            running = true;
+            self.waiting.pop_front();
+        }
+    }
+
+    /// Reserves KV for the next step of `id` (at most `budget` tokens), preempting younger sequences when the
+    /// cache is full; returns the step's length, or `None` when it cannot run now.
+    pub(super) fn reserve(&mut self, id: RequestId, budget: usize, effects: &mut Vec<Effect>) -> Option<usize> {
+        loop {
+            let kv = self.kv.as_mut()?;
+            let seq = self.seqs.get_mut(&id)?;
+            if !seq.running || seq.in_flight || seq.gone() {
+                return None;
+            }
+            let len = seq.input.len().min(budget);
+            if len == 0 {
+                return None;
+            }
+            if grow(kv, &mut self.prefix, seq, len) {
+                // Claimed for this batch: nobody may preempt it now.
+                seq.in_flight = true;
+                return Some(len);
+            }
+            // The youngest running sequence not in flight, and only one younger than `id`.
+            let victim = self
+                .seqs
+                .range(id..)
+                .rev()
+                .find(|(v, s)| **v != id && s.running && !s.in_flight && !s.gone())
+                .map(|(v, _)| *v)?;
+            self.requeue(victim, Requeue::KvFull, effects);
+        }
+    }
+}
+
+/// Grows `seq`'s blocks to cover its next `len` tokens, evicting cached blocks no sequence uses while the budget
+/// lacks room; false (and no change to `seq`) when even that does not make room.
+fn grow(kv: &mut KvBudget, prefix: &mut Option<PrefixCache>, seq: &mut Seq, len: usize) -> bool {
+    let shared = seq.prefix.shared();
+    let mut held = seq.table_blocks();
+    loop {
+        if kv.grow(&mut held, seq.pos as usize + len) {
+            seq.blocks = held - shared;
+            return true;
+        }
+        if !prefix.as_mut().is_some_and(PrefixCache::evict_one) {
+            return false;
+        }
+        kv.evicted(1);
+    }
+}
