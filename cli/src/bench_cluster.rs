@@ -13,7 +13,7 @@ use serde::Serialize;
 use strata_proto::{TlsArgs, pb};
 use tonic::transport::Endpoint;
 
-use strata_coordinator::CoordinatorConfig;
+use strata_coordinator::{CoordinatorConfig, PrefixCaching};
 
 use crate::cluster::LocalCluster;
 use crate::connect::{self, Client, Credentials};
@@ -145,7 +145,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
                     let grpc = free_addr()?;
                     let http = free_addr()?;
                     let config = CoordinatorConfig {
-                        enable_prefix_caching: caching,
+                        enable_prefix_caching: if caching { PrefixCaching::On } else { PrefixCaching::Off },
                         ..CoordinatorConfig::new(&model, grpc, http)
                     };
                     let cluster = LocalCluster::start(config, stages, per_stage, kv_blocks, None).await?;

@@ -74,7 +74,7 @@ fn cluster_bench_reports_every_level_and_writes_a_plot() -> Result<()> {
     let args = ["bench", "--model", m, "--local", "2", "--concurrency", "1,3", "--requests-per-client", "1"];
     let sizes = ["--prompt-tokens", "4", "--decode-tokens", "5", "--threads", "2", "--out", o];
     let table = text(&[&args[..], &sizes[..]].concat())?;
-    assert!(table.contains("| 2 | 1 | 3 |"), "{table}");
+    assert!(table.contains("| 2 | on | 1 | 3 |"), "{table}");
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out)?)?;
     let runs = report["runs"].as_array().context("runs")?;
     assert_eq!(runs.len(), 2, "{report}");

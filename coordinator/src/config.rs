@@ -10,7 +10,7 @@ use strata_membership::{check_cluster_name, check_endpoints};
 use strata_proto::{Keepalive, Tls, TlsFiles};
 
 use crate::auth::{ApiKey, ApiKeys, check_keys};
-use crate::pipeline::{PipelineOptions, SchedulerLimits, Timeouts};
+use crate::pipeline::{PipelineOptions, PrefixCaching, SchedulerLimits, Timeouts};
 use crate::sizing::{SizeOptions, context_limits};
 use crate::{Error, Result};
 
@@ -68,8 +68,8 @@ pub struct CoordinatorConfig {
     #[serde(default = "default_max_batch_tokens")]
     pub max_batch_tokens: usize,
     /// Keep prompts' KV blocks on the stages and reuse them for later prompts that start with the same tokens.
-    #[serde(default = "default_prefix_caching")]
-    pub enable_prefix_caching: bool,
+    #[serde(default)]
+    pub enable_prefix_caching: PrefixCaching,
     /// A micro-batch unanswered this long means a stage hangs: its sequences are recomputed elsewhere.
     #[serde(default = "default_batch_timeout")]
     pub batch_timeout_ms: u64,
@@ -152,9 +152,6 @@ fn default_max_concurrent() -> usize {
 fn default_max_batch_tokens() -> usize {
     SchedulerLimits::default().max_batch_tokens
 }
-fn default_prefix_caching() -> bool {
-    SchedulerLimits::default().prefix_caching
-}
 
 impl CoordinatorConfig {
     /// A config with defaults for everything but the model and the API addresses.
@@ -176,7 +173,7 @@ impl CoordinatorConfig {
             kv_dtype: None,
             max_concurrent_requests: default_max_concurrent(),
             max_batch_tokens: default_max_batch_tokens(),
-            enable_prefix_caching: default_prefix_caching(),
+            enable_prefix_caching: PrefixCaching::default(),
             batch_timeout_ms: default_batch_timeout(),
             recovery_timeout_ms: default_recovery_timeout(),
             probe_timeout_ms: default_probe_timeout(),

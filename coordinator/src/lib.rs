@@ -25,6 +25,7 @@ pub use coordinator::{
 };
 pub use error::{Error, Result};
 pub use pipeline::{
-    ModelInfo, Pipeline, PipelineOptions, SchedulerLimits, SeqEvent, SeqRequest, StepTiming, Suspect, Timeouts,
+    ModelInfo, Pipeline, PipelineOptions, PrefixCaching, SchedulerLimits, SeqEvent, SeqRequest, StepTiming, Suspect,
+    Timeouts,
 };
 pub use placement::{ModelShape, NodeCapacity, PlacementError, SizeOptions, StageAssignment};

@@ -4,9 +4,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::Parser;
-use strata_coordinator::CoordinatorConfig;
 use strata_coordinator::auth::{ApiKey, read_key_file};
 use strata_coordinator::config::DEFAULT_MAX_BODY_BYTES;
+use strata_coordinator::{CoordinatorConfig, PrefixCaching};
 use strata_engine::{KvDtype, QuantDtype};
 use strata_membership::parse_endpoints;
 use strata_proto::{Keepalive, LogArgs, TlsArgs, shutdown_token};
@@ -45,11 +45,12 @@ struct Args {
     /// Tokens per micro-batch (prompts longer than this are prefilled in chunks).
     #[arg(long, env = "STRATA_MAX_BATCH_TOKENS", default_value_t = 512)]
     max_batch_tokens: usize,
-    /// Keep prompts' KV blocks on the stages and reuse them for prompts that start with the same tokens
-    /// (`--enable-prefix-caching false` turns it off).
-    #[arg(long, env = "STRATA_ENABLE_PREFIX_CACHING", default_value_t = true, action = clap::ArgAction::Set,
-        num_args = 0..=1, default_missing_value = "true")]
-    enable_prefix_caching: bool,
+    /// Keep prompts' KV blocks on the stages and reuse them for prompts that start with the same tokens: `auto`
+    /// (where that changes no token: stages whose results do not depend on batching), `on` (also `true`, and the
+    /// flag alone), `off` (`false`).
+    #[arg(long, env = "STRATA_ENABLE_PREFIX_CACHING", value_enum, default_value_t = PrefixCaching::Auto,
+        num_args = 0..=1, default_missing_value = "on")]
+    enable_prefix_caching: PrefixCaching,
     /// Longest sequence served, prompt plus generated tokens (default: the model's context length); longer
     /// requests are refused.
     #[arg(long, env = "STRATA_MAX_MODEL_LEN")]
@@ -187,6 +188,21 @@ mod tests {
         let missing = keys(Vec::new(), Some(&dir.path().join("nope")));
         assert!(missing.is_err_and(|e| e.to_string().contains("nope")), "a missing key file names itself");
         assert_eq!(args.max_body_bytes, DEFAULT_MAX_BODY_BYTES);
+        Ok(())
+    }
+
+    #[test]
+    fn prefix_caching_is_auto_unless_set_and_takes_booleans_too() -> anyhow::Result<()> {
+        let parse = |extra: &[&str]| {
+            Args::try_parse_from([&["coordinator", "--model", "m"][..], extra].concat())
+                .map(|a| a.enable_prefix_caching)
+        };
+        assert_eq!(parse(&[])?, PrefixCaching::Auto);
+        assert_eq!(parse(&["--enable-prefix-caching"])?, PrefixCaching::On);
+        assert_eq!(parse(&["--enable-prefix-caching", "false"])?, PrefixCaching::Off);
+        assert_eq!(parse(&["--enable-prefix-caching=true"])?, PrefixCaching::On);
+        assert_eq!(parse(&["--enable-prefix-caching", "off"])?, PrefixCaching::Off);
+        assert!(parse(&["--enable-prefix-caching", "maybe"]).is_err());
         Ok(())
     }
 }

@@ -273,6 +273,14 @@ impl<B: Backend> StageModel<B> {
         self.lm_head.is_some()
     }
 
+    /// Whether every token's result has the same bits however the tokens are batched or split into chunks (see
+    /// [`Backend::rows_independent`]): then continuing a prompt from cached KV blocks changes no token.
+    pub fn batch_invariant(&self) -> bool {
+        let be = &self.backend;
+        self.layers.iter().all(|l| l.matrices().iter().all(|m| be.rows_independent(m)))
+            && self.lm_head.as_ref().is_none_or(|m| be.rows_independent(m))
+    }
+
     /// Bytes of weights held on the device.
     pub fn weight_bytes(&self) -> usize {
         self.weight_bytes

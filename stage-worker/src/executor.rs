@@ -86,6 +86,8 @@ pub struct StageFacts {
     /// Layers kept in host memory and streamed to the device per batch (the end of `layers`; empty without
     /// offload).
     pub offloaded_layers: std::ops::Range<usize>,
+    /// Results do not depend on batching ([`StageModel::batch_invariant`]).
+    pub batch_invariant: bool,
 }
 
 impl StageFacts {
@@ -154,6 +156,7 @@ impl ExecutorHandle {
             weight_bytes: model.weight_bytes() as u64,
             device: model.backend().name(),
             offloaded_layers: model.offloaded_layers(),
+            batch_invariant: model.batch_invariant(),
         });
         let kv_counts = Arc::new(KvCounts::default());
         kv_counts.store(&kv);

@@ -111,7 +111,7 @@ mod tests {
         assert_eq!(s.sample(7, &mut [3.0, 2.0], false)?.0, 1, "token 0 was seen and is penalized");
         s.observe(7, 0, &[], &[1], &params);
         assert_eq!(s.sample(7, &mut [3.0, 2.0], false)?.0, 0, "a new sequence forgets the old history");
-        s.observe(8, 4, &[5, 0, 5, 5], &[1], &params);
+        s.observe(8, 4, &[5, 0, 5, 5], &[5], &params);
         assert_eq!(s.sample(8, &mut [3.0, 2.0], false)?.0, 1, "the cached prompt tokens are history too");
         Ok(())
     }

@@ -143,6 +143,7 @@ impl Stage for StageService {
             kv_total_blocks: facts.kv_total_blocks,
             kv_free_blocks: stage.executor.kv_free_blocks(),
             kv_cached_blocks: stage.executor.kv_cached_blocks(),
+            batch_invariant: facts.batch_invariant,
             block_size: facts.block_size,
             inflight_batches,
             device: facts.device.clone(),

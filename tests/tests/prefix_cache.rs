@@ -1,14 +1,14 @@
 //! Prefix caching through a real 3-stage loopback cluster on the real SmolLM2 file: prompts that share a system
 //! prompt start on its cached blocks on every stage, and every stream's greedy tokens equal what its prompt
 //! produces alone in a single process with nothing cached, also when the KV cache is too small for all of them
-//! and sequences are preempted and recomputed. Idle, every block counts as free again while the cache keeps the
-//! shared prompt, the same on each stage.
+//! and sequences are preempted and recomputed, and across plan changes, which empty the cache. Idle, every block
+//! counts as free again while the cache keeps the shared prompt, the same on each stage as the coordinator counts.
 
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use strata_coordinator::SchedulerLimits;
-use strata_tests::{StageSizing, TestCluster, eventually, generate, ids_request, reference, smollm2};
+use strata_coordinator::{PrefixCaching, SchedulerLimits};
+use strata_tests::{StageSizing, TestCluster, eventually, generate, ids_request, reference, smollm2, static_plan};
 
 /// SmolLM2's 30 layers over three stages.
 const BOUNDS: [usize; 4] = [0, 10, 20, 30];
@@ -40,7 +40,7 @@ async fn run_and_check(cluster: &TestCluster, prompts: &[Vec<u32>], alone: &[Vec
 }
 
 fn sizing(kv_blocks: usize) -> StageSizing {
-    let limits = SchedulerLimits { prefix_caching: true, ..SchedulerLimits::default() };
+    let limits = SchedulerLimits { prefix_caching: PrefixCaching::On, ..SchedulerLimits::default() };
     StageSizing { kv_blocks, limits, ..StageSizing::default() }
 }
 
@@ -64,10 +64,7 @@ async fn prompts_sharing_a_system_prompt_reuse_its_blocks_and_generate_the_same_
 
     // Idle: every block is free or cached unused, and every stage caches the same blocks.
     eventually(Duration::from_secs(10), || cluster.kv_all_free()).await.context("KV blocks were not all returned")?;
-    let mut cached = Vec::new();
-    for i in 0..BOUNDS.len() - 1 {
-        cached.push(cluster.stage_status(i).await?.kv_cached_blocks);
-    }
+    let cached = cached_per_stage(&cluster).await?;
     ensure!(cached[0] >= 10 && cached.iter().all(|&c| c == cached[0]), "cached blocks per stage: {cached:?}");
     cluster.stop().await
 }
@@ -89,4 +86,53 @@ async fn with_too_little_kv_cached_blocks_are_evicted_and_preempted_streams_stil
     run_and_check(&cluster, &[other], &[expected]).await?;
     eventually(Duration::from_secs(10), || cluster.kv_all_free()).await.context("KV blocks were not all returned")?;
     cluster.stop().await
+}
+
+/// The blocks each stage of `cluster` caches.
+async fn cached_per_stage(cluster: &TestCluster) -> Result<Vec<u64>> {
+    let mut cached = Vec::new();
+    for i in 0..cluster.workers.len() {
+        cached.push(cluster.stage_status(i).await?.kv_cached_blocks);
+    }
+    Ok(cached)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plan_change_empties_the_cache_and_the_stages_hold_what_the_coordinator_counts() -> Result<()> {
+    let model = smollm2();
+    let prompts: Vec<Vec<u32>> = (0..3).map(prompt).collect();
+    let alone: Vec<Vec<u32>> =
+        prompts.iter().map(|p| reference(&model, 1, p, MAX_TOKENS as usize)).collect::<Result<_>>()?;
+    let a = TestCluster::start(&model, &BOUNDS, sizing(256)).await?;
+    let b = TestCluster::start(&model, &[0, 15, 30], sizing(256)).await?;
+    let plan_on = |cluster: &TestCluster, bounds: &[usize]| {
+        let stages: Vec<_> = cluster
+            .workers
+            .iter()
+            .zip(bounds.windows(2))
+            .map(|(w, r)| (w.local_addr().to_string(), r[0]..r[1]))
+            .collect();
+        static_plan(&a.pipeline.model().name, 30, &stages)
+    };
+    let metrics = a.pipeline.metrics().clone();
+    let hits = || metrics.prefix_cache_hits.get();
+    for p in prompts.iter().zip(&alone) {
+        run_and_check(&a, std::slice::from_ref(p.0), std::slice::from_ref(p.1)).await?;
+    }
+    ensure!(hits() >= 2 * 40, "the second and third prompts reuse the first one's blocks: {}", hits());
+    // To other workers and back: each switch starts an empty cache, so nothing is found right after it.
+    for (cluster, bounds) in [(&b, &[0, 15, 30][..]), (&a, &BOUNDS[..])] {
+        a.pipeline.set_plan(plan_on(cluster, bounds)).await?;
+        let before = hits();
+        run_and_check(&a, &prompts[..1], &alone[..1]).await?;
+        ensure!(hits() == before, "a new plan starts with an empty prefix cache");
+    }
+    // Back on the first workers, their stale blocks were cleared: each stage holds what this plan published,
+    // which is what the coordinator counts.
+    eventually(Duration::from_secs(10), || a.kv_all_free()).await?;
+    let cached = cached_per_stage(&a).await?;
+    let counted = u64::try_from(metrics.kv_blocks_cached.get()).unwrap_or(0);
+    ensure!(counted == 11 && cached.iter().all(|&c| c == counted), "stages {cached:?}, coordinator {counted}");
+    b.stop().await?;
+    a.stop().await
 }

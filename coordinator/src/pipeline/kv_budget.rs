@@ -13,12 +13,14 @@ pub(crate) struct KvBudget {
     releasing: usize,
     /// Every stage uses `block_size`, so a block here is a block on each stage (prefix caching needs that).
     uniform: bool,
+    /// Every stage's results are independent of batching, so prefix caching changes no token.
+    batch_invariant: bool,
 }
 
 impl KvBudget {
     /// A budget of `total` blocks of `block_size` tokens.
     pub(crate) fn new(block_size: usize, total: usize) -> Self {
-        Self { block_size: block_size.max(1), total, used: 0, releasing: 0, uniform: true }
+        Self { block_size: block_size.max(1), total, used: 0, releasing: 0, uniform: true, batch_invariant: true }
     }
 
     /// The budget the stages' statuses allow: the smallest capacity in tokens, in blocks of the largest block
@@ -34,7 +36,13 @@ impl KvBudget {
             .min()
             .unwrap_or(0);
         let uniform = statuses.iter().all(|s| s.block_size as usize == block_size);
-        Ok(Self { uniform, ..Self::new(block_size, tokens / block_size) })
+        let batch_invariant = statuses.iter().all(|s| s.batch_invariant);
+        Ok(Self { uniform, batch_invariant, ..Self::new(block_size, tokens / block_size) })
+    }
+
+    /// Whether every stage computes each token the same however tokens are batched.
+    pub(crate) fn batch_invariant(&self) -> bool {
+        self.batch_invariant
     }
 
     /// Whether every stage's blocks are this budget's blocks.

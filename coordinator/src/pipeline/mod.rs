@@ -55,13 +55,42 @@ pub struct SchedulerLimits {
     pub max_concurrent_requests: usize,
     /// Tokens per micro-batch: longer prompts are prefilled in chunks of at most this many tokens.
     pub max_batch_tokens: usize,
-    /// Keep the KV blocks of prompts on the stages and reuse them for prompts that start with the same tokens.
-    pub prefix_caching: bool,
+    /// Whether to keep the KV blocks of prompts on the stages and reuse them for prompts that start with the same
+    /// tokens.
+    pub prefix_caching: PrefixCaching,
 }
 
 impl Default for SchedulerLimits {
     fn default() -> Self {
-        Self { max_concurrent_requests: 128, max_batch_tokens: 512, prefix_caching: true }
+        Self { max_concurrent_requests: 128, max_batch_tokens: 512, prefix_caching: PrefixCaching::Auto }
+    }
+}
+
+/// The prefix-caching setting (`--enable-prefix-caching`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefixCaching {
+    /// On where it changes no token: every stage's results are the same bits however tokens are batched (the
+    /// CPU kernels, but for f32 weights). Elsewhere (GPUs, f32 weights) a reused prefix may differ in the last
+    /// bits from a recomputed one.
+    #[default]
+    Auto,
+    /// Always on.
+    #[value(alias = "true")]
+    On,
+    /// Off.
+    #[value(alias = "false")]
+    Off,
+}
+
+impl PrefixCaching {
+    /// Whether to cache with stages that are (or are not) batch-invariant.
+    pub(crate) fn enabled(self, batch_invariant: bool) -> bool {
+        match self {
+            PrefixCaching::Auto => batch_invariant,
+            PrefixCaching::On => true,
+            PrefixCaching::Off => false,
+        }
     }
 }
 

@@ -164,10 +164,11 @@ impl Scheduler {
     }
 
     /// The budget the stages reported on (re)connecting; releases of the previous one are ignored from now on.
-    /// With prefix caching on, the budget starts an empty cache, and the next batch clears the stages' caches.
+    /// With prefix caching on (for these stages), the budget starts an empty cache, and the next batch clears the
+    /// stages' caches.
     pub(super) fn set_budget(&mut self, kv: KvBudget) {
         self.prefix = None;
-        if self.limits.prefix_caching {
+        if self.limits.prefix_caching.enabled(kv.batch_invariant()) {
             if kv.uniform() {
                 self.prefix = Some(PrefixCache::new(kv.block_size(), self.epoch));
             } else {

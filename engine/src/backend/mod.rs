@@ -65,6 +65,13 @@ pub trait Backend: Send + Sync + 'static {
     fn upload_vector(&self, v: &[f32]) -> Result<Self::Vector>;
     /// Bytes a matrix occupies on the device.
     fn matrix_bytes(&self, m: &Self::Mat) -> usize;
+    /// Whether a token's product with `m` has the same bits however many tokens are computed with it, so that
+    /// reusing cached KV (prefix caching) or batching differently cannot change a token. Off unless a backend
+    /// knows its kernels are row-independent (cuBLAS, for one, picks algorithms by shape).
+    fn rows_independent(&self, m: &Self::Mat) -> bool {
+        let _ = m;
+        false
+    }
     /// The type a weight stored as `dtype` is kept in on this device (a backend may convert float weights to
     /// its activation type); used to size a stage before loading it.
     fn storage_dtype(&self, dtype: DType) -> DType {

@@ -7,10 +7,12 @@ use strata_proto::{ServiceError, pb};
 
 use super::tests::{EPOCH, answer, only_batch, request, sent, tokens};
 use super::*;
+use crate::pipeline::PrefixCaching;
 
 /// One stage of `blocks` blocks of 4 tokens, prefix caching on.
 fn caching(blocks: usize) -> Scheduler {
-    let limits = SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens: 512, prefix_caching: true };
+    let limits =
+        SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens: 512, prefix_caching: PrefixCaching::On };
     let mut s = Scheduler::new(limits, EPOCH, 0, 1);
     s.set_budget(KvBudget::new(4, blocks));
     s
@@ -118,14 +120,22 @@ fn a_preempted_sequence_gives_its_cached_blocks_back_and_a_new_budget_forgets_th
 }
 
 #[test]
-fn off_it_sends_no_cache_orders() -> Result<(), ServiceError> {
-    let limits = SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens: 512, prefix_caching: false };
-    let mut s = Scheduler::new(limits, EPOCH, 0, 1);
-    s.set_budget(KvBudget::new(4, 10));
-    for _ in 0..2 {
+fn off_or_auto_with_a_stage_whose_results_depend_on_batching_it_sends_no_cache_orders() -> Result<(), ServiceError> {
+    let status =
+        |batch_invariant| pb::StageStatus { kv_total_blocks: 10, block_size: 4, batch_invariant, ..Default::default() };
+    for (setting, statuses, cached) in [
+        (PrefixCaching::Off, vec![status(true)], false),
+        (PrefixCaching::Auto, vec![status(true), status(false)], false),
+        (PrefixCaching::Auto, vec![status(true), status(true)], true),
+        (PrefixCaching::On, vec![status(false)], true),
+    ] {
+        let limits = SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens: 512, prefix_caching: setting };
+        let mut s = Scheduler::new(limits, EPOCH, 0, 1);
+        s.set_budget(KvBudget::from_statuses(&statuses)?);
+        run_alone(&mut s, &(1..=9).collect::<Vec<_>>())?;
         let b = run_alone(&mut s, &(1..=9).collect::<Vec<_>>())?;
-        assert!(!b.clear_prefix_cache && b.chunks[0].publish.is_empty() && b.chunks[0].cached_blocks.is_empty());
+        assert_eq!(!b.chunks[0].cached_blocks.is_empty(), cached, "{setting:?} {statuses:?}");
+        assert_eq!(s.gauges().prefix != PrefixStats::default(), cached);
     }
-    assert_eq!(s.gauges().prefix, PrefixStats::default());
     Ok(())
 }

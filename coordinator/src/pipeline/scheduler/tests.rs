@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 use strata_proto::{ErrorCode, ServiceError, pb};
 
 use super::*;
+use crate::pipeline::PrefixCaching;
 
 pub(super) const EPOCH: u64 = 7;
 
@@ -21,7 +22,7 @@ pub(super) fn request(prompt: &[u32], max_tokens: usize) -> SeqRequest {
 
 /// A scheduler over `stages` stages whose tightest one holds `blocks` KV blocks of `block_size` tokens.
 pub(super) fn scheduler(stages: usize, blocks: usize, block_size: usize, max_batch_tokens: usize) -> Scheduler {
-    let limits = SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens, prefix_caching: false };
+    let limits = SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens, prefix_caching: PrefixCaching::Off };
     let mut s = Scheduler::new(limits, EPOCH, 0, stages);
     s.set_budget(KvBudget::new(block_size, blocks));
     s
@@ -392,7 +393,8 @@ fn blocks_of_an_ended_sequence_stay_held_until_its_release_returns() -> Result<(
 
 #[test]
 fn admission_refuses_what_can_never_fit_and_more_than_the_queue_holds() -> Result<(), ServiceError> {
-    let limits = SchedulerLimits { max_concurrent_requests: 2, max_batch_tokens: 512, prefix_caching: false };
+    let limits =
+        SchedulerLimits { max_concurrent_requests: 2, max_batch_tokens: 512, prefix_caching: PrefixCaching::Off };
     let mut s = Scheduler::new(limits, EPOCH, 0, 1);
     let code = |r: Result<RequestId, ServiceError>| r.map(|_| ()).map_err(|e| e.code);
     assert_eq!(code(s.admit(&request(&[1], 1))), Err(ErrorCode::Unavailable), "no budget yet");
@@ -523,7 +525,8 @@ fn a_sequence_running_through_too_many_stage_failures_fails_instead_of_looping()
 #[test]
 fn sequence_ids_carry_the_leadership_term_so_coordinators_never_share_one() -> Result<(), ServiceError> {
     let now = Instant::now();
-    let limits = SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens: 512, prefix_caching: false };
+    let limits =
+        SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens: 512, prefix_caching: PrefixCaching::Off };
     let mut s = Scheduler::new(limits, EPOCH, 9, 1);
     s.set_budget(KvBudget::new(4, 100));
     s.admit(&request(&[1], 4))?;

@@ -131,6 +131,12 @@ impl Backend for CpuBackend {
         m.bytes.len()
     }
 
+    fn rows_independent(&self, m: &CpuMatrix) -> bool {
+        // f32 weights with several tokens go to the `gemm` crate, whose summation order differs from the
+        // row-wise kernels every other type (and f32 with fewer tokens) uses.
+        m.dtype != DType::F32
+    }
+
     /// Offloaded matrices page in from their file on use and out after their layer ([`Backend::release_layer`]);
     /// ones converted at load (no file holds them in that form) are first written to a temporary file in
     /// `TMPDIR`.
