@@ -109,8 +109,11 @@ pub fn openai_request(data: &[u8]) {
     params::<ChatRequest>(data);
 }
 
-/// The targets by name, for the binaries and the corpus test.
-pub const TARGETS: [(&str, fn(&[u8])); 4] = [
+/// A target's body.
+pub type Target = fn(&[u8]);
+
+/// The targets by name, for the corpus test.
+pub const TARGETS: [(&str, Target); 4] = [
     ("gguf", gguf),
     ("safetensors_header", safetensors_header),
     ("hidden_codec", hidden_codec),
