@@ -1,7 +1,7 @@
 //! The bodies of strata's fuzz targets, one function per target. Each takes any bytes and must neither panic nor,
 //! while opening a model file, allocate more than `reader_alloc_limit` of the input's size (a small multiple of it);
-//! errors are the expected answer to most inputs. The binaries in `src/bin/` hand these to AFL++; `tests/corpus.rs` runs
-//! every seed and every committed crash through them under plain `cargo test`.
+//! errors are the expected answer to most inputs. The binaries in `src/bin/` hand these to AFL++; the `corpus`
+//! test runs every seed and every committed crash through them under plain `cargo test --lib`.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -119,3 +119,36 @@ pub const TARGETS: [(&str, Target); 4] = [
     ("hidden_codec", hidden_codec),
     ("openai_request", openai_request),
 ];
+
+/// Every committed input (the seeds in `corpus/<target>/` and the crashes fixed since in `crashes/<target>/`) runs
+/// through its target without AFL, so a fixed crash stays fixed under `cargo test --lib` (the binaries need AFL's
+/// runtime to link, so this is a unit test rather than an integration test).
+#[cfg(test)]
+mod corpus {
+    use std::path::Path;
+
+    use super::{CountingAlloc, TARGETS};
+
+    #[global_allocator]
+    static ALLOC: CountingAlloc = CountingAlloc;
+
+    #[test]
+    fn every_committed_input_runs_cleanly() -> std::io::Result<()> {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        for (name, target) in TARGETS {
+            let mut seeds = 0;
+            for dir in [root.join("corpus").join(name), root.join("crashes").join(name)] {
+                let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+                for entry in entries {
+                    let path = entry?.path();
+                    if path.is_file() {
+                        target(&std::fs::read(&path)?);
+                        seeds += usize::from(path.starts_with(root.join("corpus")));
+                    }
+                }
+            }
+            assert!(seeds > 0, "{name} has no seeds in corpus/{name}");
+        }
+        Ok(())
+    }
+}
