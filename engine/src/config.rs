@@ -259,6 +259,15 @@ impl ModelConfig {
         if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim {} must be even and positive", self.head_dim));
         }
+        // Every matrix widened to f32 must be addressable, so that no size computed from the config overflows.
+        let q_dim = self.num_heads.checked_mul(self.head_dim);
+        let widest = q_dim.map(|q| q.max(self.vocab_size).max(self.intermediate_size));
+        if widest.and_then(|w| w.checked_mul(self.hidden_size)).and_then(|n| n.checked_mul(4)).is_none() {
+            return bad(format!(
+                "hidden_size {}, intermediate_size {}, vocab_size {} and {} heads of {} make matrices too large to address",
+                self.hidden_size, self.intermediate_size, self.vocab_size, self.num_heads, self.head_dim
+            ));
+        }
         Ok(())
     }
 
@@ -404,6 +413,25 @@ mod tests {
         )
         .expect_err("must fail");
         assert!(err.to_string().contains("num_key_value_heads"), "{err}");
+    }
+
+    #[test]
+    fn rejects_dimensions_whose_matrices_overflow() {
+        let config = |heads: u64, head_dim: u64, hidden: u64| {
+            format!(
+                r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":{hidden},"intermediate_size":8,
+                "num_hidden_layers":1,"num_attention_heads":{heads},"head_dim":{head_dim},"vocab_size":8}}"#
+            )
+        };
+        // q_dim = heads * head_dim overflows; then q_dim fits but q_dim * hidden_size does not.
+        for (heads, head_dim, hidden) in [(1 << 33, 1 << 32, 8), (1 << 20, 1 << 20, 1 << 30)] {
+            let err = ModelConfig::from_hf_json(&config(heads, head_dim, hidden)).expect_err("must fail");
+            assert!(err.to_string().contains("too large to address"), "{err}");
+        }
+        // The largest that fits: every matrix widened to f32 is just addressable.
+        let hidden = (usize::MAX / 4 / 8) as u64;
+        assert!(ModelConfig::from_hf_json(&config(2, 4, hidden)).is_ok());
+        assert!(ModelConfig::from_hf_json(&config(2, 4, hidden + 1)).is_err());
     }
 
     #[test]

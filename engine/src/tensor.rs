@@ -60,7 +60,7 @@ impl DType {
 
     /// Bytes taken by `n` elements, or `None` when `n` is not a whole number of blocks.
     pub fn bytes_for(self, n: usize) -> Option<usize> {
-        n.is_multiple_of(self.block_elems()).then(|| n / self.block_elems() * self.block_bytes())
+        n.is_multiple_of(self.block_elems()).then(|| (n / self.block_elems()).checked_mul(self.block_bytes())).flatten()
     }
 
     /// Whether this is a block-quantized type.
@@ -214,9 +214,9 @@ pub struct HostTensor {
 impl HostTensor {
     /// Builds a tensor, checking the byte length matches shape and type.
     pub fn new(name: &str, dtype: DType, shape: Vec<usize>, bytes: Bytes) -> Result<Self> {
-        let n: usize = shape.iter().product();
+        let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
         let row = shape.last().copied().unwrap_or(1);
-        let expected = if !row.is_multiple_of(dtype.block_elems()) { None } else { dtype.bytes_for(n) };
+        let expected = if !row.is_multiple_of(dtype.block_elems()) { None } else { n.and_then(|n| dtype.bytes_for(n)) };
         match expected {
             Some(b) if b == bytes.len() => Ok(HostTensor { dtype, shape, bytes }),
             _ => Err(Error::Shape {

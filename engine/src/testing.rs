@@ -1,5 +1,7 @@
 //! Builders for tiny random-weight models, shared by tests across the workspace: Hugging Face directories
-//! (safetensors) and GGUF files, from the same weights.
+//! (safetensors) and GGUF files, from the same weights; and an allocator that bounds what a reader allocates.
+
+pub mod alloc;
 
 use std::collections::BTreeMap;
 use std::path::Path;

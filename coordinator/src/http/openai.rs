@@ -13,7 +13,7 @@ use strata_engine::tokenizer::ChatMessage;
 use strata_proto::pb;
 
 use super::completions::Endpoint;
-use super::errors::{ApiError, from_json, read_json};
+use super::errors::{ApiError, from_json, parse_json, read_json};
 use crate::request::{GenerateParams, Prompt};
 
 /// A request body: the endpoint's own fields and the [`CommonFields`], both read from the same JSON object (not
@@ -30,9 +30,19 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Body<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let value = read_json(req, state).await?;
-        refuse_unsupported(&value)?;
-        Ok(Body { fields: from_json(&value)?, common: from_json(&value)? })
+        Body::from_value(&read_json(req, state).await?)
+    }
+}
+
+impl<T: DeserializeOwned> Body<T> {
+    /// Reads a request body as the HTTP handlers do (the fuzz target's entry).
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, ApiError> {
+        Body::from_value(&parse_json(bytes)?)
+    }
+
+    fn from_value(value: &serde_json::Value) -> Result<Self, ApiError> {
+        refuse_unsupported(value)?;
+        Ok(Body { fields: from_json(value)?, common: from_json(value)? })
     }
 }
 

@@ -119,17 +119,22 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(a))
     }
 
-    fn len(&mut self) -> Result<usize> {
+    /// A count of items that each take at least `min_bytes` of what is left of the file: a count the rest of the
+    /// file cannot hold is corrupt, so no allocation sized by it is ever larger than a small multiple of the file.
+    fn count(&mut self, min_bytes: usize, what: &str) -> Result<usize> {
+        let at = self.pos;
         let n = self.u64()?;
-        // Every element takes at least one byte, so a count beyond the file is corrupt, not a huge allocation.
-        if n > (self.buf.len() - self.pos) as u64 {
-            return Err(self.err(format!("length {n} at offset {} exceeds the file", self.pos)));
+        let left = (self.buf.len() - self.pos) as u64;
+        if n.checked_mul(min_bytes as u64).is_none_or(|b| b > left) {
+            return Err(self.err(format!(
+                "{what} count {n} at offset {at} needs at least {min_bytes} bytes each, more than the {left} left"
+            )));
         }
         Ok(n as usize)
     }
 
     fn string(&mut self) -> Result<String> {
-        let n = self.len()?;
+        let n = self.count(1, "string byte")?;
         let b = self.take(n)?;
         String::from_utf8(b.to_vec()).map_err(|_| self.err("string is not UTF-8"))
     }
@@ -156,8 +161,10 @@ impl<'a> Reader<'a> {
                     return Err(self.err("arrays nested too deeply"));
                 }
                 let inner = self.u32()?;
-                let n = self.len()?;
-                let mut v = Vec::with_capacity(n.min(1 << 20));
+                let min =
+                    min_value_bytes(inner).ok_or_else(|| self.err(format!("unknown array element type {inner}")))?;
+                let n = self.count(min, "array element")?;
+                let mut v = Vec::with_capacity(n);
                 for _ in 0..n {
                     v.push(self.value(inner, depth + 1)?);
                 }
@@ -170,6 +177,24 @@ impl<'a> Reader<'a> {
         })
     }
 }
+
+/// The fewest bytes a metadata value of type `ty` takes in the file, or `None` for an unknown type.
+fn min_value_bytes(ty: u32) -> Option<usize> {
+    Some(match ty {
+        0 | 1 | 7 => 1,
+        2 | 3 => 2,
+        4..=6 => 4,
+        // A string is its u64 length; an array its u32 element type and u64 count.
+        8 | 10..=12 => 8,
+        9 => 12,
+        _ => return None,
+    })
+}
+
+/// The fewest bytes of a metadata entry (an empty key, its type and a one-byte value) and of a tensor entry (an
+/// empty name, no dimensions, its type and offset).
+const MIN_KV_BYTES: usize = 8 + 4 + 1;
+const MIN_TENSOR_BYTES: usize = 8 + 4 + 4 + 8;
 
 /// The element type of a tensor's `ggml_type`, or a name for the error when strata does not read it.
 fn ggml_type(code: u32) -> std::result::Result<DType, String> {
@@ -195,8 +220,11 @@ impl GgufSource {
         if !(2..=3).contains(&version) {
             return Err(r.err(format!("unsupported GGUF version {version}")));
         }
-        let n_tensors = r.len()?;
-        let n_kv = r.len()?;
+        let n_tensors = r.count(MIN_TENSOR_BYTES, "tensor")?;
+        let n_kv = r.count(MIN_KV_BYTES, "metadata")?;
+        if n_tensors * MIN_TENSOR_BYTES + n_kv * MIN_KV_BYTES > r.buf.len() - r.pos {
+            return Err(r.err(format!("{n_tensors} tensors and {n_kv} metadata entries cannot fit in the file")));
+        }
         let mut metadata = HashMap::new();
         for _ in 0..n_kv {
             let key = r.string()?;
@@ -276,7 +304,9 @@ impl GgufSource {
         let Some(heads) = ModelLayout::new(&self.config).gguf_permuted_heads(id) else {
             return Ok(t);
         };
-        if t.shape.len() != 2 || t.shape[0] % heads != 0 || (t.shape[0] / heads) % 2 != 0 {
+        // Empty rows would let a crafted file claim any number of them for no bytes, and the permutation is as
+        // long as the rows.
+        if t.shape.len() != 2 || t.shape[1] == 0 || t.shape[0] % heads != 0 || (t.shape[0] / heads) % 2 != 0 {
             return Err(Error::ShapeMismatch {
                 name: hf_name.into(),
                 actual: t.shape.clone(),
@@ -387,6 +417,22 @@ mod tests {
         crate::gguf_writer::write(&path, &md, &[], |_| Err(Error::MissingTensor("none".into())))?;
         let err = GgufSource::open(&path).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(err.contains("\"gguf:gemma2\"") && err.contains("gguf:llama, gguf:qwen2, gguf:qwen3"), "{err}");
+        Ok(())
+    }
+
+    /// Found with the `gguf` fuzz target's harness: a permuted tensor of 2^40 empty rows (no bytes at all) made the
+    /// row permutation allocate 8 TiB and abort. `fuzz/crashes/gguf/zero-width-q.gguf` is that file.
+    #[test]
+    fn a_permuted_tensor_of_empty_rows_is_refused() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::io(Path::new("tempdir"), e))?;
+        let path = dir.path().join("empty-rows.gguf");
+        let cfg = ModelConfig { num_layers: 1, ..crate::testing::tiny_config() };
+        let md = crate::convert::gguf_metadata(&cfg);
+        let q = crate::gguf_writer::TensorEntry::new("blk.0.attn_q.weight", vec![1 << 40, 0], DType::F32);
+        crate::gguf_writer::write(&path, &md, &[q], |_| Ok(Bytes::owned(&[])))?;
+        let source = GgufSource::open(&path)?;
+        let err = source.tensor("model.layers.0.self_attn.q_proj.weight").err().map(|e| e.to_string());
+        assert!(err.as_deref().is_some_and(|e| e.contains("[1099511627776, 0]")), "{err:?}");
         Ok(())
     }
 
