@@ -11,6 +11,7 @@ use strata_coordinator::http::openai::{Body, ChatRequest, CompletionRequest, Gen
 use strata_engine::layout::{ModelLayout, TensorId};
 use strata_engine::loader::gguf::GgufSource;
 use strata_engine::loader::hf::HfSource;
+use strata_engine::tensor::HostTensor;
 use strata_engine::testing::alloc::{reader_alloc_limit, with_alloc_limit};
 use strata_engine::tokenizer::Tokenizer;
 use strata_proto::pb::{Dtype, ForwardRequest, HiddenStates};
@@ -32,6 +33,18 @@ fn write_scratch(name: &str, data: &[u8]) -> Option<PathBuf> {
     Some(path)
 }
 
+/// Reads [`some_tensors`] of `layout` through `tensor` and widens the small ones to f32.
+fn read_tensors(layout: &ModelLayout<'_>, tensor: impl Fn(&str) -> strata_engine::Result<HostTensor>) {
+    for id in some_tensors(layout) {
+        let _ = layout.shape(id);
+        if let Ok(t) = tensor(&id.hf_name())
+            && t.bytes.len() <= MAX_CONVERTED_BYTES
+        {
+            let _ = t.to_f32();
+        }
+    }
+}
+
 /// The tensors each target reads after a model opens: the model-wide ones and the first layer's.
 fn some_tensors(layout: &ModelLayout<'_>) -> Vec<TensorId> {
     [TensorId::Embed, TensorId::FinalNorm, TensorId::LmHead].into_iter().chain(layout.layer_tensors(0)).collect()
@@ -44,15 +57,7 @@ pub fn gguf(data: &[u8]) {
     let (opened, _) = with_alloc_limit(reader_alloc_limit(data.len()), || GgufSource::open(&path));
     let Ok(source) = opened else { return };
     let _ = Tokenizer::from_gguf(&source.metadata);
-    let layout = ModelLayout::new(source.config());
-    for id in some_tensors(&layout) {
-        let _ = layout.shape(id);
-        if let Ok(t) = source.tensor(&id.hf_name())
-            && t.bytes.len() <= MAX_CONVERTED_BYTES
-        {
-            let _ = t.to_f32();
-        }
-    }
+    read_tensors(&ModelLayout::new(source.config()), |name| source.tensor(name));
 }
 
 /// A Hugging Face directory: the input up to its first NUL byte is `config.json`, the rest `model.safetensors`.
@@ -68,15 +73,7 @@ pub fn safetensors_header(data: &[u8]) {
     let Some(dir) = path.parent() else { return };
     let (opened, _) = with_alloc_limit(reader_alloc_limit(data.len()), || HfSource::open(dir));
     let Ok(source) = opened else { return };
-    let layout = ModelLayout::new(source.config());
-    for id in some_tensors(&layout) {
-        let _ = layout.shape(id);
-        if let Ok(t) = source.tensor(&id.hf_name())
-            && t.bytes.len() <= MAX_CONVERTED_BYTES
-        {
-            let _ = t.to_f32();
-        }
-    }
+    read_tensors(&ModelLayout::new(source.config()), |name| source.tensor(name));
 }
 
 /// A stage's `ForwardRequest` as protobuf bytes: its hidden states decoded to f32 and, for f32, encoded back to the

@@ -21,6 +21,16 @@ fn prompt(i: usize) -> Vec<u32> {
     system.chain(question).collect()
 }
 
+/// Token ids of several sequences.
+type Sequences = Vec<Vec<u32>>;
+
+/// The first `n` prompts, and the tokens each one produces alone in a single process with nothing cached.
+fn prompts_and_alone(model: &std::path::Path, n: usize) -> Result<(Sequences, Sequences)> {
+    let prompts: Sequences = (0..n).map(prompt).collect();
+    let alone = prompts.iter().map(|p| reference(model, 1, p, MAX_TOKENS as usize)).collect::<Result<_>>()?;
+    Ok((prompts, alone))
+}
+
 /// Runs every prompt concurrently and checks each stream against its single-process tokens.
 async fn run_and_check(cluster: &TestCluster, prompts: &[Vec<u32>], alone: &[Vec<u32>]) -> Result<()> {
     let client = cluster.client().await?;
@@ -47,9 +57,7 @@ fn sizing(kv_blocks: usize) -> StageSizing {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompts_sharing_a_system_prompt_reuse_its_blocks_and_generate_the_same_tokens() -> Result<()> {
     let model = smollm2();
-    let prompts: Vec<Vec<u32>> = (0..6).map(prompt).collect();
-    let alone: Vec<Vec<u32>> =
-        prompts.iter().map(|p| reference(&model, 1, p, MAX_TOKENS as usize)).collect::<Result<_>>()?;
+    let (prompts, alone) = prompts_and_alone(&model, 6)?;
     let cluster = TestCluster::start(&model, &BOUNDS, sizing(256)).await?;
     // One first, so that the others find its blocks; then all of them, twice.
     run_and_check(&cluster, &prompts[..1], &alone[..1]).await?;
@@ -72,9 +80,7 @@ async fn prompts_sharing_a_system_prompt_reuse_its_blocks_and_generate_the_same_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_too_little_kv_cached_blocks_are_evicted_and_preempted_streams_still_match() -> Result<()> {
     let model = smollm2();
-    let prompts: Vec<Vec<u32>> = (0..8).map(prompt).collect();
-    let alone: Vec<Vec<u32>> =
-        prompts.iter().map(|p| reference(&model, 1, p, MAX_TOKENS as usize)).collect::<Result<_>>()?;
+    let (prompts, alone) = prompts_and_alone(&model, 8)?;
     // 24 blocks of 4 tokens: the 10 shared blocks, and 14 for 8 streams that need up to 3 each of their own.
     let cluster = TestCluster::start(&model, &BOUNDS, sizing(24)).await?;
     run_and_check(&cluster, &prompts, &alone).await?;
@@ -100,9 +106,7 @@ async fn cached_per_stage(cluster: &TestCluster) -> Result<Vec<u64>> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plan_change_empties_the_cache_and_the_stages_hold_what_the_coordinator_counts() -> Result<()> {
     let model = smollm2();
-    let prompts: Vec<Vec<u32>> = (0..3).map(prompt).collect();
-    let alone: Vec<Vec<u32>> =
-        prompts.iter().map(|p| reference(&model, 1, p, MAX_TOKENS as usize)).collect::<Result<_>>()?;
+    let (prompts, alone) = prompts_and_alone(&model, 3)?;
     let a = TestCluster::start(&model, &BOUNDS, sizing(256)).await?;
     let b = TestCluster::start(&model, &[0, 15, 30], sizing(256)).await?;
     let plan_on = |cluster: &TestCluster, bounds: &[usize]| {

@@ -159,8 +159,25 @@ impl EtcdServer {
             peer: free_port()?,
             dir: tempfile::tempdir()?,
         };
-        server.restart()?;
-        Ok(server)
+        // A free port can be taken by another process before etcd binds it; etcd then exits, and other ports do.
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            match server.restart() {
+                Ok(()) => return Ok(server),
+                Err(e) if attempts < 3 && server.exited() => {
+                    eprintln!("etcd did not start ({e:#}); again on other ports");
+                    server.port = free_port()?;
+                    server.peer = free_port()?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Whether the etcd process has exited.
+    fn exited(&mut self) -> bool {
+        self.child.as_mut().is_none_or(|c| !matches!(c.try_wait(), Ok(None)))
     }
 
     /// Kills etcd (simulating an outage); [`EtcdServer::restart`] brings it back with the same data.
@@ -197,7 +214,14 @@ impl EtcdServer {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        bail!("etcd on port {} did not become healthy", self.port)
+        let log = std::fs::read_to_string(self.dir.path().join("etcd.log")).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(5).collect();
+        let exited = self.exited();
+        bail!(
+            "etcd on port {} did not become healthy within 15 s (exited: {exited}); its log ends:\n{}",
+            self.port,
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        )
     }
 
     /// Whether etcd answers its `/health` endpoint as healthy now.
