@@ -72,18 +72,22 @@ impl Scheduler {
 }
 
 /// Grows `seq`'s blocks to cover its next `len` tokens, evicting cached blocks no sequence uses while the budget
-/// lacks room; false (and no change to `seq`) when even that does not make room.
+/// lacks room; false (and no change to `seq` or the cache) when even evicting every such block would not make room.
 fn grow(kv: &mut KvBudget, prefix: &mut Option<PrefixCache>, seq: &mut Seq, len: usize) -> bool {
     let shared = seq.prefix.shared();
     let mut held = seq.table_blocks();
-    loop {
-        if kv.grow(&mut held, seq.pos as usize + len) {
-            seq.blocks = held - shared;
-            return true;
-        }
-        if !prefix.as_mut().is_some_and(PrefixCache::evict_one) {
-            return false;
-        }
+    let tokens = seq.pos as usize + len;
+    let need = kv.blocks_for(tokens).saturating_sub(held);
+    // Checked first, so that a step that cannot run does not empty the cache for nothing.
+    if need > kv.free() + prefix.as_ref().map_or(0, PrefixCache::evictable) {
+        return false;
+    }
+    while kv.free() < need && prefix.as_mut().is_some_and(PrefixCache::evict_one) {
         kv.evicted(1);
     }
+    if !kv.grow(&mut held, tokens) {
+        return false;
+    }
+    seq.blocks = held - shared;
+    true
 }
