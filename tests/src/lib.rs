@@ -207,6 +207,28 @@ impl TestCluster {
         Ok(client.status(pb::StageStatusRequest {}).await?.into_inner())
     }
 
+    /// Runs a greedy `max_tokens` request for every prompt, all at once; returns each one's result.
+    pub async fn generate_all(
+        &self,
+        prompts: &[Vec<u32>],
+        max_tokens: u32,
+    ) -> Result<Vec<Result<Collected, tonic::Status>>> {
+        let client = self.client().await?;
+        let tasks: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let mut client = client.clone();
+                let req = ids_request(p, max_tokens);
+                tokio::spawn(async move { generate(&mut client, req).await })
+            })
+            .collect();
+        let mut out = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            out.push(t.await?);
+        }
+        Ok(out)
+    }
+
     /// Whether every worker's KV cache is entirely free with no batch in flight.
     pub async fn kv_all_free(&self) -> Result<bool> {
         for i in 0..self.workers.len() {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use strata_coordinator::{PrefixCaching, SchedulerLimits};
-use strata_tests::{StageSizing, TestCluster, eventually, generate, ids_request, reference, smollm2, static_plan};
+use strata_tests::{StageSizing, TestCluster, eventually, reference, smollm2, static_plan};
 
 /// SmolLM2's 30 layers over three stages.
 const BOUNDS: [usize; 4] = [0, 10, 20, 30];
@@ -33,17 +33,8 @@ fn prompts_and_alone(model: &std::path::Path, n: usize) -> Result<(Sequences, Se
 
 /// Runs every prompt concurrently and checks each stream against its single-process tokens.
 async fn run_and_check(cluster: &TestCluster, prompts: &[Vec<u32>], alone: &[Vec<u32>]) -> Result<()> {
-    let client = cluster.client().await?;
-    let tasks: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let mut client = client.clone();
-            let req = ids_request(p, MAX_TOKENS);
-            tokio::spawn(async move { generate(&mut client, req).await })
-        })
-        .collect();
-    for (i, (task, expected)) in tasks.into_iter().zip(alone).enumerate() {
-        let got = task.await?.with_context(|| format!("stream {i}"))?;
+    for (i, (got, expected)) in cluster.generate_all(prompts, MAX_TOKENS).await?.into_iter().zip(alone).enumerate() {
+        let got = got.with_context(|| format!("stream {i}"))?;
         ensure!(&got.token_ids == expected, "stream {i}: {:?} != alone {expected:?}", got.token_ids);
     }
     Ok(())

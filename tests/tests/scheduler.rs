@@ -16,28 +16,6 @@ fn prompt(i: usize, len: usize) -> Vec<u32> {
     (0..len).map(|j| u32::try_from((i * 37 + j * 11 + 1) % 300).unwrap_or(1)).collect()
 }
 
-/// Runs every prompt concurrently; returns each one's result.
-async fn run_all(
-    cluster: &TestCluster,
-    prompts: &[Vec<u32>],
-    max_tokens: u32,
-) -> Result<Vec<Result<strata_tests::Collected, tonic::Status>>> {
-    let client = cluster.client().await?;
-    let tasks: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let mut client = client.clone();
-            let req = ids_request(p, max_tokens);
-            tokio::spawn(async move { generate(&mut client, req).await })
-        })
-        .collect();
-    let mut out = Vec::with_capacity(tasks.len());
-    for t in tasks {
-        out.push(t.await?);
-    }
-    Ok(out)
-}
-
 /// Waits until every stage's KV cache is entirely free again.
 async fn kv_returns_to_full(cluster: &TestCluster) -> Result<()> {
     eventually(Duration::from_secs(10), || cluster.kv_all_free()).await.context("KV blocks were not all returned")
@@ -50,7 +28,7 @@ async fn thirty_two_concurrent_streams_get_what_they_get_alone() -> Result<()> {
     let alone: Vec<Vec<u32>> = prompts.iter().map(|p| reference(model.path(), 1, p, 12)).collect::<Result<_>>()?;
     let sizing = StageSizing { kv_blocks: 256, ..StageSizing::default() };
     let cluster = TestCluster::start(model.path(), &BOUNDS, sizing).await?;
-    for (i, (got, expected)) in run_all(&cluster, &prompts, 12).await?.into_iter().zip(&alone).enumerate() {
+    for (i, (got, expected)) in cluster.generate_all(&prompts, 12).await?.into_iter().zip(&alone).enumerate() {
         assert_eq!(&got?.token_ids, expected, "stream {i}");
     }
     ensure!(cluster.pipeline.preemptions() == 0, "nothing should be preempted with room to spare");
@@ -98,7 +76,7 @@ async fn a_full_kv_cache_preempts_and_recomputes_without_changing_tokens() -> Re
     let alone: Vec<Vec<u32>> = prompts.iter().map(|p| reference(model.path(), 1, p, 14)).collect::<Result<_>>()?;
     let sizing = StageSizing { kv_blocks: 16, block_size: 4, ..StageSizing::default() };
     let cluster = TestCluster::start(model.path(), &BOUNDS, sizing).await?;
-    for (i, (got, expected)) in run_all(&cluster, &prompts, 14).await?.into_iter().zip(&alone).enumerate() {
+    for (i, (got, expected)) in cluster.generate_all(&prompts, 14).await?.into_iter().zip(&alone).enumerate() {
         assert_eq!(&got?.token_ids, expected, "stream {i}");
     }
     ensure!(cluster.pipeline.preemptions() > 0, "the KV cache was oversubscribed but nothing was preempted");
@@ -126,7 +104,7 @@ async fn long_prompts_are_prefilled_in_chunks() -> Result<()> {
     // Chunks of concurrent prompts interleave with each other and with decode steps.
     let prompts: Vec<Vec<u32>> = (0..6).map(|i| prompt(i, 5 + 3 * i)).collect();
     let alone: Vec<Vec<u32>> = prompts.iter().map(|p| reference(model.path(), 1, p, 6)).collect::<Result<_>>()?;
-    for (i, (got, expected)) in run_all(&cluster, &prompts, 6).await?.into_iter().zip(&alone).enumerate() {
+    for (i, (got, expected)) in cluster.generate_all(&prompts, 6).await?.into_iter().zip(&alone).enumerate() {
         assert_eq!(&got?.token_ids, expected, "stream {i}");
     }
     kv_returns_to_full(&cluster).await?;
@@ -140,7 +118,7 @@ async fn a_burst_over_capacity_is_resource_exhausted_while_admitted_requests_fin
     let cluster = TestCluster::start(model.path(), &BOUNDS, StageSizing { limits, ..StageSizing::default() }).await?;
     let prompts: Vec<Vec<u32>> = (0..24).map(|i| prompt(i, 4)).collect();
     let (mut ok, mut refused) = (0, 0);
-    for (i, got) in run_all(&cluster, &prompts, 40).await?.into_iter().enumerate() {
+    for (i, got) in cluster.generate_all(&prompts, 40).await?.into_iter().enumerate() {
         match got {
             Ok(c) => {
                 assert_eq!(c.token_ids, reference(model.path(), 1, &prompts[i], 40)?, "stream {i}");
