@@ -46,6 +46,8 @@ fn sampling(p: &PromptArgs) -> pb::SamplingParams {
         top_k: u32::try_from(p.top_k).unwrap_or(u32::MAX),
         seed: p.seed,
         repetition_penalty: p.repetition_penalty,
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
     }
 }
 

@@ -40,6 +40,12 @@ pub struct PromptArgs {
     /// Repetition penalty (1: off).
     #[arg(long, default_value_t = 1.0)]
     pub repetition_penalty: f32,
+    /// Presence penalty, OpenAI's: subtracted from the logits of tokens the output holds (-2..2; 0: off).
+    #[arg(long, env = "STRATA_PRESENCE_PENALTY", default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    /// Frequency penalty, OpenAI's: subtracted once per occurrence in the output (-2..2; 0: off).
+    #[arg(long, env = "STRATA_FREQUENCY_PENALTY", default_value_t = 0.0)]
+    pub frequency_penalty: f32,
     /// Stop when the output contains this text (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
@@ -69,6 +75,8 @@ impl PromptArgs {
             top_p: self.top_p,
             seed: self.seed,
             repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
         }
     }
 

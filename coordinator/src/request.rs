@@ -81,7 +81,8 @@ pub fn prepare(model: &ModelInfo, params: GenerateParams) -> Result<SeqRequest> 
     let engine_req = EngineRequest {
         prompt_ids,
         max_tokens,
-        sampling: SamplingParams::with_zeros_off(s.temperature, s.top_k, s.top_p, s.seed, s.repetition_penalty),
+        sampling: SamplingParams::with_zeros_off(s.temperature, s.top_k, s.top_p, s.seed, s.repetition_penalty)
+            .with_penalties(s.presence_penalty, s.frequency_penalty),
         stop: params.stop.clone(),
     };
     validate_request(&engine_req, model.vocab_size, model.context)
@@ -99,18 +100,44 @@ pub fn prepare(model: &ModelInfo, params: GenerateParams) -> Result<SeqRequest> 
 /// The token ids generation starts from: text tokenized as is, a conversation through the chat template, ids as
 /// given. `/tokenize` answers with the same ids.
 pub fn prompt_ids(model: &ModelInfo, prompt: Prompt) -> Result<Vec<u32>> {
+    tokenize(model, prompt, TokenizeOptions::default())
+}
+
+/// How `/tokenize` may tokenize otherwise than generation does (vLLM's options); the default is generation's way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenizeOptions {
+    /// Add the model's BOS/EOS tokens as it asks (when the text does not start with BOS already).
+    pub add_special_tokens: bool,
+    /// End a conversation with the template's opening of the assistant's turn.
+    pub add_generation_prompt: bool,
+}
+
+impl Default for TokenizeOptions {
+    fn default() -> Self {
+        TokenizeOptions { add_special_tokens: true, add_generation_prompt: true }
+    }
+}
+
+/// The token ids of `prompt` tokenized as `options` say.
+pub fn tokenize(model: &ModelInfo, prompt: Prompt, options: TokenizeOptions) -> Result<Vec<u32>> {
     let param = prompt.param();
     let invalid = |message: String| Error::InvalidRequest { param: Some(param), message };
+    let encode = |text: &str| {
+        let tok = model.tokenizer.as_ref().ok_or_else(|| invalid(no_tokenizer()))?;
+        tok.encode_with(text, options.add_special_tokens).map_err(|e| invalid(format!("tokenizing: {e}")))
+    };
     Ok(match prompt {
         Prompt::Ids(ids) => ids,
         // Checked before tokenizing: a tokenizer that adds BOS would turn "" into a one-token prompt.
         Prompt::Text(text) if text.is_empty() => Vec::new(),
         Prompt::Chat(messages) if messages.is_empty() => return Err(invalid("messages is empty".into())),
-        Prompt::Text(text) => encode(model, &text).map_err(invalid)?,
+        Prompt::Text(text) => encode(&text)?,
         Prompt::Chat(messages) => {
             let tok = model.tokenizer.as_ref().ok_or_else(|| invalid(no_tokenizer()))?;
-            let text = tok.apply_chat_template(&messages).map_err(|e| invalid(format!("chat template: {e}")))?;
-            encode(model, &text).map_err(invalid)?
+            let text = tok
+                .render_chat(&messages, options.add_generation_prompt)
+                .map_err(|e| invalid(format!("chat template: {e}")))?;
+            encode(&text)?
         }
     })
 }
@@ -139,11 +166,6 @@ fn check_stop(stop: &[String]) -> Result<()> {
 
 fn no_tokenizer() -> String {
     "the model has no tokenizer; send token ids".into()
-}
-
-fn encode(model: &ModelInfo, text: &str) -> std::result::Result<Vec<u32>, String> {
-    let tok = model.tokenizer.as_ref().ok_or_else(no_tokenizer)?;
-    tok.encode(text).map_err(|e| format!("tokenizing: {e}"))
 }
 
 /// A fresh id for a request that came without one (logs, traces, response ids).

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use crate::backend::Backend;
 use crate::kv_cache::KvCache;
 use crate::model::{LogitRows, SeqChunk, StageInput, StageModel};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{Sampler, SamplingParams, TokenHistory};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 use crate::{Error, KvDtype, Result};
 
@@ -205,7 +205,7 @@ impl<B: Backend> Engine<B> {
         on_text: &mut dyn FnMut(&str),
     ) -> Result<Generation> {
         let mut sampler = Sampler::new(req.sampling.clone());
-        let mut history = req.prompt_ids.clone();
+        let mut history = TokenHistory::from_prompt(&req.prompt_ids);
         let mut stop = StopState::new(req.stop.clone());
         let mut out = Vec::new();
         let mut chunk = SeqChunk { seq_id: seq, start_pos: 0, len: req.prompt_ids.len() };

@@ -1,4 +1,7 @@
-//! Choosing the next token from logits: greedy, temperature, top-k, top-p, repetition penalty, seeded.
+//! Choosing the next token from logits: greedy, temperature, top-k, top-p, the repetition, presence and frequency
+//! penalties, seeded.
+
+use std::collections::{HashMap, HashSet};
 
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
@@ -18,18 +21,33 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     /// Divide positive logits (multiply negative ones) of already-seen tokens by this (1: off).
     pub repetition_penalty: f32,
+    /// Subtracted from the logit of every token the output already holds (OpenAI's; 0: off).
+    #[serde(default)]
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time the output holds it (OpenAI's; 0: off).
+    #[serde(default)]
+    pub frequency_penalty: f32,
 }
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, repetition_penalty: 1.0 }
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+        }
     }
 }
 
 impl SamplingParams {
     /// Settings as the wire carries them (`strata.v1.SamplingParams`): proto3 cannot tell an unset number from
-    /// 0, so 0 turns top-k, top-p and the repetition penalty off. The one conversion from the wire's fields;
-    /// not validated (see [`SamplingParams::validate`]).
+    /// 0, so 0 turns top-k, top-p and the repetition penalty off (the presence and frequency penalties are off at
+    /// 0 anyway: see [`SamplingParams::with_penalties`]). The one conversion from the wire's fields; not validated
+    /// (see [`SamplingParams::validate`]).
     pub fn with_zeros_off(
         temperature: f32,
         top_k: u32,
@@ -44,7 +62,14 @@ impl SamplingParams {
             top_p: if top_p == 0.0 { 1.0 } else { top_p },
             seed,
             repetition_penalty: if repetition_penalty == 0.0 { 1.0 } else { repetition_penalty },
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
         }
+    }
+
+    /// These settings with OpenAI's presence and frequency penalties.
+    pub fn with_penalties(self, presence_penalty: f32, frequency_penalty: f32) -> Self {
+        SamplingParams { presence_penalty, frequency_penalty, ..self }
     }
 
     /// Rejects values that make no sense.
@@ -60,6 +85,13 @@ impl SamplingParams {
                 "repetition_penalty must be > 0, got {}",
                 self.repetition_penalty
             )));
+        }
+        for (name, value) in
+            [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)]
+        {
+            if !(-2.0..=2.0).contains(&value) {
+                return Err(Error::InvalidRequest(format!("{name} must be in [-2, 2], got {value}")));
+            }
         }
         Ok(())
     }
@@ -91,16 +123,22 @@ impl Sampler {
         Sampler { params, rng: None }
     }
 
-    /// Picks a token. `history` holds the prompt and generated ids (for the repetition penalty).
-    pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+    /// Picks a token. `history` holds the prompt and generated ids, which the penalties read, and its length is
+    /// the position the seeded draw depends on. Penalties apply in vLLM's order: repetition (prompt and output),
+    /// then frequency and presence (output only).
+    pub fn sample(&mut self, logits: &mut [f32], history: &TokenHistory) -> u32 {
         let p = &self.params;
         if p.repetition_penalty != 1.0 {
-            let mut seen = history.to_vec();
-            seen.sort_unstable();
-            seen.dedup();
-            for id in seen {
+            for &id in &history.seen {
                 if let Some(l) = logits.get_mut(id as usize) {
                     *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&id, &count) in &history.output_counts {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    *l -= p.frequency_penalty * count as f32 + p.presence_penalty;
                 }
             }
         }
@@ -133,7 +171,7 @@ impl Sampler {
             total = cand.iter().map(|c| c.1).sum();
         }
         let draw = match p.seed {
-            Some(seed) => position_rng(seed, history.len()).random::<f32>(),
+            Some(seed) => position_rng(seed, history.len).random::<f32>(),
             None => self.rng.get_or_insert_with(StdRng::from_os_rng).random::<f32>(),
         };
         let mut r = draw * total;
@@ -144,6 +182,57 @@ impl Sampler {
             r -= w;
         }
         cand[cand.len() - 1].0
+    }
+}
+
+/// The tokens a sequence holds, as the penalties read them: the distinct ids of the prompt and output (the
+/// repetition penalty) and how often each occurs in the output (presence and frequency). Kept up to date a token at
+/// a time, so sampling costs O(distinct tokens), never a pass over the whole sequence.
+#[derive(Debug, Clone, Default)]
+pub struct TokenHistory {
+    len: usize,
+    prompt_len: usize,
+    seen: HashSet<u32>,
+    output_counts: HashMap<u32, u32>,
+}
+
+impl TokenHistory {
+    /// An empty history whose first `prompt_len` tokens will be the prompt (the rest, output).
+    pub fn new(prompt_len: usize) -> Self {
+        TokenHistory { prompt_len, ..Default::default() }
+    }
+
+    /// A history holding `prompt`, all of it prompt.
+    pub fn from_prompt(prompt: &[u32]) -> Self {
+        let mut h = TokenHistory::new(prompt.len());
+        h.extend(prompt);
+        h
+    }
+
+    /// Appends one token.
+    pub fn push(&mut self, id: u32) {
+        if self.len >= self.prompt_len {
+            *self.output_counts.entry(id).or_default() += 1;
+        }
+        self.seen.insert(id);
+        self.len += 1;
+    }
+
+    /// Appends tokens in order.
+    pub fn extend(&mut self, ids: &[u32]) {
+        for &id in ids {
+            self.push(id);
+        }
+    }
+
+    /// Tokens held: the position of the next one.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no token.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 
@@ -163,7 +252,7 @@ mod tests {
     #[test]
     fn greedy_picks_first_maximum() {
         let mut s = Sampler::new(SamplingParams::default());
-        assert_eq!(s.sample(&mut [0.1, 2.0, 2.0, -1.0], &[]), 1);
+        assert_eq!(s.sample(&mut [0.1, 2.0, 2.0, -1.0], &TokenHistory::default()), 1);
     }
 
     #[test]
@@ -172,12 +261,14 @@ mod tests {
         let logits = vec![1.0, 3.0, 2.9, 0.5, 2.8];
         let run = || {
             let mut s = Sampler::new(params.clone());
-            let mut history = vec![0u32; 3];
+            let mut history = TokenHistory::from_prompt(&[0; 3]);
+            let mut out = Vec::new();
             for _ in 0..50 {
                 let t = s.sample(&mut logits.clone(), &history);
                 history.push(t);
+                out.push(t);
             }
-            history.split_off(3)
+            out
         };
         let a = run();
         assert_eq!(a, run());
@@ -190,29 +281,26 @@ mod tests {
         // A recomputed sequence gets a new sampler at its current length: it must draw what the old one would.
         let params = SamplingParams { temperature: 1.0, seed: Some(11), ..Default::default() };
         let logits = vec![1.0, 1.1, 0.9, 1.05, 0.95, 1.0];
-        let mut old = Sampler::new(params.clone());
-        let mut history = vec![5u32, 4, 3];
-        for _ in 0..40 {
-            let t = old.sample(&mut logits.clone(), &history);
-            history.push(t);
-        }
-        for cut in [3, 10, 25, 42] {
-            let mut fresh = Sampler::new(params.clone());
-            let mut h = history[..cut].to_vec();
-            for _ in cut..history.len() {
-                let t = fresh.sample(&mut logits.clone(), &h);
-                h.push(t);
+        let run = |sampler: &mut Sampler, tokens: &mut Vec<u32>| {
+            let mut history = TokenHistory::new(3);
+            history.extend(tokens);
+            while tokens.len() < 43 {
+                let t = sampler.sample(&mut logits.clone(), &history);
+                history.push(t);
+                tokens.push(t);
             }
-            assert_eq!(h, history, "resumed at {cut}");
+        };
+        let mut tokens = vec![5u32, 4, 3];
+        run(&mut Sampler::new(params.clone()), &mut tokens);
+        for cut in [3, 10, 25, 42] {
+            let mut resumed = tokens[..cut].to_vec();
+            run(&mut Sampler::new(params.clone()), &mut resumed);
+            assert_eq!(resumed, tokens, "resumed at {cut}");
         }
         // Another seed draws differently.
-        let mut other = Sampler::new(SamplingParams { seed: Some(12), ..params });
-        let mut h = history[..3].to_vec();
-        for _ in 3..history.len() {
-            let t = other.sample(&mut logits.clone(), &h);
-            h.push(t);
-        }
-        assert_ne!(h, history);
+        let mut other = tokens[..3].to_vec();
+        run(&mut Sampler::new(SamplingParams { seed: Some(12), ..params }), &mut other);
+        assert_ne!(other, tokens);
     }
 
     #[test]
@@ -220,22 +308,50 @@ mod tests {
         let params = SamplingParams { temperature: 1.0, top_p: 0.5, seed: Some(1), ..Default::default() };
         let mut s = Sampler::new(params);
         for _ in 0..20 {
-            assert_eq!(s.sample(&mut [0.0, 10.0, 0.0], &[]), 1);
+            assert_eq!(s.sample(&mut [0.0, 10.0, 0.0], &TokenHistory::default()), 1);
         }
     }
 
     #[test]
     fn repetition_penalty_demotes_seen_tokens() {
         let mut s = Sampler::new(SamplingParams { repetition_penalty: 2.0, ..Default::default() });
-        assert_eq!(s.sample(&mut [3.0, 2.0], &[0]), 1);
+        assert_eq!(s.sample(&mut [3.0, 2.0], &TokenHistory::from_prompt(&[0])), 1);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_count_only_output() {
+        // Tokens 0 and 3 are the prompt, token 1 is output twice.
+        let mut history = TokenHistory::new(2);
+        history.extend(&[0, 3, 1, 1]);
+        let pick = |logits: [f32; 4], presence, frequency| {
+            let params = SamplingParams::default().with_penalties(presence, frequency);
+            let mut logits = logits;
+            (Sampler::new(params).sample(&mut logits, &history), logits)
+        };
+        assert_eq!(pick([3.0, 2.5, 2.0, 0.0], 2.0, 2.0).0, 0, "the prompt's token 0 is not penalized");
+        // Presence counts once: 2.5 - 0.4 = 2.1 still beats 2.
+        let close = |a: [f32; 4], b: [f32; 4]| a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-6);
+        let (token, logits) = pick([0.0, 2.5, 2.0, 0.0], 0.4, 0.0);
+        assert!(token == 1 && close(logits, [0.0, 2.1, 2.0, 0.0]), "{token} {logits:?}");
+        // Frequency counts each occurrence: 2.5 - 2 × 0.4 = 1.7 does not.
+        let (token, logits) = pick([0.0, 2.5, 2.0, 0.0], 0.0, 0.4);
+        assert!(token == 2 && close(logits, [0.0, 1.7, 2.0, 0.0]), "{token} {logits:?}");
+        // Negative values encourage repetition.
+        assert_eq!(pick([3.0, 2.5, 2.0, 0.0], -1.0, 0.0).0, 1);
     }
 
     #[test]
     fn zeros_from_the_wire_mean_off() {
         assert_eq!(SamplingParams::with_zeros_off(0.0, 0, 0.0, None, 0.0), SamplingParams::default());
         let p = SamplingParams::with_zeros_off(0.7, 40, 0.9, Some(3), 1.1);
-        let expected =
-            SamplingParams { temperature: 0.7, top_k: 40, top_p: 0.9, seed: Some(3), repetition_penalty: 1.1 };
+        let expected = SamplingParams {
+            temperature: 0.7,
+            top_k: 40,
+            top_p: 0.9,
+            seed: Some(3),
+            repetition_penalty: 1.1,
+            ..Default::default()
+        };
         assert_eq!(p, expected);
     }
 
@@ -243,5 +359,8 @@ mod tests {
     fn rejects_bad_params() {
         assert!(SamplingParams { top_p: 0.0, ..Default::default() }.validate().is_err());
         assert!(SamplingParams { temperature: -1.0, ..Default::default() }.validate().is_err());
+        assert!(SamplingParams::default().with_penalties(2.5, 0.0).validate().is_err());
+        assert!(SamplingParams::default().with_penalties(0.0, f32::NAN).validate().is_err());
+        assert!(SamplingParams::default().with_penalties(-2.0, 2.0).validate().is_ok());
     }
 }

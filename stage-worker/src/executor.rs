@@ -523,7 +523,7 @@ impl<B: Backend> Executor<B> {
             let len = chunk.len as usize;
             let ids = batch.token_ids.get(offset..offset + len).unwrap_or_default();
             offset += len;
-            self.samplers.observe(chunk.seq_id, chunk.start_pos as usize, &chunk.cached_token_ids, ids, params);
+            self.samplers.observe(chunk, ids, params);
             if chunk.skip_sampling {
                 continue;
             }

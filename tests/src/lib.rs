@@ -6,6 +6,7 @@
 pub mod grpcurl;
 pub mod http_client;
 pub mod netns;
+pub mod pki;
 pub mod processes;
 
 use std::net::SocketAddr;
@@ -255,17 +256,23 @@ impl TestCluster {
 
 /// Greedy single-process generation of every layer: the reference the cluster must match exactly.
 pub fn reference(model: &Path, threads: usize, prompt_ids: &[u32], max_tokens: usize) -> Result<Vec<u32>> {
+    reference_sampled(model, threads, prompt_ids, max_tokens, SamplingParams::default())
+}
+
+/// [`reference`] with other sampling settings.
+pub fn reference_sampled(
+    model: &Path,
+    threads: usize,
+    prompt_ids: &[u32],
+    max_tokens: usize,
+    sampling: SamplingParams,
+) -> Result<Vec<u32>> {
     let files = ModelFiles::open(model)?;
     let n = files.config().num_layers;
     let tokenizer = files.tokenizer().ok().map(Arc::new);
     let stage = StageModel::load(&files, 0..n, Arc::new(CpuBackend::new(threads)?), &LoadOptions::default())?;
     let mut engine = Engine::new(stage, tokenizer, 1024)?;
-    let req = GenerateRequest {
-        prompt_ids: prompt_ids.to_vec(),
-        max_tokens,
-        sampling: SamplingParams::default(),
-        stop: vec![],
-    };
+    let req = GenerateRequest { prompt_ids: prompt_ids.to_vec(), max_tokens, sampling, stop: vec![] };
     Ok(engine.generate(&req, |_| {})?.token_ids)
 }
 

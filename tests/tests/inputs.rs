@@ -92,8 +92,9 @@ async fn checks(cluster: &TestCluster) -> Result<()> {
         ("echo", json!(true)),
         ("best_of", json!(3)),
         ("suffix", json!("the end")),
-        ("presence_penalty", json!(0.5)),
-        ("frequency_penalty", json!(-1)),
+        // Read, but outside OpenAI's range.
+        ("presence_penalty", json!(2.5)),
+        ("frequency_penalty", json!(-3)),
     ];
     for (field, value) in unsupported {
         let reply = post(addr, "/v1/completions", &completion(json!({field: value}))).await?;
@@ -102,8 +103,8 @@ async fn checks(cluster: &TestCluster) -> Result<()> {
         chat_body[field] = value;
         refused(&post(addr, "/v1/chat/completions", &chat_body).await?, field, field)?;
     }
-    let defaults = json!({"tools": [], "logit_bias": {}, "n": 1, "echo": false, "best_of": 1, "presence_penalty": 0,
-                          "frequency_penalty": 0.0, "response_format": {"type": "text"}, "tool_choice": null});
+    let defaults = json!({"tools": [], "logit_bias": {}, "n": 1, "echo": false, "best_of": 1,
+                          "response_format": {"type": "text"}, "tool_choice": null});
     let (status, body) = post(addr, "/v1/completions", &completion(defaults)).await?;
     ensure!(status == 200, "no-op values of unsupported fields: {body}");
 
@@ -111,7 +112,14 @@ async fn checks(cluster: &TestCluster) -> Result<()> {
     let sampled = |top_k: u32, repetition_penalty: f32| pb::GenerateRequest {
         prompt: Some(pb::generate_request::Prompt::Text(PROMPT.into())),
         max_tokens: 12,
-        sampling: Some(pb::SamplingParams { temperature: 1.0, top_k, repetition_penalty, seed: Some(11), top_p: 1.0 }),
+        sampling: Some(pb::SamplingParams {
+            temperature: 1.0,
+            top_k,
+            repetition_penalty,
+            seed: Some(11),
+            top_p: 1.0,
+            ..Default::default()
+        }),
         ..Default::default()
     };
     for (top_k, penalty) in [(1, 1.0), (5, 1.0), (5, 1.8)] {
@@ -128,6 +136,20 @@ async fn checks(cluster: &TestCluster) -> Result<()> {
     let greedy = generate(&mut client, sampled(1, 1.0)).await?;
     let plain_greedy = post(addr, "/v1/completions", &completion(json!({"max_tokens": 12}))).await?.1;
     ensure!(plain_greedy["choices"][0]["text"] == greedy.text.as_str(), "top_k 1 at temperature 1 is greedy");
+    // presence_penalty and frequency_penalty are read too, and change a greedy text long enough to repeat itself.
+    let long_greedy = generate(&mut client, pb::GenerateRequest { max_tokens: 40, ..sampled(1, 1.0) }).await?;
+    for (presence, frequency) in [(2.0, 0.0), (0.0, 2.0)] {
+        let mut req = pb::GenerateRequest { max_tokens: 40, ..sampled(1, 1.0) };
+        if let Some(s) = req.sampling.as_mut() {
+            (s.presence_penalty, s.frequency_penalty) = (presence, frequency);
+        }
+        let grpc = generate(&mut client, req).await?;
+        ensure!(grpc.text != long_greedy.text, "presence {presence}, frequency {frequency} changed nothing");
+        let body = json!({"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "presence_penalty": presence,
+                          "frequency_penalty": frequency});
+        let (status, reply) = post(addr, "/v1/completions", &body).await?;
+        ensure!(status == 200 && reply["choices"][0]["text"] == grpc.text.as_str(), "{reply} vs {grpc:?}");
+    }
     let (status, _) = post(addr, "/v1/completions", &completion(json!({"top_k": -1}))).await?;
     ensure!(status == 200, "top_k -1 is vLLM's off");
     refused(&post(addr, "/v1/completions", &completion(json!({"top_k": -2}))).await?, "top_k", "top_k -2")?;
@@ -161,11 +183,19 @@ async fn check_tokenize(
     ensure!(t["token_strs"].is_null(), "{t}");
     let (status, t) = post(addr, "/tokenize", &json!({"messages": [{"role": "user", "content": PROMPT}]})).await?;
     ensure!(status == 200 && t["tokens"] == json!(templated), "{t} vs {templated:?}");
-    refused(
-        &post(addr, "/tokenize", &json!({"prompt": PROMPT, "add_special_tokens": false})).await?,
-        "add_special_tokens",
-        "add_special_tokens",
-    )?;
+    // vLLM's options: the vocabulary strings spell the prompt (byte-level BPE writes a space as Ġ), and a
+    // conversation without the generation prompt is the templated prompt less the assistant's opening.
+    let (status, t) = post(addr, "/tokenize", &json!({"prompt": PROMPT, "return_token_strs": true})).await?;
+    let strs = t["token_strs"].as_array().context("token_strs")?;
+    ensure!(status == 200 && strs.len() == plain.len(), "{t}");
+    let spelled: String = strs.iter().filter_map(Value::as_str).collect::<String>().replace('Ġ', " ");
+    ensure!(spelled.ends_with(PROMPT), "{spelled:?} vs {PROMPT:?}");
+    let (status, t) = post(addr, "/tokenize", &json!({"prompt": PROMPT, "add_special_tokens": false})).await?;
+    ensure!(status == 200 && t["tokens"] == json!(plain), "SmolLM2 adds no BOS: {t} vs {plain:?}");
+    let no_opening = json!({"messages": [{"role": "user", "content": PROMPT}], "add_generation_prompt": false});
+    let (status, t) = post(addr, "/tokenize", &no_opening).await?;
+    let shorter: Vec<u32> = serde_json::from_value(t["tokens"].clone()).context("tokens")?;
+    ensure!(status == 200 && shorter.len() < templated.len() && templated.starts_with(&shorter), "{t}");
     refused(
         &post(addr, "/tokenize", &json!({"messages": [{"role": "x", "content": "y"}]})).await?,
         "messages[0].role",

@@ -6,8 +6,11 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use strata_coordinator::SchedulerLimits;
+use strata_engine::sampling::SamplingParams;
 use strata_proto::pb;
-use strata_tests::{StageSizing, TestCluster, eventually, generate, ids_request, reference, tiny_model};
+use strata_tests::{
+    StageSizing, TestCluster, eventually, generate, ids_request, reference, reference_sampled, tiny_model,
+};
 
 const BOUNDS: [usize; 4] = [0, 1, 3, 4];
 
@@ -85,6 +88,41 @@ async fn a_full_kv_cache_preempts_and_recomputes_without_changing_tokens() -> Re
     let mut client = cluster.client().await?;
     let err = generate(&mut client, ids_request(&prompt(0, 10), 60)).await.err().context("64+ tokens fit in 64")?;
     ensure!(err.code() == tonic::Code::InvalidArgument && err.message().contains("KV blocks"), "{err:?}");
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn presence_and_frequency_penalties_survive_preemption() -> Result<()> {
+    let model = tiny_model()?;
+    // As above, 8 sequences of 6 + 14 tokens on 16 blocks of 4 must preempt; a recomputed sequence is prefilled
+    // from prompt and output at once, and its penalties must still count only the output.
+    let (presence, frequency) = (0.7, 0.5);
+    let engine_params = SamplingParams::default().with_penalties(presence, frequency);
+    let prompts: Vec<Vec<u32>> = (0..8).map(|i| prompt(i, 6)).collect();
+    let mut alone = Vec::new();
+    for p in &prompts {
+        alone.push(reference_sampled(model.path(), 1, p, 14, engine_params.clone())?);
+    }
+    let greedy: Vec<Vec<u32>> = prompts.iter().map(|p| reference(model.path(), 1, p, 14)).collect::<Result<_>>()?;
+    ensure!(alone != greedy, "the penalties changed no token: the test would not see them ignored");
+    let sizing = StageSizing { kv_blocks: 16, block_size: 4, ..StageSizing::default() };
+    let cluster = TestCluster::start(model.path(), &BOUNDS, sizing).await?;
+    let client = cluster.client().await?;
+    let tasks: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let mut client = client.clone();
+            let sampling =
+                pb::SamplingParams { presence_penalty: presence, frequency_penalty: frequency, ..Default::default() };
+            let req = pb::GenerateRequest { sampling: Some(sampling), ..ids_request(p, 14) };
+            tokio::spawn(async move { generate(&mut client, req).await })
+        })
+        .collect();
+    for (i, (task, expected)) in tasks.into_iter().zip(&alone).enumerate() {
+        assert_eq!(&task.await??.token_ids, expected, "stream {i}");
+    }
+    ensure!(cluster.pipeline.preemptions() > 0, "the KV cache was oversubscribed but nothing was preempted");
+    kv_returns_to_full(&cluster).await?;
     cluster.stop().await
 }
 

@@ -48,7 +48,7 @@ impl<T: DeserializeOwned> Body<T> {
 
 /// Fields of OpenAI's (and vLLM's) requests that ask for what strata does not do, with the values that ask for
 /// nothing (also accepted, as clients send defaults explicitly). `null` is always accepted.
-pub const UNSUPPORTED: [(&str, &[&str]); 21] = [
+pub const UNSUPPORTED: [(&str, &[&str]); 19] = [
     ("tools", &["[]"]),
     ("tool_choice", &["\"none\""]),
     ("parallel_tool_calls", &["false", "true"]),
@@ -59,8 +59,6 @@ pub const UNSUPPORTED: [(&str, &[&str]); 21] = [
     ("echo", &["false"]),
     ("best_of", &["1"]),
     ("suffix", &["\"\""]),
-    ("presence_penalty", &["0", "0.0"]),
-    ("frequency_penalty", &["0", "0.0"]),
     ("audio", &[]),
     ("modalities", &["[\"text\"]"]),
     ("prediction", &[]),
@@ -137,6 +135,12 @@ pub struct CommonFields {
     /// Divide the logits of tokens already seen by this (vLLM's extension; 1 = off).
     #[serde(default)]
     pub repetition_penalty: Option<f32>,
+    /// Subtract this from the logits of tokens the output holds (OpenAI's; -2..2, 0 = off).
+    #[serde(default)]
+    pub presence_penalty: Option<f32>,
+    /// Subtract this once per occurrence in the output (OpenAI's; -2..2, 0 = off).
+    #[serde(default)]
+    pub frequency_penalty: Option<f32>,
     /// Seed of the sampler's random stream.
     #[serde(default)]
     pub seed: Option<u64>,
@@ -190,6 +194,8 @@ impl CommonFields {
                 Some(p) => p,
                 None => 1.0,
             },
+            presence_penalty: penalty("presence_penalty", self.presence_penalty)?,
+            frequency_penalty: penalty("frequency_penalty", self.frequency_penalty)?,
         };
         let stop = match self.stop.clone() {
             None => Vec::new(),
@@ -250,6 +256,16 @@ impl GenerationRequest for CompletionRequest {
             ));
         }
         common.params(prompt, self.max_tokens, self.logprobs.is_some())
+    }
+}
+
+/// An OpenAI presence or frequency penalty: in [-2, 2], absent = 0.
+fn penalty(field: &str, value: Option<f32>) -> Result<f32, ApiError> {
+    match value {
+        Some(p) if !(-2.0..=2.0).contains(&p) => {
+            Err(ApiError::invalid(format!("{field} must be in [-2, 2], got {p}"), Some(field)))
+        }
+        p => Ok(p.unwrap_or(0.0)),
     }
 }
 

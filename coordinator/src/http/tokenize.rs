@@ -12,7 +12,7 @@ use super::HttpState;
 use super::errors::{ApiError, from_json, read_json};
 use super::openai::{ChatMessageInput, chat_messages};
 use crate::Error;
-use crate::request::{self, Prompt};
+use crate::request::{self, Prompt, TokenizeOptions};
 
 /// `POST /tokenize`: a `prompt` (text) or the `messages` of a chat, as vLLM takes them.
 #[derive(Debug, Clone, Deserialize)]
@@ -26,13 +26,14 @@ pub struct TokenizeRequest {
     /// A conversation to tokenize through the chat template.
     #[serde(default)]
     pub messages: Option<Vec<ChatMessageInput>>,
-    /// Whether the tokenizer adds its special tokens (BOS); only what generation does is served (true for a prompt).
+    /// Whether the tokenizer adds the model's special tokens (BOS/EOS); absent: as generation does (true).
     #[serde(default)]
     pub add_special_tokens: Option<bool>,
-    /// Whether the template ends with the assistant's turn; only what generation does is served (true).
+    /// Whether a conversation ends with the template's opening of the assistant's turn; absent: as generation
+    /// does (true).
     #[serde(default)]
     pub add_generation_prompt: Option<bool>,
-    /// Return each token's string too (not served).
+    /// Return each token's vocabulary string too.
     #[serde(default)]
     pub return_token_strs: Option<bool>,
 }
@@ -46,8 +47,8 @@ pub struct TokenizeResponse {
     pub max_model_len: usize,
     /// The token ids.
     pub tokens: Vec<u32>,
-    /// Always `null`: token strings are not served.
-    pub token_strs: Option<Vec<String>>,
+    /// Each token's vocabulary string (`return_token_strs`), else `null`.
+    pub token_strs: Option<Vec<Option<String>>>,
 }
 
 /// `POST /detokenize`.
@@ -88,31 +89,27 @@ pub(super) fn check_model(state: &HttpState, model: Option<String>) -> Result<()
     }
 }
 
-/// An option only its generation value of which is served.
-fn only(value: Option<bool>, served: bool, field: &str) -> Result<(), ApiError> {
-    match value {
-        Some(v) if v != served => {
-            Err(ApiError::invalid(format!("{field} = {v} is not supported; generation uses {served}"), Some(field)))
-        }
-        _ => Ok(()),
-    }
-}
-
 /// `POST /tokenize`.
 pub async fn tokenize(State(state): State<Arc<HttpState>>, req: Request) -> Result<Json<TokenizeResponse>, ApiError> {
     let body: TokenizeRequest = from_json(&read_json(req, &()).await?)?;
     check_model(&state, body.model)?;
-    only(body.return_token_strs, false, "return_token_strs")?;
-    only(body.add_special_tokens, true, "add_special_tokens")?;
-    only(body.add_generation_prompt, true, "add_generation_prompt")?;
     let prompt = match (body.prompt, body.messages) {
         (Some(text), None) => Prompt::Text(text),
         (None, Some(messages)) => Prompt::Chat(chat_messages(&messages)?),
         _ => return Err(ApiError::invalid("send either prompt or messages", None)),
     };
+    let defaults = TokenizeOptions::default();
+    let options = TokenizeOptions {
+        add_special_tokens: body.add_special_tokens.unwrap_or(defaults.add_special_tokens),
+        add_generation_prompt: body.add_generation_prompt.unwrap_or(defaults.add_generation_prompt),
+    };
     let model = state.pipeline.model();
-    let tokens = request::prompt_ids(model, prompt)?;
-    Ok(Json(TokenizeResponse { count: tokens.len(), max_model_len: model.context, tokens, token_strs: None }))
+    let tokens = request::tokenize(model, prompt, options)?;
+    let token_strs = match (body.return_token_strs, &model.tokenizer) {
+        (Some(true), Some(tok)) => Some(tok.token_strs(&tokens)),
+        _ => None,
+    };
+    Ok(Json(TokenizeResponse { count: tokens.len(), max_model_len: model.context, tokens, token_strs }))
 }
 
 /// `POST /detokenize`.

@@ -434,6 +434,7 @@ impl Scheduler {
                 cached_blocks,
                 cached_token_ids,
                 publish,
+                prompt_len: u32::try_from(seq.prompt.len()).unwrap_or(u32::MAX),
             });
             seq.pos += u32::try_from(len).unwrap_or(u32::MAX);
             seq.in_flight = true;

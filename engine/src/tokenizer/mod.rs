@@ -99,18 +99,28 @@ impl Tokenizer {
 
     /// Encodes text into ids (special tokens in the text are recognised), adding BOS when the model wants it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(text, true)
+    }
+
+    /// [`Tokenizer::encode`], adding the model's BOS and EOS only with `add_special_tokens`.
+    pub fn encode_with(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let enc = self.inner.encode(text, false).map_err(tok_err)?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         // A text that starts with the BOS token's text (a rendered chat template) has it already; an unnamed BOS
         // token (empty text) is always added.
-        if let Some(b) = self.add_bos
+        if let Some(b) = self.add_bos.filter(|_| add_special_tokens)
             && (self.bos_token.is_empty() || !text.starts_with(&self.bos_token))
         {
             ids.push(b);
         }
         ids.extend_from_slice(enc.get_ids());
-        ids.extend(self.add_eos);
+        ids.extend(self.add_eos.filter(|_| add_special_tokens));
         Ok(ids)
+    }
+
+    /// The vocabulary's string of each id (`None` outside it), as `convert_ids_to_tokens` gives them.
+    pub fn token_strs(&self, ids: &[u32]) -> Vec<Option<String>> {
+        ids.iter().map(|&id| self.inner.id_to_token(id)).collect()
     }
 
     /// Decodes ids into text, keeping special tokens out.
@@ -135,6 +145,12 @@ impl Tokenizer {
 
     /// Renders a conversation through the model's chat template, ending with the assistant prompt.
     pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String> {
+        self.render_chat(messages, true)
+    }
+
+    /// Renders a conversation through the model's chat template; with `add_generation_prompt`, the template's
+    /// opening of the assistant's turn ends it.
+    pub fn render_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
         let template = self
             .chat_template
             .as_deref()
@@ -149,7 +165,7 @@ impl Tokenizer {
         let tmpl = env.get_template("chat").map_err(|e| Error::ChatTemplate(e.to_string()))?;
         tmpl.render(minijinja::context! {
             messages => messages,
-            add_generation_prompt => true,
+            add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
         })
@@ -277,6 +293,15 @@ mod tests {
     }
 
     #[test]
+    fn the_generation_prompt_is_the_templates_to_add() {
+        let jinja = "{% for m in messages %}[{{ m.content }}]{% endfor %}{% if add_generation_prompt %}>{% endif %}";
+        let tok = Tokenizer::from_hf_dir(hf_dir(serde_json::json!({}), Some(jinja)).path(), None).expect("loads");
+        let messages = [ChatMessage { role: "user".into(), content: "a".into() }];
+        assert_eq!(tok.apply_chat_template(&messages).expect("renders"), "[a]>");
+        assert_eq!(tok.render_chat(&messages, false).expect("renders"), "[a]");
+    }
+
+    #[test]
     fn add_bos_and_add_eos_wrap_the_prompt() {
         let cfg =
             serde_json::json!({"add_bos_token": true, "add_eos_token": true, "bos_token": "<s>", "eos_token": "</s>"});
@@ -287,6 +312,10 @@ mod tests {
         assert_eq!(tok.decode(&[0, 2, 1, 3]).expect("decodes"), "ab");
         // A text starting with the BOS token's text has it already.
         assert_eq!(tok.encode("<s>ab").expect("encodes")[..2], [0, 2]);
+        // Without special tokens (vLLM's add_special_tokens: false) neither is added; the text's own stay.
+        assert_eq!(tok.encode_with("ab", false).expect("encodes"), [2, 3]);
+        assert_eq!(tok.encode_with("a</s>b", false).expect("encodes"), [2, 1, 3]);
+        assert_eq!(tok.token_strs(&[0, 3, 9]), [Some("<s>".into()), Some("b".into()), None]);
         // A BOS token without a name in tokenizer_config.json is still added.
         let unnamed = serde_json::json!({"add_bos_token": true});
         let tok = Tokenizer::from_hf_dir(hf_dir(unnamed, None).path(), Some(0)).expect("tokenizer loads");
