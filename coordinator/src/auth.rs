@@ -1,7 +1,12 @@
-//! API keys: who may call the public APIs. With no key configured both APIs are open, as before. With keys, every
-//! call must carry `Authorization: Bearer <key>` (HTTP header or gRPC metadata) except the probes and
-//! introspection ([`Access::Open`]: `/health`, `/live`, `/metrics`, gRPC health and reflection), and the calls that
-//! change the cluster (drain, cordon, uncordon) need an admin key. Keys are compared in constant time.
+//! API keys and admin certificates: who may call the public APIs. With no key configured both APIs are open, as
+//! before. With keys, every call must carry `Authorization: Bearer <key>` (HTTP header or gRPC metadata) except the
+//! probes and introspection ([`Access::Open`]: `/health`, `/live`, `/metrics`, gRPC health and reflection), and the
+//! calls that change the cluster (drain, cordon, uncordon) need an admin key. Keys are compared in constant time.
+//!
+//! Under mutual TLS a gRPC caller may instead prove it is an administrator with its client certificate: one the
+//! cluster CA signed (the TLS handshake checked that) naming an admin identity (`--admin-cert-identity`) as its
+//! subject common name or as a DNS or URI subject alternative name (a SPIFFE ID, say). Such a caller needs no key
+//! for any call. Stage workers' own certificates carry other names, so they get no admin rights from them.
 //!
 //! The policy (which path needs what) is written once here for both APIs; the HTTP middleware
 //! (`http::authorize`) and the gRPC layer ([`GrpcAuthLayer`]) only apply it, and the refusals become statuses in
@@ -15,6 +20,8 @@ use axum::http::{HeaderMap, Request, Response, header};
 use serde::{Deserialize, Serialize};
 use strata_proto::COORDINATOR_SERVICE;
 use subtle::ConstantTimeEq;
+use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+use x509_parser::extensions::GeneralName;
 
 use crate::{Error, Result};
 
@@ -106,17 +113,52 @@ pub fn grpc_access(path: &str) -> Access {
     }
 }
 
-/// The keys the coordinator accepts. Empty: the APIs are open.
+/// Checks a list of admin certificate identities: each a non-empty name without spaces or control characters.
+pub fn check_identities(identities: &[String]) -> Result<()> {
+    for (i, name) in identities.iter().enumerate() {
+        if name.is_empty() || name.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(Error::Config(format!(
+                "admin_cert_identities[{i}] {name:?} must be a non-empty name without spaces"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The names a DER certificate is known by: its subject common names and its DNS and URI subject alternative
+/// names. A certificate that does not parse has none.
+pub fn certificate_names(der: &[u8]) -> Vec<String> {
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else { return Vec::new() };
+    let mut names: Vec<String> =
+        cert.subject().iter_common_name().filter_map(|cn| cn.as_str().ok()).map(str::to_owned).collect();
+    if let Ok(Some(san)) = cert.subject_alternative_name() {
+        for name in &san.value.general_names {
+            match name {
+                GeneralName::DNSName(n) | GeneralName::URI(n) => names.push((*n).to_owned()),
+                _ => {}
+            }
+        }
+    }
+    names
+}
+
+/// The keys and admin certificate identities the coordinator accepts. None: the APIs are open.
 #[derive(Debug, Clone, Default)]
 pub struct ApiKeys {
     user: Vec<ApiKey>,
     admin: Vec<ApiKey>,
+    admin_identities: Vec<String>,
 }
 
 impl ApiKeys {
     /// Plain keys (`user`) and admin keys (`admin`; they also work as plain keys).
     pub fn new(user: Vec<ApiKey>, admin: Vec<ApiKey>) -> Self {
-        ApiKeys { user, admin }
+        ApiKeys { user, admin, admin_identities: Vec::new() }
+    }
+
+    /// These keys, and admin rights for gRPC callers whose verified client certificate names one of `identities`.
+    pub fn with_admin_identities(self, identities: Vec<String>) -> Self {
+        ApiKeys { admin_identities: identities, ..self }
     }
 
     /// Whether any key is set (so calls must present one).
@@ -124,14 +166,24 @@ impl ApiKeys {
         !self.user.is_empty() || !self.admin.is_empty()
     }
 
-    /// Whether the `Authorization` header in `headers` allows a call that needs `need`.
-    pub fn check(&self, headers: &HeaderMap, need: Access) -> Result<()> {
-        if need == Access::Open || !self.enabled() {
+    /// Whether a call that needs `need` is allowed with the `Authorization` header in `headers` and, on gRPC under
+    /// mutual TLS, the names of the caller's verified client certificate (`peer_names`). Admin calls are guarded as
+    /// soon as keys or admin identities are set; the rest only by keys.
+    pub fn check(&self, headers: &HeaderMap, peer_names: &[String], need: Access) -> Result<()> {
+        let guarded = match need {
+            Access::Open => false,
+            Access::User => self.enabled(),
+            Access::Admin => self.enabled() || !self.admin_identities.is_empty(),
+        };
+        if !guarded || peer_names.iter().any(|n| self.admin_identities.contains(n)) {
             return Ok(());
         }
-        let presented = bearer(headers).ok_or_else(|| {
-            Error::Unauthenticated("missing API key: send the header `Authorization: Bearer <key>`".into())
-        })?;
+        let missing = if self.admin_identities.is_empty() {
+            "missing API key: send the header `Authorization: Bearer <key>`"
+        } else {
+            "missing API key: send the header `Authorization: Bearer <key>`, or present a client certificate with an admin identity"
+        };
+        let presented = bearer(headers).ok_or_else(|| Error::Unauthenticated(missing.into()))?;
         let admin = any_matches(&self.admin, presented);
         // Both lists are always compared, so the time taken does not say which list a key is in.
         let user = any_matches(&self.user, presented);
@@ -201,7 +253,10 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        match self.keys.check(req.headers(), grpc_access(req.uri().path())) {
+        // The end-entity certificate the TLS handshake verified against the cluster CA, if any.
+        let peer = req.extensions().get::<TlsConnectInfo<TcpConnectInfo>>().and_then(TlsConnectInfo::peer_certs);
+        let names = peer.as_ref().and_then(|chain| chain.first()).map(|c| certificate_names(c)).unwrap_or_default();
+        match self.keys.check(req.headers(), &names, grpc_access(req.uri().path())) {
             Ok(()) => futures_util::future::Either::Right(self.inner.call(req)),
             Err(e) => {
                 let status = tonic::Status::from(crate::api::service_error(&e));
@@ -257,12 +312,53 @@ mod tests {
             (None, Access::Open, "ok"),
         ];
         for (auth, need, want) in cases {
-            assert_eq!(code(k.check(&headers(auth), need)), want, "{auth:?} {need:?}");
+            assert_eq!(code(k.check(&headers(auth), &[], need)), want, "{auth:?} {need:?}");
         }
         let open = ApiKeys::default();
-        assert_eq!(code(open.check(&headers(None), Access::Admin)), "ok", "no keys: open");
+        assert_eq!(code(open.check(&headers(None), &[], Access::Admin)), "ok", "no keys: open");
         let admin_only = ApiKeys::new(Vec::new(), vec![ApiKey::new("a")]);
-        assert_eq!(code(admin_only.check(&headers(None), Access::User)), "unauthenticated");
+        assert_eq!(code(admin_only.check(&headers(None), &[], Access::User)), "unauthenticated");
+    }
+
+    #[test]
+    fn an_admin_certificate_identity_stands_in_for_the_admin_key() {
+        let names = |n: &[&str]| n.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let k = keys().with_admin_identities(names(&["ops-admin", "spiffe://strata/admin"]));
+        let admin_cert = names(&["someone", "ops-admin"]);
+        let spiffe = names(&["spiffe://strata/admin"]);
+        let node_cert = names(&["strata node", "localhost"]);
+        let cases = [
+            (None, &admin_cert, Access::Admin, "ok"),
+            (None, &spiffe, Access::Admin, "ok"),
+            (None, &admin_cert, Access::User, "ok"),
+            (None, &node_cert, Access::Admin, "unauthenticated"),
+            (None, &node_cert, Access::User, "unauthenticated"),
+            (Some("Bearer user-1"), &node_cert, Access::Admin, "permission_denied"),
+            (Some("Bearer admin-1"), &node_cert, Access::Admin, "ok"),
+        ];
+        for (auth, peer, need, want) in cases {
+            assert_eq!(code(k.check(&headers(auth), peer, need)), want, "{auth:?} {peer:?} {need:?}");
+        }
+        // Identities without keys guard only the admin calls.
+        let certs_only = ApiKeys::default().with_admin_identities(names(&["ops-admin"]));
+        assert_eq!(code(certs_only.check(&headers(None), &node_cert, Access::User)), "ok");
+        assert_eq!(code(certs_only.check(&headers(None), &node_cert, Access::Admin)), "unauthenticated");
+        assert_eq!(code(certs_only.check(&headers(None), &admin_cert, Access::Admin)), "ok");
+        assert!(check_identities(&names(&["ops-admin", "spiffe://x/y"])).is_ok());
+        assert!(check_identities(&names(&["ok", "has space"])).is_err_and(|e| e.to_string().contains("[1]")));
+        assert!(check_identities(&names(&[""])).is_err());
+    }
+
+    #[test]
+    fn certificate_names_are_the_common_name_and_dns_and_uri_alternative_names() -> anyhow::Result<()> {
+        let mut params = rcgen::CertificateParams::new(vec!["admin.example".to_owned(), "10.0.0.1".to_owned()])?;
+        params.distinguished_name.push(rcgen::DnType::CommonName, "ops-admin");
+        params.subject_alt_names.push(rcgen::SanType::URI("spiffe://strata/admin".try_into()?));
+        let cert = params.self_signed(&rcgen::KeyPair::generate()?)?;
+        let names = certificate_names(cert.der());
+        assert_eq!(names, ["ops-admin", "admin.example", "spiffe://strata/admin"], "an IP address is no name");
+        assert!(certificate_names(b"not a certificate").is_empty());
+        Ok(())
     }
 
     #[test]

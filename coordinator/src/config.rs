@@ -9,7 +9,7 @@ use strata_engine::{KvDtype, QuantDtype};
 use strata_membership::{check_cluster_name, check_endpoints};
 use strata_proto::{Keepalive, Tls, TlsFiles};
 
-use crate::auth::{ApiKey, ApiKeys, check_keys};
+use crate::auth::{ApiKey, ApiKeys, check_identities, check_keys};
 use crate::pipeline::{PipelineOptions, PrefixCaching, SchedulerLimits, Timeouts};
 use crate::sizing::{SizeOptions, context_limits};
 use crate::{Error, Result};
@@ -102,6 +102,10 @@ pub struct CoordinatorConfig {
     /// Admin API keys: they also work as plain keys, and only they may drain, cordon or uncordon nodes.
     #[serde(default)]
     pub admin_api_keys: Vec<ApiKey>,
+    /// Names that make a gRPC caller an administrator under mutual TLS: its client certificate (signed by the CA
+    /// in `tls`) carries one as subject common name or DNS/URI alternative name. Needs `tls` with a CA.
+    #[serde(default)]
+    pub admin_cert_identities: Vec<String>,
     /// Largest HTTP request body accepted, in bytes; larger ones get 413.
     #[serde(default = "default_max_body_bytes")]
     pub max_body_bytes: usize,
@@ -184,6 +188,7 @@ impl CoordinatorConfig {
             tls: None,
             api_keys: Vec::new(),
             admin_api_keys: Vec::new(),
+            admin_cert_identities: Vec::new(),
             max_body_bytes: default_max_body_bytes(),
         }
     }
@@ -233,12 +238,20 @@ impl CoordinatorConfig {
             return bad("max_body_bytes must be positive".into());
         }
         check_keys("api_keys", &self.api_keys)?;
-        check_keys("admin_api_keys", &self.admin_api_keys)
+        check_keys("admin_api_keys", &self.admin_api_keys)?;
+        check_identities(&self.admin_cert_identities)?;
+        if !self.admin_cert_identities.is_empty() && self.tls.as_ref().is_none_or(|t| t.ca.is_none()) {
+            return bad("admin_cert_identities need mutual TLS: set tls with a CA (--tls-ca, STRATA_TLS_CA), so \
+                        client certificates are asked for and checked"
+                .into());
+        }
+        Ok(())
     }
 
-    /// The keys both APIs accept (none: the APIs are open).
+    /// The keys and admin certificate identities the APIs accept (none: the APIs are open).
     pub fn keys(&self) -> ApiKeys {
         ApiKeys::new(self.api_keys.clone(), self.admin_api_keys.clone())
+            .with_admin_identities(self.admin_cert_identities.clone())
     }
 
     /// The longest sequence served and the KV tokens every stage must hold, for a model whose context is
@@ -362,6 +375,14 @@ mod tests {
         c.admin_api_keys = vec![ApiKey::new("a b")];
         assert!(c.validate().is_err_and(|e| e.to_string().contains("admin_api_keys[0]")));
         c.admin_api_keys = vec![ApiKey::new("admin")];
+        c.admin_cert_identities = vec!["ops-admin".into()];
+        assert!(c.validate().is_err_and(|e| e.to_string().contains("--tls-ca")), "identities need mutual TLS");
+        c.tls = Some(TlsFiles { cert: "/x/c.pem".into(), key: "/x/k.pem".into(), ca: Some("/x/ca.pem".into()) });
+        assert!(c.validate().is_ok());
+        c.admin_cert_identities = vec!["ops admin".into()];
+        assert!(c.validate().is_err_and(|e| e.to_string().contains("admin_cert_identities[0]")));
+        c.admin_cert_identities.clear();
+        c.tls = None;
         assert!(c.validate().is_ok() && c.keys().enabled());
     }
 

@@ -109,6 +109,10 @@ struct Args {
     /// A file of admin API keys, one per line, added to --admin-api-key.
     #[arg(long, env = "STRATA_ADMIN_API_KEY_FILE")]
     admin_api_key_file: Option<PathBuf>,
+    /// Under mutual TLS (--tls-ca), gRPC callers whose client certificate names one of these (subject common name,
+    /// DNS or URI alternative name; comma-separated) are administrators without a key.
+    #[arg(long = "admin-cert-identity", env = "STRATA_ADMIN_CERT_IDENTITIES", value_delimiter = ',')]
+    admin_cert_identities: Vec<String>,
     /// Largest HTTP request body accepted, in bytes; larger ones get 413.
     #[arg(long, env = "STRATA_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES)]
     max_body_bytes: usize,
@@ -149,6 +153,8 @@ async fn main() -> anyhow::Result<()> {
     config.tls = args.tls.files()?;
     config.api_keys = keys(args.api_keys, args.api_key_file.as_deref())?;
     config.admin_api_keys = keys(args.admin_api_keys, args.admin_api_key_file.as_deref())?;
+    config.admin_cert_identities =
+        args.admin_cert_identities.iter().map(|n| n.trim()).filter(|n| !n.is_empty()).map(str::to_owned).collect();
     config.max_body_bytes = args.max_body_bytes;
     strata_coordinator::run(config, shutdown_token()).await?;
     Ok(())

@@ -166,10 +166,37 @@ podAntiAffinity:
 {{- end }}
 {{- end -}}
 
+{{/*
+Where the TLS Secret's contents come from, first match wins: "existingSecret", "values" (tls.cert and tls.key),
+"certManager" (a Certificate), "generated" (the chart's own CA and node certificate).
+*/}}
+{{- define "strata.tls.source" -}}
+{{- if .Values.tls.existingSecret -}}existingSecret
+{{- else if or .Values.tls.cert .Values.tls.key -}}values
+{{- else if .Values.tls.certManager.enabled -}}certManager
+{{- else -}}generated
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when the TLS Secret holds a ca.crt: every source but inline values without tls.ca. */}}
+{{- define "strata.tls.hasCA" -}}
+{{- if and .Values.tls.enabled (or (ne (include "strata.tls.source" .) "values") .Values.tls.ca) -}}true{{- end -}}
+{{- end -}}
+
+{{/* The names the node certificate covers: the coordinator Service, every stage worker, localhost. */}}
+{{- define "strata.tls.dnsNames" -}}
+{{- $ns := .Release.Namespace -}}
+{{- $coordinator := include "strata.coordinator.fullname" . -}}
+{{- $names := list $coordinator (printf "%s.%s" $coordinator $ns) (printf "%s.%s.svc" $coordinator $ns) (include "strata.coordinator.host" .) -}}
+{{- $names = append $names (printf "*.%s.%s.svc.%s" (include "strata.stageWorker.headless" .) $ns .Values.clusterDomain) -}}
+{{- $names = append $names "localhost" -}}
+{{- concat $names .Values.tls.generated.extraDnsNames | toJson -}}
+{{- end -}}
+
 {{/* TLS env vars and mounts shared by coordinator, workers and the test pod. */}}
 {{/*
-STRATA_TLS_CA only when the Secret has a ca.crt (tls.ca given, or an existing Secret, which must then hold one):
-the binaries refuse to start on a CA file that is missing, rather than silently dropping mutual TLS.
+STRATA_TLS_CA only when the Secret has a ca.crt (strata.tls.hasCA): the binaries refuse to start on a CA file that
+is missing, rather than silently dropping mutual TLS.
 */}}
 {{- define "strata.tls.env" -}}
 {{- if .Values.tls.enabled }}
@@ -177,7 +204,7 @@ the binaries refuse to start on a CA file that is missing, rather than silently 
   value: {{ printf "%s/tls.crt" .Values.tls.mountPath | quote }}
 - name: STRATA_TLS_KEY
   value: {{ printf "%s/tls.key" .Values.tls.mountPath | quote }}
-{{- if or .Values.tls.ca .Values.tls.existingSecret }}
+{{- if include "strata.tls.hasCA" . }}
 - name: STRATA_TLS_CA
   value: {{ printf "%s/ca.crt" .Values.tls.mountPath | quote }}
 {{- end }}
@@ -276,8 +303,14 @@ The coordinator only reads config and tokenizer files, so in initCopy mode it mo
 
 {{/* Fail early on combinations the schema cannot express. */}}
 {{- define "strata.validate" -}}
-{{- if and .Values.tls.enabled (not .Values.tls.existingSecret) (not (and .Values.tls.cert .Values.tls.key)) -}}
-{{- fail "tls.enabled=true needs tls.existingSecret, or both tls.cert and tls.key" -}}
+{{- if and .Values.tls.enabled (eq (include "strata.tls.source" .) "values") (not (and .Values.tls.cert .Values.tls.key)) -}}
+{{- fail "tls.cert and tls.key go together: give both, or neither (then the chart generates a certificate)" -}}
+{{- end -}}
+{{- if and .Values.tls.enabled (eq (include "strata.tls.source" .) "certManager") (not .Values.tls.certManager.issuerRef.name) -}}
+{{- fail "tls.certManager.enabled=true needs tls.certManager.issuerRef.name" -}}
+{{- end -}}
+{{- if and .Values.auth.adminCertIdentities (not (include "strata.tls.hasCA" .)) -}}
+{{- fail "auth.adminCertIdentities need mutual TLS: tls.enabled=true with a CA" -}}
 {{- end -}}
 {{- if and .Values.auth.enabled (not .Values.auth.existingSecret) (not (or .Values.auth.apiKeys .Values.auth.adminApiKeys)) -}}
 {{- fail "auth.enabled=true needs auth.existingSecret, or keys in auth.apiKeys or auth.adminApiKeys" -}}

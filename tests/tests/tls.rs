@@ -3,101 +3,30 @@
 //! without a certificate from the CA and plaintext clients; HTTPS needs a client that trusts the CA but no client
 //! certificate, and a client that never finishes its handshake does not hold up the others.
 
-use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
-};
 use serde_json::{Value, json};
-use strata_proto::TlsFiles;
 use strata_proto::pb::coordinator_client::CoordinatorClient;
 use strata_proto::pb::stage_client::StageClient;
 use strata_proto::{pb, trace_interceptor};
 use strata_testkit::workspace_bin;
 use strata_tests::http_client::{self, Https};
+use strata_tests::pki::{Pki, tls_endpoint};
 use strata_tests::{StageSizing, TestCluster, generate, ids_request, tiny_model};
 use tokio_rustls::rustls::pki_types::CertificateDer;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::{self, ClientConfig, RootCertStore};
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+use tonic::transport::Endpoint;
 
 const PROMPT: [u32; 5] = [17, 42, 3, 250, 99];
 const BOUNDS: [usize; 3] = [0, 2, 4];
 
-/// A certificate and its key, as PEM.
-struct Pem {
-    cert: String,
-    key: String,
-}
-
-/// The cluster's CA and the one certificate every node uses, written to files, plus a stranger: a certificate from
-/// another CA with the same names.
-struct Pki {
-    dir: tempfile::TempDir,
-    ca: String,
-    node: Pem,
-    stranger_ca: String,
-    stranger: Pem,
-}
-
-fn new_ca(name: &str) -> Result<(Issuer<'static, KeyPair>, String)> {
-    let key = KeyPair::generate()?;
-    let mut params = CertificateParams::new(Vec::<String>::new())?;
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params.distinguished_name.push(DnType::CommonName, name);
-    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    let cert = params.self_signed(&key)?;
-    Ok((Issuer::new(params, key), cert.pem()))
-}
-
-/// A certificate for `localhost` and `127.0.0.1`, good for serving and as a client certificate, as every node's is.
-fn leaf(issuer: &Issuer<'static, KeyPair>) -> Result<Pem> {
-    let key = KeyPair::generate()?;
-    let mut params = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])?;
-    params.distinguished_name.push(DnType::CommonName, "strata node");
-    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
-    let cert = params.signed_by(&key, issuer)?;
-    Ok(Pem { cert: cert.pem(), key: key.serialize_pem() })
-}
-
-impl Pki {
-    fn new() -> Result<Self> {
-        let (issuer, ca) = new_ca("strata test CA")?;
-        let (stranger_issuer, stranger_ca) = new_ca("someone else's CA")?;
-        let pki =
-            Pki { dir: tempfile::tempdir()?, ca, node: leaf(&issuer)?, stranger_ca, stranger: leaf(&stranger_issuer)? };
-        std::fs::write(pki.path("ca.crt"), &pki.ca)?;
-        std::fs::write(pki.path("tls.crt"), &pki.node.cert)?;
-        std::fs::write(pki.path("tls.key"), &pki.node.key)?;
-        Ok(pki)
-    }
-
-    fn path(&self, name: &str) -> std::path::PathBuf {
-        self.dir.path().join(name)
-    }
-
-    /// The files as the Helm chart mounts them: mutual TLS.
-    fn files(&self) -> TlsFiles {
-        TlsFiles { cert: self.path("tls.crt"), key: self.path("tls.key"), ca: Some(self.path("ca.crt")) }
-    }
-}
-
 async fn tls_cluster(model: &Path, pki: &Pki) -> Result<TestCluster> {
     TestCluster::start_with_tls(model, &BOUNDS, StageSizing::default(), Some(pki.files())).await
-}
-
-/// A gRPC endpoint at `addr` over TLS, trusting `ca` and presenting `identity` if any.
-fn tls_endpoint(addr: SocketAddr, ca: &str, identity: Option<&Pem>) -> Result<Endpoint> {
-    let mut config = ClientTlsConfig::new().domain_name("127.0.0.1").ca_certificate(Certificate::from_pem(ca));
-    if let Some(id) = identity {
-        config = config.identity(Identity::from_pem(&id.cert, &id.key));
-    }
-    Ok(Endpoint::from_shared(format!("https://{addr}"))?.connect_timeout(Duration::from_secs(5)).tls_config(config)?)
 }
 
 /// Whether a greedy generation through `endpoint` fails (at connect or at the call) within 10 s.

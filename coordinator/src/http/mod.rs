@@ -167,7 +167,8 @@ async fn trace_request(State(state): State<Arc<HttpState>>, mut req: Request, ne
 
 /// Refuses requests the API keys do not allow (inside the tracing span, so refusals are logged and counted).
 async fn authorize(State(state): State<Arc<HttpState>>, req: Request, next: Next) -> Response {
-    match state.keys.check(req.headers(), auth::http_access(req.uri().path())) {
+    // The HTTP API asks for no client certificate, so only keys count here.
+    match state.keys.check(req.headers(), &[], auth::http_access(req.uri().path())) {
         Ok(()) => next.run(req).await,
         Err(e) => ApiError::from(e).into_response(),
     }
