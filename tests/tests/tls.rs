@@ -10,14 +10,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
-};
 use serde_json::{Value, json};
 use strata_proto::TlsFiles;
 use strata_proto::pb::coordinator_client::CoordinatorClient;
 use strata_proto::pb::stage_client::StageClient;
 use strata_proto::{pb, trace_interceptor};
+use strata_testkit::pki::{Ca, Pem};
 use strata_testkit::workspace_bin;
 use strata_tests::http_client::{self, Https};
 use strata_tests::{StageSizing, TestCluster, generate, ids_request, tiny_model};
@@ -29,12 +27,6 @@ use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 const PROMPT: [u32; 5] = [17, 42, 3, 250, 99];
 const BOUNDS: [usize; 3] = [0, 2, 4];
 
-/// A certificate and its key, as PEM.
-struct Pem {
-    cert: String,
-    key: String,
-}
-
 /// The cluster's CA and the one certificate every node uses, written to files, plus a stranger: a certificate from
 /// another CA with the same names.
 struct Pki {
@@ -45,32 +37,16 @@ struct Pki {
     stranger: Pem,
 }
 
-fn new_ca(name: &str) -> Result<(Issuer<'static, KeyPair>, String)> {
-    let key = KeyPair::generate()?;
-    let mut params = CertificateParams::new(Vec::<String>::new())?;
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params.distinguished_name.push(DnType::CommonName, name);
-    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    let cert = params.self_signed(&key)?;
-    Ok((Issuer::new(params, key), cert.pem()))
-}
-
-/// A certificate for `localhost` and `127.0.0.1`, good for serving and as a client certificate, as every node's is.
-fn leaf(issuer: &Issuer<'static, KeyPair>) -> Result<Pem> {
-    let key = KeyPair::generate()?;
-    let mut params = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])?;
-    params.distinguished_name.push(DnType::CommonName, "strata node");
-    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
-    let cert = params.signed_by(&key, issuer)?;
-    Ok(Pem { cert: cert.pem(), key: key.serialize_pem() })
-}
-
 impl Pki {
     fn new() -> Result<Self> {
-        let (issuer, ca) = new_ca("strata test CA")?;
-        let (stranger_issuer, stranger_ca) = new_ca("someone else's CA")?;
-        let pki =
-            Pki { dir: tempfile::tempdir()?, ca, node: leaf(&issuer)?, stranger_ca, stranger: leaf(&stranger_issuer)? };
+        let (issuer, stranger_issuer) = (Ca::new("strata test CA")?, Ca::new("someone else's CA")?);
+        let pki = Pki {
+            dir: tempfile::tempdir()?,
+            node: issuer.leaf("strata node", &[])?,
+            ca: issuer.cert,
+            stranger: stranger_issuer.leaf("strata node", &[])?,
+            stranger_ca: stranger_issuer.cert,
+        };
         std::fs::write(pki.path("ca.crt"), &pki.ca)?;
         std::fs::write(pki.path("tls.crt"), &pki.node.cert)?;
         std::fs::write(pki.path("tls.key"), &pki.node.key)?;
