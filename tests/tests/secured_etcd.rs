@@ -1,12 +1,14 @@
 //! The `coordinator` and `stage-worker` binaries on a secured etcd: TLS with client certificates and a root user
 //! with auth enabled, given to them the way the Helm chart does (env vars, the password in a file). They serve a
-//! generation; a worker with a wrong password stops at once, naming the problem.
+//! generation; `strata etcd enable-auth` (the chart's Job) finds auth on; a worker with a wrong password stops at
+//! once, naming the problem.
 
+use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use strata_proto::pb::coordinator_client::CoordinatorClient;
-use strata_testkit::{EtcdSecurity, EtcdServer};
+use strata_testkit::{EtcdSecurity, EtcdServer, workspace_bin};
 use strata_tests::processes::{ProcessCluster, request};
 use strata_tests::smollm2;
 
@@ -43,6 +45,17 @@ async fn binaries_serve_a_generation_over_an_etcd_with_tls_and_auth() -> Result<
     // The records went into the secured etcd: root sees both workers there.
     let keys = cluster.etcd.etcdctl(&["get", "/strata/faults/", "--prefix", "--keys-only"])?;
     ensure!(keys.contains("w0") && keys.contains("w1"), "{keys}");
+    // The chart's auth Job, run again as on an upgrade, finds auth on and the password right.
+    let out = Command::new(workspace_bin("strata")?)
+        .args(["etcd", "enable-auth", "--etcd", &cluster.etcd.endpoint()])
+        .envs(cluster.env.iter().map(|(k, v)| (k, v)))
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success() && stdout.contains("already enabled"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     // Same settings but the wrong password: the worker exits within its connect window, saying why.
     for (key, value) in &mut cluster.env {
