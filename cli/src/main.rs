@@ -7,6 +7,7 @@ mod client;
 mod cluster;
 mod connect;
 mod drain;
+mod etcd;
 mod generate;
 mod load;
 mod plan;
@@ -47,6 +48,9 @@ enum Command {
     /// Inject faults (crashes, hangs, drains, joins, etcd pauses, leader failover) into a real cluster of
     /// processes under streamed load and compare every stream with an undisturbed run.
     Chaos(chaos::ChaosArgs),
+    /// etcd administration: `enable-auth` turns on a fresh etcd's auth with a root user.
+    #[command(subcommand)]
+    Etcd(etcd::EtcdCommand),
 }
 
 #[derive(Subcommand)]
@@ -67,6 +71,7 @@ fn main() {
         Command::Client(ClientCommand::Generate(a)) => client::client_generate(a),
         Command::Nodes(c) => cluster::nodes(c),
         Command::Chaos(a) => chaos::run(a),
+        Command::Etcd(c) => etcd::run(c),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -61,14 +61,24 @@ pub fn service_error(err: &Error) -> ServiceError {
         Error::Config(_)
         | Error::Model(_)
         | Error::InvalidRequest { .. }
-        | Error::Membership(M::NoEndpoints | M::InvalidEndpoint(_) | M::InvalidClusterName(_)) => {
-            ServiceError::invalid_argument(message)
-        }
+        | Error::Membership(
+            M::NoEndpoints
+            | M::InvalidEndpoint(_)
+            | M::InvalidClusterName(_)
+            | M::EtcdTls(_)
+            | M::EtcdCredentials(_)
+            | M::EtcdFlagsWithoutEndpoints,
+        ) => ServiceError::invalid_argument(message),
         Error::Membership(M::StaleEpoch { .. } | M::EpochNotNext { .. }) | Error::Placement(_) => {
             ServiceError::failed_precondition(message)
         }
         Error::Membership(
-            M::EtcdUnreachable { .. } | M::Etcd { .. } | M::LeaseExpired(_) | M::Contention { .. } | M::Deposed { .. },
+            M::EtcdUnreachable { .. }
+            | M::EtcdRefused { .. }
+            | M::Etcd { .. }
+            | M::LeaseExpired(_)
+            | M::Contention { .. }
+            | M::Deposed { .. },
         ) => ServiceError::unavailable(message),
         Error::Unauthenticated(_) => ServiceError::unauthenticated(message),
         Error::PermissionDenied(_) => ServiceError::permission_denied(message),

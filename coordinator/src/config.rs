@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use strata_engine::{KvDtype, QuantDtype};
-use strata_membership::{check_cluster_name, check_endpoints};
+use strata_membership::{EtcdOptions, check_cluster_name};
 use strata_proto::{Keepalive, Tls, TlsFiles};
 
 use crate::auth::{ApiKey, ApiKeys, check_identities, check_keys};
@@ -18,9 +18,9 @@ use crate::{Error, Result};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CoordinatorConfig {
-    /// etcd endpoints (`http://host:2379`); `None` runs an embedded in-process registry.
+    /// etcd: endpoints, TLS and user; `None` runs an embedded in-process registry.
     #[serde(default)]
-    pub etcd: Option<Vec<String>>,
+    pub etcd: Option<EtcdOptions>,
     /// Cluster name: every key lives under `/strata/<cluster>/`.
     #[serde(default = "default_cluster")]
     pub cluster: String,
@@ -200,7 +200,7 @@ impl CoordinatorConfig {
             return bad("min_stages must be at least 1".into());
         }
         let membership = check_cluster_name(&self.cluster).and_then(|()| match &self.etcd {
-            Some(endpoints) => check_endpoints(endpoints),
+            Some(etcd) => etcd.check(),
             None => Ok(()),
         });
         if let Err(e) = membership {
@@ -349,7 +349,7 @@ mod tests {
         c.cluster = "a/b".into();
         assert!(c.validate().is_err_and(|e| e.to_string().contains("cluster")));
         let mut c = base();
-        c.etcd = Some(vec![]);
+        c.etcd = Some(EtcdOptions::new(vec![]));
         assert!(c.validate().is_err_and(|e| e.to_string().contains("etcd")));
         let mut c = base();
         c.model_name = Some(" ".into());

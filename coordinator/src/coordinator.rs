@@ -143,8 +143,8 @@ impl ClusterView {
 pub async fn run(config: CoordinatorConfig, shutdown: CancellationToken) -> Result<()> {
     config.validate()?;
     match config.etcd.clone() {
-        Some(endpoints) => {
-            let registry = EtcdRegistry::connect(&endpoints, &config.cluster, config.connect_timeout()).await?;
+        Some(etcd) => {
+            let registry = EtcdRegistry::connect(&etcd, &config.cluster, config.connect_timeout()).await?;
             run_with_registry(config, registry, shutdown).await
         }
         None => {

@@ -8,7 +8,7 @@ use strata_coordinator::auth::{ApiKey, read_key_file};
 use strata_coordinator::config::DEFAULT_MAX_BODY_BYTES;
 use strata_coordinator::{CoordinatorConfig, PrefixCaching};
 use strata_engine::{KvDtype, QuantDtype};
-use strata_membership::parse_endpoints;
+use strata_membership::EtcdArgs;
 use strata_proto::{Keepalive, LogArgs, TlsArgs, shutdown_token};
 
 /// strata coordinator: places the model on the stage workers registered in etcd.
@@ -18,6 +18,9 @@ struct Args {
     /// etcd endpoints, comma-separated (`http://10.0.0.1:2379,...`); omitted: embedded registry.
     #[arg(long, env = "STRATA_ETCD")]
     etcd: Option<String>,
+    /// etcd TLS and user.
+    #[command(flatten)]
+    etcd_access: EtcdArgs,
     /// Model: a Hugging Face directory or a `.gguf` file.
     #[arg(long, env = "STRATA_MODEL")]
     model: PathBuf,
@@ -129,7 +132,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let _telemetry = args.log.init("strata-coordinator");
     let mut config = CoordinatorConfig::new(args.model, args.grpc, args.http);
-    config.etcd = args.etcd.as_deref().map(parse_endpoints).transpose()?;
+    config.etcd = args.etcd_access.options(args.etcd.as_deref())?;
     config.min_stages = args.min_stages;
     config.cluster = args.cluster;
     config.model_name = args.model_name;

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, ensure};
 use common::{EtcdServer, node, tiny_model};
 use strata_coordinator::{ClusterSnapshot, ClusterView, Coordinator, CoordinatorConfig, Error, ModelShape, drain_node};
-use strata_membership::{EmbeddedRegistry, NodeRegistration, NodeState, Registry};
+use strata_membership::{EmbeddedRegistry, EtcdOptions, NodeRegistration, NodeState, Registry};
 use strata_proto::NodeId;
 use tokio_util::sync::CancellationToken;
 
@@ -179,7 +179,7 @@ async fn unreachable_etcd_is_a_clear_error_in_bounded_time() -> anyhow::Result<(
     let model = tiny_model(dir.path(), 2)?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let mut cfg = config(&model, 1, "lonely");
-    cfg.etcd = Some(vec![format!("http://127.0.0.1:{port}")]);
+    cfg.etcd = Some(EtcdOptions::new(vec![format!("http://127.0.0.1:{port}")]));
     cfg.connect_timeout_ms = 1500;
     let start = Instant::now();
     let result = tokio::time::timeout(Duration::from_secs(10), strata_coordinator::run(cfg, CancellationToken::new()))

@@ -118,7 +118,7 @@ imagePullSecrets:
 {{- if .Values.etcd.external.endpoints -}}
 {{- join "," .Values.etcd.external.endpoints -}}
 {{- else -}}
-{{- printf "http://%s.%s.svc.%s:%d" (include "strata.etcd.fullname" .) .Release.Namespace .Values.clusterDomain (int .Values.etcd.service.clientPort) -}}
+{{- printf "%s://%s.%s.svc.%s:%d" (ternary "https" "http" .Values.etcd.tls.enabled) (include "strata.etcd.fullname" .) .Release.Namespace .Values.clusterDomain (int .Values.etcd.service.clientPort) -}}
 {{- end -}}
 {{- end -}}
 
@@ -315,6 +315,7 @@ The coordinator only reads config and tokenizer files, so in initCopy mode it mo
 {{- if and .Values.auth.enabled (not .Values.auth.existingSecret) (not (or .Values.auth.apiKeys .Values.auth.adminApiKeys)) -}}
 {{- fail "auth.enabled=true needs auth.existingSecret, or keys in auth.apiKeys or auth.adminApiKeys" -}}
 {{- end -}}
+{{- include "strata.etcd.validate" . -}}
 {{- if and (not .Values.etcd.external.endpoints) (not (has (int .Values.etcd.replicas) (list 1 3 5))) -}}
 {{- fail "etcd.replicas must be 1, 3 or 5" -}}
 {{- end -}}

@@ -13,14 +13,14 @@ pub fn check_cluster_name(name: &str) -> Result<()> {
 }
 
 /// Parses a comma-separated endpoint list (`a:2379, https://b:2379`); a bare `host:port` means
-/// `http://host:port`. Blank entries are skipped, so an empty list parses to no endpoint (callers decide whether
-/// that means the embedded registry or an error).
-pub fn parse_endpoints(list: &str) -> Result<Vec<String>> {
+/// `<scheme>://host:port` (`https` when the etcd CA is given). Blank entries are skipped, so an empty list parses to
+/// no endpoint (callers decide whether that means the embedded registry or an error).
+pub(crate) fn parse_endpoints(list: &str, scheme: &str) -> Result<Vec<String>> {
     list.split(',')
         .map(str::trim)
         .filter(|e| !e.is_empty())
         .map(|e| {
-            let url = if e.contains("://") { e.to_owned() } else { format!("http://{e}") };
+            let url = if e.contains("://") { e.to_owned() } else { format!("{scheme}://{e}") };
             check_endpoint(&url)?;
             Ok(url)
         })
@@ -28,7 +28,7 @@ pub fn parse_endpoints(list: &str) -> Result<Vec<String>> {
 }
 
 /// Checks an endpoint list as given in a config file: at least one, each an `http://` or `https://` URL with a host.
-pub fn check_endpoints(endpoints: &[String]) -> Result<()> {
+pub(crate) fn check_endpoints(endpoints: &[String]) -> Result<()> {
     if endpoints.is_empty() {
         return Err(Error::NoEndpoints);
     }
@@ -49,10 +49,12 @@ mod tests {
 
     #[test]
     fn endpoints_get_a_scheme_and_bad_ones_are_named() -> Result<()> {
-        assert_eq!(parse_endpoints("a:2379, https://b:2379,")?, ["http://a:2379", "https://b:2379"]);
-        assert_eq!(parse_endpoints(" , ")?, Vec::<String>::new());
-        assert!(matches!(parse_endpoints("ftp://a:2379"), Err(Error::InvalidEndpoint(e)) if e == "ftp://a:2379"));
-        assert!(matches!(parse_endpoints("http://"), Err(Error::InvalidEndpoint(_))));
+        assert_eq!(parse_endpoints("a:2379, https://b:2379,", "http")?, ["http://a:2379", "https://b:2379"]);
+        assert_eq!(parse_endpoints(" , ", "http")?, Vec::<String>::new());
+        assert!(
+            matches!(parse_endpoints("ftp://a:2379", "http"), Err(Error::InvalidEndpoint(e)) if e == "ftp://a:2379")
+        );
+        assert!(matches!(parse_endpoints("http://", "http"), Err(Error::InvalidEndpoint(_))));
         assert!(matches!(check_endpoints(&[]), Err(Error::NoEndpoints)));
         assert!(check_endpoints(&["a:2379".into()]).is_err(), "a config file's endpoints carry their scheme");
         check_endpoints(&["https://a:2379".into()])

@@ -19,6 +19,25 @@ pub enum Error {
     /// A cluster name that cannot be a key segment.
     #[error("cluster {0:?} must be non-empty and use only [A-Za-z0-9._-]")]
     InvalidClusterName(String),
+    /// The etcd TLS settings do not fit together or their files cannot be used: an `https://` endpoint without a
+    /// CA, a CA with an `http://` endpoint, a certificate without its key, an unreadable PEM file.
+    #[error("etcd TLS: {0}")]
+    EtcdTls(String),
+    /// etcd TLS or user flags without any etcd endpoint (they would be silently unused).
+    #[error("--etcd-ca, --etcd-cert, --etcd-key, --etcd-user and --etcd-password-file need --etcd (STRATA_ETCD)")]
+    EtcdFlagsWithoutEndpoints,
+    /// The etcd user settings are incomplete: a user without a password or the reverse, an empty name.
+    #[error("etcd user: {0}")]
+    EtcdCredentials(String),
+    /// etcd answered but refused us for good (wrong password, authentication required, a certificate it does not
+    /// trust): retrying cannot help, so connecting stops at once.
+    #[error("etcd at {endpoints} refused the connection: {reason}")]
+    EtcdRefused {
+        /// The endpoints tried, comma-separated.
+        endpoints: String,
+        /// What was wrong, with what to check.
+        reason: String,
+    },
     /// No etcd endpoint answered within the start-up window.
     #[error("etcd unreachable at {endpoints} after {waited:?} ({attempts} attempts): {last_error}")]
     EtcdUnreachable {

@@ -2,14 +2,12 @@
 
 use std::time::{Duration, Instant};
 
-use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
-};
+use etcd_client::{Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
 use tokio::sync::mpsc;
 
 use crate::{
-    Backoff, Condition, Error, Fence, KeyValue, Keys, LeaseId, LeaseMode, Registry, Result, WATCH_CHANNEL, WatchEvent,
-    check_endpoints,
+    Backoff, Condition, Error, EtcdOptions, Fence, KeyValue, Keys, LeaseId, LeaseMode, Registry, Result, WATCH_CHANNEL,
+    WatchEvent,
 };
 
 /// A registry stored in etcd. Cheap to clone (one shared connection pool).
@@ -36,15 +34,14 @@ fn kv_of(kv: &etcd_client::KeyValue) -> KeyValue {
 }
 
 impl EtcdRegistry {
-    /// Connects to `endpoints` (e.g. `http://10.0.0.1:2379`) and checks that etcd answers, retrying with backoff
-    /// for up to `wait`; after that fails with [`Error::EtcdUnreachable`].
-    pub async fn connect(endpoints: &[String], cluster: &str, wait: Duration) -> Result<Self> {
-        check_endpoints(endpoints)?;
-        let joined = endpoints.join(",");
-        let options = ConnectOptions::new()
-            .with_connect_timeout(Duration::from_secs(1))
-            .with_timeout(Duration::from_secs(5))
-            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(2));
+    /// Connects to etcd as `etcd` says (TLS, user) and checks that it answers, retrying with backoff for up to
+    /// `wait`; after that fails with [`Error::EtcdUnreachable`]. Settings that do not fit together fail at once,
+    /// and so does an etcd that refuses us for good ([`Error::EtcdRefused`]: wrong password, no user given to an
+    /// etcd with auth, a certificate one side does not trust).
+    pub async fn connect(etcd: &EtcdOptions, cluster: &str, wait: Duration) -> Result<Self> {
+        let options = etcd.connect_options()?;
+        let endpoints = &etcd.endpoints;
+        let described = etcd.describe();
         let start = Instant::now();
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(1));
         let mut attempts = 0;
@@ -58,26 +55,97 @@ impl EtcdRegistry {
             let budget = wait.saturating_sub(start.elapsed()).clamp(Duration::from_millis(100), Duration::from_secs(2));
             let last_error = match tokio::time::timeout(budget, attempt).await {
                 Ok(Ok(client)) => {
-                    tracing::info!(endpoints = %joined, attempts, "connected to etcd");
+                    tracing::info!(etcd = %described, attempts, "connected to etcd");
                     return Ok(Self { client, keys: Keys::new(cluster) });
                 }
-                Ok(Err(e)) => e.to_string(),
+                Ok(Err(e)) => match refusal(&e) {
+                    Some(reason) => return Err(Error::EtcdRefused { endpoints: endpoints.join(","), reason }),
+                    None => error_chain(&e),
+                },
                 Err(_) => format!("no answer within {budget:?}"),
             };
             let remaining = wait.saturating_sub(start.elapsed());
             if remaining.is_zero() {
                 return Err(Error::EtcdUnreachable {
-                    endpoints: joined,
+                    endpoints: endpoints.join(","),
                     waited: start.elapsed(),
                     attempts,
                     last_error,
                 });
             }
             let delay = backoff.next_delay().min(remaining);
-            tracing::warn!(endpoints = %joined, error = %last_error, retry_in = ?delay, "etcd not reachable yet");
+            tracing::warn!(etcd = %described, error = %last_error, retry_in = ?delay, "etcd not reachable yet");
             tokio::time::sleep(delay).await;
         }
     }
+
+    /// Turns on etcd's auth with `etcd`'s user, which must be `root` (etcd enables auth only with a root user
+    /// holding the root role): adds the user and role, grants it, enables auth. Safe to run again, as a Helm hook
+    /// does on every upgrade: with auth already on it only checks that the user's password works. Returns whether
+    /// it enabled auth now.
+    pub async fn enable_auth(etcd: &EtcdOptions, wait: Duration) -> Result<bool> {
+        let user =
+            etcd.user.as_ref().ok_or_else(|| Error::EtcdCredentials("enabling auth needs --etcd-user root".into()))?;
+        if user.name != "root" {
+            return Err(Error::EtcdCredentials(format!("etcd enables auth only for user root, not {:?}", user.name)));
+        }
+        let anonymous = EtcdOptions { user: None, ..etcd.clone() };
+        let mut client = match Self::connect(&anonymous, "auth", wait).await {
+            Ok(registry) => registry.client,
+            // Refused without a user: auth is on already. The password must work.
+            Err(Error::EtcdRefused { .. }) => return Self::connect(etcd, "auth", wait).await.map(|_| false),
+            Err(e) => return Err(e),
+        };
+        let tolerate = |op: &'static str, already: &'static str| {
+            move |e: etcd_client::Error| if e.to_string().contains(already) { Ok(()) } else { Err(Error::etcd(op)(e)) }
+        };
+        let password = user.password.expose();
+        client.user_add("root", password, None).await.map(drop).or_else(tolerate("user add root", "already exists"))?;
+        client.role_add("root").await.map(drop).or_else(tolerate("role add root", "already exists"))?;
+        client.user_grant_role("root", "root").await.map_err(Error::etcd("grant root the root role"))?;
+        client.auth_enable().await.map_err(Error::etcd("auth enable"))?;
+        tracing::info!(etcd = %etcd.describe(), "etcd auth enabled for user root");
+        Ok(true)
+    }
+}
+
+/// The error and its causes, `: `-separated (tonic's transport errors say only "transport error" at the top; the
+/// TLS or socket failure is in the sources).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// Why etcd refused us, when retrying cannot help: credentials it rejects or a TLS peer that is not trusted.
+fn refusal(e: &etcd_client::Error) -> Option<String> {
+    let text = error_chain(e);
+    let hint = if text.contains("authentication failed") {
+        "wrong etcd user or password (--etcd-user, --etcd-password-file)"
+    } else if text.contains("user name is empty") || text.contains("invalid auth token") {
+        "etcd has auth enabled: give --etcd-user and its password (--etcd-password-file or STRATA_ETCD_PASSWORD)"
+    } else if text.contains("permission denied") {
+        // Also what an etcd with auth enabled answers a caller with no user but a client certificate.
+        "etcd denied access to /strata/: with auth enabled give --etcd-user and its password, and grant the user's \
+         role readwrite on the /strata/ prefix"
+    } else if text.contains("invalid peer certificate") {
+        "TLS: etcd's certificate does not chain to --etcd-ca or does not name the endpoint's host"
+    } else if text.contains("alert: BadCertificate") || text.contains("alert: CertificateRequired") {
+        "TLS: etcd did not accept our client certificate: give --etcd-cert and --etcd-key, signed by a CA etcd trusts"
+    } else if text.contains("certificate") || text.contains("Certificate") {
+        "TLS: a certificate was refused (check --etcd-ca, --etcd-cert, --etcd-key)"
+    } else {
+        return None;
+    };
+    Some(format!("{hint}: {text}"))
 }
 
 impl Registry for EtcdRegistry {

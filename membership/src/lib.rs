@@ -1,6 +1,6 @@
 //! strata's cluster membership, shared by the coordinator and the stage workers: node records under leases, the
 //! plan with its epoch compare-and-swap, watches, the coordinator's leader election, and where a cluster lives
-//! (its name and etcd endpoints, checked once here).
+//! (its name, and the etcd endpoints with their TLS and user, checked once here).
 //!
 //! [`Registry`] has two parts. Its required methods are the few store primitives a backend provides (leases,
 //! revisions, conditional puts, prefix watches): [`EtcdRegistry`] maps them onto etcd, [`EmbeddedRegistry`]
@@ -12,6 +12,7 @@ mod cluster;
 mod embedded;
 mod error;
 mod etcd;
+mod etcd_options;
 mod lease;
 mod records;
 mod watch;
@@ -22,10 +23,11 @@ use std::time::Duration;
 use strata_proto::{NodeId, PlanEpoch};
 use tokio::sync::mpsc;
 
-pub use cluster::{check_cluster_name, check_endpoints, parse_endpoints};
+pub use cluster::check_cluster_name;
 pub use embedded::EmbeddedRegistry;
 pub use error::{Error, Result};
 pub use etcd::EtcdRegistry;
+pub use etcd_options::{EtcdArgs, EtcdOptions, EtcdPassword, EtcdTls, EtcdUser, PASSWORD_ENV};
 pub use lease::{Leadership, NodeRegistration};
 pub use records::{Keys, NodeEvent, NodeRecord, NodeState, Plan, PlanStage};
 pub use watch::NodeWatch;

@@ -183,8 +183,8 @@ macro_rules! on_both_registries {
                 #[tokio::test]
                 async fn $name() -> anyhow::Result<()> {
                     let server = super::EtcdServer::start()?;
-                    let registry =
-                        super::EtcdRegistry::connect(&[server.endpoint()], "t", super::Duration::from_secs(5)).await?;
+                    let etcd = strata_membership::EtcdOptions::new(vec![server.endpoint()]);
+                    let registry = super::EtcdRegistry::connect(&etcd, "t", super::Duration::from_secs(5)).await?;
                     super::$name(registry).await
                 }
             )*
@@ -207,3 +207,107 @@ on_both_registries!(
     one_leader_and_failover,
     terms_grow_and_fence_plan_writes,
 );
+
+/// The same registry over a secured etcd: TLS with client certificates, a root user with auth enabled.
+mod secured_etcd {
+    use std::path::PathBuf;
+
+    use strata_membership::{EtcdOptions, EtcdPassword, EtcdTls, EtcdUser};
+    use strata_testkit::{EtcdSecurity, pki::Ca};
+
+    use super::*;
+
+    const PASSWORD: &str = "s3cret-pw";
+
+    async fn connect(etcd: &EtcdOptions) -> strata_membership::Result<EtcdRegistry> {
+        EtcdRegistry::connect(etcd, "t", Duration::from_secs(2)).await
+    }
+
+    fn tls_options(server: &EtcdServer, client_cert: bool) -> anyhow::Result<EtcdOptions> {
+        let pki = server.pki().context("etcd without TLS")?;
+        let cert = |path: &PathBuf| client_cert.then(|| path.clone());
+        let tls = EtcdTls { ca: pki.ca.clone(), cert: cert(&pki.client_cert), key: cert(&pki.client_key) };
+        Ok(EtcdOptions { tls: Some(tls), ..EtcdOptions::new(vec![server.endpoint()]) })
+    }
+
+    fn as_root(server: &EtcdServer, password: &str) -> EtcdOptions {
+        let user = EtcdUser { name: "root".into(), password: EtcdPassword::new(password) };
+        EtcdOptions { user: Some(user), ..EtcdOptions::new(vec![server.endpoint()]) }
+    }
+
+    /// The refusal's reason, or what came instead.
+    fn refusal(result: strata_membership::Result<EtcdRegistry>) -> String {
+        match result {
+            Err(Error::EtcdRefused { reason, .. }) => reason,
+            Err(e) => format!("not a refusal: {e}"),
+            Ok(_) => "connected".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn tls_with_a_client_certificate_carries_leases_watches_and_plans() -> anyhow::Result<()> {
+        let server = EtcdServer::start_secured("127.0.0.1", &EtcdSecurity { tls: true, root_password: None })?;
+        let registry = connect(&tls_options(&server, true)?).await?;
+        register_list_and_watch_events(registry.clone()).await?;
+        plan_cas_rejects_stale_epoch_and_watch_sees_newest(registry).await
+    }
+
+    #[tokio::test]
+    async fn tls_without_the_client_certificate_or_the_right_ca_is_refused_clearly() -> anyhow::Result<()> {
+        let server = EtcdServer::start_secured("127.0.0.1", &EtcdSecurity { tls: true, root_password: None })?;
+        let no_cert = refusal(connect(&tls_options(&server, false)?).await);
+        ensure!(no_cert.contains("did not accept our client certificate"), "{no_cert}");
+
+        let dir = tempfile::tempdir()?;
+        let stranger = dir.path().join("stranger.crt");
+        std::fs::write(&stranger, Ca::new("someone else's CA")?.cert)?;
+        let mut wrong_ca = tls_options(&server, true)?;
+        wrong_ca.tls.as_mut().context("tls")?.ca = stranger;
+        let wrong_ca = refusal(connect(&wrong_ca).await);
+        ensure!(wrong_ca.contains("does not chain to --etcd-ca"), "{wrong_ca}");
+
+        // No CA for an https endpoint, or a CA for a plaintext one: refused before dialling.
+        let no_ca = connect(&EtcdOptions::new(vec![server.endpoint()])).await;
+        ensure!(matches!(&no_ca, Err(Error::EtcdTls(m)) if m.contains("--etcd-ca")), "{no_ca:?}");
+        let mut plaintext = tls_options(&server, true)?;
+        plaintext.endpoints = vec![server.endpoint().replace("https://", "http://")];
+        let plaintext = connect(&plaintext).await;
+        ensure!(matches!(&plaintext, Err(Error::EtcdTls(m)) if m.contains("plaintext")), "{plaintext:?}");
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn auth_takes_the_right_password_and_names_a_wrong_or_missing_one() -> anyhow::Result<()> {
+        let security = EtcdSecurity { tls: false, root_password: Some(PASSWORD.into()) };
+        let server = EtcdServer::start_secured("127.0.0.1", &security)?;
+        let registry = connect(&as_root(&server, PASSWORD)).await?;
+        register_list_and_watch_events(registry).await?;
+
+        let wrong = refusal(connect(&as_root(&server, "guess")).await);
+        ensure!(wrong.contains("wrong etcd user or password"), "{wrong}");
+        let missing = refusal(connect(&EtcdOptions::new(vec![server.endpoint()])).await);
+        ensure!(missing.contains("--etcd-user"), "{missing}");
+        Ok(())
+    }
+
+    /// What the chart's hook runs after every install and upgrade: the first run enables auth, later ones only
+    /// check the password.
+    #[tokio::test]
+    async fn enable_auth_turns_auth_on_once_and_then_only_checks_the_password() -> anyhow::Result<()> {
+        let server = EtcdServer::start_secured("127.0.0.1", &EtcdSecurity { tls: true, root_password: None })?;
+        let root = |password: &str| -> anyhow::Result<EtcdOptions> {
+            let user = EtcdUser { name: "root".into(), password: EtcdPassword::new(password) };
+            Ok(EtcdOptions { user: Some(user), ..tls_options(&server, true)? })
+        };
+        let wait = Duration::from_secs(2);
+        ensure!(connect(&tls_options(&server, true)?).await.is_ok(), "auth is off at first");
+        ensure!(EtcdRegistry::enable_auth(&root(PASSWORD)?, wait).await?, "the first run enables auth");
+        ensure!(!EtcdRegistry::enable_auth(&root(PASSWORD)?, wait).await?, "the second finds it on");
+        let anonymous = refusal(connect(&tls_options(&server, true)?).await);
+        ensure!(anonymous.contains("--etcd-user"), "{anonymous}");
+        register_list_and_watch_events(connect(&root(PASSWORD)?).await?).await?;
+        let wrong = EtcdRegistry::enable_auth(&root("guess")?, wait).await;
+        ensure!(matches!(&wrong, Err(Error::EtcdRefused { reason, .. }) if reason.contains("password")), "{wrong:?}");
+        Ok(())
+    }
+}

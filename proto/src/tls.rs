@@ -101,7 +101,9 @@ impl TlsArgs {
     }
 }
 
-fn read_pem(path: &Path, kind: &str) -> Result<Vec<u8>> {
+/// Reads the PEM file at `path`, which must hold a `kind` block (`CERTIFICATE`, `PRIVATE KEY`); errors name the file.
+/// Also what the etcd client's TLS files are read with.
+pub fn read_pem(path: &Path, kind: &str) -> Result<Vec<u8>> {
     let pem = std::fs::read(path).map_err(|e| ProtoError::Tls(format!("reading {}: {e}", path.display())))?;
     // "PRIVATE KEY" also matches "RSA PRIVATE KEY" and "EC PRIVATE KEY" headers.
     if !String::from_utf8_lossy(&pem).contains(&format!("{kind}-----")) {

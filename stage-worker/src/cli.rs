@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Parser;
 use strata_engine::{Device, FloatDtype, HiddenDtype, KvDtype, LayerRange, QuantDtype, parse_bytes};
-use strata_membership::{check_cluster_name, parse_endpoints};
+use strata_membership::{EtcdArgs, EtcdOptions, check_cluster_name};
 use strata_proto::{Keepalive, LogArgs, TlsArgs};
 use strata_stage_worker::{DEFAULT_MEMORY_FRACTION, RegistrationOptions, WorkerConfig};
 
@@ -72,6 +72,9 @@ pub struct Args {
     /// --layers are given.
     #[arg(long, env = "STRATA_ETCD")]
     etcd: Option<String>,
+    /// etcd TLS and user.
+    #[command(flatten)]
+    etcd_access: EtcdArgs,
     /// Cluster name: the worker registers under /strata/<cluster>/ in etcd.
     #[arg(long, env = "STRATA_CLUSTER", default_value = "default")]
     cluster: String,
@@ -126,10 +129,7 @@ impl Args {
     /// Validates the flags and builds the worker config, the listen address and, without --layers, how to
     /// register with etcd.
     pub fn into_config(self) -> anyhow::Result<Launch> {
-        let endpoints = match &self.etcd {
-            Some(etcd) => parse_endpoints(etcd).context("--etcd")?,
-            None => Vec::new(),
-        };
+        let etcd = self.etcd_access.options(self.etcd.as_deref()).context("--etcd")?;
         if let Some(adv) = &self.advertise {
             host_port(adv).with_context(|| format!("--advertise {adv:?}"))?;
         }
@@ -144,19 +144,19 @@ impl Args {
             .as_deref()
             .map(|l| parse_bytes(l).with_context(|| format!("--gpu-memory-limit {l:?}")))
             .transpose()?;
-        let registry = match (&self.layers, endpoints.is_empty()) {
-            (Some(_), true) => None,
-            (Some(_), false) => {
+        let registry = match (&self.layers, etcd) {
+            (Some(_), None) => None,
+            (Some(_), Some(_)) => {
                 bail!("--layers and --etcd exclude each other: with --etcd the plan assigns the layers")
             }
-            (None, true) => bail!("pass --layers START..END, or --etcd URL to take the layers from the plan"),
-            (None, false) => {
+            (None, None) => bail!("pass --layers START..END, or --etcd URL to take the layers from the plan"),
+            (None, Some(etcd)) => {
                 if self.next.is_some() || self.stage_index.is_some() || self.plan_epoch.is_some() {
                     bail!("--next, --stage-index and --plan-epoch come from the plan when --etcd is used");
                 }
                 check_cluster_name(&self.cluster).context("--cluster")?;
-                Some(EtcdOptions {
-                    endpoints,
+                Some(Registered {
+                    etcd,
                     cluster: self.cluster.clone(),
                     connect_timeout: Duration::from_millis(self.connect_timeout_ms),
                     registration: RegistrationOptions {
@@ -209,14 +209,14 @@ pub struct Launch {
     /// Address to listen on.
     pub listen: String,
     /// Registration with etcd, when the plan assigns the layers.
-    pub registry: Option<EtcdOptions>,
+    pub registry: Option<Registered>,
 }
 
 /// Where and how to register.
 #[derive(Debug)]
-pub struct EtcdOptions {
-    /// etcd endpoints.
-    pub endpoints: Vec<String>,
+pub struct Registered {
+    /// How to reach etcd.
+    pub etcd: EtcdOptions,
     /// Cluster name.
     pub cluster: String,
     /// How long to keep trying to reach etcd at start.
@@ -270,7 +270,7 @@ mod tests {
                 .into_config()?;
         assert_eq!(launch.config.memory_limit, Some(1 << 30));
         let etcd = launch.registry.context("registry expected")?;
-        assert_eq!(etcd.endpoints, ["http://a:2379", "http://b:2379"]);
+        assert_eq!(etcd.etcd.endpoints, ["http://a:2379", "http://b:2379"]);
         assert_eq!(etcd.cluster, "default");
         assert_eq!(etcd.registration.advertise.as_deref(), Some("w:7000"));
         assert!(args(&[]).into_config().is_err(), "neither layers nor etcd");
@@ -278,8 +278,11 @@ mod tests {
         assert!(args(&["--etcd", "http://a:2379", "--next", "h:1"]).into_config().is_err());
         assert!(args(&["--etcd", "http://a:2379", "--cluster", "a/b"]).into_config().is_err());
         assert!(args(&["--etcd", "ftp://a:2379"]).into_config().is_err());
-        let bare = args(&["--etcd", "etcd:2379"]).into_config()?.registry.map(|r| r.endpoints);
+        let bare = args(&["--etcd", "etcd:2379"]).into_config()?.registry.map(|r| r.etcd.endpoints);
         assert_eq!(bare, Some(vec!["http://etcd:2379".to_owned()]));
+        let tls = args(&["--etcd", "etcd:2379", "--etcd-ca", "/ca.pem"]).into_config()?.registry;
+        assert_eq!(tls.map(|r| r.etcd.endpoints), Some(vec!["https://etcd:2379".to_owned()]), "a CA means https");
+        assert!(args(&["--layers", "0..4", "--etcd-ca", "/ca.pem"]).into_config().is_err(), "etcd flags need --etcd");
         Ok(())
     }
 

@@ -16,7 +16,7 @@ async fn main() -> anyhow::Result<()> {
     match registry {
         None => strata_stage_worker::run(config, listener, shutdown).await?,
         Some(etcd) => {
-            let registry = EtcdRegistry::connect(&etcd.endpoints, &etcd.cluster, etcd.connect_timeout).await?;
+            let registry = EtcdRegistry::connect(&etcd.etcd, &etcd.cluster, etcd.connect_timeout).await?;
             strata_stage_worker::run_registered(config, registry, etcd.registration, listener, shutdown).await?;
         }
     }

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use common::{Stream, chunk, status};
-use strata_membership::{EmbeddedRegistry, EtcdRegistry, NodeRecord, NodeState, Plan, PlanStage, Registry};
+use strata_membership::{
+    EmbeddedRegistry, EtcdOptions, EtcdRegistry, NodeRecord, NodeState, Plan, PlanStage, Registry,
+};
 use strata_proto::tonic_health::pb::health_check_response::ServingStatus;
 use strata_proto::tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 use strata_proto::{ErrorCode, NodeId, PlanEpoch, STAGE_SERVICE, ServiceError, pb};
@@ -197,7 +199,8 @@ async fn a_worker_rides_out_an_etcd_outage() -> Result<()> {
     let model = common::tiny_model()?;
     let expected = engine_token(model.path())?;
     let mut etcd = EtcdServer::start()?;
-    let registry = EtcdRegistry::connect(&[etcd.endpoint()], "outage", Duration::from_secs(5)).await?;
+    let registry =
+        EtcdRegistry::connect(&EtcdOptions::new(vec![etcd.endpoint()]), "outage", Duration::from_secs(5)).await?;
     let w = Worker::start_registered(registered_config(model.path(), "w"), registry.clone(), options(), "127.0.0.1:0")
         .await?;
     let rec = node_where(&registry, "w", |r| r.state == NodeState::Ready).await?;
@@ -285,7 +288,8 @@ async fn the_same_range_keeps_the_executor_and_its_kv() -> Result<()> {
 async fn a_range_that_cannot_load_is_recorded_and_the_old_one_served() -> Result<()> {
     let model = common::tiny_model()?;
     let etcd = EtcdServer::start()?;
-    let registry = EtcdRegistry::connect(&[etcd.endpoint()], "loadfail", Duration::from_secs(5)).await?;
+    let registry =
+        EtcdRegistry::connect(&EtcdOptions::new(vec![etcd.endpoint()]), "loadfail", Duration::from_secs(5)).await?;
     let w = Worker::start_registered(registered_config(model.path(), "w"), registry.clone(), options(), "127.0.0.1:0")
         .await?;
     registry.write_plan(&plan(1, vec![stage(&w, "w", 0..4)]), PlanEpoch(0)).await?;

@@ -1,33 +1,23 @@
-//! A certificate authority made for a test: the cluster's CA, the certificate every node uses, client certificates
-//! with names of their own, and a stranger (another CA's certificate with the same names), all written to files as
-//! the Helm chart mounts them.
+//! The cluster PKI of the TLS tests, on the testkit's throwaway [`Ca`]: the cluster's CA, the certificate every node
+//! uses, client certificates with names of their own, and a stranger (another CA's certificate with the node's
+//! names), written to files as the Helm chart mounts them.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Result;
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
-};
 use strata_proto::TlsFiles;
+pub use strata_testkit::pki::{Ca, Pem};
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
-
-/// A certificate and its key, as PEM.
-pub struct Pem {
-    /// The certificate.
-    pub cert: String,
-    /// Its private key.
-    pub key: String,
-}
 
 /// The cluster's CA and the one certificate every node uses, plus a stranger.
 pub struct Pki {
     dir: tempfile::TempDir,
-    issuer: Issuer<'static, KeyPair>,
+    issuer: Ca,
     /// The CA's certificate.
     pub ca: String,
-    /// Every node's certificate (`localhost`, `127.0.0.1`; server and client).
+    /// Every node's certificate (common name `strata node`; `localhost`, `127.0.0.1`; server and client).
     pub node: Pem,
     /// Another CA.
     pub stranger_ca: String,
@@ -35,33 +25,18 @@ pub struct Pki {
     pub stranger: Pem,
 }
 
-fn new_ca(name: &str) -> Result<(Issuer<'static, KeyPair>, String)> {
-    let key = KeyPair::generate()?;
-    let mut params = CertificateParams::new(Vec::<String>::new())?;
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params.distinguished_name.push(DnType::CommonName, name);
-    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    let cert = params.self_signed(&key)?;
-    Ok((Issuer::new(params, key), cert.pem()))
-}
-
-/// A certificate for `localhost` and `127.0.0.1`, good for serving and as a client certificate, as every node's is.
-fn leaf(issuer: &Issuer<'static, KeyPair>) -> Result<Pem> {
-    let key = KeyPair::generate()?;
-    let mut params = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])?;
-    params.distinguished_name.push(DnType::CommonName, "strata node");
-    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
-    let cert = params.signed_by(&key, issuer)?;
-    Ok(Pem { cert: cert.pem(), key: key.serialize_pem() })
-}
-
 impl Pki {
     /// A new CA with the node certificate in `ca.crt`, `tls.crt` and `tls.key`.
     pub fn new() -> Result<Self> {
-        let (issuer, ca) = new_ca("strata test CA")?;
-        let (stranger_issuer, stranger_ca) = new_ca("someone else's CA")?;
-        let node = leaf(&issuer)?;
-        let pki = Pki { dir: tempfile::tempdir()?, issuer, ca, node, stranger_ca, stranger: leaf(&stranger_issuer)? };
+        let (issuer, stranger_issuer) = (Ca::new("strata test CA")?, Ca::new("someone else's CA")?);
+        let pki = Pki {
+            dir: tempfile::tempdir()?,
+            node: issuer.leaf("strata node", &[])?,
+            ca: issuer.cert.clone(),
+            stranger: stranger_issuer.leaf("strata node", &[])?,
+            stranger_ca: stranger_issuer.cert,
+            issuer,
+        };
         std::fs::write(pki.path("ca.crt"), &pki.ca)?;
         std::fs::write(pki.path("tls.crt"), &pki.node.cert)?;
         std::fs::write(pki.path("tls.key"), &pki.node.key)?;
@@ -78,14 +53,9 @@ impl Pki {
         TlsFiles { cert: self.path("tls.crt"), key: self.path("tls.key"), ca: Some(self.path("ca.crt")) }
     }
 
-    /// A client-only certificate from the CA whose subject common name is `name`, also written to `<name>.crt` and
-    /// `<name>.key`.
+    /// A certificate from the CA with common name `name`, also written to `<name>.crt` and `<name>.key`.
     pub fn client(&self, name: &str) -> Result<Pem> {
-        let key = KeyPair::generate()?;
-        let mut params = CertificateParams::new(Vec::<String>::new())?;
-        params.distinguished_name.push(DnType::CommonName, name);
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-        let pem = Pem { cert: params.signed_by(&key, &self.issuer)?.pem(), key: key.serialize_pem() };
+        let pem = self.issuer.leaf(name, &[])?;
         std::fs::write(self.path(&format!("{name}.crt")), &pem.cert)?;
         std::fs::write(self.path(&format!("{name}.key")), &pem.key)?;
         Ok(pem)

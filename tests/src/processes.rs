@@ -75,13 +75,33 @@ impl ProcessCluster {
         Self::start_with(model, workers, coordinators, Some(network)).await
     }
 
+    /// Like [`ProcessCluster::start`], on `etcd` (secured, say), every process started with `env` (the etcd TLS
+    /// and user settings it needs, say).
+    pub async fn start_on_etcd(
+        model: &Path,
+        workers: usize,
+        coordinators: usize,
+        etcd: EtcdServer,
+        env: Vec<(String, String)>,
+    ) -> Result<Self> {
+        let cluster = ProcessCluster {
+            etcd,
+            workers: Vec::new(),
+            coordinators: Vec::new(),
+            network: None,
+            env,
+            model: model.into(),
+        };
+        cluster.launch(workers, coordinators).await
+    }
+
     async fn start_with(model: &Path, workers: usize, coordinators: usize, network: Option<Network>) -> Result<Self> {
         // With a network, etcd gets an address of its own on the bridge, so one namespace can lose etcd alone.
         let etcd = match &network {
             Some(net) => EtcdServer::start_on(&net.add_root_address(2)?)?,
             None => EtcdServer::start()?,
         };
-        let mut cluster = ProcessCluster {
+        let cluster = ProcessCluster {
             etcd,
             workers: Vec::new(),
             coordinators: Vec::new(),
@@ -89,16 +109,21 @@ impl ProcessCluster {
             env: Vec::new(),
             model: model.into(),
         };
+        cluster.launch(workers, coordinators).await
+    }
+
+    /// Starts the workers and coordinators and waits for the plan of `workers` stages.
+    async fn launch(mut self, workers: usize, coordinators: usize) -> Result<Self> {
         for i in 0..workers {
-            cluster.add_worker(&format!("w{i}"))?;
+            self.add_worker(&format!("w{i}"))?;
         }
         for _ in 0..coordinators {
-            cluster.add_coordinator(&[&format!("--min-stages={workers}")])?;
+            self.add_coordinator(&[&format!("--min-stages={workers}")])?;
         }
         if coordinators > 0 {
-            cluster.wait_for_stages(workers).await.with_context(|| cluster.logs())?;
+            self.wait_for_stages(workers).await.with_context(|| self.logs())?;
         }
-        Ok(cluster)
+        Ok(self)
     }
 
     /// Starts a worker `id` (1 thread, 256 KV blocks), in the next free namespace when there is a network.

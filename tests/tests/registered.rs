@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use strata_coordinator::CoordinatorConfig;
-use strata_membership::{EtcdRegistry, Registry};
+use strata_membership::{EtcdOptions, EtcdRegistry, Registry};
 use strata_proto::pb::coordinator_client::CoordinatorClient;
 use strata_stage_worker::{RegistrationOptions, Worker, WorkerConfig};
 use strata_testkit::{EtcdServer, free_port};
@@ -22,7 +22,8 @@ async fn the_coordinator_plans_registered_workers() -> Result<()> {
     let model = tiny_model()?;
     let expected = reference(model.path(), 1, &PROMPT, 1)?;
     let etcd = EtcdServer::start()?;
-    let registry = EtcdRegistry::connect(&[etcd.endpoint()], "planned", Duration::from_secs(5)).await?;
+    let registry =
+        EtcdRegistry::connect(&EtcdOptions::new(vec![etcd.endpoint()]), "planned", Duration::from_secs(5)).await?;
     let options = RegistrationOptions { lease_ttl: Duration::from_secs(2), ..Default::default() };
     let mut workers = Vec::new();
     for id in ["a", "b"] {
@@ -36,7 +37,7 @@ async fn the_coordinator_plans_registered_workers() -> Result<()> {
     }
     let grpc = format!("127.0.0.1:{}", free_port()?).parse()?;
     let config = CoordinatorConfig {
-        etcd: Some(vec![etcd.endpoint()]),
+        etcd: Some(EtcdOptions::new(vec![etcd.endpoint()])),
         cluster: "planned".into(),
         min_stages: 2,
         lease_ttl_secs: 2,

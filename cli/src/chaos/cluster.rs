@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use strata_membership::{EtcdRegistry, NodeState, Registry};
+use strata_membership::{EtcdOptions, EtcdRegistry, NodeState, Registry};
 use strata_proto::{NodeId, pb};
 use tonic::transport::Endpoint;
 
@@ -72,9 +72,10 @@ impl ProcessCluster {
         std::fs::create_dir_all(log_dir).with_context(|| format!("creating {}", log_dir.display()))?;
         let data = tempfile::tempdir().context("creating a data directory for etcd")?;
         let etcd = Etcd::start(data.path(), log_dir).await?;
-        let registry = EtcdRegistry::connect(std::slice::from_ref(&etcd.endpoint), CLUSTER, Duration::from_secs(10))
-            .await
-            .context("connecting to the chaos etcd")?;
+        let registry =
+            EtcdRegistry::connect(&EtcdOptions::new(vec![etcd.endpoint.clone()]), CLUSTER, Duration::from_secs(10))
+                .await
+                .context("connecting to the chaos etcd")?;
         let mut cluster = Self {
             coordinators: Vec::new(),
             workers: Vec::new(),

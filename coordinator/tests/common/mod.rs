@@ -7,14 +7,14 @@ use std::time::Duration;
 
 use strata_engine::tensor::DType;
 use strata_engine::testing::{TinySpec, random_weights, tiny_config, write_hf};
-use strata_membership::{EtcdRegistry, NodeRecord, NodeState};
+use strata_membership::{EtcdOptions, EtcdRegistry, NodeRecord, NodeState};
 use strata_proto::{NodeId, PlanEpoch};
 
 pub use strata_testkit::EtcdServer;
 
 /// A registry for `cluster` on `server`.
 pub async fn registry(server: &EtcdServer, cluster: &str) -> anyhow::Result<EtcdRegistry> {
-    Ok(EtcdRegistry::connect(&[server.endpoint()], cluster, Duration::from_secs(5)).await?)
+    Ok(EtcdRegistry::connect(&EtcdOptions::new(vec![server.endpoint()]), cluster, Duration::from_secs(5)).await?)
 }
 
 /// Writes a tiny random Llama (f32 safetensors) with `layers` layers into `dir` and returns its path.
