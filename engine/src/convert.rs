@@ -85,6 +85,8 @@ fn file_type(dtype: DType) -> u64 {
         DType::Q5_1 => 9,
         // The K-quants as llama.cpp's "_M" mixes name them (strata does not write these; the arms keep the map
         // whole). Q8_K has no file type: 1024 is llama.cpp's "guessed".
+        DType::Q2_K => 10,
+        DType::Q3_K => 12,
         DType::Q4_K => 15,
         DType::Q5_K => 17,
         DType::Q6_K => 18,

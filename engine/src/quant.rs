@@ -16,7 +16,10 @@ use crate::{Error, Result};
 
 mod kquant;
 
-pub use kquant::{Q4_K, Q5_K, Q6_K, Q8_K, QK_K, k4_scale_min, q4k_value, q5k_value, q6k_value};
+pub use kquant::{
+    Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K, QK_K, k4_scale_min, q2k_value, q3k_scale, q3k_value, q4k_value, q5k_value,
+    q6k_value,
+};
 
 /// Elements per block of the 32-element GGML formats, and per sub-block of the K-quants: the unit the CPU
 /// kernels quantize activations in.
@@ -199,7 +202,7 @@ fn push_five_bit(q: impl Iterator<Item = u8>, out: &mut Vec<u8>) {
 }
 
 /// Every block format, for lookups by GGUF code and for tests that cover them all.
-pub static FORMATS: [&BlockFormat; 9] = [&Q8_0, &Q4_0, &Q4_1, &Q5_0, &Q5_1, &Q8_K, &Q4_K, &Q5_K, &Q6_K];
+pub static FORMATS: [&BlockFormat; 11] = [&Q8_0, &Q4_0, &Q4_1, &Q5_0, &Q5_1, &Q8_K, &Q2_K, &Q3_K, &Q4_K, &Q5_K, &Q6_K];
 
 /// The block format of `dtype`, or `None` for float types.
 pub fn format(dtype: DType) -> Option<&'static BlockFormat> {
@@ -210,6 +213,8 @@ pub fn format(dtype: DType) -> Option<&'static BlockFormat> {
         DType::Q5_0 => Some(&Q5_0),
         DType::Q5_1 => Some(&Q5_1),
         DType::Q8_K => Some(&Q8_K),
+        DType::Q2_K => Some(&Q2_K),
+        DType::Q3_K => Some(&Q3_K),
         DType::Q4_K => Some(&Q4_K),
         DType::Q5_K => Some(&Q5_K),
         DType::Q6_K => Some(&Q6_K),
@@ -391,6 +396,11 @@ pub(crate) fn random_blocks(dtype: DType, n: usize, rng: &mut impl rand::Rng) ->
                 half(blk, 0, 0.0, 0.004);
                 half(blk, 2, 0.0, 0.004);
             }
+            DType::Q2_K => {
+                half(blk, 80, 0.0, 0.004);
+                half(blk, 82, 0.0, 0.004);
+            }
+            DType::Q3_K => half(blk, 108, -0.002, 0.002),
             DType::Q6_K => half(blk, 208, -0.002, 0.002),
             DType::Q8_K => blk[0..4].copy_from_slice(&0.01f32.to_le_bytes()),
             DType::F32 | DType::F16 | DType::BF16 => unreachable!("float types have no format"),
@@ -417,7 +427,7 @@ mod tests {
             assert!(format(d).is_none());
         }
         assert_eq!((ggml_type(DType::BF16), from_ggml_type(9)), (30, None), "Q8_1 is not read");
-        assert_eq!(FORMATS.map(|f| f.ggml_type), [8, 2, 3, 6, 7, 15, 12, 13, 14]);
+        assert_eq!(FORMATS.map(|f| f.ggml_type), [8, 2, 3, 6, 7, 15, 10, 11, 12, 13, 14]);
     }
 
     #[test]

@@ -35,6 +35,10 @@ pub enum DType {
     Q5_1,
     /// GGML Q8_K ([`quant::Q8_K`]).
     Q8_K,
+    /// GGML Q2_K ([`quant::Q2_K`]).
+    Q2_K,
+    /// GGML Q3_K ([`quant::Q3_K`]).
+    Q3_K,
     /// GGML Q4_K ([`quant::Q4_K`]).
     Q4_K,
     /// GGML Q5_K ([`quant::Q5_K`]).

@@ -9,7 +9,9 @@ use super::qgemm::{self, Q8x8};
 use super::simd::Q8Block;
 #[cfg(target_arch = "x86_64")]
 use super::{simd, unpack};
-use crate::quant::{self, BlockFormat, QK, five_bit, k4_scale_min, q4k_value, q5k_value, q6k_value};
+use crate::quant::{
+    self, BlockFormat, QK, five_bit, k4_scale_min, q2k_value, q3k_scale, q3k_value, q4k_value, q5k_value, q6k_value,
+};
 use crate::tensor::{DType, f16_at};
 
 /// One format's CPU kernels.
@@ -54,6 +56,8 @@ pub(super) fn kernels(dtype: DType) -> &'static QuantKernels {
         DType::Q5_0 => &Q5_0,
         DType::Q5_1 => &Q5_1,
         DType::Q8_K => &Q8_K,
+        DType::Q2_K => &Q2_K,
+        DType::Q3_K => &Q3_K,
         DType::Q4_K => &Q4_K,
         DType::Q5_K => &Q5_K,
         DType::Q6_K => &Q6_K,
@@ -185,6 +189,28 @@ static Q6_K: QuantKernels = avx2_kernels!(
         })
     },
     unpack::Q6_K
+);
+
+/// Sub-block `j` of a Q2_K block: `d·da·Σ sc_h·q·a − dmin·da·Σ m_h·a` over its halves `h` (scale and minimum
+/// in the low and high nibbles of byte `2j + h`).
+#[inline(always)]
+fn q2k_sub(blk: &[u8], j: usize, ab: &Q8Block) -> f32 {
+    let byte = |l: usize| i32::from(blk[2 * j + l / 16]);
+    let isum = int_dot(ab, |l| (byte(l) & 0x0f) * i32::from(q2k_value(blk, 32 * j + l)));
+    let msum = int_dot(ab, |l| byte(l) >> 4);
+    f16_at(blk, 80) * ab.d * isum as f32 - f16_at(blk, 82) * ab.d * msum as f32
+}
+
+static Q2_K: QuantKernels = avx2_kernels!(|w, a| row_dot(w, a, &quant::Q2_K, q2k_sub), unpack::Q2_K);
+
+static Q3_K: QuantKernels = avx2_kernels!(
+    |w, a| {
+        row_dot(w, a, &quant::Q3_K, |blk, j, ab| {
+            let isum = int_dot(ab, |l| q3k_scale(&blk[96..108], 2 * j + l / 16) * q3k_value(blk, 32 * j + l));
+            f16_at(blk, 108) * ab.d * isum as f32
+        })
+    },
+    unpack::Q3_K
 );
 
 #[cfg(test)]

@@ -70,9 +70,10 @@ pub unsafe fn rows_by_tokens(
             && super::simd::Isa::detect() == super::simd::Isa::Avx2,
         "qgemm operands do not match"
     );
-    // Per-block scales of one row × one group, rewritten by every tile (aligned for 256-bit stores).
+    // Per-block scales of one row × one group, rewritten by every tile (aligned for 256-bit stores): `d_w·d_a`,
+    // then, for formats whose halves have their own minimums (Q2_K), `min_w·d_a`.
     let k = super::kernels::kernels(dtype);
-    let mut scales = vec![Align32([0f32; GROUP]); blocks];
+    let mut scales = vec![Align32([0f32; GROUP]); 2 * blocks];
     let sc = scales.as_mut_ptr() as *mut f32;
     // Token groups are visited in runs that fit in L1 (with room for the weight rows), all rows per run: with
     // long prompts every row would otherwise stream all activations from L2.
@@ -86,7 +87,7 @@ pub unsafe fn rows_by_tokens(
                 let ap = acts.groups[g * blocks..].as_ptr();
                 let op = out.wrapping_add(g * GROUP * token_stride + r);
                 // SAFETY: AVX2/FMA/F16C were detected; row r lies in `w`, the group's blocks in `acts`, `scales` holds
-                // `blocks` aligned groups of floats (asserted above), and the caller vouches for outputs
+                // `2 · blocks` aligned groups of floats (asserted above), and the caller vouches for outputs
                 // (g·8 + t, r) for t < tokens.
                 unsafe { (k.tile)(tokens, wp, ap, blocks, sc, op, token_stride) }
             }
@@ -106,7 +107,9 @@ struct Align32([f32; GROUP]);
 pub(super) mod x86 {
     use super::{GROUP, Q8x8};
     use crate::backend::cpu::simd::x86::hsum;
-    use crate::backend::cpu::unpack::{Q4_0, Q4_1, Q5_0, Q5_1, has_offset, scales, signed, sub_offset, subs, unpack};
+    use crate::backend::cpu::unpack::{
+        Q4_0, Q4_1, Q5_0, Q5_1, half_mins, has_offset, scales, signed, sub_offset, subs, unpack,
+    };
     use std::arch::x86_64::*;
 
     /// How far ahead in the weight row to prefetch.
@@ -154,7 +157,7 @@ pub(super) mod x86 {
     ///
     /// # Safety
     /// AVX2/FMA/F16C available; `w` points at one row of at least `blocks` sub-blocks of layout `Q`; `a` at
-    /// `blocks` groups; `sc` at `blocks · GROUP` writable floats, 32-byte aligned; `out + t·stride` writable for
+    /// `blocks` groups; `sc` at `2 · blocks · GROUP` writable floats, 32-byte aligned; `out + t·stride` writable for
     /// `t < T`.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile<const T: usize, const Q: u8>(
@@ -189,6 +192,9 @@ pub(super) mod x86 {
                     (_mm256_set1_ps(d), _mm256_set1_ps(min))
                 };
                 _mm256_store_ps(sc.add(b * GROUP), _mm256_mul_ps(d, _mm256_load_ps(ab.d.as_ptr())));
+                if half_mins::<Q>() {
+                    _mm256_store_ps(sc.add((blocks + b) * GROUP), _mm256_mul_ps(min, _mm256_load_ps(ab.d.as_ptr())));
+                }
                 if has_offset::<Q>() {
                     offset = _mm256_add_ps(offset, _mm256_mul_ps(min, _mm256_load_ps(ab.s.as_ptr())));
                 }
@@ -205,6 +211,12 @@ pub(super) mod x86 {
                     let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(sub.wabs, av), sub.mul);
                     let scale = _mm256_broadcast_ss(&*sc.add(b * GROUP + t));
                     *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), scale, *acc);
+                    if half_mins::<Q>() {
+                        // The half-minimum term of `simd::x86::block_dot`, in the same order.
+                        let m32 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), av), sub.mins);
+                        let scale = _mm256_broadcast_ss(&*sc.add((blocks + b) * GROUP + t));
+                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m32), scale, *acc);
+                    }
                 }
             }
             // Formats without offsets add nothing: +0, as the one-token kernel's sum of zeros.

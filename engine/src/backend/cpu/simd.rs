@@ -175,7 +175,7 @@ pub fn dot_quant_scalar(dtype: DType, w: &[u8], a: &[Q8Block]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
     use super::Q8Block;
-    use crate::backend::cpu::unpack::{Sub, block_bytes, has_offset, signed, sub_offset, subs, unpack};
+    use crate::backend::cpu::unpack::{Sub, block_bytes, half_mins, has_offset, signed, sub_offset, subs, unpack};
     use std::arch::x86_64::*;
 
     #[inline]
@@ -289,6 +289,11 @@ pub(super) mod x86 {
         let av = if signed::<Q>() { _mm256_sign_epi8(av, w.wq) } else { av };
         let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(w.wabs, av), w.mul);
         *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(w.d * ab.d), *acc);
+        if half_mins::<Q>() {
+            // Σ_h m_h·Σ_{l∈h} a_l: pairs of activations summed by maddubs with ones, then weighted by madd.
+            let m32 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), av), w.mins);
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m32), _mm256_set1_ps(w.min * ab.d), *acc);
+        }
         if has_offset::<Q>() { w.min * ab.s } else { 0.0 }
     }
 

@@ -3,11 +3,13 @@
 //! per K-quant super-block), each lined up with one 8-bit activation block. A sub-block becomes the unsigned
 //! operand of `maddubs`, the 16-bit multipliers of the following `madd` (ones, or Q6_K's two scales), its
 //! float scale and the multiplier of the activation sum (the offset term of formats with a minimum or a bias).
+//! Q2_K's minimums differ between the two 16-element halves of a sub-block, so its offset term is an integer dot
+//! of its own (the activations against the halves' minimums) under a second float scale.
 //! Formats are const-generic tags so each kernel instance is specialized to one layout.
 
 use std::arch::x86_64::*;
 
-use crate::quant::k4_scale_min;
+use crate::quant::{k4_scale_min, q3k_scale};
 
 pub(super) const Q8_0: u8 = 0;
 pub(super) const Q4_0: u8 = 1;
@@ -18,6 +20,8 @@ pub(super) const Q8_K: u8 = 5;
 pub(super) const Q4_K: u8 = 6;
 pub(super) const Q5_K: u8 = 7;
 pub(super) const Q6_K: u8 = 8;
+pub(super) const Q2_K: u8 = 9;
+pub(super) const Q3_K: u8 = 10;
 
 /// Bytes per block of layout `Q` (checked against the format table in the tests).
 pub(super) const fn block_bytes<const Q: u8>() -> usize {
@@ -30,7 +34,9 @@ pub(super) const fn block_bytes<const Q: u8>() -> usize {
         Q8_K => 292,
         Q4_K => 144,
         Q5_K => 176,
-        _ => 210,
+        Q6_K => 210,
+        Q2_K => 84,
+        _ => 110,
     }
 }
 
@@ -41,12 +47,18 @@ pub(super) const fn subs<const Q: u8>() -> usize {
 
 /// Whether weights are signed (`maddubs` then takes their magnitude and moves the sign onto the activation).
 pub(super) const fn signed<const Q: u8>() -> bool {
-    matches!(Q, Q8_0 | Q8_K | Q6_K)
+    matches!(Q, Q8_0 | Q8_K | Q6_K | Q3_K)
 }
 
 /// Whether a sub-block has an offset term `min · Σa` (a minimum, or the fixed bias of Q4_0/Q5_0).
 pub(super) const fn has_offset<const Q: u8>() -> bool {
-    !signed::<Q>()
+    !signed::<Q>() && !half_mins::<Q>()
+}
+
+/// Whether each 16-element half has its own minimum (Q2_K): the offset is then `min · Σ_h m_h·Σ_{l∈h} a_l`,
+/// an integer dot with [`Sub::mins`] that the kernels add under the scale `min · d_a`.
+pub(super) const fn half_mins<const Q: u8>() -> bool {
+    Q == Q2_K
 }
 
 /// Byte offset of sub-block `b` in a row, for prefetching.
@@ -55,11 +67,14 @@ pub(super) const fn sub_offset<const Q: u8>(b: usize) -> usize {
 }
 
 /// One decoded sub-block: `Σ w·a = d · madd(maddubs(wabs, a'), mul)` (a' = a with `wq`'s signs for signed
-/// formats), plus `min · s` with `s` the activation block's `d · Σ qs`.
+/// formats), plus `min · s` with `s` the activation block's `d · Σ qs` (or, for [`half_mins`] formats,
+/// `min · d_a · madd(maddubs(1, a), mins)`).
 pub(super) struct Sub {
     pub wabs: __m256i,
     pub wq: __m256i,
     pub mul: __m256i,
+    /// Q2_K: each half's 4-bit minimum in its eight 16-bit lanes; zero for the other formats.
+    pub mins: __m256i,
     pub d: f32,
     pub min: f32,
 }
@@ -108,6 +123,9 @@ pub(super) unsafe fn scales<const Q: u8>(row: *const u8, b: usize) -> (f32, f32)
                 let (sc, m) = k4_scale_min(std::slice::from_raw_parts(blk.add(4), 12), j);
                 (half_at(blk) * sc as f32, -(half_at(blk.add(2)) * m as f32))
             }
+            // The integer sums carry Q2_K's sub-scales and minimums; these are the super-block's.
+            Q2_K => (half_at(blk.add(80)), -half_at(blk.add(82))),
+            Q3_K => (half_at(blk.add(108)), 0.0),
             _ => (half_at(blk.add(208)), 0.0),
         }
     }
@@ -161,12 +179,20 @@ pub(super) unsafe fn unpack<const Q: u8>(row: *const u8, b: usize, mask: __m256i
     // SAFETY (whole body): every read lies inside that block.
     unsafe {
         let (d, min) = scales::<Q>(row, b);
-        let unsigned = |wq| Sub { wabs: wq, wq, mul: ones, d, min };
+        let zero = _mm256_setzero_si256();
+        let unsigned = |wq| Sub { wabs: wq, wq, mul: ones, mins: zero, d, min };
+        // The 16-bit multipliers of the two 16-element halves of a sub-block: `lo` for elements 0..16.
+        let halves = |lo: i16, hi: i16| _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo));
+        // The 2-bit fields of Q2_K and Q3_K: sub-block j = 4n + c at bits 2c of the 32 bytes at `qs + 32n`.
+        let two_bits = |qs: *const u8| {
+            let q = _mm256_loadu_si256(qs.add(32 * (j / 4)) as *const __m256i);
+            _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * (j % 4) as i32)), _mm256_set1_epi8(3))
+        };
         let five = |wq: __m256i, qh: u32| _mm256_or_si256(wq, _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(0x10)));
         match Q {
             Q8_0 | Q8_K => {
                 let wq = _mm256_loadu_si256(blk.add(if Q == Q8_0 { 2 } else { 4 + 32 * j }) as *const __m256i);
-                Sub { wabs: _mm256_sign_epi8(wq, wq), wq, mul: ones, d, min }
+                Sub { wabs: _mm256_sign_epi8(wq, wq), wq, mul: ones, mins: zero, d, min }
             }
             Q4_0 => unsigned(nibbles16(blk.add(2), mask)),
             Q4_1 => unsigned(nibbles16(blk.add(4), mask)),
@@ -181,7 +207,7 @@ pub(super) unsafe fn unpack<const Q: u8>(row: *const u8, b: usize, mask: __m256i
                 let high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(0x10));
                 unsigned(_mm256_or_si256(q, high))
             }
-            _ => {
+            Q6_K => {
                 // Q6_K: sub-block j = 4n + c takes ql nibbles (c / 2 picks high) at 64n + 32(c % 2), the 2-bit
                 // tops at bit 2c of qh's 32 bytes at 128 + 32n, and the i8 scales 2j (elements 0..16) and 2j + 1.
                 let (n, c) = (j / 4, j % 4);
@@ -190,9 +216,25 @@ pub(super) unsafe fn unpack<const Q: u8>(row: *const u8, b: usize, mask: __m256i
                 let top = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c as i32)), _mm256_set1_epi8(3));
                 let q = _mm256_or_si256(low, _mm256_slli_epi16(top, 4));
                 let wq = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
-                let sc = |k: usize| _mm_set1_epi16(i16::from(*blk.add(192 + 2 * j + k) as i8));
-                Sub { wabs: _mm256_sign_epi8(wq, wq), wq, mul: _mm256_set_m128i(sc(1), sc(0)), d, min }
+                let sc = |k: usize| i16::from(*blk.add(192 + 2 * j + k) as i8);
+                Sub { wabs: _mm256_sign_epi8(wq, wq), wq, mul: halves(sc(0), sc(1)), mins: zero, d, min }
             }
+            Q2_K => {
+                // Bytes 2j and 2j + 1 hold the halves' scales (low nibbles) and minimums (high nibbles).
+                let (lo, hi) = (i16::from(*blk.add(2 * j)), i16::from(*blk.add(2 * j + 1)));
+                let wq = two_bits(blk.add(16));
+                Sub { wabs: wq, wq, mul: halves(lo & 0x0f, hi & 0x0f), mins: halves(lo >> 4, hi >> 4), d, min }
+            }
+            Q3_K => {
+                // The high bit of element l of sub-block j is bit j of hmask[l]; clear means minus 4.
+                let bit = _mm256_set1_epi8((1u8 << j) as i8);
+                let hm = _mm256_loadu_si256(blk as *const __m256i);
+                let high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit), _mm256_set1_epi8(4));
+                let wq = _mm256_sub_epi8(_mm256_or_si256(two_bits(blk.add(32)), high), _mm256_set1_epi8(4));
+                let sc = |k: usize| q3k_scale(std::slice::from_raw_parts(blk.add(96), 12), 2 * j + k) as i16;
+                Sub { wabs: _mm256_sign_epi8(wq, wq), wq, mul: halves(sc(0), sc(1)), mins: zero, d, min }
+            }
+            _ => unreachable!("no block layout {Q}"),
         }
     }
 }
@@ -210,6 +252,8 @@ pub(super) fn tag(dtype: crate::tensor::DType) -> u8 {
         DType::Q8_K => Q8_K,
         DType::Q4_K => Q4_K,
         DType::Q5_K => Q5_K,
+        DType::Q2_K => Q2_K,
+        DType::Q3_K => Q3_K,
         _ => Q6_K,
     }
 }
@@ -220,16 +264,20 @@ mod tests {
     use crate::quant;
     use rand::SeedableRng;
 
-    /// Reads the 32 lanes of `wq` (and `mul`'s two halves) back as the integers the dot products see.
-    fn decoded<const Q: u8>(row: &[u8], b: usize) -> (Vec<i32>, f32, f32) {
+    /// Reads the 32 lanes of `wq` (and `mul`'s two halves) back as the integers the dot products see, and each
+    /// element's offset: `min`, or `min` times its half's minimum for [`half_mins`] formats.
+    fn decoded<const Q: u8>(row: &[u8], b: usize) -> (Vec<i32>, f32, Vec<f32>) {
         // SAFETY: only run after AVX2 detection; `row` holds the block of sub-block b.
         unsafe {
             let s = unpack::<Q>(row.as_ptr(), b, _mm256_set1_epi8(0x0f));
-            let (mut q, mut mul) = ([0i8; 32], [0i16; 16]);
+            let (mut q, mut mul, mut mins) = ([0i8; 32], [0i16; 16], [0i16; 16]);
             _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, s.wq);
             _mm256_storeu_si256(mul.as_mut_ptr() as *mut __m256i, s.mul);
+            _mm256_storeu_si256(mins.as_mut_ptr() as *mut __m256i, s.mins);
             let v = q.iter().enumerate().map(|(i, &x)| i32::from(x) * i32::from(mul[i / 16 * 8])).collect();
-            (v, s.d, s.min)
+            let offset =
+                (0..32).map(|i| if half_mins::<Q>() { s.min * f32::from(mins[i / 16 * 8]) } else { s.min }).collect();
+            (v, s.d, offset)
         }
     }
 
@@ -241,16 +289,16 @@ mod tests {
         let mut want = vec![0f32; 2 * elems];
         quant::dequantize(dtype, &row, &mut want);
         for b in 0..2 * subs::<Q>() {
-            let (q, d, min) = decoded::<Q>(&row, b);
+            let (q, d, offset) = decoded::<Q>(&row, b);
             for (l, &v) in q.iter().enumerate() {
-                let got = d * v as f32 + min;
+                let got = d * v as f32 + offset[l];
                 let w = want[b * 32 + l];
                 assert!((got - w).abs() <= 1e-6 * w.abs().max(1.0), "{dtype} sub-block {b} element {l}: {got} vs {w}");
             }
         }
     }
 
-    /// Every decoded sub-block, as `d · q + min`, is the table's dequantized block.
+    /// Every decoded sub-block, as `d · q + offset`, is the table's dequantized block.
     #[test]
     fn unpacked_sub_blocks_are_the_reference_dequantization() {
         if super::super::simd::Isa::detect() != super::super::simd::Isa::Avx2 {
@@ -267,5 +315,7 @@ mod tests {
         check::<Q4_K>(D::Q4_K, &mut rng);
         check::<Q5_K>(D::Q5_K, &mut rng);
         check::<Q6_K>(D::Q6_K, &mut rng);
+        check::<Q2_K>(D::Q2_K, &mut rng);
+        check::<Q3_K>(D::Q3_K, &mut rng);
     }
 }
