@@ -5,6 +5,8 @@
 #   bin/cuda-tests     engine/tests/cuda.rs built the same way (the GPU parity tests, run with --ignored)
 #   model.gguf         a real-weight slice of SmolLM2-135M (Q4_1): its first GPU_BUNDLE_LAYERS layers and the
 #                      first GPU_BUNDLE_VOCAB rows of its vocabulary (scripts/gguf-slice.py)
+#   model-q4_k_m.gguf  that slice as llama.cpp's Q4_K_M (`llama-quantize --allow-requantize`: Q4_K and Q6_K
+#                      matrices where rows are whole super-blocks, Q5_0/Q8_0 elsewhere), for the K-quant kernels
 #   expect/            what the CPU backend of this very build gives for that model: expect.json (greedy tokens,
 #                      top-2 margins, the offload limit of the cluster check), cpu-logits.f32, cli-cpu.json
 #                      (`strata generate --device cpu`), check.env (the same facts as shell variables)
@@ -14,6 +16,7 @@
 #
 # Usage: scripts/gpu-bundle.sh [DIR]
 # Environment: CARGO_TARGET_DIR; STRATA_TEST_MODEL (the full SmolLM2 GGUF; scripts/fetch-model.sh otherwise);
+#   STRATA_LLAMA_BIN (a folder holding llama-quantize; scripts/llama-cpp-build.sh builds it, cached, otherwise);
 #   GPU_BUNDLE_LAYERS (default 4), GPU_BUNDLE_VOCAB (default 8192), GPU_BUNDLE_MAX_GLIBC (default 2.39, Ubuntu
 #   24.04), GPU_BUNDLE_LIMIT_BYTES (default 67108864), GPU_BUNDLE_PROFILE (cargo profile, default release; CI
 #   uses dev, which its tests have mostly built already: such a bundle checks the build and the sizes, and its
@@ -84,6 +87,16 @@ full="${STRATA_TEST_MODEL:-$(scripts/fetch-model.sh)}"
 [[ -s "$full" ]] || die "SmolLM2 GGUF not found: set STRATA_TEST_MODEL or run scripts/fetch-model.sh"
 python3 scripts/gguf-slice.py "$full" "$dir/model.gguf" --layers "$layers" --vocab "$vocab"
 
+say "model: the slice as llama.cpp's Q4_K_M"
+llama_bin="${STRATA_LLAMA_BIN:-}"
+if [[ -z "$llama_bin" ]]; then
+  eval "$(scripts/llama-cpp-build.sh llama-quantize)"
+  llama_bin="$LLAMA_BIN"
+fi
+"$llama_bin/llama-quantize" --allow-requantize "$dir/model.gguf" "$dir/model-q4_k_m.gguf" Q4_K_M 2 \
+  > "$dir/llama-quantize.log" 2>&1 || { cat "$dir/llama-quantize.log" >&2; die "llama-quantize Q4_K_M failed"; }
+rm -f "$dir/llama-quantize.log"
+
 say "CPU expectations (the CPU backend of this build)"
 STRATA_TEST_MODEL="$dir/model.gguf" STRATA_GPU_EXPECT="$dir/expect" \
   "$dir/bin/cuda-tests" --ignored --exact write_cpu_expectations --nocapture --test-threads=1
@@ -116,7 +129,7 @@ total=$((bundle_bytes + tree_bytes))
   echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m), $(rustc --version), profile $profile"
   echo "glibc: >= $glibc"
   echo "model: $(basename "$full"), layers $layers, vocab $vocab"
-  du -b "$dir"/bin/* "$dir/model.gguf" "$dir"/expect/* | sed "s|$dir/||"
+  du -b "$dir"/bin/* "$dir"/model*.gguf "$dir"/expect/* | sed "s|$dir/||"
   echo "bundle bytes: $bundle_bytes"
 } > "$dir/manifest.txt"
 cat "$dir/manifest.txt"
