@@ -88,12 +88,10 @@ full="${STRATA_TEST_MODEL:-$(scripts/fetch-model.sh)}"
 python3 scripts/gguf-slice.py "$full" "$dir/model.gguf" --layers "$layers" --vocab "$vocab"
 
 say "model: the slice as llama.cpp's Q4_K_M"
-llama_bin="${STRATA_LLAMA_BIN:-}"
-if [[ -z "$llama_bin" ]]; then
-  eval "$(scripts/llama-cpp-build.sh llama-quantize)"
-  llama_bin="$LLAMA_BIN"
-fi
-"$llama_bin/llama-quantize" --allow-requantize "$dir/model.gguf" "$dir/model-q4_k_m.gguf" Q4_K_M 2 \
+LLAMA_BIN="${STRATA_LLAMA_BIN:-}"
+# Built once into the cache (what scripts/test builds for engine/tests/gguf_kquants.rs); sets LLAMA_BIN.
+[[ -n "$LLAMA_BIN" ]] || eval "$(scripts/llama-cpp-build.sh llama-quantize)"
+"$LLAMA_BIN/llama-quantize" --allow-requantize "$dir/model.gguf" "$dir/model-q4_k_m.gguf" Q4_K_M 2 \
   > "$dir/llama-quantize.log" 2>&1 || { cat "$dir/llama-quantize.log" >&2; die "llama-quantize Q4_K_M failed"; }
 rm -f "$dir/llama-quantize.log"
 

@@ -309,11 +309,11 @@ step_ops_f16() { gpu_test every_op_matches_the_cpu_in_f16; }
 step_ops_bf16() { gpu_test every_op_matches_the_cpu_in_bf16; }
 step_tiny() { gpu_test tiny_model_matches_cpu_and_splits_and_offload_change_nothing; }
 step_mixed() {
-  gpu_test mixed_k_quant_tiny_model_matches_the_cpu || return
+  gpu_test quant::mixed_k_quant_tiny_model_matches_the_cpu || return
   detail="$(test_detail mixed-tiny-model '^mixed tiny model:')"
 }
 step_kquant() {
-  gpu_test q4_k_m_model_greedy_tokens_match_the_cpu || return
+  gpu_test quant::q4_k_m_model_greedy_tokens_match_the_cpu || return
   detail="$(test_detail kquant-model-vs-cpu 'greedy tokens equal')"
 }
 step_model() {
