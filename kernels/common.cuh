@@ -196,6 +196,139 @@ __device__ __forceinline__ void dequant8(const block_q4_1* __restrict__ row, int
     }
 }
 
+// Q5_0 / Q5_1: Q4's nibbles plus a fifth bit per element, bit i of the little-endian u32 `qh`.
+struct block_q5_0 {
+    u16 d;            // f16 scale bits
+    u8 qh[4];         // bit i = bit 4 of element i
+    u8 qs[QK / 2];    // low 4 bits, nibble order as Q4_0; value = d * (q - 16)
+};
+struct block_q5_1 {
+    u16 d;            // f16 scale bits
+    u16 m;            // f16 min bits
+    u8 qh[4];
+    u8 qs[QK / 2];    // value = d * q + m
+};
+static_assert(sizeof(block_q5_0) == 22, "block_q5_0 must be 22 bytes");
+static_assert(sizeof(block_q5_1) == 24, "block_q5_1 must be 24 bytes");
+
+__device__ __forceinline__ void dequant8(const block_q5_0* __restrict__ row, int j8, float (&o)[8]) {
+    const block_q5_0* b = row + j8 / 4;
+    const int e0 = (j8 % 4) * 8;
+    const float d = half_bits_to_f32(b->d);
+    const int byte0 = e0 & 15, shift = e0 >= 16 ? 4 : 0;
+    const u32 qh = ld_u32_a2(b->qh) >> e0;
+    const u32 lo = ld_u32_a2(b->qs + byte0), hi = ld_u32_a2(b->qs + byte0 + 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        o[i] = d * (float)((int)(((lo >> (8 * i + shift)) & 15) | (((qh >> i) & 1) << 4)) - 16);
+        o[4 + i] = d * (float)((int)(((hi >> (8 * i + shift)) & 15) | (((qh >> (4 + i)) & 1) << 4)) - 16);
+    }
+}
+__device__ __forceinline__ void dequant8(const block_q5_1* __restrict__ row, int j8, float (&o)[8]) {
+    const block_q5_1* b = row + j8 / 4;
+    const int e0 = (j8 % 4) * 8;
+    const float d = half_bits_to_f32(b->d), m = half_bits_to_f32(b->m);
+    const int byte0 = e0 & 15, shift = e0 >= 16 ? 4 : 0;
+    const u32 qh = ld_u32_a2(b->qh) >> e0;
+    const u32 lo = ld_u32_a2(b->qs + byte0), hi = ld_u32_a2(b->qs + byte0 + 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        o[i] = fmaf(d, (float)(((lo >> (8 * i + shift)) & 15) | (((qh >> i) & 1) << 4)), m);
+        o[4 + i] = fmaf(d, (float)(((hi >> (8 * i + shift)) & 15) | (((qh >> (4 + i)) & 1) << 4)), m);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// K-quants: 256-element super-blocks (ggml-common.h; engine/src/quant/kquant.rs documents the
+// same layouts with scalar accessors, the reference these are tested against).
+// ---------------------------------------------------------------------------------------------
+#define QK_K 256
+
+struct block_q4_K {
+    u16 d;            // f16 super-scale of the sub-block scales
+    u16 dmin;         // f16 super-scale of the sub-block minimums
+    u8 scales[12];    // eight 6-bit scales and minimums, packed (k4_scale_min)
+    u8 qs[QK_K / 2];  // 32 bytes per sub-block pair: low nibbles sub-block 2p, high 2p + 1
+};                    // value = d * sc_j * q - dmin * m_j
+struct block_q5_K {
+    u16 d;
+    u16 dmin;
+    u8 scales[12];
+    u8 qh[QK_K / 8];  // bit j of qh[l] = bit 4 of element l of sub-block j
+    u8 qs[QK_K / 2];  // as Q4_K
+};
+struct block_q6_K {
+    u8 ql[QK_K / 2];  // per half of 128: 64 bytes, quarters 0/1 in low nibbles, 2/3 in high
+    u8 qh[QK_K / 4];  // per half: 32 bytes, quarter c at bits 2c
+    i8 scales[QK_K / 16];  // one per 16 elements
+    u16 d;            // f16, stored last
+};                    // value = d * sc * (q - 32)
+static_assert(sizeof(block_q4_K) == 144, "block_q4_K must be 144 bytes");
+static_assert(sizeof(block_q5_K) == 176, "block_q5_K must be 176 bytes");
+static_assert(sizeof(block_q6_K) == 210, "block_q6_K must be 210 bytes");
+
+// Sub-block j's scale and minimum from a Q4_K/Q5_K block's 12 packed bytes (ggml's
+// get_scale_min_k4): j < 4 in the low 6 bits of bytes j and j + 4; j >= 4 in the nibbles of
+// byte j + 4 with their top 2 bits in the spare top bits of bytes j - 4 and j.
+__device__ __forceinline__ void k4_scale_min(const u8* s, int j, float& sc, float& mn) {
+    if (j < 4) {
+        sc = (float)(s[j] & 63);
+        mn = (float)(s[j + 4] & 63);
+    } else {
+        sc = (float)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
+        mn = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+// Groups of 8 never straddle a sub-block (32 elements; 16 for Q6_K's scales), so each group has
+// one scale. The scale products are rounded to f32 first, as ggml and the CPU reference do.
+// Q4_K, and Q5_K with its fifth bits (FIFTH; `qh` exists only then).
+template <bool FIFTH, typename B>
+__device__ __forceinline__ void dequant8_k(const B* __restrict__ row, int j8, float (&o)[8]) {
+    const B* b = row + j8 / 32;
+    const int e0 = (j8 % 32) * 8, j = e0 / 32, l0 = e0 % 32, shift = 4 * (j & 1);
+    float sc, mn;
+    k4_scale_min(b->scales, j, sc, mn);
+    const float d1 = half_bits_to_f32(b->d) * sc, m1 = half_bits_to_f32(b->dmin) * mn;
+    const u8* q = b->qs + 32 * (j / 2) + l0;
+    const u32 lo = ld_u32_a2(q), hi = ld_u32_a2(q + 4);
+    u32 hlo = 0, hhi = 0;  // element i's fifth bit at bit 8i
+    if constexpr (FIFTH) {
+        hlo = ld_u32_a2(b->qh + l0) >> j;
+        hhi = ld_u32_a2(b->qh + l0 + 4) >> j;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        o[i] = d1 * (float)(((lo >> (8 * i + shift)) & 15) | (((hlo >> (8 * i)) & 1) << 4)) - m1;
+        o[4 + i] = d1 * (float)(((hi >> (8 * i + shift)) & 15) | (((hhi >> (8 * i)) & 1) << 4)) - m1;
+    }
+}
+__device__ __forceinline__ void dequant8(const block_q4_K* __restrict__ row, int j8, float (&o)[8]) {
+    dequant8_k<false>(row, j8, o);
+}
+__device__ __forceinline__ void dequant8(const block_q5_K* __restrict__ row, int j8, float (&o)[8]) {
+    dequant8_k<true>(row, j8, o);
+}
+__device__ __forceinline__ void dequant8(const block_q6_K* __restrict__ row, int j8, float (&o)[8]) {
+    const block_q6_K* b = row + j8 / 32;
+    const int e0 = (j8 % 32) * 8, n = e0 / 128, c = (e0 % 128) / 32, l0 = e0 % 32;
+    const float d1 = half_bits_to_f32(b->d) * (float)b->scales[e0 / 16];
+    const u8* ql = b->ql + 64 * n + 32 * (c & 1) + l0;
+    const u8* qh = b->qh + 32 * n + l0;
+    const int ls = 4 * (c >> 1), hs = 2 * c;
+    const u32 lo = ld_u32_a2(ql), hi = ld_u32_a2(ql + 4), hlo = ld_u32_a2(qh), hhi = ld_u32_a2(qh + 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        o[i] = d1 * (float)((int)(((lo >> (8 * i + ls)) & 15) | (((hlo >> (8 * i + hs)) & 3) << 4)) - 32);
+        o[4 + i] = d1 * (float)((int)(((hi >> (8 * i + ls)) & 15) | (((hhi >> (8 * i + hs)) & 3) << 4)) - 32);
+    }
+}
+
+// Elements per block of a block type: the row of a [n, k] weight is k / qk_of<B>::value blocks.
+template <typename B> struct qk_of { static constexpr int value = QK; };
+template <> struct qk_of<block_q4_K> { static constexpr int value = QK_K; };
+template <> struct qk_of<block_q5_K> { static constexpr int value = QK_K; };
+template <> struct qk_of<block_q6_K> { static constexpr int value = QK_K; };
 
 // std::conditional without the standard library (NVRTC compiles without host headers).
 template <bool B, typename A, typename C> struct select_type { typedef A type; };

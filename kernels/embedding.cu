@@ -26,7 +26,8 @@ __device__ __forceinline__ void embedding_impl(const int* __restrict__ ids, cons
     }
 }
 
-// Dequantizing gather from a GGML block table; dim % 32 == 0. One thread per 8 outputs.
+// Dequantizing gather from a GGML block table; dim a multiple of the block (32, 256 for the
+// K-quants). One thread per 8 outputs.
 template <typename B, typename T>
 __device__ __forceinline__ void embedding_quant_impl(const int* __restrict__ ids, const void* __restrict__ table,
                                                      T* __restrict__ out, int n_tokens, int dim, int vocab) {
@@ -35,7 +36,7 @@ __device__ __forceinline__ void embedding_quant_impl(const int* __restrict__ ids
     const int id = ids[t];
     T* dst = out + (i64)t * dim;
     const int n8 = dim / 8;
-    const B* row = reinterpret_cast<const B*>(table) + (i64)id * (dim / QK);
+    const B* row = reinterpret_cast<const B*>(table) + (i64)id * (dim / qk_of<B>::value);
     const bool vec = aligned16(dst);
     for (int j8 = threadIdx.x; j8 < n8; j8 += blockDim.x) {
         float o[8];
@@ -58,7 +59,7 @@ __device__ __forceinline__ void embedding_quant_impl(const int* __restrict__ ids
 extern "C" __global__ void embedding_f32(const int* ids, const float* table, float* out, int n_tokens, int dim, int vocab) { embedding_impl(ids, table, out, n_tokens, dim, vocab); }
 extern "C" __global__ void embedding_f16(const int* ids, const __half* table, __half* out, int n_tokens, int dim, int vocab) { embedding_impl(ids, table, out, n_tokens, dim, vocab); }
 
-// args: (ids i32 [n_tokens], table blocks [vocab, dim / 32], out [n_tokens, dim], n_tokens, dim, vocab)
+// args: (ids i32 [n_tokens], table blocks [vocab, dim / block], out [n_tokens, dim], n_tokens, dim, vocab)
 // The suffix names the output dtype.
 extern "C" __global__ void embedding_q8_0_f32(const int* ids, const void* table, float* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q8_0>(ids, table, out, n_tokens, dim, vocab); }
 extern "C" __global__ void embedding_q8_0_f16(const int* ids, const void* table, __half* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q8_0>(ids, table, out, n_tokens, dim, vocab); }
@@ -67,9 +68,24 @@ extern "C" __global__ void embedding_q4_0_f16(const int* ids, const void* table,
 extern "C" __global__ void embedding_q4_1_f32(const int* ids, const void* table, float* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q4_1>(ids, table, out, n_tokens, dim, vocab); }
 extern "C" __global__ void embedding_q4_1_f16(const int* ids, const void* table, __half* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q4_1>(ids, table, out, n_tokens, dim, vocab); }
 
+extern "C" __global__ void embedding_q5_0_f32(const int* ids, const void* table, float* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q5_0>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q5_1_f32(const int* ids, const void* table, float* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q5_1>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q4_k_f32(const int* ids, const void* table, float* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q4_K>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q5_k_f32(const int* ids, const void* table, float* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q5_K>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q6_k_f32(const int* ids, const void* table, float* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q6_K>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q5_0_f16(const int* ids, const void* table, __half* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q5_0>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q5_1_f16(const int* ids, const void* table, __half* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q5_1>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q4_k_f16(const int* ids, const void* table, __half* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q4_K>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q5_k_f16(const int* ids, const void* table, __half* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q5_K>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q6_k_f16(const int* ids, const void* table, __half* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q6_K>(ids, table, out, n_tokens, dim, vocab); }
 #if STRATA_HAS_BF16
 extern "C" __global__ void embedding_bf16(const int* ids, const __nv_bfloat16* table, __nv_bfloat16* out, int n_tokens, int dim, int vocab) { embedding_impl(ids, table, out, n_tokens, dim, vocab); }
 extern "C" __global__ void embedding_q8_0_bf16(const int* ids, const void* table, __nv_bfloat16* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q8_0>(ids, table, out, n_tokens, dim, vocab); }
 extern "C" __global__ void embedding_q4_0_bf16(const int* ids, const void* table, __nv_bfloat16* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q4_0>(ids, table, out, n_tokens, dim, vocab); }
 extern "C" __global__ void embedding_q4_1_bf16(const int* ids, const void* table, __nv_bfloat16* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q4_1>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q5_0_bf16(const int* ids, const void* table, __nv_bfloat16* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q5_0>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q5_1_bf16(const int* ids, const void* table, __nv_bfloat16* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q5_1>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q4_k_bf16(const int* ids, const void* table, __nv_bfloat16* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q4_K>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q5_k_bf16(const int* ids, const void* table, __nv_bfloat16* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q5_K>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q6_k_bf16(const int* ids, const void* table, __nv_bfloat16* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q6_K>(ids, table, out, n_tokens, dim, vocab); }
 #endif

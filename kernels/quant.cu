@@ -1,9 +1,11 @@
 // Quantized matmuls with the weight dequantized in registers: y[m, n] = sum_k x[m, k] * W[n, k].
-//   W: GGML blocks Q8_0 / Q4_0 / Q4_1, row-major [n, k / 32] blocks (GGUF layout, byte-exact), or
-//      weight-only int8 (i8 [n, k] row-major + f32 per-output-row scale [n]).
+//   W: GGML blocks Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1, row-major [n, k / 32] blocks, or K-quant
+//      super-blocks Q4_K / Q5_K / Q6_K, [n, k / 256] (GGUF layout, byte-exact; the structs and
+//      their dequant8 live in common.cuh), or weight-only int8 (i8 [n, k] row-major + f32
+//      per-output-row scale [n]).
 //   x: activations T [m, k] row-major, y: T [m, n] row-major. Accumulation in f32.
-// Requirements (checked by the host): k % 32 == 0; x and y 16-byte aligned; for int8, W 16-byte
-// aligned. Kernel suffix = activation dtype.
+// Requirements (checked by the host): k a multiple of the block (32, or 256 for the K-quants);
+// x and y 16-byte aligned; for int8, W 16-byte aligned. Kernel suffix = activation dtype.
 //
 // gemv_*: decode path, 1 <= m <= 8 (GEMV_MAX_ROWS). Memory-bound: each warp streams R weight rows
 //   (R = 2, so each activation load serves two rows), lanes take consecutive
@@ -11,7 +13,7 @@
 //   registers and the block scale is applied once per unit. Launch: block 128 (4 warps),
 //   grid ceil(n / 8).
 //   Registers are capped at 128 (4 CTAs = 16 warps per SM) so m = 1 keeps enough loads in flight.
-// gemm_*: prefill path (any m). 64x64 output tile per CTA, k-step 32 (one quant block), operands
+// gemm_*: prefill path (any m). 64x64 output tile per CTA, k-step 32 (a block or sub-block), operands
 //   dequantized into shared memory as f32, 4x4 register tile per thread. Launch: block 256,
 //   grid (ceil(n / 64), ceil(m / 64)). For large m the faster route is dequantize_* into a scratch
 //   f16/bf16 matrix plus a cuBLAS GEMM; see docs/kernels.md.
@@ -111,6 +113,62 @@ struct FmtI8 {
     }
 };
 
+// Formats read through their common.cuh dequant8 (Q5_0, Q5_1 and the K-quants), so each layout
+// is written once. A unit is two groups of 8 that share their quant bytes (low and high nibbles of
+// the same 8 bytes), so consecutive lanes read consecutive bytes of a block and each byte is loaded
+// by one lane. DeqUnits<B> maps unit u to its first group (counted in 8s from the row start) and
+// the distance to the second.
+template <typename B>
+struct DeqUnits {  // 32-element blocks, 2 units each: elements 8s.. and 16 + 8s.., s = 0, 1
+    static constexpr int SECOND = 2;
+    static __device__ __forceinline__ int first(int u) { return (u >> 1) * 4 + (u & 1); }
+};
+template <>
+struct DeqUnits<block_q4_K> {  // 16 units: sub-block pair p = w / 4, run s = w % 4; sub-blocks 2p, 2p + 1
+    static constexpr int SECOND = 4;
+    static __device__ __forceinline__ int first(int u) { return (u >> 4) * 32 + ((u & 15) >> 2) * 8 + (u & 3); }
+};
+template <>
+struct DeqUnits<block_q5_K> : DeqUnits<block_q4_K> {};
+template <>
+struct DeqUnits<block_q6_K> {  // 16 units: half n = w / 8, quarter h = w / 4 % 2, run s; quarters h, h + 2
+    static constexpr int SECOND = 8;
+    static __device__ __forceinline__ int first(int u) {
+        const int w = u & 15;
+        return (u >> 4) * 32 + (w >> 3) * 16 + ((w >> 2) & 1) * 4 + (w & 3);
+    }
+};
+
+// The two groups of a unit can have different scales (two sub-blocks of a K-quant), so `load`
+// returns dequantized weights (d = 1): one FMA per weight and row, once per step however many
+// tokens the step has.
+template <typename B>
+struct FmtDeq {
+    static constexpr int UNIT = 16;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ i64 row_bytes(int k) { return (i64)(k / qk_of<B>::value) * sizeof(B); }
+    static __device__ __forceinline__ void load(const u8* row, int u, float (&q)[UNIT], float& d, float& mn) {
+        const B* r = reinterpret_cast<const B*>(row);
+        const int g = DeqUnits<B>::first(u);
+        float a[8], b[8];
+        dequant8(r, g, a);
+        dequant8(r, g + DeqUnits<B>::SECOND, b);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) { q[i] = a[i]; q[8 + i] = b[i]; }
+        d = 1.0f;
+        mn = 0.0f;
+    }
+    template <typename T>
+    static __device__ __forceinline__ void load_x(const T* xr, int u, float (&xv)[UNIT]) {
+        const int g = DeqUnits<B>::first(u);
+        float a[8], b[8];
+        load8(xr + g * 8, a);
+        load8(xr + (g + DeqUnits<B>::SECOND) * 8, b);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) { xv[i] = a[i]; xv[8 + i] = b[i]; }
+    }
+};
+
 template <typename F, int M, int R, typename T>
 __device__ __forceinline__ void gemv_rows(const void* __restrict__ w, const float* __restrict__ scale,
                                          const T* __restrict__ x, T* __restrict__ y, int n, int k) {
@@ -185,25 +243,15 @@ __device__ __forceinline__ void gemv_dispatch(const void* w, const float* scale,
 #define GEMM_BN 64
 #define GEMM_BK 32
 
-// Dequantize 8 weights of row `row`, k-group j8 (8 elements) into f32. For int8 the raw value
-// is returned; the row scale is applied in the epilogue.
-template <int FMT>
-__device__ __forceinline__ void gemm_load_w8(const void* w, i64 row, int k, int j8, float (&o)[8]);
-// FMT: 0 = Q8_0, 1 = Q4_0, 2 = Q4_1, 3 = int8
-template <>
-__device__ __forceinline__ void gemm_load_w8<0>(const void* w, i64 row, int k, int j8, float (&o)[8]) {
-    dequant8(reinterpret_cast<const block_q8_0*>(w) + row * (k / QK), j8, o);
+// Dequantize 8 weights of row `row`, k-group j8 (8 elements) into f32: W is a block type, or
+// WeightI8 for int8, whose raw value is returned (the row scale is applied in the epilogue).
+struct WeightI8 {};
+template <typename W>
+__device__ __forceinline__ void gemm_load_w8(const void* w, i64 row, int k, int j8, float (&o)[8]) {
+    dequant8(reinterpret_cast<const W*>(w) + row * (k / qk_of<W>::value), j8, o);
 }
 template <>
-__device__ __forceinline__ void gemm_load_w8<1>(const void* w, i64 row, int k, int j8, float (&o)[8]) {
-    dequant8(reinterpret_cast<const block_q4_0*>(w) + row * (k / QK), j8, o);
-}
-template <>
-__device__ __forceinline__ void gemm_load_w8<2>(const void* w, i64 row, int k, int j8, float (&o)[8]) {
-    dequant8(reinterpret_cast<const block_q4_1*>(w) + row * (k / QK), j8, o);
-}
-template <>
-__device__ __forceinline__ void gemm_load_w8<3>(const void* w, i64 row, int k, int j8, float (&o)[8]) {
+__device__ __forceinline__ void gemm_load_w8<WeightI8>(const void* w, i64 row, int k, int j8, float (&o)[8]) {
     const uint2 v = *reinterpret_cast<const uint2*>(reinterpret_cast<const i8*>(w) + row * k + j8 * 8);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -212,7 +260,7 @@ __device__ __forceinline__ void gemm_load_w8<3>(const void* w, i64 row, int k, i
     }
 }
 
-template <int FMT, typename T>
+template <typename W, typename T>
 __device__ __forceinline__ void gemm_impl(const void* __restrict__ w, const float* __restrict__ scale,
                                           const T* __restrict__ x, T* __restrict__ y, int m, int n, int k) {
     __shared__ float xs[GEMM_BK][GEMM_BM + 4];
@@ -237,7 +285,7 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ w, const floa
             for (int i = 0; i < 8; ++i) xv[i] = 0.0f;
         }
         if (n0 + lrow < n) {
-            gemm_load_w8<FMT>(w, n0 + lrow, k, k0 / 8 + lg, wv);
+            gemm_load_w8<W>(w, n0 + lrow, k, k0 / 8 + lg, wv);
         } else {
 #pragma unroll
             for (int i = 0; i < 8; ++i) wv[i] = 0.0f;
@@ -276,7 +324,7 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ w, const floa
 }
 
 // Dense dequantization W -> T [n, k] (for the dequantize + cuBLAS prefill route and for tests).
-template <int FMT, typename T>
+template <typename W, typename T>
 __device__ __forceinline__ void dequantize_impl(const void* __restrict__ w, const float* __restrict__ scale,
                                                 T* __restrict__ out, int n, int k) {
     const i64 groups = (i64)n * (k / 8);
@@ -285,7 +333,7 @@ __device__ __forceinline__ void dequantize_impl(const void* __restrict__ w, cons
         const i64 row = g / (k / 8);
         const int j8 = (int)(g - row * (k / 8));
         float v[8];
-        gemm_load_w8<FMT>(w, row, k, j8, v);
+        gemm_load_w8<W>(w, row, k, j8, v);
         if (scale != nullptr) {
             const float sc = scale[row];
 #pragma unroll
@@ -314,24 +362,24 @@ extern "C" __global__ void GEMV_BOUNDS gemv_i8_f16(const void* w, const float* s
 extern "C" __global__ void gemv_i8_f16(const void* w, const float* scale, const __half* x, __half* y, int m, int n, int k) { gemv_dispatch<FmtI8>(w, scale, x, y, m, n, k); }
 
 // ---- GEMM: same arguments as GEMV, any m ----
-extern "C" __global__ void gemm_q8_0_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemm_impl<0>(w, nullptr, x, y, m, n, k); }
-extern "C" __global__ void gemm_q8_0_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemm_impl<0>(w, nullptr, x, y, m, n, k); }
-extern "C" __global__ void gemm_q4_0_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemm_impl<1>(w, nullptr, x, y, m, n, k); }
-extern "C" __global__ void gemm_q4_0_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemm_impl<1>(w, nullptr, x, y, m, n, k); }
-extern "C" __global__ void gemm_q4_1_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemm_impl<2>(w, nullptr, x, y, m, n, k); }
-extern "C" __global__ void gemm_q4_1_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemm_impl<2>(w, nullptr, x, y, m, n, k); }
-extern "C" __global__ void gemm_i8_f32(const void* w, const float* scale, const float* x, float* y, int m, int n, int k) { gemm_impl<3>(w, scale, x, y, m, n, k); }
-extern "C" __global__ void gemm_i8_f16(const void* w, const float* scale, const __half* x, __half* y, int m, int n, int k) { gemm_impl<3>(w, scale, x, y, m, n, k); }
+extern "C" __global__ void gemm_q8_0_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemm_impl<block_q8_0>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q8_0_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemm_impl<block_q8_0>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q4_0_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemm_impl<block_q4_0>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q4_0_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemm_impl<block_q4_0>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q4_1_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemm_impl<block_q4_1>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q4_1_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemm_impl<block_q4_1>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_i8_f32(const void* w, const float* scale, const float* x, float* y, int m, int n, int k) { gemm_impl<WeightI8>(w, scale, x, y, m, n, k); }
+extern "C" __global__ void gemm_i8_f16(const void* w, const float* scale, const __half* x, __half* y, int m, int n, int k) { gemm_impl<WeightI8>(w, scale, x, y, m, n, k); }
 
 // ---- dequantize: args (w, out [n, k], n, k); int8 adds `scale` f32 [n] after w ----
-extern "C" __global__ void dequantize_q8_0_f32(const void* w, float* out, int n, int k) { dequantize_impl<0>(w, nullptr, out, n, k); }
-extern "C" __global__ void dequantize_q8_0_f16(const void* w, __half* out, int n, int k) { dequantize_impl<0>(w, nullptr, out, n, k); }
-extern "C" __global__ void dequantize_q4_0_f32(const void* w, float* out, int n, int k) { dequantize_impl<1>(w, nullptr, out, n, k); }
-extern "C" __global__ void dequantize_q4_0_f16(const void* w, __half* out, int n, int k) { dequantize_impl<1>(w, nullptr, out, n, k); }
-extern "C" __global__ void dequantize_q4_1_f32(const void* w, float* out, int n, int k) { dequantize_impl<2>(w, nullptr, out, n, k); }
-extern "C" __global__ void dequantize_q4_1_f16(const void* w, __half* out, int n, int k) { dequantize_impl<2>(w, nullptr, out, n, k); }
-extern "C" __global__ void dequantize_i8_f32(const void* w, const float* scale, float* out, int n, int k) { dequantize_impl<3>(w, scale, out, n, k); }
-extern "C" __global__ void dequantize_i8_f16(const void* w, const float* scale, __half* out, int n, int k) { dequantize_impl<3>(w, scale, out, n, k); }
+extern "C" __global__ void dequantize_q8_0_f32(const void* w, float* out, int n, int k) { dequantize_impl<block_q8_0>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q8_0_f16(const void* w, __half* out, int n, int k) { dequantize_impl<block_q8_0>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q4_0_f32(const void* w, float* out, int n, int k) { dequantize_impl<block_q4_0>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q4_0_f16(const void* w, __half* out, int n, int k) { dequantize_impl<block_q4_0>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q4_1_f32(const void* w, float* out, int n, int k) { dequantize_impl<block_q4_1>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q4_1_f16(const void* w, __half* out, int n, int k) { dequantize_impl<block_q4_1>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_i8_f32(const void* w, const float* scale, float* out, int n, int k) { dequantize_impl<WeightI8>(w, scale, out, n, k); }
+extern "C" __global__ void dequantize_i8_f16(const void* w, const float* scale, __half* out, int n, int k) { dequantize_impl<WeightI8>(w, scale, out, n, k); }
 
 #if STRATA_HAS_BF16
 extern "C" __global__ void GEMV_BOUNDS gemv_q8_0_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k);
@@ -342,12 +390,76 @@ extern "C" __global__ void GEMV_BOUNDS gemv_q4_1_bf16(const void* w, const __nv_
 extern "C" __global__ void gemv_q4_1_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemv_dispatch<FmtQ4<true>>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void GEMV_BOUNDS gemv_i8_bf16(const void* w, const float* scale, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k);
 extern "C" __global__ void gemv_i8_bf16(const void* w, const float* scale, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemv_dispatch<FmtI8>(w, scale, x, y, m, n, k); }
-extern "C" __global__ void gemm_q8_0_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<0>(w, nullptr, x, y, m, n, k); }
-extern "C" __global__ void gemm_q4_0_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<1>(w, nullptr, x, y, m, n, k); }
-extern "C" __global__ void gemm_q4_1_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<2>(w, nullptr, x, y, m, n, k); }
-extern "C" __global__ void gemm_i8_bf16(const void* w, const float* scale, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<3>(w, scale, x, y, m, n, k); }
-extern "C" __global__ void dequantize_q8_0_bf16(const void* w, __nv_bfloat16* out, int n, int k) { dequantize_impl<0>(w, nullptr, out, n, k); }
-extern "C" __global__ void dequantize_q4_0_bf16(const void* w, __nv_bfloat16* out, int n, int k) { dequantize_impl<1>(w, nullptr, out, n, k); }
-extern "C" __global__ void dequantize_q4_1_bf16(const void* w, __nv_bfloat16* out, int n, int k) { dequantize_impl<2>(w, nullptr, out, n, k); }
-extern "C" __global__ void dequantize_i8_bf16(const void* w, const float* scale, __nv_bfloat16* out, int n, int k) { dequantize_impl<3>(w, scale, out, n, k); }
+extern "C" __global__ void gemm_q8_0_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<block_q8_0>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q4_0_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<block_q4_0>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q4_1_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<block_q4_1>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_i8_bf16(const void* w, const float* scale, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<WeightI8>(w, scale, x, y, m, n, k); }
+extern "C" __global__ void dequantize_q8_0_bf16(const void* w, __nv_bfloat16* out, int n, int k) { dequantize_impl<block_q8_0>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q4_0_bf16(const void* w, __nv_bfloat16* out, int n, int k) { dequantize_impl<block_q4_0>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q4_1_bf16(const void* w, __nv_bfloat16* out, int n, int k) { dequantize_impl<block_q4_1>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_i8_bf16(const void* w, const float* scale, __nv_bfloat16* out, int n, int k) { dequantize_impl<WeightI8>(w, scale, out, n, k); }
+#endif
+
+// ---- Q5_0, Q5_1 and the K-quants: the same three ops and arguments, through FmtDeq / dequant8 ----
+extern "C" __global__ void GEMV_BOUNDS gemv_q5_0_f32(const void* w, const float* x, float* y, int m, int n, int k);
+extern "C" __global__ void gemv_q5_0_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q5_0>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q5_1_f32(const void* w, const float* x, float* y, int m, int n, int k);
+extern "C" __global__ void gemv_q5_1_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q5_1>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q4_k_f32(const void* w, const float* x, float* y, int m, int n, int k);
+extern "C" __global__ void gemv_q4_k_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q4_K>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q5_k_f32(const void* w, const float* x, float* y, int m, int n, int k);
+extern "C" __global__ void gemv_q5_k_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q5_K>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q6_k_f32(const void* w, const float* x, float* y, int m, int n, int k);
+extern "C" __global__ void gemv_q6_k_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q6_K>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q5_0_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemm_impl<block_q5_0>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q5_1_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemm_impl<block_q5_1>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q4_k_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemm_impl<block_q4_K>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q5_k_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemm_impl<block_q5_K>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q6_k_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemm_impl<block_q6_K>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void dequantize_q5_0_f32(const void* w, float* out, int n, int k) { dequantize_impl<block_q5_0>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q5_1_f32(const void* w, float* out, int n, int k) { dequantize_impl<block_q5_1>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q4_k_f32(const void* w, float* out, int n, int k) { dequantize_impl<block_q4_K>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q5_k_f32(const void* w, float* out, int n, int k) { dequantize_impl<block_q5_K>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q6_k_f32(const void* w, float* out, int n, int k) { dequantize_impl<block_q6_K>(w, nullptr, out, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q5_0_f16(const void* w, const __half* x, __half* y, int m, int n, int k);
+extern "C" __global__ void gemv_q5_0_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q5_0>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q5_1_f16(const void* w, const __half* x, __half* y, int m, int n, int k);
+extern "C" __global__ void gemv_q5_1_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q5_1>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q4_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k);
+extern "C" __global__ void gemv_q4_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q4_K>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q5_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k);
+extern "C" __global__ void gemv_q5_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q5_K>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q6_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k);
+extern "C" __global__ void gemv_q6_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q6_K>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q5_0_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemm_impl<block_q5_0>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q5_1_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemm_impl<block_q5_1>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q4_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemm_impl<block_q4_K>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q5_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemm_impl<block_q5_K>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q6_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemm_impl<block_q6_K>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void dequantize_q5_0_f16(const void* w, __half* out, int n, int k) { dequantize_impl<block_q5_0>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q5_1_f16(const void* w, __half* out, int n, int k) { dequantize_impl<block_q5_1>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q4_k_f16(const void* w, __half* out, int n, int k) { dequantize_impl<block_q4_K>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q5_k_f16(const void* w, __half* out, int n, int k) { dequantize_impl<block_q5_K>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q6_k_f16(const void* w, __half* out, int n, int k) { dequantize_impl<block_q6_K>(w, nullptr, out, n, k); }
+#if STRATA_HAS_BF16
+extern "C" __global__ void GEMV_BOUNDS gemv_q5_0_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k);
+extern "C" __global__ void gemv_q5_0_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q5_0>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q5_1_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k);
+extern "C" __global__ void gemv_q5_1_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q5_1>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q4_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k);
+extern "C" __global__ void gemv_q4_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q4_K>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q5_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k);
+extern "C" __global__ void gemv_q5_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q5_K>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q6_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k);
+extern "C" __global__ void gemv_q6_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q6_K>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q5_0_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<block_q5_0>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q5_1_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<block_q5_1>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q4_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<block_q4_K>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q5_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<block_q5_K>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q6_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<block_q6_K>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void dequantize_q5_0_bf16(const void* w, __nv_bfloat16* out, int n, int k) { dequantize_impl<block_q5_0>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q5_1_bf16(const void* w, __nv_bfloat16* out, int n, int k) { dequantize_impl<block_q5_1>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q4_k_bf16(const void* w, __nv_bfloat16* out, int n, int k) { dequantize_impl<block_q4_K>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q5_k_bf16(const void* w, __nv_bfloat16* out, int n, int k) { dequantize_impl<block_q5_K>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q6_k_bf16(const void* w, __nv_bfloat16* out, int n, int k) { dequantize_impl<block_q6_K>(w, nullptr, out, n, k); }
 #endif

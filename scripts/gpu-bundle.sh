@@ -5,6 +5,9 @@
 #   bin/cuda-tests     engine/tests/cuda.rs built the same way (the GPU parity tests, run with --ignored)
 #   model.gguf         a real-weight slice of SmolLM2-135M (Q4_1): its first GPU_BUNDLE_LAYERS layers and the
 #                      first GPU_BUNDLE_VOCAB rows of its vocabulary (scripts/gguf-slice.py)
+#   model-q4_k_m.gguf  a GPU_BUNDLE_KQUANT_LAYERS-layer slice as llama.cpp's Q4_K_M (`llama-quantize
+#                      --allow-requantize`: Q4_K and, in layer 2, Q6_K down projections, Q5_0/Q8_0 elsewhere), for
+#                      the K-quant kernels
 #   expect/            what the CPU backend of this very build gives for that model: expect.json (greedy tokens,
 #                      top-2 margins, the offload limit of the cluster check), cpu-logits.f32, cli-cpu.json
 #                      (`strata generate --device cpu`), check.env (the same facts as shell variables)
@@ -14,7 +17,9 @@
 #
 # Usage: scripts/gpu-bundle.sh [DIR]
 # Environment: CARGO_TARGET_DIR; STRATA_TEST_MODEL (the full SmolLM2 GGUF; scripts/fetch-model.sh otherwise);
-#   GPU_BUNDLE_LAYERS (default 4), GPU_BUNDLE_VOCAB (default 8192), GPU_BUNDLE_MAX_GLIBC (default 2.39, Ubuntu
+#   STRATA_LLAMA_BIN (a folder holding llama-quantize; scripts/llama-cpp-build.sh builds it, cached, otherwise);
+#   GPU_BUNDLE_LAYERS (default 4), GPU_BUNDLE_KQUANT_LAYERS (default 3: llama.cpp gives layer 2 of 3 its Q6_K
+#   down projection; fewer layers would have none), GPU_BUNDLE_VOCAB (default 8192), GPU_BUNDLE_MAX_GLIBC (default 2.39, Ubuntu
 #   24.04), GPU_BUNDLE_LIMIT_BYTES (default 67108864), GPU_BUNDLE_PROFILE (cargo profile, default release; CI
 #   uses dev, which its tests have mostly built already: such a bundle checks the build and the sizes, and its
 #   benchmark numbers mean nothing).
@@ -25,6 +30,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 dir="${1:-.gpu-bundle}"
 layers="${GPU_BUNDLE_LAYERS:-4}"
+kquant_layers="${GPU_BUNDLE_KQUANT_LAYERS:-3}"
 vocab="${GPU_BUNDLE_VOCAB:-8192}"
 max_glibc="${GPU_BUNDLE_MAX_GLIBC:-2.39}"
 limit="${GPU_BUNDLE_LIMIT_BYTES:-67108864}"
@@ -84,6 +90,15 @@ full="${STRATA_TEST_MODEL:-$(scripts/fetch-model.sh)}"
 [[ -s "$full" ]] || die "SmolLM2 GGUF not found: set STRATA_TEST_MODEL or run scripts/fetch-model.sh"
 python3 scripts/gguf-slice.py "$full" "$dir/model.gguf" --layers "$layers" --vocab "$vocab"
 
+say "model: its first $kquant_layers layers as llama.cpp's Q4_K_M"
+LLAMA_BIN="${STRATA_LLAMA_BIN:-}"
+# Built once into the cache (what scripts/test builds for engine/tests/gguf_kquants.rs); sets LLAMA_BIN.
+[[ -n "$LLAMA_BIN" ]] || eval "$(scripts/llama-cpp-build.sh llama-quantize)"
+python3 scripts/gguf-slice.py "$full" "$dir/kquant-source.gguf" --layers "$kquant_layers" --vocab "$vocab"
+"$LLAMA_BIN/llama-quantize" --allow-requantize "$dir/kquant-source.gguf" "$dir/model-q4_k_m.gguf" Q4_K_M 2 \
+  > "$dir/llama-quantize.log" 2>&1 || { cat "$dir/llama-quantize.log" >&2; die "llama-quantize Q4_K_M failed"; }
+rm -f "$dir/llama-quantize.log" "$dir/kquant-source.gguf"
+
 say "CPU expectations (the CPU backend of this build)"
 STRATA_TEST_MODEL="$dir/model.gguf" STRATA_GPU_EXPECT="$dir/expect" \
   "$dir/bin/cuda-tests" --ignored --exact write_cpu_expectations --nocapture --test-threads=1
@@ -116,7 +131,7 @@ total=$((bundle_bytes + tree_bytes))
   echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m), $(rustc --version), profile $profile"
   echo "glibc: >= $glibc"
   echo "model: $(basename "$full"), layers $layers, vocab $vocab"
-  du -b "$dir"/bin/* "$dir/model.gguf" "$dir"/expect/* | sed "s|$dir/||"
+  du -b "$dir"/bin/* "$dir"/model*.gguf "$dir"/expect/* | sed "s|$dir/||"
   echo "bundle bytes: $bundle_bytes"
 } > "$dir/manifest.txt"
 cat "$dir/manifest.txt"

@@ -12,8 +12,12 @@
 #   ops-f32, ops-f16, ops-bf16  every backend op against the CPU backend on random inputs (float and every
 #                               quantized matmul route, embeddings, norms, rope, attention), stated tolerances
 #   tiny-model                  random:tiny: GPU = CPU; 2 stages and offloaded layers give the same bits
+#   mixed-tiny-model            a tiny GGUF mixing Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and Q8_0 matrices: GPU = its f32
+#                               twin on the CPU (f32 tolerance), near the CPU's blocks; 2 stages the same bits
 #   model-vs-cpu                the bundle's real-weight model (f32 activations): greedy tokens equal the CPU's
 #                               from the bundle (logits within tolerance) and the CPU's computed here
+#   kquant-model-vs-cpu         the bundle's model as llama.cpp's Q4_K_M (Q4_K, Q6_K, Q5_0, Q8_0): greedy tokens
+#                               equal the CPU's computed here (up to a near tie, which it reports)
 #   model-splits-offload        the same model: 2 memory-limited backends = 1 stage = offloaded, bit for bit
 #   cli-vs-cpu                  `strata generate --device cuda:0` prints what the CPU build printed
 #   cluster-1-stage             `strata local` with 1 stage worker on cuda:0: the CPU's greedy tokens
@@ -172,7 +176,8 @@ bundle="$(cd "$bundle" 2>/dev/null && pwd)" || { echo "gpu-check: bundle folder 
 strata="$bundle/bin/strata"
 tests="$bundle/bin/cuda-tests"
 model="$bundle/model.gguf"
-for f in "$strata" "$tests" "$model" "$bundle/expect/check.env" "$bundle/expect/cli-cpu.json" "$bundle/manifest.txt"; do
+kquant_model="$bundle/model-q4_k_m.gguf"
+for f in "$strata" "$tests" "$model" "$kquant_model" "$bundle/expect/check.env" "$bundle/expect/cli-cpu.json" "$bundle/manifest.txt"; do
   [[ -s "$f" ]] || { echo "gpu-check: $f missing: rebuild the bundle with scripts/gpu-bundle.sh" >&2; exit 2; }
 done
 # PROMPT_IDS, MAX_TOKENS, CPU_TOKENS, WORKER_DTYPE, WORKER_KV_BLOCKS, OFFLOAD_GPU_MEMORY_LIMIT, NUM_LAYERS
@@ -292,7 +297,7 @@ fi
 export XDG_CACHE_HOME="${XDG_CACHE_HOME:-$work/cache}"
 # anyhow's backtraces of a stripped binary are all <unknown>; panics still follow RUST_BACKTRACE.
 export RUST_LIB_BACKTRACE=0
-export STRATA_TEST_MODEL="$model" STRATA_GPU_EXPECT="$bundle/expect"
+export STRATA_TEST_MODEL="$model" STRATA_GPU_EXPECT="$bundle/expect" STRATA_TEST_KQUANT_MODEL="$kquant_model"
 results+=("cuda-libraries|$($cuda_ok && echo pass || echo FAIL)|0|NVRTC ${nvrtc:-?}, driver CUDA ${driver_cuda:-?}${cuda_missing:+; missing $cuda_missing}")
 $cuda_ok || failed=1
 
@@ -303,6 +308,14 @@ step_ops_f32() { gpu_test every_op_matches_the_cpu_in_f32; }
 step_ops_f16() { gpu_test every_op_matches_the_cpu_in_f16; }
 step_ops_bf16() { gpu_test every_op_matches_the_cpu_in_bf16; }
 step_tiny() { gpu_test tiny_model_matches_cpu_and_splits_and_offload_change_nothing; }
+step_mixed() {
+  gpu_test quant::mixed_k_quant_tiny_model_matches_the_cpu || return
+  detail="$(test_detail mixed-tiny-model '^mixed tiny model:')"
+}
+step_kquant() {
+  gpu_test quant::q4_k_m_model_greedy_tokens_match_the_cpu || return
+  detail="$(test_detail kquant-model-vs-cpu 'greedy tokens equal')"
+}
 step_model() {
   gpu_test bundle_model_matches_the_cpu_expectations || return
   detail="$(test_detail model-vs-cpu 'greedy tokens equal')"
@@ -455,7 +468,9 @@ step ops-f32 120 step_ops_f32
 step ops-f16 60 step_ops_f16
 step ops-bf16 60 step_ops_bf16
 step tiny-model 60 step_tiny
+step mixed-tiny-model 60 step_mixed
 step model-vs-cpu 60 step_model
+step kquant-model-vs-cpu 60 step_kquant
 step model-splits-offload 60 step_splits
 step cli-vs-cpu 60 step_cli
 step cluster-1-stage 90 step_cluster1

@@ -1,12 +1,17 @@
 //! The CUDA backend against the CPU reference. These need an NVIDIA GPU, so they are `#[ignore]`d and run by
 //! `scripts/gpu-check.sh` (`cargo test --features cuda -- --ignored`, or the test binary of a bundle from
 //! `scripts/gpu-bundle.sh`). Every op runs on random inputs in each activation type with per-type tolerances;
-//! whole models must agree too (greedy tokens exactly).
+//! whole models must agree too (greedy tokens exactly). The block formats' own checks are in `cuda/quant.rs`.
 //!
 //! Environment: `STRATA_TEST_MODEL`, a real model (SmolLM2, or the bundle's slice of it); `STRATA_GPU_EXPECT`,
 //! a folder of CPU results for that model: `write_cpu_expectations` (no GPU needed) writes `expect.json` and
-//! `cpu-logits.f32` there, `bundle_model_matches_the_cpu_expectations` compares the GPU with them.
+//! `cpu-logits.f32` there, `bundle_model_matches_the_cpu_expectations` compares the GPU with them;
+//! `STRATA_TEST_KQUANT_MODEL`, that model as llama.cpp's Q4_K_M (the bundle's `model-q4_k_m.gguf`; without it
+//! `quant::q4_k_m_model_greedy_tokens_match_the_cpu` makes one from `STRATA_TEST_MODEL` with `llama-quantize`).
 #![cfg(feature = "cuda")]
+
+#[path = "cuda/quant.rs"]
+mod quant;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -23,9 +28,8 @@ use strata_engine::layout::ModelLayout;
 use strata_engine::loader::ModelFiles;
 use strata_engine::model::{LoadOptions, LogitRows, SeqChunk, StageInput, StageModel};
 use strata_engine::offload::OffloadBudget;
-use strata_engine::quant::quantize;
 use strata_engine::sampling::argmax;
-use strata_engine::tensor::{Bytes, DType, HostTensor};
+use strata_engine::tensor::{DType, HostTensor};
 use strata_engine::testing;
 
 fn cuda(act: DType) -> Result<CudaBackend> {
@@ -67,15 +71,6 @@ fn rounded(act: DType, v: Vec<f32>) -> Vec<f32> {
     HostTensor::from_f32(vec![v.len()], &v).convert(act).to_f32()
 }
 
-fn matrix(dtype: DType, rows: usize, cols: usize, v: &[f32]) -> Result<HostTensor> {
-    let bytes = if dtype.is_quantized() {
-        quantize(dtype, v)
-    } else {
-        return Ok(HostTensor::from_f32(vec![rows, cols], v).convert(dtype));
-    };
-    Ok(HostTensor::new("w", dtype, vec![rows, cols], Bytes::owned(&bytes))?)
-}
-
 fn check_ops(act: DType) -> Result<()> {
     let (cpu, gpu) = (CpuBackend::new(2)?, cuda(act)?);
     let mut rng = StdRng::seed_from_u64(7);
@@ -110,22 +105,8 @@ fn check_ops(act: DType) -> Result<()> {
     gpu.rope(&mut rg, &pos, &inv, head_dim)?;
     close("rope", act, &gpu.act_to_host(&rg)?, &rc.data)?;
 
-    // Every matmul route: cuBLAS for float weights; gemv (m <= 8), gemm and dequantize + cuBLAS (m >= 64).
     for dtype in std::iter::once(act).chain(strata_engine::quant::FORMATS.map(|f| f.dtype)) {
-        let n = 96;
-        let wv = rand_vec(&mut rng, n * cols, 0.2);
-        let t = matrix(dtype, n, cols, &wv)?;
-        let (mc, mg) = (cpu.upload_matrix(&t)?, gpu.upload_matrix(&t)?);
-        let bias = rounded(act, rand_vec(&mut rng, n, 0.5));
-        let (bc, bg) = (cpu.upload_vector(&bias)?, gpu.upload_vector(&bias)?);
-        for m in [1, 5, 8, 20, 64, 100] {
-            let xs = rounded(act, rand_vec(&mut rng, m * cols, 1.0));
-            let (a, b) = (cpu.act_from_host(&xs, m, cols)?, gpu.act_from_host(&xs, m, cols)?);
-            let want = cpu.linear(&a, &mc, Some(&bc))?.data;
-            close(&format!("linear {dtype} m={m}"), act, &gpu.act_to_host(&gpu.linear(&b, &mg, Some(&bg))?)?, &want)?;
-        }
-        let ids = [0u32, 95, 17, 17];
-        close(&format!("embed {dtype}"), act, &gpu.act_to_host(&gpu.embed(&mg, &ids)?)?, &cpu.embed(&mc, &ids)?.data)?;
+        quant::check_matmuls(&cpu, &gpu, act, dtype, &mut rng)?;
     }
     check_attention(&cpu, &gpu, act, gpu.default_kv_dtype(), &mut rng)
 }
@@ -356,6 +337,12 @@ fn smollm2_greedy_tokens_match_the_cpu() -> Result<()> {
     Ok(())
 }
 
+/// How far token `t`'s logit is ahead of the best other one.
+fn top2_margin(logits: &[f32], t: u32) -> f32 {
+    let second = logits.iter().enumerate().filter(|&(i, _)| i != t as usize).fold(f32::MIN, |m, (_, &x)| m.max(x));
+    logits[t as usize] - second
+}
+
 /// The prompt of the real-model checks ("The capital of France is" in SmolLM2's tokenizer; every id is below
 /// 8192, so it fits the bundle's slice of the vocabulary) and the tokens generated after it.
 const PROMPT: [u32; 5] = [504, 3575, 282, 4649, 314];
@@ -404,14 +391,7 @@ fn write_cpu_expectations() -> Result<()> {
     let tokens: Vec<u32> = logits.iter().map(|l| argmax(l)).collect();
     // How far the chosen token is ahead of the next best: a mismatch on a step with a tiny margin is a near tie,
     // not necessarily a bug.
-    let margins: Vec<f32> = logits
-        .iter()
-        .zip(&tokens)
-        .map(|(l, &t)| {
-            let second = l.iter().enumerate().filter(|&(i, _)| i != t as usize).fold(f32::MIN, |m, (_, &x)| m.max(x));
-            l[t as usize] - second
-        })
-        .collect();
+    let margins: Vec<f32> = logits.iter().zip(&tokens).map(|(l, &t)| top2_margin(l, t)).collect();
     let kv_bytes = WORKER_KV_BLOCKS * 16 * cfg.num_layers * 2 * cfg.kv_dim() * 4;
     let expect = serde_json::json!({
         "prompt_ids": PROMPT,

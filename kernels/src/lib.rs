@@ -43,7 +43,9 @@
 //! | `sample_f32` | logits, uniform f32, temperature f32, top_k i32, top_p f32, out i32, n_rows, vocab | (n_rows); 1024 |
 //! | `cast_<s>_<d>` | in, out, n i64 | grid-stride; 256 |
 //!
-//! `<q>` is one of `q8_0`, `q4_0`, `q4_1` (GGML block formats, GGUF byte layout).
+//! `<q>` is one of `q8_0`, `q4_0`, `q4_1`, `q5_0`, `q5_1` (32-element blocks) or `q4_k`, `q5_k`, `q6_k`
+//! (256-element K-quant super-blocks): GGML block formats in GGUF byte layout, named as the engine's
+//! `BlockFormat::name`. A format missing here has no CUDA kernels (the backend refuses it at upload).
 
 /// One `.cu` translation unit and the entry points it defines.
 #[derive(Debug, Clone, Copy)]
@@ -86,7 +88,8 @@ pub const PREFILL_QUERY_TILE: usize = 32;
 /// Upper bound on `partition_size` for `paged_attention_decode_*`.
 pub const DECODE_MAX_PARTITION: usize = 512;
 
-/// Elements per quantization block of Q8_0 / Q4_0 / Q4_1; `k` must be a multiple of it.
+/// Elements per quantization block of the 32-element formats (Q8_0 / Q4_x / Q5_x); `k` must be a multiple
+/// of it (of 256 for the K-quants: the host checks `k` against the engine's block table).
 pub const QUANT_BLOCK: usize = 32;
 
 /// Query heads one `paged_attention_decode_*` CTA handles: the largest of 8, 4, 2, 1 dividing
@@ -105,7 +108,7 @@ pub fn requires_sm80(function: &str) -> bool {
     function.split('_').any(|part| part == "bf16")
 }
 
-/// Embedding gathers (dense and Q8_0 / Q4_0 / Q4_1 tables).
+/// Embedding gathers (dense tables and every block format of [`QUANT`]).
 pub const EMBEDDING: KernelModule = KernelModule {
     name: "embedding",
     source: include_str!("../embedding.cu"),
@@ -122,6 +125,21 @@ pub const EMBEDDING: KernelModule = KernelModule {
         "embedding_q4_1_f32",
         "embedding_q4_1_f16",
         "embedding_q4_1_bf16",
+        "embedding_q5_0_f32",
+        "embedding_q5_0_f16",
+        "embedding_q5_0_bf16",
+        "embedding_q5_1_f32",
+        "embedding_q5_1_f16",
+        "embedding_q5_1_bf16",
+        "embedding_q4_k_f32",
+        "embedding_q4_k_f16",
+        "embedding_q4_k_bf16",
+        "embedding_q5_k_f32",
+        "embedding_q5_k_f16",
+        "embedding_q5_k_bf16",
+        "embedding_q6_k_f32",
+        "embedding_q6_k_f16",
+        "embedding_q6_k_bf16",
     ],
 };
 
@@ -190,7 +208,7 @@ pub const ATTENTION: KernelModule = KernelModule {
     ],
 };
 
-/// Quantized GEMV / GEMM / dequantize for Q8_0, Q4_0, Q4_1 and weight-only int8.
+/// Quantized GEMV / GEMM / dequantize for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and weight-only int8.
 pub const QUANT: KernelModule = KernelModule {
     name: "quant",
     source: include_str!("../quant.cu"),
@@ -231,6 +249,51 @@ pub const QUANT: KernelModule = KernelModule {
         "dequantize_i8_f32",
         "dequantize_i8_f16",
         "dequantize_i8_bf16",
+        "gemv_q5_0_f32",
+        "gemv_q5_0_f16",
+        "gemv_q5_0_bf16",
+        "gemv_q5_1_f32",
+        "gemv_q5_1_f16",
+        "gemv_q5_1_bf16",
+        "gemv_q4_k_f32",
+        "gemv_q4_k_f16",
+        "gemv_q4_k_bf16",
+        "gemv_q5_k_f32",
+        "gemv_q5_k_f16",
+        "gemv_q5_k_bf16",
+        "gemv_q6_k_f32",
+        "gemv_q6_k_f16",
+        "gemv_q6_k_bf16",
+        "gemm_q5_0_f32",
+        "gemm_q5_0_f16",
+        "gemm_q5_0_bf16",
+        "gemm_q5_1_f32",
+        "gemm_q5_1_f16",
+        "gemm_q5_1_bf16",
+        "gemm_q4_k_f32",
+        "gemm_q4_k_f16",
+        "gemm_q4_k_bf16",
+        "gemm_q5_k_f32",
+        "gemm_q5_k_f16",
+        "gemm_q5_k_bf16",
+        "gemm_q6_k_f32",
+        "gemm_q6_k_f16",
+        "gemm_q6_k_bf16",
+        "dequantize_q5_0_f32",
+        "dequantize_q5_0_f16",
+        "dequantize_q5_0_bf16",
+        "dequantize_q5_1_f32",
+        "dequantize_q5_1_f16",
+        "dequantize_q5_1_bf16",
+        "dequantize_q4_k_f32",
+        "dequantize_q4_k_f16",
+        "dequantize_q4_k_bf16",
+        "dequantize_q5_k_f32",
+        "dequantize_q5_k_f16",
+        "dequantize_q5_k_bf16",
+        "dequantize_q6_k_f32",
+        "dequantize_q6_k_f16",
+        "dequantize_q6_k_bf16",
     ],
 };
 

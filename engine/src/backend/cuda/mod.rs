@@ -2,8 +2,10 @@
 //!
 //! - Activations, norm weights, biases and the KV cache are kept in one activation type (bf16 by default on
 //!   sm_80+, f16 below; f32 for parity tests); the KV cache may be Q8_0 blocks instead (`--kv-dtype q8_0`). Float weights are converted to it on upload so cuBLAS runs one
-//!   type; quantized weights (Q8_0/Q4_0/Q4_1) stay quantized and run through the `gemv_*`/`gemm_*` kernels; other
-//!   block formats (Q5, the K-quants) are refused at upload.
+//!   type; block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay in their blocks and run
+//!   through the `gemv_*`/`gemm_*`/`dequantize_*`/`embedding_*` kernels named after the format ([`quant`]); a
+//!   block format without those kernels (Q8_K, or one the CPU backend gains first) is refused at upload, naming
+//!   the format.
 //! - Work runs on one compute stream; a second stream copies offloaded layers in (see [`staging`]). cudarc's
 //!   automatic per-buffer event tracking is off: every buffer is allocated, used and freed on the compute
 //!   stream, and the only cross-stream traffic (weight staging) is ordered by explicit events.
@@ -16,6 +18,7 @@ mod attn_plan;
 mod compile;
 mod ops;
 mod pool;
+mod quant;
 mod staging;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -286,24 +289,7 @@ impl CudaBackend {
             return Err(Error::Shape { op: "upload_matrix", reason: format!("expected 2-D, got {:?}", t.shape) });
         }
         if t.dtype.is_quantized() {
-            // The kernel list is the one record of which formats have CUDA kernels (q8_0, q4_0, q4_1 today).
-            let gemv = format!("gemv_{}_{}", t.dtype, self.act);
-            if strata_kernels::module_of(&gemv).is_none() {
-                return Err(Error::Shape {
-                    op: "upload_matrix",
-                    reason: format!(
-                        "the CUDA backend has no {} kernels (no {gemv}); the CPU backend runs them",
-                        t.dtype
-                    ),
-                });
-            }
-            let block = t.dtype.block_elems();
-            if !t.shape[1].is_multiple_of(block) {
-                return Err(Error::Shape {
-                    op: "upload_matrix",
-                    reason: format!("{} weights need a multiple of {block} columns, got {}", t.dtype, t.shape[1]),
-                });
-            }
+            quant::check_upload(t.dtype, t.shape[1], self.act)?;
             return Ok(t.clone());
         }
         Ok(t.convert(self.act))

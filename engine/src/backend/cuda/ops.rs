@@ -5,17 +5,14 @@ use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
 use half::{bf16, f16};
-use strata_kernels::{GEMM_TILE, GEMV_MAX_ROWS, GEMV_ROWS_PER_BLOCK, PREFILL_QUERY_TILE, decode_heads_per_cta};
+use strata_kernels::{PREFILL_QUERY_TILE, decode_heads_per_cta};
 
 use super::attn_plan::{self, AttnMode, AttnPlan};
+use super::quant::{self, Route};
 use super::{CudaAct, CudaBackend, CudaKvLayer, CudaMatrix, CudaVector, Store, dev_err, lock};
 use crate::backend::{AttnSeq, AttnShape};
 use crate::tensor::DType;
 use crate::{Error, Result};
-
-/// From this many rows on, a quantized matmul dequantizes the weight into a scratch matrix and runs cuBLAS
-/// (tensor cores) instead of the SIMT `gemm_*` kernel (docs/kernels.md, "Quantized matmul").
-pub const DEQUANT_GEMM_MIN_ROWS: usize = 64;
 
 /// Block size of the 1-D grid-stride kernels and the elements one block covers per step (8 per thread).
 const STRIDE_BLOCK: u32 = 256;
@@ -200,11 +197,8 @@ impl CudaBackend {
         let ids: Vec<i32> = ids.map(|i| int("embed", i)).collect::<Result<_>>()?;
         let mut out = self.alloc_act(ids.len(), table.cols)?;
         let dev_ids = self.compute.clone_htod(&ids).map_err(dev_err("uploading token ids"))?;
-        let name = if table.dtype.is_quantized() {
-            format!("embedding_{}_{}", table.dtype, self.act)
-        } else {
-            format!("embedding_{}", self.act)
-        };
+        let name =
+            quant::kernel_name("embedding", table.dtype, self.act).unwrap_or_else(|| format!("embedding_{}", self.act));
         let (n, dim, vocab) = (int("embed", ids.len())?, int("embed", table.cols)?, int("embed", table.rows)?);
         self.with_weight(table, |w| {
             // SAFETY: embedding_<q?>_<t>(ids i32, table, out, n_tokens, dim, vocab); `w` is the [vocab, dim]
@@ -360,35 +354,22 @@ impl CudaBackend {
                 return self.gemm(&x.buf.as_view(), wv, &mut y.buf, (m, n, k));
             }
             let (mi, ni, ki) = (int("linear", m)?, int("linear", n)?, int("linear", k)?);
-            if m <= GEMV_MAX_ROWS {
-                // SAFETY: gemv_<q>_<t>(w, x, y, m, n, k) with 1 <= m <= 8; w is [n, k] in blocks (k % 32
-                // checked at upload), x holds m × k and y m × n, all 16-byte aligned (fresh allocations or
-                // 256-aligned staging offsets).
+            let l = quant::matmul_launch(w.dtype, self.act, (m, n, k), self.sm_count)
+                .ok_or_else(|| Error::Device(format!("linear: {} is not a block format", w.dtype)))?;
+            if l.route != Route::DequantizeThenCublas {
+                // SAFETY: gemv_<q>_<t> / gemm_<q>_<t>(w, x, y, m, n, k), gemv only for 1 <= m <= 8 (the route);
+                // w is [n, k] in whole blocks (checked at upload), x holds m × k and y m × n, all 16-byte aligned
+                // (fresh allocations or 256-aligned staging offsets).
                 return unsafe {
-                    self.launch(
-                        &format!("gemv_{}_{}", w.dtype, self.act),
-                        (n.div_ceil(GEMV_ROWS_PER_BLOCK), 1, 1),
-                        128,
-                        |b| {
-                            b.arg(wv).arg(&x.buf).arg(&mut y.buf).arg(&mi).arg(&ni).arg(&ki);
-                        },
-                    )
-                };
-            }
-            if m < DEQUANT_GEMM_MIN_ROWS {
-                // SAFETY: gemm_<q>_<t>(w, x, y, m, n, k); shapes and alignment as for gemv above.
-                return unsafe {
-                    let grid = (n.div_ceil(GEMM_TILE), m.div_ceil(GEMM_TILE), 1);
-                    self.launch(&format!("gemm_{}_{}", w.dtype, self.act), grid, 256, |b| {
+                    self.launch(&l.name, l.grid, l.block, |b| {
                         b.arg(wv).arg(&x.buf).arg(&mut y.buf).arg(&mi).arg(&ni).arg(&ki);
                     })
                 };
             }
             let mut dense = self.uninit(n * k * self.act.block_bytes())?;
-            let grid = (n * k / 8).div_ceil(STRIDE_BLOCK as usize).clamp(1, self.sm_count * 32);
             // SAFETY: dequantize_<q>_<t>(w, out, n, k) writes the dense [n, k] weight into `dense`.
             unsafe {
-                self.launch(&format!("dequantize_{}_{}", w.dtype, self.act), (grid, 1, 1), STRIDE_BLOCK, |b| {
+                self.launch(&l.name, l.grid, l.block, |b| {
                     b.arg(wv).arg(&mut dense).arg(&ni).arg(&ki);
                 })?;
             }
