@@ -204,11 +204,11 @@ fn malformed_inputs_fail_cleanly() -> Result<()> {
     std::fs::write(missing.join("config.json"), cfg.replace("\"num_hidden_layers\":4", "\"num_hidden_layers\":5"))?;
     expect_failure(&missing, &[], "missing tensor \"model.layers.4.");
 
-    // GGUF with a tensor type strata does not read (11: ggml's Q3_K).
+    // GGUF with a tensor type strata does not read (9: ggml's Q8_1).
     let spec = TinySpec { config: tiny_config(), dtype: DType::Q8_0, seed: 3 };
     let gguf = dir.path().join("bad.gguf");
-    write_gguf(&gguf, &spec, &random_weights(&spec), &GgufOverrides { bogus_type_code: Some(11) })?;
-    expect_failure(&gguf, &[], "unsupported type Q3_K");
+    write_gguf(&gguf, &spec, &random_weights(&spec), &GgufOverrides { bogus_type_code: Some(9) })?;
+    expect_failure(&gguf, &[], "unsupported type Q8_1");
 
     // Request errors on a good model.
     expect_failure(&good, &["--prompt-ids", "1,99999"], "outside the vocabulary");

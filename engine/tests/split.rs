@@ -164,10 +164,10 @@ fn gguf_unknown_tensor_type_is_a_clear_error() -> Result<()> {
     let spec = TinySpec { config: tiny_config(), dtype: DType::F32, seed: 1 };
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("bad.gguf");
-    // 11 is ggml's Q3_K, which strata does not read.
-    write_gguf(&path, &spec, &random_weights(&spec), &GgufOverrides { bogus_type_code: Some(11) })?;
+    // 9 is ggml's Q8_1 (an activation format), which strata does not read.
+    write_gguf(&path, &spec, &random_weights(&spec), &GgufOverrides { bogus_type_code: Some(9) })?;
     let err = ModelFiles::open(&path).err().expect("must fail");
-    assert!(err.to_string().contains("unsupported type Q3_K"), "{err}");
+    assert!(err.to_string().contains("unsupported type Q8_1"), "{err}");
     Ok(())
 }
 

@@ -1,6 +1,6 @@
 //! TLS end to end, with a CA and certificates made here: a two-stage cluster whose nodes all use mutual TLS generates
 //! exactly what the plaintext cluster does (over gRPC, the HTTPS API and the `strata` CLI); gRPC turns away clients
-//! without a certificate from the CA and plaintext clients; HTTPS needs a client that trusts the CA but no client
+//! without a certificate from the CA and plaintext clients, and a stage takes no `Forward` from them; HTTPS needs a client that trusts the CA but no client
 //! certificate, and a client that never finishes its handshake does not hold up the others.
 
 use std::path::Path;
@@ -36,6 +36,20 @@ async fn generation_refused(endpoint: Endpoint) -> bool {
         generate(&mut client, ids_request(&PROMPT, 2)).await.map_err(anyhow::Error::from)
     };
     !matches!(tokio::time::timeout(Duration::from_secs(10), attempt).await, Ok(Ok(_)))
+}
+
+/// Whether a `Forward` stream to the stage at `endpoint` opens and answers a batch (with its refusal of the batch's
+/// plan epoch, since no plan 99 exists) within 10 s.
+async fn forward_opens(endpoint: Endpoint) -> bool {
+    let attempt = async {
+        let mut client = StageClient::with_interceptor(endpoint.connect().await?, trace_interceptor);
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tx.send(pb::ForwardRequest { plan_epoch: 99, batch_id: 1, ..Default::default() }).await?;
+        let mut replies = client.forward(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
+        let answer = replies.message().await;
+        anyhow::Ok(matches!(answer, Err(ref s) if s.code() == tonic::Code::FailedPrecondition) || answer.is_ok())
+    };
+    matches!(tokio::time::timeout(Duration::from_secs(10), attempt).await, Ok(Ok(true)))
 }
 
 /// An HTTPS client trusting only `roots_pem`, checking the server's certificate for `server_name`.
@@ -112,6 +126,12 @@ async fn grpc_turns_away_clients_without_a_certificate_from_the_ca_and_plaintext
     };
     let answered = matches!(tokio::time::timeout(Duration::from_secs(10), asked).await, Ok(Ok(_)));
     assert!(!answered, "a stage must refuse a client without a certificate");
+    // Nor may anyone without the CA's certificate send it batches: a Forward stream never opens.
+    let worker = cluster.workers[0].local_addr();
+    for (who, identity) in [("no certificate", None), ("another CA's certificate", Some(&pki.stranger))] {
+        assert!(!forward_opens(tls_endpoint(worker, &pki.ca, identity)?).await, "Forward with {who}");
+    }
+    assert!(forward_opens(tls_endpoint(worker, &pki.ca, Some(&pki.node))?).await, "Forward with the CA's certificate");
     cluster.stop().await
 }
 

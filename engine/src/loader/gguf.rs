@@ -200,8 +200,6 @@ const MIN_TENSOR_BYTES: usize = 8 + 4 + 4 + 8;
 fn ggml_type(code: u32) -> std::result::Result<DType, String> {
     quant::from_ggml_type(code).ok_or_else(|| match code {
         9 => "Q8_1".into(),
-        10 => "Q2_K".into(),
-        11 => "Q3_K".into(),
         other => format!("ggml type {other}"),
     })
 }
