@@ -214,12 +214,19 @@ impl TestCluster {
         prompts: &[Vec<u32>],
         max_tokens: u32,
     ) -> Result<Vec<Result<Collected, tonic::Status>>> {
+        self.generate_requests(prompts.iter().map(|p| ids_request(p, max_tokens)).collect()).await
+    }
+
+    /// Runs every request at once; returns each one's result, in order.
+    pub async fn generate_requests(
+        &self,
+        requests: Vec<pb::GenerateRequest>,
+    ) -> Result<Vec<Result<Collected, tonic::Status>>> {
         let client = self.client().await?;
-        let tasks: Vec<_> = prompts
-            .iter()
-            .map(|p| {
+        let tasks: Vec<_> = requests
+            .into_iter()
+            .map(|req| {
                 let mut client = client.clone();
-                let req = ids_request(p, max_tokens);
                 tokio::spawn(async move { generate(&mut client, req).await })
             })
             .collect();

@@ -56,15 +56,10 @@ async fn seeded_sampling_survives_preemption() -> Result<()> {
         alone.push(generate(&mut client, seeded(i)).await?.token_ids);
     }
     ensure!(cluster.pipeline.preemptions() == 0, "one request at a time fits");
-    let tasks: Vec<_> = (0..8)
-        .map(|i| {
-            let mut client = client.clone();
-            let req = seeded(i);
-            tokio::spawn(async move { generate(&mut client, req).await })
-        })
-        .collect();
-    for (i, (task, expected)) in tasks.into_iter().zip(&alone).enumerate() {
-        assert_eq!(&task.await??.token_ids, expected, "stream {i}");
+    for (i, (got, expected)) in
+        cluster.generate_requests((0..8).map(seeded).collect()).await?.into_iter().zip(&alone).enumerate()
+    {
+        assert_eq!(&got?.token_ids, expected, "stream {i}");
     }
     ensure!(cluster.pipeline.preemptions() > 0, "the KV cache was oversubscribed but nothing was preempted");
     kv_returns_to_full(&cluster).await?;
@@ -107,19 +102,12 @@ async fn presence_and_frequency_penalties_survive_preemption() -> Result<()> {
     ensure!(alone != greedy, "the penalties changed no token: the test would not see them ignored");
     let sizing = StageSizing { kv_blocks: 16, block_size: 4, ..StageSizing::default() };
     let cluster = TestCluster::start(model.path(), &BOUNDS, sizing).await?;
-    let client = cluster.client().await?;
-    let tasks: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let mut client = client.clone();
-            let sampling =
-                pb::SamplingParams { presence_penalty: presence, frequency_penalty: frequency, ..Default::default() };
-            let req = pb::GenerateRequest { sampling: Some(sampling), ..ids_request(p, 14) };
-            tokio::spawn(async move { generate(&mut client, req).await })
-        })
-        .collect();
-    for (i, (task, expected)) in tasks.into_iter().zip(&alone).enumerate() {
-        assert_eq!(&task.await??.token_ids, expected, "stream {i}");
+    let sampling =
+        pb::SamplingParams { presence_penalty: presence, frequency_penalty: frequency, ..Default::default() };
+    let requests = prompts.iter().map(|p| pb::GenerateRequest { sampling: Some(sampling), ..ids_request(p, 14) });
+    for (i, (got, expected)) in cluster.generate_requests(requests.collect()).await?.into_iter().zip(&alone).enumerate()
+    {
+        assert_eq!(&got?.token_ids, expected, "stream {i}");
     }
     ensure!(cluster.pipeline.preemptions() > 0, "the KV cache was oversubscribed but nothing was preempted");
     kv_returns_to_full(&cluster).await?;
