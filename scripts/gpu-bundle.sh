@@ -19,7 +19,7 @@
 # Environment: CARGO_TARGET_DIR; STRATA_TEST_MODEL (the full SmolLM2 GGUF; scripts/fetch-model.sh otherwise);
 #   STRATA_LLAMA_BIN (a folder holding llama-quantize; scripts/llama-cpp-build.sh builds it, cached, otherwise);
 #   GPU_BUNDLE_LAYERS (default 4), GPU_BUNDLE_KQUANT_LAYERS (default 3: llama.cpp gives layer 2 of 3 its Q6_K
-#   down projection; fewer layers would have none), GPU_BUNDLE_VOCAB (default 8192), GPU_BUNDLE_MAX_GLIBC (default 2.39, Ubuntu
+#   down projection; fewer layers would have none), GPU_BUNDLE_VOCAB (default 6144), GPU_BUNDLE_MAX_GLIBC (default 2.39, Ubuntu
 #   24.04), GPU_BUNDLE_LIMIT_BYTES (default 67108864), GPU_BUNDLE_PROFILE (cargo profile, default release; CI
 #   uses dev, which its tests have mostly built already: such a bundle checks the build and the sizes, and its
 #   benchmark numbers mean nothing).
@@ -31,7 +31,7 @@ cd "$repo"
 dir="${1:-.gpu-bundle}"
 layers="${GPU_BUNDLE_LAYERS:-4}"
 kquant_layers="${GPU_BUNDLE_KQUANT_LAYERS:-3}"
-vocab="${GPU_BUNDLE_VOCAB:-8192}"
+vocab="${GPU_BUNDLE_VOCAB:-6144}"
 max_glibc="${GPU_BUNDLE_MAX_GLIBC:-2.39}"
 limit="${GPU_BUNDLE_LIMIT_BYTES:-67108864}"
 profile="${GPU_BUNDLE_PROFILE:-release}"
