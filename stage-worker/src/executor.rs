@@ -324,6 +324,7 @@ impl<B: Backend> Executor<B> {
             Ok(mut p) => std::mem::take(&mut *p),
             Err(_) => return,
         };
+        let mut answers = Vec::with_capacity(pending.len());
         for PendingRelease { seq_ids, reply } in pending {
             let mut released = 0;
             for seq in seq_ids {
@@ -333,9 +334,13 @@ impl<B: Backend> Executor<B> {
                 self.kv.release(seq);
                 self.samplers.release(seq);
             }
+            answers.push((reply, released));
+        }
+        // Counted before anyone hears back, so a status read after the answer sees the freed blocks.
+        self.kv_counts.store(&self.kv);
+        for (reply, released) in answers {
             let _ = reply.send(released);
         }
-        self.kv_counts.store(&self.kv);
     }
 
     fn run(&mut self, rx: &mut mpsc::Receiver<Command>) {
@@ -361,6 +366,7 @@ impl<B: Backend> Executor<B> {
                     if let Err(e) = &result {
                         tracing::debug!(batch_id = batch.batch_id, error = %e, "batch failed");
                     }
+                    self.kv_counts.store(&self.kv);
                     let _ = reply.send(result);
                 }
                 Command::Wake => {}
