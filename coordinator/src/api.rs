@@ -228,6 +228,8 @@ async fn forward_events(
                     steps: timing.steps,
                     stage_compute_micros: timing.compute_micros,
                     pipeline_micros: timing.pipeline_micros,
+                    stage_queue_micros: timing.queue_micros,
+                    stage_handoff_micros: timing.handoff_micros,
                     ..usage(completion_tokens)
                 }),
                 ..Default::default()

@@ -43,7 +43,7 @@ struct Send {
     reply: oneshot::Sender<DownstreamReply>,
 }
 
-/// Handle to the next stage. Batches go down in the order [`Downstream::send`] is called.
+/// Handle to the next stage. Batches go down in the order [`Downstream::send_blocking`] is called.
 #[derive(Clone)]
 pub struct Downstream {
     address: Arc<str>,
@@ -72,10 +72,12 @@ impl Downstream {
         &self.address
     }
 
-    /// Queues a batch for the next stage; the receiver gets its response (or why there is none).
-    pub async fn send(&self, batch: pb::ForwardRequest) -> oneshot::Receiver<DownstreamReply> {
+    /// Queues a batch for the next stage from a thread outside the async runtime (the executor's), waiting while
+    /// the link's queue is full, so batches go down in the order they were computed; the receiver gets the
+    /// batch's response (or why there is none).
+    pub fn send_blocking(&self, batch: pb::ForwardRequest) -> oneshot::Receiver<DownstreamReply> {
         let (reply, rx) = oneshot::channel();
-        if let Err(mpsc::error::SendError(Send { reply, .. })) = self.tx.send(Send { batch, reply }).await {
+        if let Err(mpsc::error::SendError(Send { reply, .. })) = self.tx.blocking_send(Send { batch, reply }) {
             let _ = reply.send(Err(ServiceError::unavailable("the link to the next stage has stopped")));
         }
         rx

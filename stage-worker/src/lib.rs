@@ -14,6 +14,7 @@
 //! # }
 //! ```
 
+mod answer;
 mod config;
 mod device;
 mod downstream;

@@ -4,24 +4,25 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::Duration;
+use std::time::Instant;
 
 use prost::Message;
 
 use strata_proto::pb;
 use strata_proto::pb::stage_server::Stage;
 use strata_proto::{ServiceError, WireLayers, context_from_traceparent, set_parent_from_metadata, wire_u32};
-use tokio::sync::{mpsc, oneshot};
+use tokio::runtime::Handle;
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use crate::executor::{BatchResult, Output};
+use crate::answer::{Answer, InflightGuard, Pending, Responses, error_response};
 use crate::metrics::StageMetrics;
 use crate::slot::{ActiveStage, StageSlot};
 
-/// Responses buffered per upstream stream, and batches between its reader and dispatcher.
+/// Responses buffered per upstream stream.
 const STREAM_DEPTH: usize = 64;
 
 /// The `Stage` service of one worker (a cheap handle: each `Forward` stream's reader holds a copy).
@@ -51,40 +52,6 @@ fn no_stage() -> ServiceError {
     ServiceError::unavailable("no layers loaded: this worker is waiting for a plan that names it")
 }
 
-/// Decrements the in-flight count when a batch's answer has been sent (or dropped).
-struct InflightGuard(Arc<AtomicU32>);
-
-impl InflightGuard {
-    fn new(counter: &Arc<AtomicU32>) -> Self {
-        counter.fetch_add(1, Ordering::Relaxed);
-        InflightGuard(counter.clone())
-    }
-}
-
-impl Drop for InflightGuard {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// A batch handed to the executor, waiting (in arrival order) for its output.
-struct Queued {
-    stage: Arc<ActiveStage>,
-    meta: pb::ForwardRequest,
-    result: oneshot::Receiver<BatchResult>,
-    guard: InflightGuard,
-    /// Open until the batch's output has left this stage (see [`request_spans`]).
-    _traced: Vec<tracing::Span>,
-}
-
-type Responses = mpsc::Sender<Result<pb::ForwardResponse, Status>>;
-
-/// The answer to a batch that failed here, counted by kind.
-fn error_response(metrics: &StageMetrics, batch_id: u64, err: ServiceError) -> pb::ForwardResponse {
-    metrics.error(err.code);
-    pb::ForwardResponse { batch_id, error: Some(err.into()), ..Default::default() }
-}
-
 #[tonic::async_trait]
 impl Stage for StageService {
     type ForwardStream = ReceiverStream<Result<pb::ForwardResponse, Status>>;
@@ -99,11 +66,8 @@ impl Stage for StageService {
         }
         let inbound = request.into_inner();
         let (out_tx, out_rx) = mpsc::channel(STREAM_DEPTH);
-        let (queue_tx, queue_rx) = mpsc::channel(STREAM_DEPTH);
-        let reader = read_batches(inbound, self.clone(), queue_tx, out_tx.clone());
-        let dispatcher = Dispatcher { out: out_tx, metrics: self.metrics.clone() };
-        tokio::spawn(tracing::Instrument::instrument(reader, span.clone()));
-        tokio::spawn(tracing::Instrument::instrument(dispatcher.run(queue_rx), span));
+        let reader = read_batches(inbound, self.clone(), out_tx);
+        tokio::spawn(tracing::Instrument::instrument(reader, span));
         Ok(Response::new(ReceiverStream::new(out_rx)))
     }
 
@@ -194,14 +158,10 @@ fn request_spans(node_id: &str, stage: &ActiveStage, batch: &pb::ForwardRequest)
 }
 
 /// Takes batches off an upstream stream and queues them on the executor without waiting for results, so
-/// batch N+1 computes while batch N is downstream.
-async fn read_batches(
-    mut inbound: Streaming<pb::ForwardRequest>,
-    service: StageService,
-    queue: mpsc::Sender<Queued>,
-    out: Responses,
-) {
+/// batch N+1 computes while batch N is downstream; each batch's [`Answer`] sends its output on from the executor.
+async fn read_batches(mut inbound: Streaming<pb::ForwardRequest>, service: StageService, out: Responses) {
     let StageService { node_id, slot, inflight, metrics, shutdown } = service;
+    let runtime = Handle::current();
     loop {
         let next = tokio::select! {
             () = shutdown.cancelled() => break,
@@ -215,6 +175,7 @@ async fn read_batches(
                 break;
             }
         };
+        let received = Instant::now();
         metrics.received(batch.encoded_len());
         let guard = InflightGuard::new(&inflight);
         let batch_id = batch.batch_id;
@@ -236,84 +197,19 @@ async fn read_batches(
         let meta = batch.clone();
         batch.hidden = hidden;
         let traced = request_spans(&node_id, &stage, &batch);
-        match stage.executor.submit(batch, traced.clone()).await {
-            Ok(result) => {
-                if queue.send(Queued { stage, meta, result, guard, _traced: traced }).await.is_err() {
-                    break;
-                }
-            }
-            Err(err) => {
-                let _ = out.send(Ok(error_response(&metrics, batch_id, err))).await;
-                drop(guard);
-            }
-        }
-    }
-}
-
-/// Waits for executor outputs in arrival order: sends hidden states down (in that same order) and answers
-/// sampled tokens and errors directly.
-struct Dispatcher {
-    out: Responses,
-    metrics: Arc<StageMetrics>,
-}
-
-impl Dispatcher {
-    async fn run(self, mut queue: mpsc::Receiver<Queued>) {
-        while let Some(Queued { stage, mut meta, result, guard, _traced }) = queue.recv().await {
-            let batch_id = meta.batch_id;
-            let output = match result.await {
-                Ok(Ok(output)) => output,
-                Ok(Err(err)) => {
-                    let _ = self.out.send(Ok(error_response(&self.metrics, batch_id, err))).await;
-                    continue;
-                }
-                Err(_) => {
-                    // Only a stopped (panicked) executor drops a batch unanswered.
-                    let _ = self.out.send(Ok(error_response(&self.metrics, batch_id, stage.executor.gone()))).await;
-                    continue;
-                }
-            };
-            let timing = pb::StageTiming { stage_index: stage.stage_index, compute_micros: output.compute_micros };
-            self.metrics.computed(Duration::from_micros(output.compute_micros));
-            match (output.output, &stage.downstream) {
-                (Output::Tokens(tokens), _) => {
-                    let resp = pb::ForwardResponse {
-                        batch_id,
-                        tokens,
-                        stage_compute_micros: timing.compute_micros,
-                        timings: vec![timing],
-                        error: None,
-                    };
-                    self.metrics.sent(resp.encoded_len());
-                    let _ = self.out.send(Ok(resp)).await;
-                    drop(guard);
-                }
-                (Output::Hidden(hidden), Some(down)) => {
-                    meta.hidden = Some(hidden);
-                    self.metrics.sent(meta.encoded_len());
-                    let answer = down.send(meta).await;
-                    let (out, metrics) = (self.out.clone(), self.metrics.clone());
-                    tokio::spawn(async move {
-                        let mut resp = match answer.await {
-                            Ok(Ok(resp)) => resp,
-                            Ok(Err(err)) => error_response(&metrics, batch_id, err),
-                            Err(_) => error_response(
-                                &metrics,
-                                batch_id,
-                                ServiceError::unavailable("the link to the next stage stopped"),
-                            ),
-                        };
-                        resp.stage_compute_micros = resp.stage_compute_micros.saturating_add(timing.compute_micros);
-                        resp.timings.push(timing);
-                        let _ = out.send(Ok(resp)).await;
-                        drop(guard);
-                    });
-                }
-                (Output::Hidden(_), None) => {
-                    let err = ServiceError::internal("this stage produced hidden states but has no next stage");
-                    let _ = self.out.send(Ok(error_response(&self.metrics, batch_id, err))).await;
-                }
-            }
+        let executor = stage.executor.clone();
+        let answer = Answer::new(Pending {
+            stage,
+            meta,
+            out: out.clone(),
+            metrics: metrics.clone(),
+            guard,
+            traced: traced.clone(),
+            runtime: runtime.clone(),
+        });
+        if let Err(err) = executor.submit(batch, traced, received, answer).await {
+            // The answer, dropped unrun, reports the batch.
+            tracing::debug!(batch_id, error = %err, "the executor has stopped");
         }
     }
 }

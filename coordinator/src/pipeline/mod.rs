@@ -137,6 +137,10 @@ pub struct StepTiming {
     pub compute_micros: u64,
     /// Send-to-response time of those batches at the coordinator, in microseconds.
     pub pipeline_micros: u64,
+    /// Of that, time the batches waited on the stages before their compute started, summed over stages.
+    pub queue_micros: u64,
+    /// Of that, time from the end of a stage's compute to the hand-off of its output, summed over stages.
+    pub handoff_micros: u64,
 }
 
 /// What the coordinator knows about the served model: enough to tokenize, validate and detect EOS.

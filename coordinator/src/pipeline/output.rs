@@ -136,7 +136,7 @@ mod tests {
         assert_eq!(event, Some(SeqEvent::Token { id: 7, logprob: Some(-0.5), text: String::new() }));
         assert_eq!(verdict, Verdict::Continue);
         assert_eq!(out.push(&model, &sampled(EOS)), (None, Verdict::Finish(Finish::Eos)));
-        let timing = StepTiming { steps: 2, compute_micros: 10, pipeline_micros: 20 };
+        let timing = StepTiming { steps: 2, compute_micros: 10, pipeline_micros: 20, ..StepTiming::default() };
         let done = out.done(Finish::Eos, timing);
         assert_eq!(done, SeqEvent::Done { finish: Finish::Eos, text: String::new(), completion_tokens: 1, timing });
 

@@ -462,12 +462,16 @@ impl Scheduler {
         let elapsed = now.saturating_duration_since(batch.sent);
         effects.push(Effect::BatchReturned { elapsed, stages: resp.timings.clone() });
         let elapsed = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
+        let queue: u64 = resp.timings.iter().map(|t| t.queue_micros).sum();
+        let handoff: u64 = resp.timings.iter().map(|t| t.handoff_micros).sum();
         for id in &batch.reqs {
             if let Some(seq) = self.seqs.get_mut(id) {
                 seq.in_flight = false;
                 seq.timing.steps += 1;
                 seq.timing.compute_micros += resp.stage_compute_micros;
                 seq.timing.pipeline_micros += elapsed;
+                seq.timing.queue_micros += queue;
+                seq.timing.handoff_micros += handoff;
             }
         }
         if let Some(err) = resp.error {

@@ -63,7 +63,7 @@ pub(super) fn tokens(effects: &[Effect]) -> Vec<(u64, u32)> {
         .collect()
 }
 
-/// The last stage's answer to `batch`: token 1000 + seq_id for every sampled chunk.
+/// The last stage's answer to `batch` through two stages: token 1000 + seq_id for every sampled chunk.
 pub(super) fn answer(batch: &pb::ForwardRequest) -> pb::ForwardResponse {
     let tokens = batch
         .chunks
@@ -71,7 +71,11 @@ pub(super) fn answer(batch: &pb::ForwardRequest) -> pb::ForwardResponse {
         .filter(|c| !c.skip_sampling)
         .map(|c| pb::SampledToken { seq_id: c.seq_id, token_id: 1000 + c.seq_id as u32, logprob: None })
         .collect();
-    pb::ForwardResponse { batch_id: batch.batch_id, tokens, stage_compute_micros: 50, ..Default::default() }
+    let timings = vec![
+        pb::StageTiming { stage_index: 1, compute_micros: 30, queue_micros: 4, handoff_micros: 2 },
+        pb::StageTiming { stage_index: 0, compute_micros: 20, queue_micros: 3, handoff_micros: 1 },
+    ];
+    pb::ForwardResponse { batch_id: batch.batch_id, tokens, stage_compute_micros: 50, timings, error: None }
 }
 
 /// A stage's error answer to `batch`.
@@ -117,8 +121,10 @@ fn every_batch_takes_an_equal_share_of_the_running_set_oldest_first() -> Result<
     assert_eq!(s.batches_in_flight(), 4);
     assert!(s.schedule(now).is_empty(), "no free slot");
     // The first batch returns: its three decode steps fill the free slot together.
-    let fx = s.apply_response(answer(&first[0]), now + Duration::from_millis(3));
-    assert_eq!(fx[0], Effect::BatchReturned { elapsed: Duration::from_millis(3), stages: Vec::new() });
+    let returned = answer(&first[0]);
+    let stages = returned.timings.clone();
+    let fx = s.apply_response(returned, now + Duration::from_millis(3));
+    assert_eq!(fx[0], Effect::BatchReturned { elapsed: Duration::from_millis(3), stages });
     assert_eq!(tokens(&fx), vec![(1, 1001), (2, 1002), (3, 1003)]);
     let fx = s.schedule(now);
     assert_eq!(batches(&fx), vec![vec![(1, 2, 1, false), (2, 2, 1, false), (3, 2, 1, false)]]);
@@ -153,7 +159,9 @@ fn long_prompts_go_in_chunks_of_max_batch_tokens_and_only_the_last_is_sampled() 
         "one step of a sequence is in flight at a time"
     );
     let timing = s.seqs.get(&a).map(|seq| seq.timing);
-    assert_eq!(timing, Some(StepTiming { steps: 4, compute_micros: 200, pipeline_micros: 0 }));
+    let expected =
+        StepTiming { steps: 4, compute_micros: 200, pipeline_micros: 0, queue_micros: 28, handoff_micros: 12 };
+    assert_eq!(timing, Some(expected), "every stage's queue and hand-off times are summed per step");
 
     // Sequences share a batch's token budget: 4 running, 2 per batch, 4 tokens each.
     let mut s = scheduler(1, 100, 16, 4);
@@ -362,7 +370,7 @@ fn blocks_of_an_ended_sequence_stay_held_until_its_release_returns() -> Result<(
     let a = s.admit(&request(&[1; 8], 4))?;
     let batch = only_batch(&s.schedule(now));
     let fx = s.apply_response(answer(&batch), now);
-    let timing = StepTiming { steps: 1, compute_micros: 50, pipeline_micros: 0 };
+    let timing = StepTiming { steps: 1, compute_micros: 50, pipeline_micros: 0, queue_micros: 7, handoff_micros: 3 };
     let token = pb::SampledToken { seq_id: 1, token_id: 1001, logprob: None };
     assert_eq!(fx[1..], [Effect::Token { req: a, token, timing }]);
     // The output ended it: no more steps.
