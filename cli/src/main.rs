@@ -9,6 +9,7 @@ mod connect;
 mod drain;
 mod etcd;
 mod generate;
+mod host;
 mod load;
 mod plan;
 mod retry;

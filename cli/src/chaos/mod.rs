@@ -18,8 +18,9 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail};
 use serde::Serialize;
 
-use self::report::{Host, ScenarioReport};
+use self::report::ScenarioReport;
 pub use self::scenario::Scenario;
+use crate::host::Host;
 
 /// Arguments of `strata chaos`.
 #[derive(clap::Args, Debug, Clone)]

@@ -1,0 +1,127 @@
+//! The engine in this process as the cluster benchmark's yardstick: its batch-1 decode latency, and the
+//! benchmark's own workload run with ideal batching, so serving is compared with the engine on the same work by
+//! one command in one run.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Result;
+use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::generate::{BLOCK_SIZE, Engine};
+use strata_engine::model::SeqChunk;
+use strata_engine::sampling::argmax;
+
+use super::report::SingleProcess;
+use super::{Tenth, percentile, tenth_mean};
+
+/// The whole model on the CPU backend in this process.
+pub(super) struct EngineBaseline {
+    engine: Engine<CpuBackend>,
+    vocab: u32,
+    threads: usize,
+}
+
+/// The engine's rates on one workload.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct EngineRate {
+    /// Tokens generated per second over the whole workload (prefill steps included).
+    pub tokens_per_s: f64,
+    /// Tokens per second over the decode steps alone.
+    pub decode_tokens_per_s: f64,
+}
+
+impl EngineBaseline {
+    /// Loads `model` with `threads` threads and KV room for `sequences` sequences of `tokens_per_seq` tokens.
+    pub fn load(model: &Path, threads: usize, sequences: usize, tokens_per_seq: usize) -> Result<Self> {
+        let backend = Arc::new(CpuBackend::new(threads)?);
+        let device = crate::load::DeviceArgs {
+            device: strata_engine::Device::Cpu,
+            dtype: None,
+            quantize: None,
+            threads,
+            kv_dtype: None,
+        };
+        let loaded = crate::load::load(model, &device, backend, false)?;
+        let vocab = u32::try_from(loaded.model.config().vocab_size)?;
+        // Every sequence holds whole blocks.
+        let kv_tokens = sequences.max(1) * (tokens_per_seq + 1).div_ceil(BLOCK_SIZE) * BLOCK_SIZE;
+        Ok(Self { engine: Engine::new(loaded.model, None, kv_tokens)?, vocab, threads })
+    }
+
+    /// Batch-1 decode latency per token after `prompt`: p50, and the means over the first and last tenth.
+    pub fn decode_latency(&mut self, prompt: &[u32], max_tokens: usize) -> Result<SingleProcess> {
+        let prompt: Vec<u32> = prompt.iter().map(|&id| id % self.vocab).collect();
+        let logits = self.engine.step(&[SeqChunk { seq_id: 0, start_pos: 0, len: prompt.len() }], &prompt)?;
+        let mut next = argmax(&logits[0]);
+        let mut times = Vec::with_capacity(max_tokens);
+        for i in 0..max_tokens {
+            let t = Instant::now();
+            let l = self.engine.step(&[SeqChunk { seq_id: 0, start_pos: prompt.len() + i, len: 1 }], &[next])?;
+            next = argmax(&l[0]);
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        self.engine.release(0);
+        Ok(SingleProcess {
+            threads: self.threads,
+            itl_ms_first_tenth: tenth_mean(&times, Tenth::First).unwrap_or(0.0),
+            itl_ms_last_tenth: tenth_mean(&times, Tenth::Last).unwrap_or(0.0),
+            itl_ms_p50: percentile(&mut times, 0.5),
+        })
+    }
+
+    /// Runs `rounds` (each a set of prompts that start together) as a server with perfect batching would: all of
+    /// a round's prompts in one step, then `max_tokens - 1` greedy decode steps of the whole round (the first
+    /// token comes from the prompt's step, as in serving).
+    pub fn workload(&mut self, rounds: &[Vec<Vec<u32>>], max_tokens: usize) -> Result<EngineRate> {
+        let (mut total, mut decode_s, mut tokens, mut decode_tokens) = (0.0, 0.0, 0usize, 0usize);
+        for round in rounds {
+            let mut chunks = Vec::with_capacity(round.len());
+            let mut ids = Vec::new();
+            for (seq, prompt) in round.iter().enumerate() {
+                chunks.push(SeqChunk { seq_id: seq as u64, start_pos: 0, len: prompt.len() });
+                ids.extend(prompt.iter().map(|&id| id % self.vocab));
+            }
+            let start = Instant::now();
+            let logits = self.engine.step(&chunks, &ids)?;
+            let mut next: Vec<u32> = logits.iter().map(|l| argmax(l)).collect();
+            let decode_start = Instant::now();
+            for _ in 1..max_tokens {
+                for c in &mut chunks {
+                    c.start_pos += c.len;
+                    c.len = 1;
+                }
+                let logits = self.engine.step(&chunks, &next)?;
+                next = logits.iter().map(|l| argmax(l)).collect();
+            }
+            decode_s += decode_start.elapsed().as_secs_f64();
+            total += start.elapsed().as_secs_f64();
+            tokens += round.len() * max_tokens;
+            decode_tokens += round.len() * max_tokens.saturating_sub(1);
+            for seq in 0..round.len() {
+                self.engine.release(seq as u64);
+            }
+        }
+        let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+        Ok(EngineRate { tokens_per_s: rate(tokens, total), decode_tokens_per_s: rate(decode_tokens, decode_s) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_workload_counts_every_generated_token_and_frees_its_sequences() -> Result<()> {
+        let mut engine = EngineBaseline::load(Path::new("random:tiny"), 1, 3, 8 + 5)?;
+        // Two rounds of 3 prompts: 3 x 5 tokens each, 4 of them decoded per sequence.
+        let rounds: Vec<Vec<Vec<u32>>> = (0..2).map(|r| (0..3).map(|s| vec![1 + r + s; 8]).collect()).collect();
+        let rate = engine.workload(&rounds, 5)?;
+        assert!(rate.tokens_per_s > 0.0 && rate.decode_tokens_per_s > 0.0, "{rate:?}");
+        // The KV cache holds exactly 3 sequences: a second round only fits if the first one's were freed.
+        assert_eq!(engine.engine.kv().free_blocks(), engine.engine.kv().num_blocks());
+        let latency = engine.decode_latency(&[1, 2, 3], 4)?;
+        assert!(latency.threads == 1 && latency.itl_ms_p50 > 0.0, "{latency:?}");
+        Ok(())
+    }
+}

@@ -1,0 +1,310 @@
+//! The cluster benchmark's outputs: the JSON report, its tables and the throughput plot.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+use crate::host::Host;
+
+/// One concurrency level on one cluster.
+#[derive(Serialize, Default, Clone)]
+pub(super) struct Run {
+    pub stages: usize,
+    /// Whether the local cluster's coordinator cached prompt prefixes (`None`: a `--coordinator`, as it is set).
+    pub prefix_caching: Option<bool>,
+    pub threads_per_stage: usize,
+    pub concurrency: usize,
+    pub requests: usize,
+    pub completion_tokens: u64,
+    pub seconds: f64,
+    pub tokens_per_s: f64,
+    pub ttft_ms_p50: f64,
+    pub ttft_ms_p99: f64,
+    pub itl_ms_p50: f64,
+    pub itl_ms_p99: f64,
+    /// Mean inter-token latency over the first and the last tenth of each request's tokens (median over requests),
+    /// in ms: the scheduler's per-token work must not grow with the output (equal within noise for long outputs).
+    pub itl_ms_first_tenth: f64,
+    pub itl_ms_last_tenth: f64,
+    /// Stage compute (all stages) per micro-batch step, in ms.
+    pub compute_ms_per_step: f64,
+    /// Per step and stage: from a batch's arrival off its stream to the start of its compute, in µs.
+    pub queue_us_per_stage: f64,
+    /// Per step and stage: from the end of the compute to the output's hand-off to the next stream, in µs.
+    pub handoff_us_per_stage: f64,
+    /// Per step and hop: what is left of the round trip outside the stages (gRPC, network, the coordinator's
+    /// stream tasks), in µs.
+    pub wire_us_per_hop: f64,
+    /// Pipeline time minus stage compute, per micro-batch step, in µs.
+    pub overhead_us_per_step: f64,
+    /// The same divided by the step's hops (2 per stage: down the pipeline and back).
+    pub overhead_us_per_hop: f64,
+    /// (Cluster ITL p50 - single-process decode p50) / hops, for concurrency 1 of a local cluster.
+    pub added_us_per_hop_vs_single_process: Option<f64>,
+    /// Cluster minus single-process inter-token latency over the first and the last tenth of the tokens (ms), for
+    /// concurrency 1 of a local cluster: serving's own per-token cost at the start and the end of an output, with
+    /// the model's (attention over a growing context) taken out.
+    pub added_ms_first_tenth: Option<f64>,
+    pub added_ms_last_tenth: Option<f64>,
+    /// The same requests through the engine in this process with all the threads, batched ideally (every
+    /// stream's prompt in one step, then the streams decoded together): tokens generated per second.
+    pub engine_tokens_per_s: Option<f64>,
+    /// Of that run, the decode steps alone: tokens per second at a batch of `concurrency` sequences.
+    pub engine_decode_tokens_per_s: Option<f64>,
+    /// `tokens_per_s / engine_tokens_per_s`: what serving keeps of the engine's rate on the same work.
+    pub serving_vs_engine: Option<f64>,
+}
+
+/// Batch-1 decode latency of the whole model in this process, over the benchmark's prompt and output length.
+#[derive(Serialize, Default, Clone, Debug)]
+pub(super) struct SingleProcess {
+    pub threads: usize,
+    pub itl_ms_p50: f64,
+    /// Mean latency over the first and the last tenth of the decoded tokens, in ms.
+    pub itl_ms_first_tenth: f64,
+    pub itl_ms_last_tenth: f64,
+}
+
+/// What `strata bench --local/--coordinator` writes.
+#[derive(Serialize)]
+pub(super) struct Report {
+    pub host: Host,
+    pub model: String,
+    pub prompt_tokens: usize,
+    pub shared_prefix_tokens: usize,
+    pub max_tokens: usize,
+    pub threads_total: usize,
+    /// The whole model in this process, batch-1 decode, per thread count of the local clusters' stages.
+    pub single_process: Vec<SingleProcess>,
+    /// Each cluster's layer split and the speed its nodes measured at registration, one line per cluster.
+    pub plans: Vec<String>,
+    pub runs: Vec<Run>,
+}
+
+pub(super) fn print_run(run: Option<&Run>) {
+    if let Some(r) = run {
+        eprintln!(
+            "stages {} prefix caching {} concurrency {:>3}: {:>7.1} tok/s, TTFT p50 {:.1} ms, ITL p50 {:.2} ms \
+             p99 {:.2} ms, first/last tenth {:.2}/{:.2} ms",
+            r.stages,
+            on_off(r.prefix_caching),
+            r.concurrency,
+            r.tokens_per_s,
+            r.ttft_ms_p50,
+            r.itl_ms_p50,
+            r.itl_ms_p99,
+            r.itl_ms_first_tenth,
+            r.itl_ms_last_tenth
+        );
+    }
+}
+
+fn on_off(setting: Option<bool>) -> &'static str {
+    match setting {
+        Some(true) => "on",
+        Some(false) => "off",
+        None => "as set",
+    }
+}
+
+/// The throughput table, the table of where a step's time went, and the plans.
+pub(super) fn table(report: &Report) -> String {
+    let opt = |v: Option<f64>, digits: usize| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"));
+    let mut t = String::new();
+    let _ = writeln!(
+        t,
+        "| stages | prefix caching | threads/stage | streams | tok/s | engine tok/s, same work | serving / engine | engine decode tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ITL first/last tenth ms |"
+    );
+    let _ = writeln!(t, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for r in &report.runs {
+        let _ = writeln!(
+            t,
+            "| {} | {} | {} | {} | {:.1} | {} | {} | {} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2}/{:.2} |",
+            r.stages,
+            on_off(r.prefix_caching),
+            r.threads_per_stage,
+            r.concurrency,
+            r.tokens_per_s,
+            opt(r.engine_tokens_per_s, 1),
+            opt(r.serving_vs_engine, 2),
+            opt(r.engine_decode_tokens_per_s, 1),
+            r.ttft_ms_p50,
+            r.ttft_ms_p99,
+            r.itl_ms_p50,
+            r.itl_ms_p99,
+            r.itl_ms_first_tenth,
+            r.itl_ms_last_tenth,
+        );
+    }
+    let _ = writeln!(
+        t,
+        "\nWhere a micro-batch step's time went (means per step; meaningful at 1 stream, queueing behind other batches at more):\n"
+    );
+    let _ = writeln!(
+        t,
+        "| stages | streams | compute ms/step | queue µs/stage | hand-off µs/stage | wire µs/hop | overhead µs/hop | added µs/hop vs 1 process | added ms/token vs 1 process, first/last tenth |"
+    );
+    let _ = writeln!(t, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for r in &report.runs {
+        let _ = writeln!(
+            t,
+            "| {} | {} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {}/{} |",
+            r.stages,
+            r.concurrency,
+            r.compute_ms_per_step,
+            r.queue_us_per_stage,
+            r.handoff_us_per_stage,
+            r.wire_us_per_hop,
+            r.overhead_us_per_hop,
+            opt(r.added_us_per_hop_vs_single_process, 0),
+            opt(r.added_ms_first_tenth, 2),
+            opt(r.added_ms_last_tenth, 2),
+        );
+    }
+    for plan in &report.plans {
+        let _ = writeln!(t, "\nPlan: {plan}");
+    }
+    t
+}
+
+/// Throughput vs concurrency, one line per stage count, as a self-contained SVG.
+fn svg(report: &Report) -> String {
+    let (w, h, left, right, top, bottom) = (640.0, 400.0, 70.0, 150.0, 30.0, 50.0);
+    let mut levels: Vec<usize> = report.runs.iter().map(|r| r.concurrency).collect();
+    levels.sort_unstable();
+    levels.dedup();
+    let max_y = report.runs.iter().map(|r| r.tokens_per_s).fold(1.0, f64::max) * 1.1;
+    let x = |c: usize| {
+        let i = levels.iter().position(|&l| l == c).unwrap_or(0) as f64;
+        left + i * (w - left - right) / (levels.len().max(2) - 1) as f64
+    };
+    let y = |v: f64| h - bottom - v / max_y * (h - top - bottom);
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{}\" y=\"18\" text-anchor=\"middle\" font-size=\"14\">Throughput vs concurrent streams ({} prompt + {} generated tokens)</text>\n",
+        w / 2.0,
+        report.prompt_tokens,
+        report.max_tokens
+    );
+    let _ = writeln!(
+        s,
+        "<line x1=\"{left}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>",
+        h - bottom,
+        w - right,
+        h - bottom
+    );
+    let _ = writeln!(s, "<line x1=\"{left}\" y1=\"{top}\" x2=\"{left}\" y2=\"{}\" stroke=\"black\"/>", h - bottom);
+    for &c in &levels {
+        let _ = writeln!(s, "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{c}</text>", x(c), h - bottom + 18.0);
+    }
+    for i in 0..=4 {
+        let v = max_y * f64::from(i) / 4.0;
+        let _ = writeln!(s, "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{v:.0}</text>", left - 6.0, y(v) + 4.0);
+        let _ =
+            writeln!(s, "<line x1=\"{left}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"#ddd\"/>", y(v), w - right, y(v));
+    }
+    let _ = writeln!(
+        s,
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">concurrent streams</text>",
+        (left + w - right) / 2.0,
+        h - 12.0
+    );
+    let _ = writeln!(
+        s,
+        "<text x=\"16\" y=\"{}\" transform=\"rotate(-90 16 {})\" text-anchor=\"middle\">tokens/s</text>",
+        h / 2.0,
+        h / 2.0
+    );
+    let colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"];
+    // One line per cluster: its stage count, and its prefix caching when runs compare both.
+    let mut clusters: Vec<(usize, Option<bool>)> = report.runs.iter().map(|r| (r.stages, r.prefix_caching)).collect();
+    clusters.sort_unstable();
+    clusters.dedup();
+    let both = clusters.iter().any(|c| c.1 == Some(false)) && clusters.iter().any(|c| c.1 == Some(true));
+    for (k, &(stages, caching)) in clusters.iter().enumerate() {
+        let color = colors[k % colors.len()];
+        let points: Vec<String> = report
+            .runs
+            .iter()
+            .filter(|r| (r.stages, r.prefix_caching) == (stages, caching))
+            .map(|r| format!("{:.1},{:.1}", x(r.concurrency), y(r.tokens_per_s)))
+            .collect();
+        let _ = writeln!(
+            s,
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\" points=\"{}\"/>",
+            points.join(" ")
+        );
+        for p in &points {
+            let (px, py) = p.split_once(',').unwrap_or(("0", "0"));
+            let _ = writeln!(s, "<circle cx=\"{px}\" cy=\"{py}\" r=\"3\" fill=\"{color}\"/>");
+        }
+        let ly = top + 20.0 + 18.0 * k as f64;
+        let _ = writeln!(
+            s,
+            "<line x1=\"{}\" y1=\"{ly}\" x2=\"{}\" y2=\"{ly}\" stroke=\"{color}\" stroke-width=\"2\"/>",
+            w - right + 15.0,
+            w - right + 35.0
+        );
+        let mut label = if stages == 1 { "1 stage".to_owned() } else { format!("{stages} stages") };
+        if both {
+            label.push_str(&format!(", cache {}", on_off(caching)));
+        }
+        let _ = writeln!(s, "<text x=\"{}\" y=\"{}\">{label}</text>", w - right + 40.0, ly + 4.0);
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+pub(super) fn write_outputs(report: &Report, out: &Path) -> Result<()> {
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(out, serde_json::to_string_pretty(report)?).with_context(|| format!("writing {}", out.display()))?;
+    let svg_path = out.with_extension("svg");
+    std::fs::write(&svg_path, svg(report)).with_context(|| format!("writing {}", svg_path.display()))?;
+    println!("host: {}", report.host.describe());
+    println!(
+        "model: {}  prompt {} + {} generated tokens per request, {} threads in total",
+        report.model, report.prompt_tokens, report.max_tokens, report.threads_total
+    );
+    for d in &report.single_process {
+        println!(
+            "single process, {} thread(s): decode {:.2} ms/token (p50), first/last tenth {:.2}/{:.2} ms",
+            d.threads, d.itl_ms_p50, d.itl_ms_first_tenth, d.itl_ms_last_tenth
+        );
+    }
+    print!("{}", table(report));
+    eprintln!("wrote {} and {}", out.display(), svg_path.display());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_plot_has_one_line_per_stage_count() {
+        let run = |stages, concurrency, tps| Run { stages, concurrency, tokens_per_s: tps, ..Run::default() };
+        let report = Report {
+            host: Host::default(),
+            model: "m".into(),
+            prompt_tokens: 8,
+            shared_prefix_tokens: 0,
+            max_tokens: 8,
+            threads_total: 2,
+            single_process: vec![],
+            plans: vec!["2 stage(s): a layers 0..19 (1.00 ms/layer), b layers 19..30 (1.00 ms/layer)".into()],
+            runs: vec![run(1, 1, 10.0), run(1, 4, 30.0), run(2, 1, 9.0), run(2, 4, 28.0)],
+        };
+        let s = svg(&report);
+        assert_eq!(s.matches("<polyline").count(), 2);
+        assert!(s.contains("2 stages") && s.starts_with("<svg") && s.trim_end().ends_with("</svg>"));
+        let t = table(&report);
+        // Two tables of 4 runs (header, rule, rows; a blank line and a caption between them), then the plan.
+        assert_eq!(t.lines().count(), (2 + 4) + 3 + (2 + 4) + 2, "{t}");
+        assert!(t.ends_with("Plan: 2 stage(s): a layers 0..19 (1.00 ms/layer), b layers 19..30 (1.00 ms/layer)\n"));
+    }
+}
