@@ -37,6 +37,16 @@ SHARED = [
     "     \n\n   \t  ",
     "Ελληνικά, русский, العربية, עברית",
     "decomposed e\u0301 and composed \u00e9",
+    # Numbers: Qwen2/Qwen3 split every digit alone (\p{N}), Llama 3 into runs of at most three; both must match
+    # Hugging Face on long runs, runs of every length mod 3, digits against letters, punctuation and spaces, other
+    # scripts' digits, fractions and numbers in code.
+    "3141592653589793238462643383279502884197 and 1 12 123 1234 12345 123456 1234567",
+    "abc123def 4x4 x86_64 v2.0.1 A1B2C3 1st 2nd 3rd 42nd 100km 3.5GHz",
+    "$1,234,567.89 (+44) 20-7946-0958 #1234! 12:30:45 1/2 3/4 50% 1e-9 0xFF 0b1010 007",
+    " 1  22   333    4444 \t55555\n666666\r\n7777777",
+    "٠١٢٣٤٥٦٧٨٩ ۱۲۳۴ ०१२३४५ ０１２３４５６７８９ １２３ａｂｃ ২০২৬ ๑๒๓",
+    "½ ¾ ⅓ ⅞ ² ³ ¹⁰ ₁₂ Ⅻ ⅻ ① ⑳ 𝟏𝟐𝟑 ၁၂၃",
+    "for (int i = 0; i < 1000000; i += 256) { a[i] = 0x7fffffff & (i * 31); }\nx = [1, 22, 333, 4444]\n",
 ]
 SPECIAL = {
     "mistral": ["<s>[INST] Hi! [/INST] Hello</s>"],
