@@ -179,7 +179,9 @@ def main():
     if tokenizers.__version__ != PINNED:
         sys.exit(f"tokenizers {tokenizers.__version__} installed, the reference is made with {PINNED}")
     if sentencepiece.__version__ != PINNED_SENTENCEPIECE:
-        sys.exit(f"sentencepiece {sentencepiece.__version__} installed, the reference is made with {PINNED_SENTENCEPIECE}")
+        sys.exit(
+            f"sentencepiece {sentencepiece.__version__} installed, the reference is made with {PINNED_SENTENCEPIECE}"
+        )
     root = pathlib.Path(sys.argv[1])
     out = {"tokenizers": PINNED, "sentencepiece": PINNED_SENTENCEPIECE, "vocabularies": {}}
     for name, special in SPECIAL.items():
