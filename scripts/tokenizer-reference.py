@@ -3,7 +3,9 @@
 on the real vocabularies scripts/fetch-tokenizers.sh caches. engine/tests/tokenizer_reference.rs rebuilds each
 vocabulary from GGUF metadata and must match.
 
-mistral, llama3, qwen3: Hugging Face's own `tokenizers` (pinned below) on the original tokenizer.json files.
+mistral, llama3, qwen3: Hugging Face's own `tokenizers` (pinned below) on the original tokenizer.json files. For
+the byte-level ones (a pre-tokenizer), also the pieces that pre-tokenizer alone splits each text into: Qwen3's
+vocabulary has no token of two digits, so its ids cannot show whether digits were split one by one; the pieces do.
 llama2: Google's `sentencepiece` (pinned below) on Llama 2's tokenizer.model as llama.cpp's GGUF carries it (pieces,
 scores, token types; rebuilt here as the model file, with Llama's normalizer settings). Before it is used, the
 rebuilt model must give, for every text of llama.cpp's .inp file, the ids Hugging Face's tokenizer for
@@ -185,6 +187,7 @@ def main():
     root = pathlib.Path(sys.argv[1])
     out = {"tokenizers": PINNED, "sentencepiece": PINNED_SENTENCEPIECE, "vocabularies": {}}
     for name, special in SPECIAL.items():
+        pieces = None
         if name == "llama2":
             tok = llama2_reference(root)
             encode, decode = tok.encode, tok.decode
@@ -192,10 +195,15 @@ def main():
             tok = tokenizers.Tokenizer.from_file(str(root / name / "tokenizer.json"))
             encode = lambda text, tok=tok: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
             decode = lambda ids, tok=tok: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+            if tok.pre_tokenizer is not None:
+                pieces = lambda text, tok=tok: [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(text)]  # noqa: E731
         cases = []
         for text in SHARED + special:
             ids = encode(text)
-            cases.append({"text": text, "ids": ids, "decoded": decode(ids)})
+            case = {"text": text, "ids": ids, "decoded": decode(ids)}
+            if pieces:
+                case["pieces"] = pieces(text)
+            cases.append(case)
         out["vocabularies"][name] = cases
     dest = pathlib.Path(__file__).resolve().parent.parent / "engine/tests/data/tokenizer_reference.json"
     dest.write_text(json.dumps(out, ensure_ascii=False, separators=(",", ":")) + "\n")
