@@ -119,7 +119,7 @@ fn piece_scores(tokens: &[String], merges: &[String]) -> Vec<Value> {
 /// Llama 2's vocabulary as llama.cpp's converter wrote it from Meta's `tokenizer.model`.
 const LLAMA2_GGUF: &str = "ggml-vocab-llama-spm.gguf";
 
-/// The tokenizer of a GGUF file, loaded as strata loads a model's.
+/// Llama 2's tokenizer from its GGUF file, loaded as strata loads a model's.
 fn llama2_tokenizer(dir: &Path) -> Result<Tokenizer> {
     let gguf = GgufSource::open(&dir.join("llama2").join(LLAMA2_GGUF))?;
     Ok(Tokenizer::from_gguf(&gguf.metadata)?)
