@@ -15,8 +15,18 @@ use strata_engine::quant::{self, random_blocks};
 use strata_engine::tensor::DType;
 
 /// Formats with CUDA kernels (`engine/tests/cuda.rs` lists the same in `CUDA_FORMATS`).
-const FORMATS: [DType; 8] =
-    [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K];
+const FORMATS: [DType; 10] = [
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q2_K,
+    DType::Q3_K,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+];
 
 fn compile_harness(out: &Path) -> Result<()> {
     let here = Path::new(env!("CARGO_MANIFEST_DIR"));
