@@ -20,23 +20,9 @@ use strata_engine::model::{LoadOptions, StageModel};
 use strata_engine::quant::{quantize, random_blocks};
 use strata_engine::sampling::argmax;
 use strata_engine::tensor::{Bytes, DType, HostTensor};
-use strata_engine::testing;
+use strata_engine::testing::{self, CUDA_FORMATS};
 
 use super::{PROMPT, close, cuda, env_path, greedy, greedy_logits, load, rand_vec, rounded, run, top2_margin};
-
-/// Block formats the CUDA backend has kernels for; every other one must be refused at upload, naming it.
-const CUDA_FORMATS: [DType; 10] = [
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::Q2_K,
-    DType::Q3_K,
-    DType::Q4_K,
-    DType::Q5_K,
-    DType::Q6_K,
-];
 
 /// A `rows × cols` weight of `dtype`: float types and the formats strata writes quantized from `v`, the others
 /// (the K-quants, which strata does not write) random valid blocks (random bits, moderate finite scales).
