@@ -263,6 +263,20 @@ struct block_q6_K {
     i8 scales[QK_K / 16];  // one per 16 elements
     u16 d;            // f16, stored last
 };                    // value = d * sc * (q - 32)
+struct block_q2_K {
+    u8 scales[QK_K / 16];  // sub-block k (16 elements): low nibble its scale, high nibble its minimum
+    u8 qs[QK_K / 4];  // per half of 128: 32 bytes, quarter c at bits 2c (as Q6_K's qh)
+    u16 d;            // f16 super-scale of the scales, stored after the quants
+    u16 dmin;         // f16 super-scale of the minimums
+};                    // value = d * sc_k * q - dmin * m_k
+struct block_q3_K {
+    u8 hmask[QK_K / 8];  // bit i / 32 of hmask[i % 32] set: element i's third bit (no offset)
+    u8 qs[QK_K / 4];  // low 2 bits, as Q2_K's
+    u8 scales[12];    // sixteen 6-bit scales, packed (k3_scale), offset 32
+    u16 d;            // f16, stored last
+};                    // value = d * (sc_k - 32) * (q - (hbit ? 0 : 4))
+static_assert(sizeof(block_q2_K) == 84, "block_q2_K must be 84 bytes");
+static_assert(sizeof(block_q3_K) == 110, "block_q3_K must be 110 bytes");
 static_assert(sizeof(block_q4_K) == 144, "block_q4_K must be 144 bytes");
 static_assert(sizeof(block_q5_K) == 176, "block_q5_K must be 176 bytes");
 static_assert(sizeof(block_q6_K) == 210, "block_q6_K must be 210 bytes");
@@ -324,8 +338,45 @@ __device__ __forceinline__ void dequant8(const block_q6_K* __restrict__ row, int
     }
 }
 
+// Q2_K / Q3_K: elements 8s.. of quarter c of half n take bits 2c of the 8 bytes at qs + 32n + 8s; a group of 8
+// lies in one 16-element sub-block k = e0 / 16.
+// Q3_K's scale k: low 4 bits from byte k % 8 (low nibble for k < 8, high after), top 2 bits from byte
+// 8 + k % 4, bits 2 * (k / 4); offset 32.
+__device__ __forceinline__ int k3_scale(const u8* s, int k) {
+    return (int)(((s[k % 8] >> (4 * (k / 8))) & 15) | (((s[8 + k % 4] >> (2 * (k / 4))) & 3) << 4)) - 32;
+}
+__device__ __forceinline__ void dequant8(const block_q2_K* __restrict__ row, int j8, float (&o)[8]) {
+    const block_q2_K* b = row + j8 / 32;
+    const int e0 = (j8 % 32) * 8, n = e0 / 128, c = (e0 % 128) / 32, l0 = e0 % 32;
+    const u8 s = b->scales[e0 / 16];
+    const float d1 = half_bits_to_f32(b->d) * (float)(s & 15), m1 = half_bits_to_f32(b->dmin) * (float)(s >> 4);
+    const u8* q = b->qs + 32 * n + l0;
+    const u32 lo = ld_u32_a2(q) >> (2 * c), hi = ld_u32_a2(q + 4) >> (2 * c);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        o[i] = d1 * (float)((lo >> (8 * i)) & 3) - m1;
+        o[4 + i] = d1 * (float)((hi >> (8 * i)) & 3) - m1;
+    }
+}
+__device__ __forceinline__ void dequant8(const block_q3_K* __restrict__ row, int j8, float (&o)[8]) {
+    const block_q3_K* b = row + j8 / 32;
+    const int e0 = (j8 % 32) * 8, n = e0 / 128, c = (e0 % 128) / 32, l0 = e0 % 32;
+    const float d1 = half_bits_to_f32(b->d) * (float)k3_scale(b->scales, e0 / 16);
+    const u8* q = b->qs + 32 * n + l0;
+    const int hs = e0 / 32;  // the third bits of sub-block pair 4n + c
+    const u32 lo = ld_u32_a2(q) >> (2 * c), hi = ld_u32_a2(q + 4) >> (2 * c);
+    const u32 hlo = ld_u32_a2(b->hmask + l0) >> hs, hhi = ld_u32_a2(b->hmask + l0 + 4) >> hs;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        o[i] = d1 * (float)((int)(((lo >> (8 * i)) & 3) | (((hlo >> (8 * i)) & 1) << 2)) - 4);
+        o[4 + i] = d1 * (float)((int)(((hi >> (8 * i)) & 3) | (((hhi >> (8 * i)) & 1) << 2)) - 4);
+    }
+}
+
 // Elements per block of a block type: the row of a [n, k] weight is k / qk_of<B>::value blocks.
 template <typename B> struct qk_of { static constexpr int value = QK; };
+template <> struct qk_of<block_q2_K> { static constexpr int value = QK_K; };
+template <> struct qk_of<block_q3_K> { static constexpr int value = QK_K; };
 template <> struct qk_of<block_q4_K> { static constexpr int value = QK_K; };
 template <> struct qk_of<block_q5_K> { static constexpr int value = QK_K; };
 template <> struct qk_of<block_q6_K> { static constexpr int value = QK_K; };

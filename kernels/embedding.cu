@@ -73,11 +73,15 @@ extern "C" __global__ void embedding_q5_1_f32(const int* ids, const void* table,
 extern "C" __global__ void embedding_q4_k_f32(const int* ids, const void* table, float* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q4_K>(ids, table, out, n_tokens, dim, vocab); }
 extern "C" __global__ void embedding_q5_k_f32(const int* ids, const void* table, float* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q5_K>(ids, table, out, n_tokens, dim, vocab); }
 extern "C" __global__ void embedding_q6_k_f32(const int* ids, const void* table, float* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q6_K>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q2_k_f32(const int* ids, const void* table, float* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q2_K>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q3_k_f32(const int* ids, const void* table, float* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q3_K>(ids, table, out, n_tokens, dim, vocab); }
 extern "C" __global__ void embedding_q5_0_f16(const int* ids, const void* table, __half* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q5_0>(ids, table, out, n_tokens, dim, vocab); }
 extern "C" __global__ void embedding_q5_1_f16(const int* ids, const void* table, __half* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q5_1>(ids, table, out, n_tokens, dim, vocab); }
 extern "C" __global__ void embedding_q4_k_f16(const int* ids, const void* table, __half* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q4_K>(ids, table, out, n_tokens, dim, vocab); }
 extern "C" __global__ void embedding_q5_k_f16(const int* ids, const void* table, __half* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q5_K>(ids, table, out, n_tokens, dim, vocab); }
 extern "C" __global__ void embedding_q6_k_f16(const int* ids, const void* table, __half* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q6_K>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q2_k_f16(const int* ids, const void* table, __half* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q2_K>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q3_k_f16(const int* ids, const void* table, __half* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q3_K>(ids, table, out, n_tokens, dim, vocab); }
 #if STRATA_HAS_BF16
 extern "C" __global__ void embedding_bf16(const int* ids, const __nv_bfloat16* table, __nv_bfloat16* out, int n_tokens, int dim, int vocab) { embedding_impl(ids, table, out, n_tokens, dim, vocab); }
 extern "C" __global__ void embedding_q8_0_bf16(const int* ids, const void* table, __nv_bfloat16* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q8_0>(ids, table, out, n_tokens, dim, vocab); }
@@ -88,4 +92,6 @@ extern "C" __global__ void embedding_q5_1_bf16(const int* ids, const void* table
 extern "C" __global__ void embedding_q4_k_bf16(const int* ids, const void* table, __nv_bfloat16* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q4_K>(ids, table, out, n_tokens, dim, vocab); }
 extern "C" __global__ void embedding_q5_k_bf16(const int* ids, const void* table, __nv_bfloat16* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q5_K>(ids, table, out, n_tokens, dim, vocab); }
 extern "C" __global__ void embedding_q6_k_bf16(const int* ids, const void* table, __nv_bfloat16* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q6_K>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q2_k_bf16(const int* ids, const void* table, __nv_bfloat16* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q2_K>(ids, table, out, n_tokens, dim, vocab); }
+extern "C" __global__ void embedding_q3_k_bf16(const int* ids, const void* table, __nv_bfloat16* out, int n_tokens, int dim, int vocab) { embedding_quant_impl<block_q3_K>(ids, table, out, n_tokens, dim, vocab); }
 #endif

@@ -1,6 +1,6 @@
 // Quantized matmuls with the weight dequantized in registers: y[m, n] = sum_k x[m, k] * W[n, k].
 //   W: GGML blocks Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1, row-major [n, k / 32] blocks, or K-quant
-//      super-blocks Q4_K / Q5_K / Q6_K, [n, k / 256] (GGUF layout, byte-exact; the structs and
+//      super-blocks Q2_K / Q3_K / Q4_K / Q5_K / Q6_K, [n, k / 256] (GGUF layout, byte-exact; the structs and
 //      their dequant8 live in common.cuh), or weight-only int8 (i8 [n, k] row-major + f32
 //      per-output-row scale [n]).
 //   x: activations T [m, k] row-major, y: T [m, n] row-major. Accumulation in f32.
@@ -138,6 +138,12 @@ struct DeqUnits<block_q6_K> {  // 16 units: half n = w / 8, quarter h = w / 4 % 
         return (u >> 4) * 32 + (w >> 3) * 16 + ((w >> 2) & 1) * 4 + (w & 3);
     }
 };
+// Q2_K and Q3_K keep quarters c of a half in bits 2c of the same 32 bytes (Q3_K's third bits likewise in one
+// hmask byte per element position), so Q6_K's walk pairs quarters h and h + 2 of the same bytes.
+template <>
+struct DeqUnits<block_q2_K> : DeqUnits<block_q6_K> {};
+template <>
+struct DeqUnits<block_q3_K> : DeqUnits<block_q6_K> {};
 
 // The two groups of a unit can have different scales (two sub-blocks of a K-quant), so `load`
 // returns dequantized weights (d = 1): one FMA per weight and row, once per step however many
@@ -411,16 +417,24 @@ extern "C" __global__ void GEMV_BOUNDS gemv_q5_k_f32(const void* w, const float*
 extern "C" __global__ void gemv_q5_k_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q5_K>>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void GEMV_BOUNDS gemv_q6_k_f32(const void* w, const float* x, float* y, int m, int n, int k);
 extern "C" __global__ void gemv_q6_k_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q6_K>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q2_k_f32(const void* w, const float* x, float* y, int m, int n, int k);
+extern "C" __global__ void gemv_q2_k_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q2_K>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q3_k_f32(const void* w, const float* x, float* y, int m, int n, int k);
+extern "C" __global__ void gemv_q3_k_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q3_K>>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void gemm_q5_0_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemm_impl<block_q5_0>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void gemm_q5_1_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemm_impl<block_q5_1>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void gemm_q4_k_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemm_impl<block_q4_K>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void gemm_q5_k_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemm_impl<block_q5_K>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void gemm_q6_k_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemm_impl<block_q6_K>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q2_k_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemm_impl<block_q2_K>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q3_k_f32(const void* w, const float* x, float* y, int m, int n, int k) { gemm_impl<block_q3_K>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void dequantize_q5_0_f32(const void* w, float* out, int n, int k) { dequantize_impl<block_q5_0>(w, nullptr, out, n, k); }
 extern "C" __global__ void dequantize_q5_1_f32(const void* w, float* out, int n, int k) { dequantize_impl<block_q5_1>(w, nullptr, out, n, k); }
 extern "C" __global__ void dequantize_q4_k_f32(const void* w, float* out, int n, int k) { dequantize_impl<block_q4_K>(w, nullptr, out, n, k); }
 extern "C" __global__ void dequantize_q5_k_f32(const void* w, float* out, int n, int k) { dequantize_impl<block_q5_K>(w, nullptr, out, n, k); }
 extern "C" __global__ void dequantize_q6_k_f32(const void* w, float* out, int n, int k) { dequantize_impl<block_q6_K>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q2_k_f32(const void* w, float* out, int n, int k) { dequantize_impl<block_q2_K>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q3_k_f32(const void* w, float* out, int n, int k) { dequantize_impl<block_q3_K>(w, nullptr, out, n, k); }
 extern "C" __global__ void GEMV_BOUNDS gemv_q5_0_f16(const void* w, const __half* x, __half* y, int m, int n, int k);
 extern "C" __global__ void gemv_q5_0_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q5_0>>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void GEMV_BOUNDS gemv_q5_1_f16(const void* w, const __half* x, __half* y, int m, int n, int k);
@@ -431,16 +445,24 @@ extern "C" __global__ void GEMV_BOUNDS gemv_q5_k_f16(const void* w, const __half
 extern "C" __global__ void gemv_q5_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q5_K>>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void GEMV_BOUNDS gemv_q6_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k);
 extern "C" __global__ void gemv_q6_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q6_K>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q2_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k);
+extern "C" __global__ void gemv_q2_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q2_K>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q3_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k);
+extern "C" __global__ void gemv_q3_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q3_K>>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void gemm_q5_0_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemm_impl<block_q5_0>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void gemm_q5_1_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemm_impl<block_q5_1>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void gemm_q4_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemm_impl<block_q4_K>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void gemm_q5_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemm_impl<block_q5_K>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void gemm_q6_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemm_impl<block_q6_K>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q2_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemm_impl<block_q2_K>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q3_k_f16(const void* w, const __half* x, __half* y, int m, int n, int k) { gemm_impl<block_q3_K>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void dequantize_q5_0_f16(const void* w, __half* out, int n, int k) { dequantize_impl<block_q5_0>(w, nullptr, out, n, k); }
 extern "C" __global__ void dequantize_q5_1_f16(const void* w, __half* out, int n, int k) { dequantize_impl<block_q5_1>(w, nullptr, out, n, k); }
 extern "C" __global__ void dequantize_q4_k_f16(const void* w, __half* out, int n, int k) { dequantize_impl<block_q4_K>(w, nullptr, out, n, k); }
 extern "C" __global__ void dequantize_q5_k_f16(const void* w, __half* out, int n, int k) { dequantize_impl<block_q5_K>(w, nullptr, out, n, k); }
 extern "C" __global__ void dequantize_q6_k_f16(const void* w, __half* out, int n, int k) { dequantize_impl<block_q6_K>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q2_k_f16(const void* w, __half* out, int n, int k) { dequantize_impl<block_q2_K>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q3_k_f16(const void* w, __half* out, int n, int k) { dequantize_impl<block_q3_K>(w, nullptr, out, n, k); }
 #if STRATA_HAS_BF16
 extern "C" __global__ void GEMV_BOUNDS gemv_q5_0_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k);
 extern "C" __global__ void gemv_q5_0_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q5_0>>(w, nullptr, x, y, m, n, k); }
@@ -452,14 +474,22 @@ extern "C" __global__ void GEMV_BOUNDS gemv_q5_k_bf16(const void* w, const __nv_
 extern "C" __global__ void gemv_q5_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q5_K>>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void GEMV_BOUNDS gemv_q6_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k);
 extern "C" __global__ void gemv_q6_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q6_K>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q2_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k);
+extern "C" __global__ void gemv_q2_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q2_K>>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void GEMV_BOUNDS gemv_q3_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k);
+extern "C" __global__ void gemv_q3_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemv_dispatch<FmtDeq<block_q3_K>>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void gemm_q5_0_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<block_q5_0>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void gemm_q5_1_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<block_q5_1>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void gemm_q4_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<block_q4_K>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void gemm_q5_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<block_q5_K>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void gemm_q6_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<block_q6_K>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q2_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<block_q2_K>(w, nullptr, x, y, m, n, k); }
+extern "C" __global__ void gemm_q3_k_bf16(const void* w, const __nv_bfloat16* x, __nv_bfloat16* y, int m, int n, int k) { gemm_impl<block_q3_K>(w, nullptr, x, y, m, n, k); }
 extern "C" __global__ void dequantize_q5_0_bf16(const void* w, __nv_bfloat16* out, int n, int k) { dequantize_impl<block_q5_0>(w, nullptr, out, n, k); }
 extern "C" __global__ void dequantize_q5_1_bf16(const void* w, __nv_bfloat16* out, int n, int k) { dequantize_impl<block_q5_1>(w, nullptr, out, n, k); }
 extern "C" __global__ void dequantize_q4_k_bf16(const void* w, __nv_bfloat16* out, int n, int k) { dequantize_impl<block_q4_K>(w, nullptr, out, n, k); }
 extern "C" __global__ void dequantize_q5_k_bf16(const void* w, __nv_bfloat16* out, int n, int k) { dequantize_impl<block_q5_K>(w, nullptr, out, n, k); }
 extern "C" __global__ void dequantize_q6_k_bf16(const void* w, __nv_bfloat16* out, int n, int k) { dequantize_impl<block_q6_K>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q2_k_bf16(const void* w, __nv_bfloat16* out, int n, int k) { dequantize_impl<block_q2_K>(w, nullptr, out, n, k); }
+extern "C" __global__ void dequantize_q3_k_bf16(const void* w, __nv_bfloat16* out, int n, int k) { dequantize_impl<block_q3_K>(w, nullptr, out, n, k); }
 #endif

@@ -12,8 +12,9 @@
 #   ops-f32, ops-f16, ops-bf16  every backend op against the CPU backend on random inputs (float and every
 #                               quantized matmul route, embeddings, norms, rope, attention), stated tolerances
 #   tiny-model                  random:tiny: GPU = CPU; 2 stages and offloaded layers give the same bits
-#   mixed-tiny-model            a tiny GGUF mixing Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and Q8_0 matrices: GPU = its f32
-#                               twin on the CPU (f32 tolerance), near the CPU's blocks; 2 stages the same bits
+#   mixed-tiny-model            a tiny GGUF mixing Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and Q8_0 matrices:
+#                               GPU = its f32 twin on the CPU (f32 tolerance), near the CPU's blocks; 2 stages the
+#                               same bits
 #   model-vs-cpu                the bundle's real-weight model (f32 activations): greedy tokens equal the CPU's
 #                               from the bundle (logits within tolerance) and the CPU's computed here
 #   kquant-model-vs-cpu         the bundle's model as llama.cpp's Q4_K_M (Q4_K, Q6_K, Q5_0, Q8_0): greedy tokens

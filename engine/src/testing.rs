@@ -159,6 +159,22 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, weights: &Weights, ov: &GgufOver
     })
 }
 
+/// The block formats the CUDA backend has kernels for (`strata_kernels::QUANT` and `EMBEDDING`), the one list the
+/// tests share: `backend::cuda::quant`'s unit tests check that each has every kernel and every other format is
+/// refused, `engine/tests/kernel_layouts.rs` checks their layout code, `engine/tests/cuda.rs` runs them on a GPU.
+pub const CUDA_FORMATS: [DType; 10] = [
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q2_K,
+    DType::Q3_K,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+];
+
 /// A small Llama config for tests; adjust fields as needed.
 pub fn tiny_config() -> ModelConfig {
     ModelConfig {

@@ -12,11 +12,7 @@ use std::process::Command;
 use anyhow::{Context, Result, ensure};
 use rand::{SeedableRng, rngs::StdRng};
 use strata_engine::quant::{self, random_blocks};
-use strata_engine::tensor::DType;
-
-/// Formats with CUDA kernels (`engine/tests/cuda.rs` lists the same in `CUDA_FORMATS`).
-const FORMATS: [DType; 8] =
-    [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K];
+use strata_engine::testing::CUDA_FORMATS;
 
 fn compile_harness(out: &Path) -> Result<()> {
     let here = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -48,7 +44,7 @@ fn cuda_block_layouts_dequantize_as_the_reference() -> Result<()> {
     let mut rng = StdRng::seed_from_u64(3);
     // Three K-quant super-blocks per row: every unit and group position, several blocks, several rows.
     let (n, k) = (5, 768);
-    for dtype in FORMATS {
+    for dtype in CUDA_FORMATS {
         let f = quant::format(dtype).context("a block format")?;
         let blocks = random_blocks(dtype, n * k / f.block_elems, &mut rng);
         let (w, groups, units) = (dir.path().join("w"), dir.path().join("groups"), dir.path().join("units"));

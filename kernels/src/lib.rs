@@ -43,8 +43,8 @@
 //! | `sample_f32` | logits, uniform f32, temperature f32, top_k i32, top_p f32, out i32, n_rows, vocab | (n_rows); 1024 |
 //! | `cast_<s>_<d>` | in, out, n i64 | grid-stride; 256 |
 //!
-//! `<q>` is one of `q8_0`, `q4_0`, `q4_1`, `q5_0`, `q5_1` (32-element blocks) or `q4_k`, `q5_k`, `q6_k`
-//! (256-element K-quant super-blocks): GGML block formats in GGUF byte layout, named as the engine's
+//! `<q>` is one of `q8_0`, `q4_0`, `q4_1`, `q5_0`, `q5_1` (32-element blocks) or `q2_k`, `q3_k`, `q4_k`, `q5_k`,
+//! `q6_k` (256-element K-quant super-blocks): GGML block formats in GGUF byte layout, named as the engine's
 //! `BlockFormat::name`. A format missing here has no CUDA kernels (the backend refuses it at upload).
 
 /// One `.cu` translation unit and the entry points it defines.
@@ -138,8 +138,14 @@ pub const EMBEDDING: KernelModule = KernelModule {
         "embedding_q5_k_f16",
         "embedding_q5_k_bf16",
         "embedding_q6_k_f32",
+        "embedding_q2_k_f32",
+        "embedding_q3_k_f32",
         "embedding_q6_k_f16",
+        "embedding_q2_k_f16",
+        "embedding_q3_k_f16",
         "embedding_q6_k_bf16",
+        "embedding_q2_k_bf16",
+        "embedding_q3_k_bf16",
     ],
 };
 
@@ -208,7 +214,8 @@ pub const ATTENTION: KernelModule = KernelModule {
     ],
 };
 
-/// Quantized GEMV / GEMM / dequantize for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and weight-only int8.
+/// Quantized GEMV / GEMM / dequantize for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and weight-only
+/// int8.
 pub const QUANT: KernelModule = KernelModule {
     name: "quant",
     source: include_str!("../quant.cu"),
@@ -262,8 +269,14 @@ pub const QUANT: KernelModule = KernelModule {
         "gemv_q5_k_f16",
         "gemv_q5_k_bf16",
         "gemv_q6_k_f32",
+        "gemv_q2_k_f32",
+        "gemv_q3_k_f32",
         "gemv_q6_k_f16",
+        "gemv_q2_k_f16",
+        "gemv_q3_k_f16",
         "gemv_q6_k_bf16",
+        "gemv_q2_k_bf16",
+        "gemv_q3_k_bf16",
         "gemm_q5_0_f32",
         "gemm_q5_0_f16",
         "gemm_q5_0_bf16",
@@ -277,8 +290,14 @@ pub const QUANT: KernelModule = KernelModule {
         "gemm_q5_k_f16",
         "gemm_q5_k_bf16",
         "gemm_q6_k_f32",
+        "gemm_q2_k_f32",
+        "gemm_q3_k_f32",
         "gemm_q6_k_f16",
+        "gemm_q2_k_f16",
+        "gemm_q3_k_f16",
         "gemm_q6_k_bf16",
+        "gemm_q2_k_bf16",
+        "gemm_q3_k_bf16",
         "dequantize_q5_0_f32",
         "dequantize_q5_0_f16",
         "dequantize_q5_0_bf16",
@@ -292,8 +311,14 @@ pub const QUANT: KernelModule = KernelModule {
         "dequantize_q5_k_f16",
         "dequantize_q5_k_bf16",
         "dequantize_q6_k_f32",
+        "dequantize_q2_k_f32",
+        "dequantize_q3_k_f32",
         "dequantize_q6_k_f16",
+        "dequantize_q2_k_f16",
+        "dequantize_q3_k_f16",
         "dequantize_q6_k_bf16",
+        "dequantize_q2_k_bf16",
+        "dequantize_q3_k_bf16",
     ],
 };
 

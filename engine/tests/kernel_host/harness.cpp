@@ -68,6 +68,8 @@ int main(int argc, char** argv) {
     if (fmt == "q4_1") return run<block_q4_1>(w, n, k, argv[5], argv[6]);
     if (fmt == "q5_0") return run<block_q5_0>(w, n, k, argv[5], argv[6]);
     if (fmt == "q5_1") return run<block_q5_1>(w, n, k, argv[5], argv[6]);
+    if (fmt == "q2_k") return run<block_q2_K>(w, n, k, argv[5], argv[6]);
+    if (fmt == "q3_k") return run<block_q3_K>(w, n, k, argv[5], argv[6]);
     if (fmt == "q4_k") return run<block_q4_K>(w, n, k, argv[5], argv[6]);
     if (fmt == "q5_k") return run<block_q5_K>(w, n, k, argv[5], argv[6]);
     if (fmt == "q6_k") return run<block_q6_K>(w, n, k, argv[5], argv[6]);

@@ -94,10 +94,8 @@ pub(super) fn matmul_launch(
 mod tests {
     use super::*;
     use crate::quant::FORMATS;
-
-    /// The formats with CUDA kernels; every other block format must be refused by name.
-    const WITH_KERNELS: [DType; 8] =
-        [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K];
+    // The formats with CUDA kernels; every other block format must be refused by name.
+    use crate::testing::CUDA_FORMATS as WITH_KERNELS;
 
     #[test]
     fn every_format_with_kernels_resolves_every_op_in_every_activation_type() {
