@@ -102,7 +102,9 @@ pub fn run(b: ClusterBench) -> Result<()> {
                     baselines.push(engine.decode_latency(&prompt_ids(0, 0, &b), b.max_tokens)?);
                 }
             }
-            let engine_rates = engine_rates(&model, threads_total, &b)?;
+            // The yardstick for every level: the engine with all the threads, run just before the cluster serves
+            // the same level (interleaved, so both see the same machine; it idles while the cluster serves).
+            let mut engine = EngineBaseline::load(&model, threads_total, max_c, b.prompt_tokens + b.max_tokens)?;
             for (&stages, &caching) in b.local.iter().flat_map(|s| b.prefix_caching.iter().map(move |c| (s, c))) {
                 let per_stage = (threads_total / stages).max(1);
                 let single = baselines.iter().find(|d| d.threads == per_stage).cloned().unwrap_or_default();
@@ -120,14 +122,13 @@ pub fn run(b: ClusterBench) -> Result<()> {
                         let mut client = ready_client(&url, &endpoint, &Credentials::default()).await?;
                         plans.push(describe_plan(&mut client).await?.1);
                         for &c in &b.concurrency {
+                            let rate = engine_rate(&mut engine, threads_total, c, &b)?;
                             let mut run = measure(&client, &b, stages, c).await?;
                             run.threads_per_stage = per_stage;
                             run.prefix_caching = Some(caching);
-                            if let Some((_, rate)) = engine_rates.iter().find(|(level, _)| *level == c) {
-                                run.engine_tokens_per_s = Some(rate.tokens_per_s);
-                                run.engine_decode_tokens_per_s = Some(rate.decode_tokens_per_s);
-                                run.serving_vs_engine = Some(run.tokens_per_s / rate.tokens_per_s);
-                            }
+                            run.engine_tokens_per_s = Some(rate.tokens_per_s);
+                            run.engine_decode_tokens_per_s = Some(rate.decode_tokens_per_s);
+                            run.serving_vs_engine = Some(run.tokens_per_s / rate.tokens_per_s);
                             if c == 1 {
                                 let added = (run.itl_ms_p50 - single.itl_ms_p50) * 1e3 / (2 * stages) as f64;
                                 run.added_us_per_hop_vs_single_process = Some(added);
@@ -164,23 +165,18 @@ fn free_addr() -> Result<SocketAddr> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
 }
 
-/// The engine's rate on the benchmark's workload at each concurrency level, with `threads`.
-fn engine_rates(model: &std::path::Path, threads: usize, b: &ClusterBench) -> Result<Vec<(usize, EngineRate)>> {
-    let max_c = b.concurrency.iter().copied().max().unwrap_or(1);
-    let mut engine = EngineBaseline::load(model, threads, max_c, b.prompt_tokens + b.max_tokens)?;
-    let mut rates = Vec::with_capacity(b.concurrency.len());
-    for &c in &b.concurrency {
-        let rounds: Vec<Vec<Vec<u32>>> =
-            (0..b.requests_per_client).map(|i| (0..c).map(|client| prompt_ids(client, i, b)).collect()).collect();
-        let rate = engine.workload(&rounds, b.max_tokens)?;
-        eprintln!(
-            "engine in this process, {threads} thread(s), {c} sequences: {:.1} tok/s on the same requests, decode \
-             {:.1} tok/s",
-            rate.tokens_per_s, rate.decode_tokens_per_s
-        );
-        rates.push((c, rate));
-    }
-    Ok(rates)
+/// The engine's rate on the benchmark's workload at `concurrency` streams: the same requests, batched ideally.
+fn engine_rate(engine: &mut EngineBaseline, threads: usize, concurrency: usize, b: &ClusterBench) -> Result<EngineRate> {
+    let rounds: Vec<Vec<Vec<u32>>> = (0..b.requests_per_client)
+        .map(|i| (0..concurrency).map(|client| prompt_ids(client, i, b)).collect())
+        .collect();
+    let rate = engine.workload(&rounds, b.max_tokens)?;
+    eprintln!(
+        "engine in this process, {threads} thread(s), {concurrency} sequences: {:.1} tok/s on the same requests, \
+         decode {:.1} tok/s",
+        rate.tokens_per_s, rate.decode_tokens_per_s
+    );
+    Ok(rate)
 }
 
 /// The prompt of a client stream's `index`th request: distinct after the shared prefix (ids below 1000 exist in
