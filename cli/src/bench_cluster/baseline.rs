@@ -1,6 +1,6 @@
 //! The engine in this process as the cluster benchmark's yardstick: its batch-1 decode latency, and the
-//! benchmark's own workload run with ideal batching, so serving is compared with the engine on the same work by
-//! one command in one run.
+//! benchmark's own workload batched by rounds (no scheduler, no transport), so serving is compared with the engine
+//! on the same work by one command in one run.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -70,7 +70,7 @@ impl EngineBaseline {
         })
     }
 
-    /// Runs `rounds` (each a set of prompts that start together) as a server with perfect batching would: all of
+    /// Runs `rounds` (each a set of prompts that start together) with no scheduler or transport: all of
     /// a round's prompts in one step, then `max_tokens - 1` greedy decode steps of the whole round (the first
     /// token comes from the prompt's step, as in serving).
     pub fn workload(&mut self, rounds: &[Vec<Vec<u32>>], max_tokens: usize) -> Result<EngineRate> {

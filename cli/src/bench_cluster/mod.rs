@@ -165,11 +165,16 @@ fn free_addr() -> Result<SocketAddr> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
 }
 
-/// The engine's rate on the benchmark's workload at `concurrency` streams: the same requests, batched ideally.
-fn engine_rate(engine: &mut EngineBaseline, threads: usize, concurrency: usize, b: &ClusterBench) -> Result<EngineRate> {
-    let rounds: Vec<Vec<Vec<u32>>> = (0..b.requests_per_client)
-        .map(|i| (0..concurrency).map(|client| prompt_ids(client, i, b)).collect())
-        .collect();
+/// The engine's rate on the benchmark's workload at `concurrency` streams: the same requests, each round's prompts in
+/// one step, then all its sequences decoded together.
+fn engine_rate(
+    engine: &mut EngineBaseline,
+    threads: usize,
+    concurrency: usize,
+    b: &ClusterBench,
+) -> Result<EngineRate> {
+    let rounds: Vec<Vec<Vec<u32>>> =
+        (0..b.requests_per_client).map(|i| (0..concurrency).map(|client| prompt_ids(client, i, b)).collect()).collect();
     let rate = engine.workload(&rounds, b.max_tokens)?;
     eprintln!(
         "engine in this process, {threads} thread(s), {concurrency} sequences: {:.1} tok/s on the same requests, \

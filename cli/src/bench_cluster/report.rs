@@ -48,7 +48,7 @@ pub(super) struct Run {
     /// the model's (attention over a growing context) taken out.
     pub added_ms_first_tenth: Option<f64>,
     pub added_ms_last_tenth: Option<f64>,
-    /// The same requests through the engine in this process with all the threads, batched ideally (every
+    /// The same requests through the engine in this process with all the threads, batched by rounds (every
     /// stream's prompt in one step, then the streams decoded together): tokens generated per second.
     pub engine_tokens_per_s: Option<f64>,
     /// Of that run, the decode steps alone: tokens per second at a batch of `concurrency` sequences.
