@@ -37,6 +37,11 @@ impl From<WireLayers> for Range<u32> {
     }
 }
 
+/// A duration as the wire's `uint64` of whole microseconds (`StageTiming`, `Usage`), saturating.
+pub fn wire_micros(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
 /// `n` (a layer index or count, named by `what` in the error) as a wire `uint32`.
 pub fn wire_u32(what: &'static str, n: usize) -> Result<u32> {
     u32::try_from(n).map_err(|_| ProtoError::WireValue { what, value: n.to_string(), reason: "it exceeds u32" })

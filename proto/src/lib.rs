@@ -38,7 +38,7 @@ pub use error::{ProtoError, Result};
 pub use ids::{NodeId, PlanEpoch, SeqId};
 pub use introspection::{COORDINATOR_SERVICE, STAGE_SERVICE, health_service, reflection_services, set_serving};
 pub use keepalive::Keepalive;
-pub use layers::{WireLayers, wire_u32};
+pub use layers::{WireLayers, wire_micros, wire_u32};
 #[cfg(feature = "clap")]
 pub use logging::{LogArgs, LogFormat, Telemetry};
 #[cfg(feature = "clap")]

@@ -8,12 +8,12 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use prost::Message;
-use strata_proto::{ServiceError, pb};
+use strata_proto::{ServiceError, pb, wire_micros};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tonic::Status;
 
-use crate::executor::{BatchResult, Completion, Output, micros};
+use crate::executor::{BatchResult, Completion, Output};
 use crate::metrics::StageMetrics;
 use crate::slot::ActiveStage;
 
@@ -114,7 +114,7 @@ impl Pending {
         match (output.output, &stage.downstream) {
             (Output::Tokens(tokens), _) => {
                 // Up to the response's hand-off to the stream: what follows is transport.
-                timing.handoff_micros = micros(output.finished.elapsed());
+                timing.handoff_micros = wire_micros(output.finished.elapsed());
                 let resp = pb::ForwardResponse {
                     batch_id,
                     tokens,
@@ -130,7 +130,7 @@ impl Pending {
                 meta.hidden = Some(hidden);
                 metrics.sent(meta.encoded_len());
                 let answer = down.send_blocking(meta);
-                timing.handoff_micros = micros(output.finished.elapsed());
+                timing.handoff_micros = wire_micros(output.finished.elapsed());
                 runtime.spawn(async move {
                     let mut resp = match answer.await {
                         Ok(Ok(resp)) => resp,

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use strata_engine::HiddenDtype;
 use strata_engine::backend::Backend;
@@ -15,7 +15,7 @@ use strata_engine::kv_cache::KvCache;
 use strata_engine::model::{LogitRows, SeqChunk, StageInput, StageModel};
 use strata_engine::sampling::SamplingParams;
 use strata_proto::pb;
-use strata_proto::{ServiceError, decode_to_f32, encode_f32};
+use strata_proto::{ServiceError, decode_to_f32, encode_f32, wire_micros};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
@@ -267,11 +267,6 @@ impl ExecutorHandle {
     }
 }
 
-/// Whole microseconds, saturating.
-pub(crate) fn micros(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
-}
-
 /// The wire's name for the element type of hidden states.
 fn wire_dtype(d: HiddenDtype) -> pb::Dtype {
     match d {
@@ -385,8 +380,8 @@ impl<B: Backend> Executor<B> {
                         let finished = Instant::now();
                         BatchOutput {
                             output,
-                            compute_micros: micros(finished - started),
-                            queue_micros: micros(started.saturating_duration_since(received)),
+                            compute_micros: wire_micros(finished - started),
+                            queue_micros: wire_micros(started.saturating_duration_since(received)),
                             finished,
                         }
                     });
@@ -396,9 +391,9 @@ impl<B: Backend> Executor<B> {
                     self.kv_counts.store(&self.kv);
                     done.complete(result);
                 }
+                // `run_releases` above stored the counts after `sync_term` freed anything.
                 Command::Wake => {}
             }
-            self.kv_counts.store(&self.kv);
         }
     }
 

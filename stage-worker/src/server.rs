@@ -197,7 +197,7 @@ async fn read_batches(mut inbound: Streaming<pb::ForwardRequest>, service: Stage
         let meta = batch.clone();
         batch.hidden = hidden;
         let traced = request_spans(&node_id, &stage, &batch);
-        let executor = stage.executor.clone();
+        let on = Arc::clone(&stage);
         let answer = Answer::new(Pending {
             stage,
             meta,
@@ -207,7 +207,7 @@ async fn read_batches(mut inbound: Streaming<pb::ForwardRequest>, service: Stage
             traced: traced.clone(),
             runtime: runtime.clone(),
         });
-        if let Err(err) = executor.submit(batch, traced, received, answer).await {
+        if let Err(err) = on.executor.submit(batch, traced, received, answer).await {
             // The answer, dropped unrun, reports the batch.
             tracing::debug!(batch_id, error = %err, "the executor has stopped");
         }

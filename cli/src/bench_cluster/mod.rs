@@ -94,17 +94,25 @@ pub fn run(b: ClusterBench) -> Result<()> {
             let max_c = b.concurrency.iter().copied().max().unwrap_or(1);
             // Room for every stream's KV so the run measures serving, not preemption.
             let kv_blocks = (max_c * (b.prompt_tokens + b.max_tokens)).div_ceil(16) + 64;
-            // The engine's numbers first, each engine dropped before any cluster starts.
-            for &stages in &b.local {
-                let per_stage = (threads_total / stages).max(1);
-                if !baselines.iter().any(|d: &SingleProcess| d.threads == per_stage) {
-                    let mut engine = EngineBaseline::load(&model, per_stage, 1, b.prompt_tokens + b.max_tokens)?;
-                    baselines.push(engine.decode_latency(&prompt_ids(0, 0, &b), b.max_tokens)?);
-                }
-            }
             // The yardstick for every level: the engine with all the threads, run just before the cluster serves
             // the same level (interleaved, so both see the same machine; it idles while the cluster serves).
             let mut engine = EngineBaseline::load(&model, threads_total, max_c, b.prompt_tokens + b.max_tokens)?;
+            // Batch-1 latency with each stage's thread count: that engine's for a 1-stage cluster, else one loaded
+            // for the purpose and dropped before any cluster starts.
+            for &stages in &b.local {
+                let per_stage = (threads_total / stages).max(1);
+                if baselines.iter().any(|d: &SingleProcess| d.threads == per_stage) {
+                    continue;
+                }
+                let prompt = prompt_ids(0, 0, &b);
+                let latency = if per_stage == threads_total {
+                    engine.decode_latency(&prompt, b.max_tokens)?
+                } else {
+                    EngineBaseline::load(&model, per_stage, 1, b.prompt_tokens + b.max_tokens)?
+                        .decode_latency(&prompt, b.max_tokens)?
+                };
+                baselines.push(latency);
+            }
             for (&stages, &caching) in b.local.iter().flat_map(|s| b.prefix_caching.iter().map(move |c| (s, c))) {
                 let per_stage = (threads_total / stages).max(1);
                 let single = baselines.iter().find(|d| d.threads == per_stage).cloned().unwrap_or_default();

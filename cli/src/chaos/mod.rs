@@ -129,14 +129,7 @@ pub fn run(a: ChaosArgs) -> Result<()> {
         bail!("--workers must be at least 1");
     }
     let host = Host::detect();
-    eprintln!(
-        "strata chaos on {} ({} CPUs; {}), commit {}, {}",
-        host.cpu_model,
-        host.cpus,
-        host.cpu_flags.join(" "),
-        host.commit.as_deref().unwrap_or("unknown"),
-        host.date
-    );
+    eprintln!("strata chaos on {}", host.describe());
     let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let reports = rt.block_on(async {
         tokio::select! {

@@ -31,7 +31,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Instant;
 
-use strata_proto::{ErrorCode, ServiceError, pb};
+use strata_proto::{ErrorCode, ServiceError, pb, wire_micros};
 
 use super::kv_budget::KvBudget;
 use super::prefix_cache::{PrefixCache, PrefixStats, SeqPrefix};
@@ -461,7 +461,7 @@ impl Scheduler {
         };
         let elapsed = now.saturating_duration_since(batch.sent);
         effects.push(Effect::BatchReturned { elapsed, stages: resp.timings.clone() });
-        let elapsed = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
+        let elapsed = wire_micros(elapsed);
         let queue: u64 = resp.timings.iter().map(|t| t.queue_micros).sum();
         let handoff: u64 = resp.timings.iter().map(|t| t.handoff_micros).sum();
         for id in &batch.reqs {
