@@ -108,7 +108,7 @@ pub(super) mod x86 {
     use super::{GROUP, Q8x8};
     use crate::backend::cpu::simd::x86::hsum;
     use crate::backend::cpu::unpack::{
-        Q4_0, Q4_1, Q5_0, Q5_1, half_mins, has_offset, scales, signed, sub_offset, subs, unpack,
+        Q4_0, Q4_1, Q5_0, Q5_1, block_scales, half_mins, has_offset, signed, sub_offset, subs, unpack_with,
     };
     use std::arch::x86_64::*;
 
@@ -173,6 +173,7 @@ pub(super) mod x86 {
             // First pass: the products d_w·d_a the one-token kernel forms (read back with load-port broadcasts in
             // the main loop, which costs no ALU slot) and the offset terms, lanes = tokens.
             let mut offset = _mm256_setzero_ps();
+            let mut ks = ([0f32; 8], [0f32; 8]);
             for b in 0..blocks {
                 let ab = &*a.add(b);
                 let (d, min) = if subs::<Q>() == 1 {
@@ -188,8 +189,11 @@ pub(super) mod x86 {
                     };
                     (d, min)
                 } else {
-                    let (d, min) = scales::<Q>(w, b);
-                    (_mm256_set1_ps(d), _mm256_set1_ps(min))
+                    let j = b % subs::<Q>();
+                    if j == 0 {
+                        ks = block_scales::<Q>(w, b / subs::<Q>());
+                    }
+                    (_mm256_set1_ps(ks.0[j]), _mm256_set1_ps(ks.1[j]))
                 };
                 _mm256_store_ps(sc.add(b * GROUP), _mm256_mul_ps(d, _mm256_load_ps(ab.d.as_ptr())));
                 if half_mins::<Q>() {
@@ -203,7 +207,8 @@ pub(super) mod x86 {
             let mask = _mm256_set1_epi8(0x0f);
             for b in 0..blocks {
                 _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(sub_offset::<Q>(b) + PREFETCH_BYTES) as *const i8);
-                let sub = unpack::<Q>(w, b, mask);
+                // The scales come from `sc`: the sub-block's own are not needed here.
+                let sub = unpack_with::<Q>(w, b, mask, 0.0, 0.0);
                 let ab = &*a.add(b);
                 for (t, acc) in acc.iter_mut().enumerate() {
                     let av = _mm256_load_si256(ab.qs[t].as_ptr() as *const __m256i);

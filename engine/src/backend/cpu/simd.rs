@@ -141,8 +141,8 @@ pub fn dot_quant_rows(
         let k = kernels(dtype);
         let mut r = 0;
         while r < out.len() {
-            let n = if out.len() - r >= 8 {
-                8
+            let n = if out.len() - r >= k.rows {
+                k.rows
             } else if out.len() - r >= 4 {
                 4
             } else {
@@ -153,9 +153,9 @@ pub fn dot_quant_rows(
             // SAFETY: Avx2 is only chosen after runtime detection; `rows` holds `n` rows of `blocks` blocks.
             unsafe {
                 match n {
-                    8 => (k.dot_rows8)(rows, row_bytes, xq, blocks, o),
+                    1 => o[0] = (k.dot_one)(rows, xq, blocks),
                     4 => (k.dot_rows4)(rows, row_bytes, xq, blocks, o),
-                    _ => o[0] = (k.dot_one)(rows, xq, blocks),
+                    _ => (k.dot_rows)(rows, row_bytes, xq, blocks, o),
                 }
             }
             r += n;
@@ -175,7 +175,9 @@ pub fn dot_quant_scalar(dtype: DType, w: &[u8], a: &[Q8Block]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
     use super::Q8Block;
-    use crate::backend::cpu::unpack::{Sub, block_bytes, half_mins, has_offset, signed, sub_offset, subs, unpack};
+    use crate::backend::cpu::unpack::{
+        Sub, block_bytes, block_scales, half_mins, has_offset, signed, sub_offset, subs, unpack, unpack_with,
+    };
     use std::arch::x86_64::*;
 
     #[inline]
@@ -305,9 +307,20 @@ pub(super) mod x86 {
         let mut acc = _mm256_setzero_ps();
         let mut offset = 0f32;
         let mask = _mm256_set1_epi8(0x0f);
+        let mut ks = ([0f32; 8], [0f32; 8]);
         for (b, ab) in a.iter().take(blocks).enumerate() {
-            // SAFETY: the assert above keeps sub-block `b` inside `w`.
-            let sub = unsafe { unpack::<Q>(w.as_ptr(), b, mask) };
+            let j = b % subs::<Q>();
+            // SAFETY: the assert above keeps sub-block `b`, and so its block, inside `w`.
+            let sub = unsafe {
+                if subs::<Q>() > 1 {
+                    if j == 0 {
+                        ks = block_scales::<Q>(w.as_ptr(), b / subs::<Q>());
+                    }
+                    unpack_with::<Q>(w.as_ptr(), b, mask, ks.0[j], ks.1[j])
+                } else {
+                    unpack::<Q>(w.as_ptr(), b, mask)
+                }
+            };
             offset += block_dot::<Q>(sub, ab, &mut acc);
         }
         hsum(acc) + offset
@@ -332,13 +345,28 @@ pub(super) mod x86 {
                 && a.len() >= blocks
                 && out.len() >= R
         );
+        // K-quants: each row's sub-block scales, decoded once per block.
+        let mut ks = [([0f32; 8], [0f32; 8]); R];
         for (b, ab) in a.iter().take(blocks).enumerate() {
+            let j = b % subs::<Q>();
+            if subs::<Q>() > 1 && j == 0 {
+                for (r, ks) in ks.iter_mut().enumerate() {
+                    // SAFETY: as below, for the block holding sub-block `b`.
+                    *ks = unsafe { block_scales::<Q>(w.as_ptr().wrapping_add(r * row_bytes), b / subs::<Q>()) };
+                }
+            }
             for r in 0..R {
                 let row = w.as_ptr().wrapping_add(r * row_bytes);
                 // Rows are contiguous: fetch the same sub-block of the next group of R rows.
                 _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(R * row_bytes + sub_offset::<Q>(b)) as *const i8);
                 // SAFETY: the assert above keeps sub-block `b` of row `r` inside `w`.
-                let sub = unsafe { unpack::<Q>(row, b, mask) };
+                let sub = unsafe {
+                    if subs::<Q>() > 1 {
+                        unpack_with::<Q>(row, b, mask, ks[r].0[j], ks[r].1[j])
+                    } else {
+                        unpack::<Q>(row, b, mask)
+                    }
+                };
                 offset[r] += block_dot::<Q>(sub, ab, &mut acc[r]);
             }
         }
@@ -383,7 +411,7 @@ mod tests {
     fn multi_row_decode_kernel_equals_single_row_kernel() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(4);
         let isa = Isa::detect();
-        // Two K-quant super-blocks; 13 rows take the 8-, 4- and 1-row kernels.
+        // Two K-quant super-blocks; 13 rows take the widest (8 or 4), 4- and 1-row kernels.
         let (blocks, rows) = (16, 13);
         let xq = acts(&mut rng, blocks);
         for f in crate::quant::FORMATS {

@@ -131,6 +131,42 @@ pub(super) unsafe fn scales<const Q: u8>(row: *const u8, b: usize) -> (f32, f32)
     }
 }
 
+/// The float scales and offset multipliers of the eight sub-blocks of K-quant block `k` of `row`, bit for bit
+/// what [`scales`] gives for each: the kernels decode them once per block and row. Q4_K/Q5_K's 6-bit pairs
+/// are unpacked with a few 32-bit operations and converted eight at a time, where per sub-block they cost
+/// more than the sub-block's integer dot product.
+///
+/// # Safety
+/// AVX2/FMA/F16C available; `row` holds at least block `k` of layout `Q`, a K-quant layout.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn block_scales<const Q: u8>(row: *const u8, k: usize) -> ([f32; 8], [f32; 8]) {
+    let (mut d, mut min) = ([0f32; 8], [0f32; 8]);
+    // SAFETY (whole body): every read lies inside block k (the layouts of ggml-common.h).
+    unsafe {
+        if matches!(Q, Q4_K | Q5_K) {
+            let blk = row.wrapping_add(k * block_bytes::<Q>());
+            let word = |i: usize| (blk.add(4 + 4 * i) as *const u32).read_unaligned();
+            let (a, b, c) = (word(0), word(1), word(2));
+            // `k4_scale_min` for j = 0..4 (low 6 bits of bytes 0..4 and 4..8) and j = 4..8 (nibbles of bytes 8..12
+            // under the top two bits of bytes 0..4 and 4..8), byte j of each.
+            let sc = u64::from(a & 0x3f3f_3f3f) | u64::from((c & 0x0f0f_0f0f) | ((a >> 6) & 0x0303_0303) << 4) << 32;
+            let m =
+                u64::from(b & 0x3f3f_3f3f) | u64::from(((c >> 4) & 0x0f0f_0f0f) | ((b >> 6) & 0x0303_0303) << 4) << 32;
+            let float = |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
+            let half8 = |p: *const u8| _mm256_cvtph_ps(_mm_set1_epi16((p as *const i16).read_unaligned()));
+            _mm256_storeu_ps(d.as_mut_ptr(), _mm256_mul_ps(half8(blk), float(sc)));
+            let dmin = _mm256_mul_ps(half8(blk.add(2)), float(m));
+            _mm256_storeu_ps(min.as_mut_ptr(), _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0)));
+        } else {
+            for j in 0..subs::<Q>() {
+                (d[j], min[j]) = scales::<Q>(row, k * subs::<Q>() + j);
+            }
+        }
+    }
+    (d, min)
+}
+
 /// 32 bytes, byte `i` 0xFF where bit `i` of `bits` is set.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -174,11 +210,24 @@ unsafe fn nibbles32(p: *const u8, shift: usize, mask: __m256i) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn unpack<const Q: u8>(row: *const u8, b: usize, mask: __m256i) -> Sub {
+    // SAFETY: forwarded.
+    unsafe {
+        let (d, min) = scales::<Q>(row, b);
+        unpack_with::<Q>(row, b, mask, d, min)
+    }
+}
+
+/// [`unpack`] with the sub-block's float scale and offset multiplier already known (from [`block_scales`]).
+///
+/// # Safety
+/// As for [`unpack`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn unpack_with<const Q: u8>(row: *const u8, b: usize, mask: __m256i, d: f32, min: f32) -> Sub {
     let (blk, j) = locate::<Q>(row, b);
     let ones = _mm256_set1_epi16(1);
     // SAFETY (whole body): every read lies inside that block.
     unsafe {
-        let (d, min) = scales::<Q>(row, b);
         let zero = _mm256_setzero_si256();
         let unsigned = |wq| Sub { wabs: wq, wq, mul: ones, mins: zero, d, min };
         // The 16-bit multipliers of the two 16-element halves of a sub-block: `lo` for elements 0..16.
@@ -286,6 +335,21 @@ mod tests {
         let Some((bb, elems)) = f else { panic!("{dtype} has no format") };
         assert_eq!((block_bytes::<Q>(), subs::<Q>() * quant::QK, tag(dtype)), (bb, elems, Q), "{dtype}");
         let row = quant::random_blocks(dtype, 2, rng);
+        if subs::<Q>() > 1 {
+            for k in 0..2 {
+                // SAFETY: AVX2 was detected; `row` holds two blocks.
+                let (d, min) = unsafe { block_scales::<Q>(row.as_ptr(), k) };
+                for j in 0..subs::<Q>() {
+                    // SAFETY: as above.
+                    let one = unsafe { scales::<Q>(row.as_ptr(), k * subs::<Q>() + j) };
+                    assert_eq!(
+                        (d[j].to_bits(), min[j].to_bits()),
+                        (one.0.to_bits(), one.1.to_bits()),
+                        "{dtype} {k}/{j}"
+                    );
+                }
+            }
+        }
         let mut want = vec![0f32; 2 * elems];
         quant::dequantize(dtype, &row, &mut want);
         for b in 0..2 * subs::<Q>() {
