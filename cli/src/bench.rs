@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use clap::builder::RangedU64ValueParser;
 use serde::Serialize;
+use strata_coordinator::MAX_MICRO_BATCHES_PER_STAGE;
 use strata_engine::OnBackend;
 use strata_engine::backend::Backend;
 use strata_engine::generate::Engine;
@@ -52,6 +54,11 @@ pub struct BenchArgs {
     /// ways and compare.
     #[arg(long, value_delimiter = ',', default_value = "on", value_parser = parse_on_off)]
     prefix_caching: Vec<bool>,
+    /// Micro-batches in flight per stage of the --local clusters' coordinators (1 to 16): `1`, or `1,2` to run each
+    /// cluster both ways and compare (bigger batches against more overlap).
+    #[arg(long, value_delimiter = ',', default_value = "1",
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_MICRO_BATCHES_PER_STAGE as u64))]
+    micro_batches_per_stage: Vec<usize>,
     /// Tokens decoded per sequence.
     #[arg(long, default_value_t = 128)]
     decode_tokens: usize,
@@ -126,6 +133,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             prompt_tokens: a.prompt_tokens,
             shared_prefix_tokens: a.shared_prefix_tokens,
             prefix_caching: a.prefix_caching,
+            micro_batches_per_stage: a.micro_batches_per_stage,
             max_tokens: a.decode_tokens,
             threads: a.device.threads,
             out: a.out.unwrap_or_else(|| PathBuf::from("target/bench/cluster.json")),
@@ -252,4 +260,33 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
     println!("| load s | {:.2} | - |", report.load_seconds);
     eprintln!("wrote {}", out.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        bench: BenchArgs,
+    }
+
+    #[test]
+    fn local_clusters_take_a_list_of_micro_batches_per_stage_from_1_to_16() -> Result<()> {
+        let parse = |extra: &[&str]| {
+            Cli::try_parse_from([&["bench", "--local", "1,2"][..], extra].concat())
+                .map(|c| (c.bench.micro_batches_per_stage, c.bench.prefix_caching))
+        };
+        assert_eq!(parse(&[])?, (vec![1], vec![true]));
+        assert_eq!(
+            parse(&["--micro-batches-per-stage", "1,2", "--prefix-caching", "off,on"])?,
+            (vec![1, 2], vec![false, true])
+        );
+        assert!(parse(&["--micro-batches-per-stage", "1,0"]).is_err());
+        assert!(parse(&["--micro-batches-per-stage", "17"]).is_err());
+        Ok(())
+    }
 }

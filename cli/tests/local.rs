@@ -73,13 +73,15 @@ fn cluster_bench_reports_every_level_and_writes_a_plot() -> Result<()> {
     let o = out.to_str().unwrap_or_default();
     let args = ["bench", "--model", m, "--local", "2", "--concurrency", "1,3", "--requests-per-client", "1"];
     let sizes = ["--prompt-tokens", "4", "--decode-tokens", "5", "--threads", "2", "--out", o];
-    let table = text(&[&args[..], &sizes[..]].concat())?;
-    assert!(table.contains("| 2 | on | 1 | 3 |"), "{table}");
+    // One cluster per setting of micro-batches per stage.
+    let table = text(&[&args[..], &sizes[..], &["--micro-batches-per-stage", "1,2"]].concat())?;
+    assert!(table.contains("| 2 | on | 1 | 1 | 3 |") && table.contains("| 2 | on | 2 | 1 | 3 |"), "{table}");
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out)?)?;
     let runs = report["runs"].as_array().context("runs")?;
-    assert_eq!(runs.len(), 2, "{report}");
-    for (run, streams) in runs.iter().zip([1, 3]) {
+    assert_eq!(runs.len(), 4, "{report}");
+    for (run, (micro_batches, streams)) in runs.iter().zip([(1, 1), (1, 3), (2, 1), (2, 3)]) {
         assert_eq!(run["stages"], 2);
+        assert_eq!(run["micro_batches_per_stage"], micro_batches, "{run}");
         assert_eq!(run["concurrency"], streams);
         // EOS is ignored, so every request yields exactly --decode-tokens tokens.
         assert_eq!(run["completion_tokens"], 5 * streams, "{run}");
@@ -87,6 +89,6 @@ fn cluster_bench_reports_every_level_and_writes_a_plot() -> Result<()> {
         assert!(run["overhead_us_per_hop"].as_f64().is_some_and(|t| t > 0.0), "{run}");
     }
     let svg = std::fs::read_to_string(out.with_extension("svg"))?;
-    assert!(svg.contains("<polyline") && svg.contains("2 stages"), "{svg}");
+    assert!(svg.contains(">2 stages, 1 mb/stage<") && svg.contains(">2 stages, 2 mb/stage<"), "{svg}");
     Ok(())
 }

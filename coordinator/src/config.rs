@@ -10,7 +10,7 @@ use strata_membership::{EtcdOptions, check_cluster_name};
 use strata_proto::{Keepalive, Tls, TlsFiles};
 
 use crate::auth::{ApiKey, ApiKeys, check_identities, check_keys};
-use crate::pipeline::{PipelineOptions, PrefixCaching, SchedulerLimits, Timeouts};
+use crate::pipeline::{MAX_MICRO_BATCHES_PER_STAGE, PipelineOptions, PrefixCaching, SchedulerLimits, Timeouts};
 use crate::sizing::{SizeOptions, context_limits};
 use crate::{Error, Result};
 
@@ -70,6 +70,10 @@ pub struct CoordinatorConfig {
     /// Keep prompts' KV blocks on the stages and reuse them for later prompts that start with the same tokens.
     #[serde(default)]
     pub enable_prefix_caching: PrefixCaching,
+    /// Micro-batches kept in flight per stage (1 to 16): fewer make bigger batches and a steadier inter-token
+    /// latency, more a lower time to first token under bursts and more overlap of wire time with compute.
+    #[serde(default = "default_micro_batches_per_stage")]
+    pub micro_batches_per_stage: usize,
     /// A micro-batch unanswered this long means a stage hangs: its sequences are recomputed elsewhere.
     #[serde(default = "default_batch_timeout")]
     pub batch_timeout_ms: u64,
@@ -156,6 +160,9 @@ fn default_max_concurrent() -> usize {
 fn default_max_batch_tokens() -> usize {
     SchedulerLimits::default().max_batch_tokens
 }
+fn default_micro_batches_per_stage() -> usize {
+    SchedulerLimits::default().micro_batches_per_stage
+}
 
 impl CoordinatorConfig {
     /// A config with defaults for everything but the model and the API addresses.
@@ -178,6 +185,7 @@ impl CoordinatorConfig {
             max_concurrent_requests: default_max_concurrent(),
             max_batch_tokens: default_max_batch_tokens(),
             enable_prefix_caching: PrefixCaching::default(),
+            micro_batches_per_stage: default_micro_batches_per_stage(),
             batch_timeout_ms: default_batch_timeout(),
             recovery_timeout_ms: default_recovery_timeout(),
             probe_timeout_ms: default_probe_timeout(),
@@ -227,6 +235,12 @@ impl CoordinatorConfig {
         }
         if self.max_concurrent_requests == 0 || self.max_batch_tokens == 0 {
             return bad("max_concurrent_requests and max_batch_tokens must be at least 1".into());
+        }
+        if !(1..=MAX_MICRO_BATCHES_PER_STAGE).contains(&self.micro_batches_per_stage) {
+            return bad(format!(
+                "micro_batches_per_stage must be 1 to {MAX_MICRO_BATCHES_PER_STAGE}, not {}",
+                self.micro_batches_per_stage
+            ));
         }
         if self.model_name.as_deref().is_some_and(|n| n.trim().is_empty() || n.chars().any(char::is_control)) {
             return bad("model_name must be non-empty printable text".into());
@@ -281,6 +295,7 @@ impl CoordinatorConfig {
             max_concurrent_requests: self.max_concurrent_requests,
             max_batch_tokens: self.max_batch_tokens,
             prefix_caching: self.enable_prefix_caching,
+            micro_batches_per_stage: self.micro_batches_per_stage,
         }
     }
 
@@ -367,6 +382,14 @@ mod tests {
         let mut c = base();
         c.max_batch_tokens = 0;
         assert!(c.validate().is_err_and(|e| e.to_string().contains("max_batch_tokens")));
+        let mut c = base();
+        assert_eq!(c.scheduler_limits().micro_batches_per_stage, 1);
+        c.micro_batches_per_stage = 0;
+        assert!(c.validate().is_err_and(|e| e.to_string().contains("micro_batches_per_stage must be 1 to 16, not 0")));
+        c.micro_batches_per_stage = 17;
+        assert!(c.validate().is_err_and(|e| e.to_string().contains("micro_batches_per_stage")));
+        c.micro_batches_per_stage = 16;
+        assert!(c.validate().is_ok() && c.scheduler_limits().micro_batches_per_stage == 16);
         let mut c = base();
         c.max_body_bytes = 0;
         assert!(c.validate().is_err_and(|e| e.to_string().contains("max_body_bytes")));

@@ -25,7 +25,7 @@ pub use coordinator::{
 };
 pub use error::{Error, Result};
 pub use pipeline::{
-    ModelInfo, Pipeline, PipelineOptions, PrefixCaching, SchedulerLimits, SeqEvent, SeqRequest, StepTiming, Suspect,
-    Timeouts,
+    MAX_MICRO_BATCHES_PER_STAGE, ModelInfo, Pipeline, PipelineOptions, PrefixCaching, SchedulerLimits, SeqEvent,
+    SeqRequest, StepTiming, Suspect, Timeouts,
 };
 pub use placement::{ModelShape, NodeCapacity, PlacementError, SizeOptions, StageAssignment};

@@ -4,9 +4,10 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::Parser;
+use clap::builder::RangedU64ValueParser;
 use strata_coordinator::auth::{ApiKey, read_key_file};
 use strata_coordinator::config::DEFAULT_MAX_BODY_BYTES;
-use strata_coordinator::{CoordinatorConfig, PrefixCaching};
+use strata_coordinator::{CoordinatorConfig, MAX_MICRO_BATCHES_PER_STAGE, PrefixCaching};
 use strata_engine::{KvDtype, QuantDtype};
 use strata_membership::EtcdArgs;
 use strata_proto::{Keepalive, LogArgs, TlsArgs, shutdown_token};
@@ -54,6 +55,12 @@ struct Args {
     #[arg(long, env = "STRATA_ENABLE_PREFIX_CACHING", value_enum, default_value_t = PrefixCaching::Auto,
         num_args = 0..=1, default_missing_value = "on")]
     enable_prefix_caching: PrefixCaching,
+    /// Micro-batches kept in flight per stage (1 to 16), the running requests split evenly over them: fewer make
+    /// bigger batches and a steadier inter-token latency; more lower the time to first token under bursts and
+    /// overlap more wire time with compute.
+    #[arg(long, env = "STRATA_MICRO_BATCHES_PER_STAGE", default_value_t = 1,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_MICRO_BATCHES_PER_STAGE as u64))]
+    micro_batches_per_stage: usize,
     /// Longest sequence served, prompt plus generated tokens (default: the model's context length); longer
     /// requests are refused.
     #[arg(long, env = "STRATA_MAX_MODEL_LEN")]
@@ -140,6 +147,7 @@ async fn main() -> anyhow::Result<()> {
     config.max_concurrent_requests = args.max_concurrent_requests;
     config.max_batch_tokens = args.max_batch_tokens;
     config.enable_prefix_caching = args.enable_prefix_caching;
+    config.micro_batches_per_stage = args.micro_batches_per_stage;
     config.max_model_len = args.max_model_len;
     config.min_kv_tokens = args.min_kv_tokens;
     config.quantize = args.quantize;
@@ -212,6 +220,25 @@ mod tests {
         assert_eq!(parse(&["--enable-prefix-caching=true"])?, PrefixCaching::On);
         assert_eq!(parse(&["--enable-prefix-caching", "off"])?, PrefixCaching::Off);
         assert!(parse(&["--enable-prefix-caching", "maybe"]).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn micro_batches_per_stage_is_one_unless_set_and_zero_is_refused() -> anyhow::Result<()> {
+        let parse = |extra: &[&str]| {
+            Args::try_parse_from([&["coordinator", "--model", "m"][..], extra].concat())
+                .map(|a| a.micro_batches_per_stage)
+        };
+        assert_eq!(parse(&[])?, 1);
+        assert_eq!(parse(&["--micro-batches-per-stage", "2"])?, 2);
+        assert_eq!(parse(&["--micro-batches-per-stage=16"])?, 16);
+        let zero = parse(&["--micro-batches-per-stage", "0"]).map_err(|e| e.to_string());
+        assert!(
+            zero.as_ref().is_err_and(|e| e.contains("--micro-batches-per-stage") && e.contains("1..=16")),
+            "{zero:?}"
+        );
+        assert!(parse(&["--micro-batches-per-stage", "17"]).is_err());
+        assert!(parse(&["--micro-batches-per-stage", "two"]).is_err());
         Ok(())
     }
 }

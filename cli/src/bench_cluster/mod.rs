@@ -45,6 +45,8 @@ pub struct ClusterBench {
     pub shared_prefix_tokens: usize,
     /// Local clusters run once per setting, with the coordinator's prefix caching on or off.
     pub prefix_caching: Vec<bool>,
+    /// Local clusters run once per value, with the coordinator keeping this many micro-batches in flight per stage.
+    pub micro_batches_per_stage: Vec<usize>,
     /// Tokens generated per request (EOS is ignored).
     pub max_tokens: usize,
     /// CPU threads in total, split evenly over a local cluster's stages.
@@ -113,7 +115,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
                 };
                 baselines.push(latency);
             }
-            for (&stages, &caching) in b.local.iter().flat_map(|s| b.prefix_caching.iter().map(move |c| (s, c))) {
+            for (stages, caching, micro_batches) in clusters(&b.local, &b.prefix_caching, &b.micro_batches_per_stage) {
                 let per_stage = (threads_total / stages).max(1);
                 let single = baselines.iter().find(|d| d.threads == per_stage).cloned().unwrap_or_default();
                 rt.block_on(async {
@@ -121,6 +123,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
                     let http = free_addr()?;
                     let config = CoordinatorConfig {
                         enable_prefix_caching: if caching { PrefixCaching::On } else { PrefixCaching::Off },
+                        micro_batches_per_stage: micro_batches,
                         ..CoordinatorConfig::new(&model, grpc, http)
                     };
                     let cluster = LocalCluster::start(config, stages, per_stage, kv_blocks, None).await?;
@@ -134,6 +137,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
                             let mut run = measure(&client, &b, stages, c).await?;
                             run.threads_per_stage = per_stage;
                             run.prefix_caching = Some(caching);
+                            run.micro_batches_per_stage = Some(micro_batches);
                             run.engine_tokens_per_s = Some(rate.tokens_per_s);
                             run.engine_decode_tokens_per_s = Some(rate.decode_tokens_per_s);
                             run.serving_vs_engine = Some(run.tokens_per_s / rate.tokens_per_s);
@@ -167,6 +171,18 @@ pub fn run(b: ClusterBench) -> Result<()> {
         runs,
     };
     write_outputs(&report, &b.out)
+}
+
+/// The local clusters to start, as (stages, prefix caching, micro-batches per stage): every combination, the
+/// settings of one stage count back to back so that their runs see the same machine.
+fn clusters(stages: &[usize], caching: &[bool], micro_batches: &[usize]) -> Vec<(usize, bool, usize)> {
+    let mut clusters = Vec::new();
+    for &s in stages {
+        for &c in caching {
+            clusters.extend(micro_batches.iter().map(|&m| (s, c, m)));
+        }
+    }
+    clusters
 }
 
 fn free_addr() -> Result<SocketAddr> {
@@ -393,6 +409,12 @@ mod tests {
         assert!((tenth_ms(&samples, Tenth::First) - 1.0).abs() < 1e-9);
         assert!((tenth_ms(&samples, Tenth::Last) - 5.0).abs() < 1e-9);
         assert_eq!(tenth_ms(&samples[1..], Tenth::First), 0.0);
+    }
+
+    #[test]
+    fn every_stage_count_runs_each_setting_back_to_back() {
+        assert_eq!(clusters(&[1, 2], &[true], &[1, 2]), [(1, true, 1), (1, true, 2), (2, true, 1), (2, true, 2)]);
+        assert_eq!(clusters(&[3], &[false, true], &[1]), [(3, false, 1), (3, true, 1)]);
     }
 
     #[test]

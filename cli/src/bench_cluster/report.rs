@@ -14,6 +14,9 @@ pub(super) struct Run {
     pub stages: usize,
     /// Whether the local cluster's coordinator cached prompt prefixes (`None`: a `--coordinator`, as it is set).
     pub prefix_caching: Option<bool>,
+    /// Micro-batches the local cluster's coordinator kept in flight per stage (`None`: a `--coordinator`, as it is
+    /// set).
+    pub micro_batches_per_stage: Option<usize>,
     pub threads_per_stage: usize,
     pub concurrency: usize,
     pub requests: usize,
@@ -86,10 +89,11 @@ pub(super) struct Report {
 pub(super) fn print_run(run: Option<&Run>) {
     if let Some(r) = run {
         eprintln!(
-            "stages {} prefix caching {} concurrency {:>3}: {:>7.1} tok/s, TTFT p50 {:.1} ms, ITL p50 {:.2} ms \
-             p99 {:.2} ms, first/last tenth {:.2}/{:.2} ms",
+            "stages {} prefix caching {} mb/stage {} concurrency {:>3}: {:>7.1} tok/s, TTFT p50 {:.1} ms, ITL p50 \
+             {:.2} ms p99 {:.2} ms, first/last tenth {:.2}/{:.2} ms",
             r.stages,
             on_off(r.prefix_caching),
+            as_set(r.micro_batches_per_stage),
             r.concurrency,
             r.tokens_per_s,
             r.ttft_ms_p50,
@@ -109,21 +113,27 @@ fn on_off(setting: Option<bool>) -> &'static str {
     }
 }
 
+/// A local cluster's setting, or "as set" for a `--coordinator`.
+fn as_set(setting: Option<usize>) -> String {
+    setting.map_or_else(|| "as set".to_owned(), |v| v.to_string())
+}
+
 /// The throughput table, the table of where a step's time went, and the plans.
 pub(super) fn table(report: &Report) -> String {
     let opt = |v: Option<f64>, digits: usize| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"));
     let mut t = String::new();
     let _ = writeln!(
         t,
-        "| stages | prefix caching | threads/stage | streams | tok/s | engine tok/s, same work | serving / engine | engine decode tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ITL first/last tenth ms |"
+        "| stages | prefix caching | mb/stage | threads/stage | streams | tok/s | engine tok/s, same work | serving / engine | engine decode tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ITL first/last tenth ms |"
     );
-    let _ = writeln!(t, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(t, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &report.runs {
         let _ = writeln!(
             t,
-            "| {} | {} | {} | {} | {:.1} | {} | {} | {} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2}/{:.2} |",
+            "| {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2}/{:.2} |",
             r.stages,
             on_off(r.prefix_caching),
+            as_set(r.micro_batches_per_stage),
             r.threads_per_stage,
             r.concurrency,
             r.tokens_per_s,
@@ -144,14 +154,15 @@ pub(super) fn table(report: &Report) -> String {
     );
     let _ = writeln!(
         t,
-        "| stages | streams | compute ms/step | queue µs/stage | hand-off µs/stage | wire µs/hop | overhead µs/hop | added µs/hop vs 1 process | added ms/token vs 1 process, first/last tenth |"
+        "| stages | mb/stage | streams | compute ms/step | queue µs/stage | hand-off µs/stage | wire µs/hop | overhead µs/hop | added µs/hop vs 1 process | added ms/token vs 1 process, first/last tenth |"
     );
-    let _ = writeln!(t, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(t, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &report.runs {
         let _ = writeln!(
             t,
-            "| {} | {} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {}/{} |",
+            "| {} | {} | {} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {}/{} |",
             r.stages,
+            as_set(r.micro_batches_per_stage),
             r.concurrency,
             r.compute_ms_per_step,
             r.queue_us_per_stage,
@@ -219,17 +230,20 @@ fn svg(report: &Report) -> String {
         h / 2.0
     );
     let colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"];
-    // One line per cluster: its stage count, and its prefix caching when runs compare both.
-    let mut clusters: Vec<(usize, Option<bool>)> = report.runs.iter().map(|r| (r.stages, r.prefix_caching)).collect();
+    // One line per cluster: its stage count, and its prefix caching and micro-batches per stage when runs compare
+    // several.
+    let cluster = |r: &Run| (r.stages, r.prefix_caching, r.micro_batches_per_stage);
+    let mut clusters: Vec<(usize, Option<bool>, Option<usize>)> = report.runs.iter().map(cluster).collect();
     clusters.sort_unstable();
     clusters.dedup();
     let both = clusters.iter().any(|c| c.1 == Some(false)) && clusters.iter().any(|c| c.1 == Some(true));
-    for (k, &(stages, caching)) in clusters.iter().enumerate() {
+    let several_mb = clusters.iter().any(|c| c.2 != clusters[0].2);
+    for (k, &(stages, caching, micro_batches)) in clusters.iter().enumerate() {
         let color = colors[k % colors.len()];
         let points: Vec<String> = report
             .runs
             .iter()
-            .filter(|r| (r.stages, r.prefix_caching) == (stages, caching))
+            .filter(|r| cluster(r) == (stages, caching, micro_batches))
             .map(|r| format!("{:.1},{:.1}", x(r.concurrency), y(r.tokens_per_s)))
             .collect();
         let _ = writeln!(
@@ -251,6 +265,9 @@ fn svg(report: &Report) -> String {
         let mut label = if stages == 1 { "1 stage".to_owned() } else { format!("{stages} stages") };
         if both {
             label.push_str(&format!(", cache {}", on_off(caching)));
+        }
+        if several_mb {
+            label.push_str(&format!(", {} mb/stage", as_set(micro_batches)));
         }
         let _ = writeln!(s, "<text x=\"{}\" y=\"{}\">{label}</text>", w - right + 40.0, ly + 4.0);
     }
@@ -285,10 +302,9 @@ pub(super) fn write_outputs(report: &Report, out: &Path) -> Result<()> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn the_plot_has_one_line_per_stage_count() {
-        let run = |stages, concurrency, tps| Run { stages, concurrency, tokens_per_s: tps, ..Run::default() };
-        let report = Report {
+    /// A report of 8 prompt + 8 generated tokens on 2 threads.
+    fn report(plans: Vec<String>, runs: Vec<Run>) -> Report {
+        Report {
             host: Host::default(),
             model: "m".into(),
             prompt_tokens: 8,
@@ -296,9 +312,16 @@ mod tests {
             max_tokens: 8,
             threads_total: 2,
             single_process: vec![],
-            plans: vec!["2 stage(s): a layers 0..19 (1.00 ms/layer), b layers 19..30 (1.00 ms/layer)".into()],
-            runs: vec![run(1, 1, 10.0), run(1, 4, 30.0), run(2, 1, 9.0), run(2, 4, 28.0)],
-        };
+            plans,
+            runs,
+        }
+    }
+
+    #[test]
+    fn the_plot_has_one_line_per_stage_count() {
+        let run = |stages, concurrency, tps| Run { stages, concurrency, tokens_per_s: tps, ..Run::default() };
+        let plan = "2 stage(s): a layers 0..19 (1.00 ms/layer), b layers 19..30 (1.00 ms/layer)";
+        let report = report(vec![plan.into()], vec![run(1, 1, 10.0), run(1, 4, 30.0), run(2, 1, 9.0), run(2, 4, 28.0)]);
         let s = svg(&report);
         assert_eq!(s.matches("<polyline").count(), 2);
         assert!(s.contains("2 stages") && s.starts_with("<svg") && s.trim_end().ends_with("</svg>"));
@@ -306,5 +329,29 @@ mod tests {
         // Two tables of 4 runs (header, rule, rows; a blank line and a caption between them), then the plan.
         assert_eq!(t.lines().count(), (2 + 4) + 3 + (2 + 4) + 2, "{t}");
         assert!(t.ends_with("Plan: 2 stage(s): a layers 0..19 (1.00 ms/layer), b layers 19..30 (1.00 ms/layer)\n"));
+        assert!(!s.contains("mb/stage"), "one setting: the legend does not name it");
+    }
+
+    #[test]
+    fn clusters_comparing_micro_batches_per_stage_get_a_line_and_a_column_each() {
+        let run = |micro_batches, concurrency, tps| Run {
+            stages: 2,
+            prefix_caching: Some(true),
+            micro_batches_per_stage: Some(micro_batches),
+            threads_per_stage: 1,
+            concurrency,
+            tokens_per_s: tps,
+            ..Run::default()
+        };
+        let report = report(vec![], vec![run(1, 1, 10.0), run(1, 4, 30.0), run(2, 1, 9.0), run(2, 4, 28.0)]);
+        let s = svg(&report);
+        assert_eq!(s.matches("<polyline").count(), 2);
+        assert!(s.contains(">2 stages, 1 mb/stage<") && s.contains(">2 stages, 2 mb/stage<"), "{s}");
+        let t = table(&report);
+        assert!(t.contains("| 2 | on | 1 | 1 | 4 | 30.0 |") && t.contains("| 2 | on | 2 | 1 | 4 | 28.0 |"), "{t}");
+        assert!(t.contains("| 2 | 2 | 4 | 0.00 |"), "the second table names the setting too: {t}");
+        let json = serde_json::to_value(&report.runs[2]).unwrap_or_default();
+        assert_eq!(json["micro_batches_per_stage"], 2);
+        assert_eq!(as_set(None), "as set");
     }
 }

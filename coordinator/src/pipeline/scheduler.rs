@@ -7,9 +7,10 @@
 //! The policy, all in this file:
 //! - **Admission** ([`Scheduler::promote`]): waiting sequences join the running set oldest first while their
 //!   first step fits, leaving a watermark of 1% of the blocks free while others run.
-//! - **Packing** ([`Scheduler::schedule`]): [`in_flight`] micro-batches are kept in flight; each takes an equal
-//!   share of the running set, oldest first, at most `max_batch_tokens` tokens (longer prompts go in chunks, only
-//!   the last one sampled).
+//! - **Packing** ([`Scheduler::schedule`]): [`in_flight`] micro-batches are kept in flight,
+//!   `micro_batches_per_stage` per stage (1 by default: the biggest batches); each takes an equal share of the
+//!   running set, oldest first, at most `max_batch_tokens` tokens (longer prompts go in chunks, only the last one
+//!   sampled).
 //! - **Preemption** ([`Scheduler::reserve`]): when a step needs a block and none is free, the youngest running
 //!   sequence not in flight is sent back to the queue (first) and recomputed under a new sequence id; the oldest
 //!   is never preempted.
@@ -53,13 +54,6 @@ const MAX_STAGE_REFUSALS: u32 = 16;
 /// A sequence that was running through this many stage failures fails instead of being recomputed again (a batch
 /// that itself crashes stages must not take the cluster down forever). A crash costs each sequence one.
 const MAX_STAGE_FAILURES: u32 = 8;
-/// Micro-batches in flight per stage when there are several stages. Stages + 1 keeps a pipeline busy only when
-/// every batch costs the same; a batch carrying a prompt chunk costs 10-100× a decode step, and with one spare batch
-/// the other stages drain and wait behind it. More, smaller batches absorb that, but since the CPU kernels unpack
-/// each weight block once for up to 8 tokens a batch of 2 costs nearly what a batch of 8 does: at 16 streams a
-/// 2-stage cluster measured 113 tok/s with 8 batches in flight, 140-153 with 4, 137 with 2 (2026-11-30).
-const MICRO_BATCHES_PER_STAGE: usize = 2;
-
 struct Seq {
     /// The sequence id on the wire; a new one on every recompute.
     seq_id: u64,
@@ -290,7 +284,7 @@ impl Scheduler {
     /// Packs the running sequences' next steps into micro-batches for the free slots of [`in_flight`].
     pub(super) fn schedule(&mut self, now: Instant) -> Vec<Effect> {
         let mut effects = Vec::new();
-        let in_flight = in_flight(self.stages);
+        let in_flight = in_flight(self.limits.micro_batches_per_stage, self.stages);
         let slots = in_flight.saturating_sub(self.batches.len());
         if slots == 0 {
             return effects;
@@ -649,8 +643,8 @@ fn is_stage_fault(code: ErrorCode) -> bool {
     )
 }
 
-/// Micro-batches kept in flight through `stages` stages: stages + 1 = 2 for one stage (one computing, one on the
-/// wire), else [`MICRO_BATCHES_PER_STAGE`] per stage.
-fn in_flight(stages: usize) -> usize {
-    if stages <= 1 { 2 } else { MICRO_BATCHES_PER_STAGE * stages }
+/// Micro-batches kept in flight through `stages` stages: `per_stage` each, at least one in all (the trade-off is
+/// told at [`SchedulerLimits::micro_batches_per_stage`]).
+fn in_flight(per_stage: usize, stages: usize) -> usize {
+    per_stage.saturating_mul(stages).max(1)
 }

@@ -5,15 +5,13 @@ use std::time::Instant;
 
 use strata_proto::{ServiceError, pb};
 
-use super::tests::{EPOCH, answer, only_batch, request, sent, tokens};
+use super::tests::{EPOCH, answer, limits, only_batch, request, sent, tokens};
 use super::*;
 use crate::pipeline::PrefixCaching;
 
 /// One stage of `blocks` blocks of 4 tokens, prefix caching on.
 fn caching(blocks: usize) -> Scheduler {
-    let limits =
-        SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens: 512, prefix_caching: PrefixCaching::On };
-    let mut s = Scheduler::new(limits, EPOCH, 0, 1);
+    let mut s = Scheduler::new(SchedulerLimits { prefix_caching: PrefixCaching::On, ..limits(512, 1) }, EPOCH, 0, 1);
     s.set_budget(KvBudget::new(4, blocks));
     s
 }
@@ -129,8 +127,7 @@ fn off_or_auto_with_a_stage_whose_results_depend_on_batching_it_sends_no_cache_o
         (PrefixCaching::Auto, vec![status(true), status(true)], true),
         (PrefixCaching::On, vec![status(false)], true),
     ] {
-        let limits = SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens: 512, prefix_caching: setting };
-        let mut s = Scheduler::new(limits, EPOCH, 0, 1);
+        let mut s = Scheduler::new(SchedulerLimits { prefix_caching: setting, ..limits(512, 1) }, EPOCH, 0, 1);
         s.set_budget(KvBudget::from_statuses(&statuses)?);
         run_alone(&mut s, &(1..=9).collect::<Vec<_>>())?;
         let b = run_alone(&mut s, &(1..=9).collect::<Vec<_>>())?;

@@ -20,9 +20,25 @@ pub(super) fn request(prompt: &[u32], max_tokens: usize) -> SeqRequest {
     }
 }
 
-/// A scheduler over `stages` stages whose tightest one holds `blocks` KV blocks of `block_size` tokens.
+/// Limits with room for 64 requests, prefix caching off.
+pub(super) fn limits(max_batch_tokens: usize, micro_batches_per_stage: usize) -> SchedulerLimits {
+    SchedulerLimits {
+        max_concurrent_requests: 64,
+        max_batch_tokens,
+        prefix_caching: PrefixCaching::Off,
+        micro_batches_per_stage,
+    }
+}
+
+/// A scheduler over `stages` stages whose tightest one holds `blocks` KV blocks of `block_size` tokens, with 2
+/// micro-batches in flight per stage: most tests here are about several batches in flight, even through one stage.
 pub(super) fn scheduler(stages: usize, blocks: usize, block_size: usize, max_batch_tokens: usize) -> Scheduler {
-    let limits = SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens, prefix_caching: PrefixCaching::Off };
+    scheduler_with(limits(max_batch_tokens, 2), stages, blocks, block_size)
+}
+
+/// A scheduler with `limits` over `stages` stages whose tightest one holds `blocks` KV blocks of `block_size`
+/// tokens.
+fn scheduler_with(limits: SchedulerLimits, stages: usize, blocks: usize, block_size: usize) -> Scheduler {
     let mut s = Scheduler::new(limits, EPOCH, 0, stages);
     s.set_budget(KvBudget::new(block_size, blocks));
     s
@@ -106,7 +122,7 @@ fn four_running_on_five_blocks(
 #[test]
 fn every_batch_takes_an_equal_share_of_the_running_set_oldest_first() -> Result<(), ServiceError> {
     let now = Instant::now();
-    assert_eq!((in_flight(1), in_flight(2), in_flight(3)), (2, 4, 6));
+    assert_eq!((in_flight(2, 1), in_flight(2, 2), in_flight(2, 3)), (2, 4, 6));
     // Two stages keep 4 batches in flight: 10 running sequences go 3, 3, 3 and 1.
     let mut s = scheduler(2, 100, 16, 512);
     for i in 0..10 {
@@ -130,12 +146,57 @@ fn every_batch_takes_an_equal_share_of_the_running_set_oldest_first() -> Result<
     assert_eq!(batches(&fx), vec![vec![(1, 2, 1, false), (2, 2, 1, false), (3, 2, 1, false)]]);
     assert_eq!(sent(&fx)[0].token_ids, vec![1001, 1002, 1003]);
 
-    // One stage keeps 2 in flight (one computing, one on the wire).
+    // One stage keeps 2 in flight too (one computing, one on the wire).
     let mut s = scheduler(1, 100, 16, 512);
     for i in 0..3 {
         s.admit(&request(&[i + 1], 4))?;
     }
     assert_eq!(seq_ids(&s.schedule(now)), vec![vec![1, 2], vec![3]]);
+    Ok(())
+}
+
+#[test]
+fn one_micro_batch_per_stage_by_default_sends_the_whole_running_set_through_one_stage_at_once()
+-> Result<(), ServiceError> {
+    let now = Instant::now();
+    assert_eq!(SchedulerLimits::default().micro_batches_per_stage, 1);
+    assert_eq!((in_flight(1, 1), in_flight(1, 2), in_flight(1, 3)), (1, 2, 3));
+    assert_eq!((in_flight(1, 0), in_flight(0, 3)), (1, 1), "never less than one");
+    // One stage: 4 running sequences go out as one batch of 4, and the next step waits for it.
+    let mut s = scheduler_with(limits(512, 1), 1, 100, 16);
+    for i in 0..4 {
+        s.admit(&request(&[i + 1], 4))?;
+    }
+    let fx = s.schedule(now);
+    assert_eq!(seq_ids(&fx), vec![vec![1, 2, 3, 4]]);
+    assert_eq!(s.batches_in_flight(), 1);
+    assert!(s.schedule(now).is_empty(), "no free slot");
+    s.apply_response(answer(&sent(&fx)[0]), now);
+    assert_eq!(seq_ids(&s.schedule(now)), vec![vec![1, 2, 3, 4]], "all four decode steps together");
+
+    // Three stages: 3 batches of an equal share each.
+    let mut s = scheduler_with(limits(512, 1), 3, 100, 16);
+    for i in 0..7 {
+        s.admit(&request(&[i + 1], 4))?;
+    }
+    assert_eq!(seq_ids(&s.schedule(now)), vec![vec![1, 2, 3], vec![4, 5, 6], vec![7]]);
+    assert_eq!(s.batches_in_flight(), 3);
+    Ok(())
+}
+
+#[test]
+fn two_micro_batches_per_stage_keep_twice_the_stage_count_in_flight() -> Result<(), ServiceError> {
+    let now = Instant::now();
+    for stages in 1..=3 {
+        let mut s = scheduler_with(limits(512, 2), stages, 100, 16);
+        for i in 0..12 {
+            s.admit(&request(&[i + 1], 4))?;
+        }
+        let fx = s.schedule(now);
+        let sizes: Vec<usize> = seq_ids(&fx).iter().map(Vec::len).collect();
+        assert_eq!(sizes, vec![12 / (2 * stages); 2 * stages], "{stages} stage(s)");
+        assert_eq!(s.batches_in_flight(), 2 * stages);
+    }
     Ok(())
 }
 
@@ -401,9 +462,7 @@ fn blocks_of_an_ended_sequence_stay_held_until_its_release_returns() -> Result<(
 
 #[test]
 fn admission_refuses_what_can_never_fit_and_more_than_the_queue_holds() -> Result<(), ServiceError> {
-    let limits =
-        SchedulerLimits { max_concurrent_requests: 2, max_batch_tokens: 512, prefix_caching: PrefixCaching::Off };
-    let mut s = Scheduler::new(limits, EPOCH, 0, 1);
+    let mut s = Scheduler::new(SchedulerLimits { max_concurrent_requests: 2, ..limits(512, 1) }, EPOCH, 0, 1);
     let code = |r: Result<RequestId, ServiceError>| r.map(|_| ()).map_err(|e| e.code);
     assert_eq!(code(s.admit(&request(&[1], 1))), Err(ErrorCode::Unavailable), "no budget yet");
     s.set_budget(KvBudget::new(4, 4));
@@ -533,9 +592,7 @@ fn a_sequence_running_through_too_many_stage_failures_fails_instead_of_looping()
 #[test]
 fn sequence_ids_carry_the_leadership_term_so_coordinators_never_share_one() -> Result<(), ServiceError> {
     let now = Instant::now();
-    let limits =
-        SchedulerLimits { max_concurrent_requests: 64, max_batch_tokens: 512, prefix_caching: PrefixCaching::Off };
-    let mut s = Scheduler::new(limits, EPOCH, 9, 1);
+    let mut s = Scheduler::new(limits(512, 1), EPOCH, 9, 1);
     s.set_budget(KvBudget::new(4, 100));
     s.admit(&request(&[1], 4))?;
     assert_eq!(seq_ids(&s.schedule(now)), vec![vec![(9 << 32) | 1]]);
