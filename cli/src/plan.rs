@@ -18,10 +18,11 @@ pub struct PlanArgs {
     /// Model: a Hugging Face directory or a .gguf file (only its metadata is read).
     #[arg(long, env = "STRATA_MODEL")]
     model: PathBuf,
-    /// The nodes, in pipeline order: each MEMORY[@SECONDS_PER_LAYER[/OFFLOADED_SECONDS_PER_LAYER]],
-    /// comma-separated, e.g. `4Gi,4Gi,2Gi` or `4Gi@0.002,2Gi@0.004/0.02` (memory as a stage worker's
-    /// --memory-limit; speeds as its record's layer_seconds and offload_layer_seconds: equal when left out, and
-    /// a node without an offloaded speed does not offload).
+    /// The nodes, in pipeline order: each MEMORY[@SECONDS_PER_LAYER[/OFFLOADED_SECONDS_PER_LAYER[/HEAD_SECONDS]]],
+    /// comma-separated, e.g. `4Gi,4Gi,2Gi` or `4Gi@0.002,2Gi@0.004/0.02/0.01` (memory as a stage worker's
+    /// --memory-limit; speeds as its record's layer_seconds, offload_layer_seconds and head_seconds: equal when
+    /// left out, a node without an offloaded speed does not offload, and without a head time the last stage
+    /// gets its proportional share).
     #[arg(long)]
     nodes: String,
     /// The coordinator's --max-model-len (default: the model's context).
@@ -147,7 +148,7 @@ fn what_if(a: &PlanArgs) -> Result<PlanReport> {
     Ok(report)
 }
 
-/// `MEMORY[@SECONDS[/OFFLOADED_SECONDS]],...` as node capacities named `n0`, `n1`, … (placement orders nodes by id, so the names keep
+/// `MEMORY[@SECONDS[/OFFLOADED_SECONDS[/HEAD_SECONDS]]],...` as node capacities named `n0`, `n1`, … (placement orders nodes by id, so the names keep
 /// the order given; ten or more nodes are zero-padded to keep it).
 fn parse_nodes(spec: &str) -> Result<Vec<NodeCapacity>> {
     let items: Vec<&str> = spec.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
@@ -160,12 +161,16 @@ fn parse_nodes(spec: &str) -> Result<Vec<NodeCapacity>> {
         .enumerate()
         .map(|(i, item)| {
             let seconds = |s: &str| s.trim().parse::<f64>().with_context(|| format!("node {item:?}: seconds"));
-            let (mem, secs, offload) = match item.split_once('@') {
-                Some((m, speeds)) => match speeds.split_once('/') {
-                    Some((s, o)) => (m, seconds(s)?, seconds(o)?),
-                    None => (m, seconds(speeds)?, 0.0),
-                },
-                None => (*item, 1e-3, 0.0),
+            let (mem, secs, offload, head) = match item.split_once('@') {
+                Some((m, speeds)) => {
+                    let parts: Vec<&str> = speeds.split('/').collect();
+                    let at = |i: usize| parts.get(i).map_or(Ok(0.0), |s| seconds(s));
+                    if parts.len() > 3 {
+                        bail!("node {item:?}: at most SECONDS/OFFLOADED_SECONDS/HEAD_SECONDS after '@'");
+                    }
+                    (m, seconds(parts[0])?, at(1)?, at(2)?)
+                }
+                None => (*item, 1e-3, 0.0, 0.0),
             };
             let memory_bytes = parse_bytes(mem).with_context(|| format!("node {item:?}"))?;
             Ok(NodeCapacity {
@@ -174,6 +179,7 @@ fn parse_nodes(spec: &str) -> Result<Vec<NodeCapacity>> {
                 memory_bytes,
                 seconds_per_layer: secs,
                 offload_seconds_per_layer: offload,
+                head_seconds: head,
                 state: NodeState::Ready,
             })
         })
@@ -225,6 +231,10 @@ mod tests {
         let offloading = parse_nodes("1Gi@0.5/2.5")?;
         assert_eq!((offloading[0].seconds_per_layer, offloading[0].offload_seconds_per_layer), (0.5, 2.5));
         assert!(parse_nodes("1Gi@0.5/").is_err());
+        let head = parse_nodes("1Gi@0.5/0/0.25")?;
+        assert_eq!((head[0].offload_seconds_per_layer, head[0].head_seconds), (0.0, 0.25));
+        assert_eq!(offloading[0].head_seconds, 0.0);
+        assert!(parse_nodes("1Gi@1/2/3/4").is_err());
         let many = parse_nodes(&["1Gi"; 11].join(","))?;
         assert_eq!((many[2].node_id.to_string(), many[10].node_id.to_string()), ("n02".into(), "n10".into()));
         assert!(parse_nodes("").is_err() && parse_nodes("4Qi").is_err() && parse_nodes("4Gi@fast").is_err());

@@ -55,6 +55,7 @@ impl ClusterSnapshot {
                     memory_bytes: n.memory_bytes,
                     layer_seconds: n.layer_seconds,
                     offload_layer_seconds: n.offload_layer_seconds,
+                    head_seconds: n.head_seconds,
                     layer_start: stage.map_or(0, |s| s.layer_start),
                     layer_end: stage.map_or(0, |s| s.layer_end),
                     plan_epoch_loaded: n.plan_epoch_loaded.0,
@@ -450,6 +451,7 @@ impl<R: Registry> Coordinator<R> {
                 memory_bytes: n.memory_bytes,
                 seconds_per_layer: n.layer_seconds,
                 offload_seconds_per_layer: n.offload_layer_seconds,
+                head_seconds: n.head_seconds,
                 // A suspect is placed like a cordoned node: not at all.
                 state: if term.suspects.contains_key(&n.node_id) { NodeState::Cordoned } else { n.state },
             })

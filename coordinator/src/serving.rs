@@ -149,6 +149,7 @@ mod tests {
             memory_bytes: 1 << 30,
             layer_seconds: 0.001,
             offload_layer_seconds: 0.0,
+            head_seconds: 0.0,
             state,
             plan_epoch_loaded: PlanEpoch(loaded),
             load_failed_epoch: PlanEpoch(0),

@@ -83,6 +83,10 @@ pub struct NodeRecord {
     /// memory on a GPU); 0 when unknown or the node cannot offload.
     #[serde(default)]
     pub offload_layer_seconds: f64,
+    /// Measured seconds the last stage spends besides its layers on a batch (final norm, head and logits);
+    /// placement gives the last stage fewer layers for it. 0 when unknown (records of older workers).
+    #[serde(default)]
+    pub head_seconds: f64,
     /// Membership state.
     pub state: NodeState,
     /// Epoch of the plan the worker has loaded (0: none).
@@ -187,6 +191,7 @@ mod tests {
             memory_bytes: 80 << 30,
             layer_seconds: 0.002,
             offload_layer_seconds: 0.01,
+            head_seconds: 0.004,
             state: NodeState::Ready,
             plan_epoch_loaded: PlanEpoch(3),
             load_failed_epoch: PlanEpoch(4),
@@ -204,6 +209,8 @@ mod tests {
         assert_eq!(serde_json::from_str::<NodeRecord>(&old)?.load_failed_epoch, PlanEpoch(0));
         let old = text.replace(r#","offload_layer_seconds":0.01"#, "");
         assert_eq!(serde_json::from_str::<NodeRecord>(&old)?.offload_layer_seconds, 0.0);
+        let old = text.replace(r#","head_seconds":0.004"#, "");
+        assert_eq!(serde_json::from_str::<NodeRecord>(&old)?.head_seconds, 0.0);
 
         let plan = Plan {
             epoch: PlanEpoch(2),

@@ -240,6 +240,7 @@ mod tests {
             memory_bytes: 1,
             layer_seconds: 1.0,
             offload_layer_seconds: 0.0,
+            head_seconds: 0.0,
             state,
             plan_epoch_loaded: PlanEpoch(0),
             load_failed_epoch: PlanEpoch(0),

@@ -40,6 +40,7 @@ fn node(id: &str, state: NodeState) -> NodeRecord {
         memory_bytes: 1 << 30,
         layer_seconds: 0.01,
         offload_layer_seconds: 0.0,
+        head_seconds: 0.0,
         state,
         plan_epoch_loaded: PlanEpoch(0),
         load_failed_epoch: PlanEpoch(0),

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use strata_engine::backend::Backend;
 use strata_engine::loader::ModelFiles;
-use strata_engine::model::{LogitRows, SeqChunk, StageInput, StageModel};
+use strata_engine::model::{LoadOptions, LogitRows, SeqChunk, StageInput, StageModel};
 use strata_engine::{Device, KvDtype, LayerRange, OnBackend, on_device};
 use strata_membership::{Backoff, NodeRecord, NodeRegistration, NodeState, Plan, Registry};
 use strata_proto::{NodeId, PlanEpoch, Tls};
@@ -133,10 +133,13 @@ pub struct LayerSpeed {
     /// A layer whose weights are brought in for each batch (paged in from the model file on a CPU, streamed from
     /// host memory on a GPU).
     pub offloaded: f64,
+    /// What the last stage adds besides its layers (final norm, head, logits of every token of the batch).
+    pub head: f64,
 }
 
 /// Measures [`LayerSpeed`]: layer 0 is loaded alone and run on a few tokens (after one warm-up run), once kept
-/// resident and once offloaded. Blocking; call it off the async runtime.
+/// resident and once offloaded; then the last layer with the head, whose time beyond a layer's is the head's.
+/// Blocking; call it off the async runtime.
 pub fn measure_layer_seconds(config: &WorkerConfig) -> Result<LayerSpeed> {
     let files = ModelFiles::open(&config.model)?;
     on_device(&config.into(), MeasureLayer { config, files: &files })
@@ -157,13 +160,34 @@ impl OnBackend for MeasureLayer<'_> {
         let vocab = self.files.config().vocab_size;
         opts.resident_layers = None;
         let resident = time_layer(&StageModel::load(self.files, 0..1, backend.clone(), &opts)?, vocab, kv_dtype)?;
+        // The head on every token, as for a decode micro-batch of TOKENS sequences. On a small model it costs as
+        // much as several layers (SmolLM2: a 49152 × 576 head beside 30 layers of ~3.5M weights), and a last
+        // stage given an equal share of layers on top of it paced the whole pipeline.
+        // Measured without the memory limit (the stage's own budget is planned at load; this is one layer for a
+        // moment) and best effort: a node that cannot is placed as if its head were free.
+        let n = self.files.config().num_layers;
+        let head = load_options(self.config, self.files.config(), n - 1..n, &*backend)
+            .and_then(|last| {
+                let last = LoadOptions { offload: None, resident_layers: None, ..last };
+                Ok(StageModel::load(self.files, n - 1..n, backend.clone(), &last)?)
+            })
+            .and_then(|with_head| time_rows(&with_head, vocab, kv_dtype, LogitRows::All))
+            .map(|t| (t - resident).max(0.0))
+            .unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "cannot measure the head's time; placing as if it were free");
+                0.0
+            });
         opts.resident_layers = Some(0);
         let offloaded = time_layer(&StageModel::load(self.files, 0..1, backend, &opts)?, vocab, kv_dtype)?;
-        Ok(LayerSpeed { resident, offloaded })
+        Ok(LayerSpeed { resident, offloaded, head })
     }
 }
 
 fn time_layer<B: Backend>(model: &StageModel<B>, vocab: usize, kv_dtype: KvDtype) -> Result<f64> {
+    time_rows(model, vocab, kv_dtype, LogitRows::Last)
+}
+
+fn time_rows<B: Backend>(model: &StageModel<B>, vocab: usize, kv_dtype: KvDtype, logits: LogitRows) -> Result<f64> {
     const TOKENS: usize = 8;
     // The fastest of several runs: a run is ~1 ms, so one preemption or a neighbour's burst can triple a mean
     // (identical local workers measured 1.1, 2.6 and 3.2 ms/layer with the mean of 3), while the minimum is
@@ -171,11 +195,19 @@ fn time_layer<B: Backend>(model: &StageModel<B>, vocab: usize, kv_dtype: KvDtype
     const RUNS: usize = 12;
     let mut kv = model.new_kv_cache(RUNS + 1, TOKENS, kv_dtype)?;
     let ids: Vec<u32> = (0..TOKENS as u32).map(|i| i % vocab as u32).collect();
+    // A later stage takes hidden states; their values do not change a kernel's time.
+    let width = model.config().hidden_size;
+    let hidden: Vec<f32> = (0..TOKENS * width).map(|i| (i % 7) as f32 * 0.01).collect();
     let mut fastest = Duration::MAX;
     for seq in 0..=RUNS as u64 {
         let chunk = SeqChunk { seq_id: seq, start_pos: 0, len: TOKENS };
         let started = Instant::now();
-        model.forward(&mut kv, &[chunk], StageInput::Tokens(&ids), LogitRows::Last)?;
+        let input = if model.is_first() {
+            StageInput::Tokens(&ids)
+        } else {
+            StageInput::Hidden(model.backend().act_from_host(&hidden, TOKENS, width)?)
+        };
+        model.forward(&mut kv, &[chunk], input, logits)?;
         if seq > 0 {
             fastest = fastest.min(started.elapsed());
         }
@@ -247,6 +279,7 @@ async fn membership<R: Registry>(
         memory_bytes: memory_bytes(config),
         layer_seconds: 0.0,
         offload_layer_seconds: 0.0,
+        head_seconds: 0.0,
         state: NodeState::Joining,
         plan_epoch_loaded: PlanEpoch(0),
         load_failed_epoch: PlanEpoch(0),
@@ -259,6 +292,7 @@ async fn membership<R: Registry>(
     let rec = update(&registration, shutdown, move |r| {
         r.layer_seconds = speed.resident;
         r.offload_layer_seconds = speed.offloaded;
+        r.head_seconds = speed.head;
         r.state = NodeState::Ready;
     })
     .await?;
@@ -266,6 +300,7 @@ async fn membership<R: Registry>(
         node = %node_id,
         layer_seconds = speed.resident,
         offload_layer_seconds = speed.offloaded,
+        head_seconds = speed.head,
         memory_bytes = rec.memory_bytes,
         "node ready"
     );

@@ -72,8 +72,10 @@ async fn greedy_tokens(url: &str) -> Result<Vec<Vec<u32>>> {
 fn what_if(model: &Path, s: &pb::ClusterStatusResponse) -> Result<Vec<(u64, u64)>> {
     let mut nodes: Vec<&pb::NodeInfo> = s.nodes.iter().filter(|n| n.state == pb::NodeState::Ready as i32).collect();
     nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
-    let spec: Vec<String> =
-        nodes.iter().map(|n| format!("{}@{}/{}", n.memory_bytes, n.layer_seconds, n.offload_layer_seconds)).collect();
+    let spec: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("{}@{}/{}/{}", n.memory_bytes, n.layer_seconds, n.offload_layer_seconds, n.head_seconds))
+        .collect();
     let out = Command::new(workspace_bin("strata")?)
         .args(["plan", "--format", "json", "--max-model-len", "512", "--max-batch-tokens", "64", "--nodes"])
         .arg(spec.join(","))

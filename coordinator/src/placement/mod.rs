@@ -16,7 +16,7 @@ use strata_membership::NodeState;
 
 mod shares;
 
-use shares::{Room, apportion, most_layers, offload_shares};
+use shares::{Room, apportion, most_layers, offload_shares, resident_shares};
 
 pub use crate::sizing::{ModelShape, SizeOptions, context_limits};
 
@@ -34,6 +34,9 @@ pub struct NodeCapacity {
     /// Measured seconds to run one offloaded layer (paged in from its file on a CPU, streamed from host memory
     /// on a GPU); 0 when the node cannot offload. Only used when the model does not fit resident.
     pub offload_seconds_per_layer: f64,
+    /// Measured seconds the node spends on the head (final norm, logits) when it is the last stage; 0 when
+    /// unknown. The last stage gets correspondingly fewer layers.
+    pub head_seconds: f64,
     /// Membership state; only READY nodes are placed.
     pub state: NodeState,
 }
@@ -179,11 +182,14 @@ fn place(model: &ModelShape, mut usable: Vec<&NodeCapacity>) -> Result<Vec<Stage
                 kv_bytes: model.layer_cost().saturating_sub(model.layer_bytes),
                 seconds: c.seconds_per_layer,
                 offload_seconds: c.offload_seconds_per_layer,
+                fixed_seconds: if i == k - 1 { c.head_seconds.max(0.0) } else { 0.0 },
             })
             .collect();
         let caps: Vec<usize> = rooms.iter().map(|r| r.resident_cap().min(n)).collect();
         let resident: usize = caps.iter().sum();
-        let counts = if resident >= n {
+        let counts = if resident >= n && rooms.iter().any(|r| r.fixed_seconds > 0.0) {
+            resident_shares(n, &rooms, &caps)
+        } else if resident >= n {
             let weights: Vec<f64> = usable.iter().map(|c| 1.0 / c.seconds_per_layer).collect();
             apportion(n, &weights, &caps)
         } else if let Some(counts) = offload_shares(n, &rooms) {
@@ -256,6 +262,7 @@ mod tests {
             memory_bytes: memory,
             seconds_per_layer: secs,
             offload_seconds_per_layer: 0.0,
+            head_seconds: 0.0,
             state: NodeState::Ready,
         }
     }
@@ -340,6 +347,29 @@ mod tests {
             assert!(used <= node.memory_bytes, "{s:?} needs {used} > {}", node.memory_bytes);
             assert!(offloaded == 0 || node.offload_seconds_per_layer > 0.0, "{s:?} offloads on a node that cannot");
         }
+    }
+
+    #[test]
+    fn the_last_stage_gives_up_layers_for_its_head() -> Result<(), PlacementError> {
+        // Two equal nodes, 30 layers of 1 ms and a head of 8 ms: 19 + 11 layers make both stages 19 ms, where
+        // 15 + 15 would leave the last at 23 ms.
+        let m = shape(30);
+        let head = |id, secs| NodeCapacity { head_seconds: secs, ..node(id, 1 << 40, 1e-3) };
+        let stages = plan(&m, &[head("a", 8e-3), head("b", 8e-3)])?;
+        let counts: Vec<usize> = stages.iter().map(|s| s.layer_end - s.layer_start).collect();
+        assert_eq!(counts, [19, 11]);
+        // Only the last node's head counts, and memory caps still hold: a node with room for 17 layers keeps 17.
+        let small =
+            NodeCapacity { memory_bytes: m.stage_fixed_bytes(true, false) + 17 * m.layer_cost(), ..head("a", 0.0) };
+        let nodes = [small, head("b", 8e-3)];
+        let capped = plan(&m, &nodes)?;
+        check_invariants(&m, &nodes, &capped);
+        let counts: Vec<usize> = capped.iter().map(|s| s.layer_end - s.layer_start).collect();
+        assert_eq!(counts, [17, 13]);
+        // Without head times the split is the proportional one.
+        let even = plan(&m, &[head("a", 0.0), head("b", 0.0)])?;
+        assert_eq!(even.iter().map(|s| s.layer_end - s.layer_start).collect::<Vec<_>>(), [15, 15]);
+        Ok(())
     }
 
     #[test]

@@ -18,6 +18,8 @@ pub(super) struct Room {
     pub seconds: f64,
     /// Seconds of an offloaded layer (0: the node cannot offload).
     pub offload_seconds: f64,
+    /// Seconds the stage takes besides its layers at this position (the head on the last stage).
+    pub fixed_seconds: f64,
 }
 
 impl Room {
@@ -50,7 +52,7 @@ impl Room {
         // An offloaded layer is never counted faster than a resident one, so the time never falls as layers
         // are added (which makes the greedy split below optimal).
         let offloaded = self.offload_seconds.max(self.seconds);
-        Some(resident as f64 * self.seconds + (layers - resident) as f64 * offloaded)
+        Some(self.fixed_seconds + resident as f64 * self.seconds + (layers - resident) as f64 * offloaded)
     }
 }
 
@@ -81,6 +83,24 @@ pub(super) fn offload_shares(n: usize, rooms: &[Room]) -> Option<Vec<usize>> {
         counts[best] += 1;
     }
     Some(counts)
+}
+
+/// Splits `n` layers over `rooms`, all resident within `caps` (which hold `n` between them), so that the slowest
+/// stage, counting its fixed time, is as fast as it can be: the greedy split of [`offload_shares`] without
+/// offloading.
+pub(super) fn resident_shares(n: usize, rooms: &[Room], caps: &[usize]) -> Vec<usize> {
+    let mut counts = vec![0usize; rooms.len()];
+    for _ in 0..n {
+        let next = |i: usize| rooms[i].fixed_seconds + (counts[i] + 1) as f64 * rooms[i].seconds;
+        let best = (0..rooms.len())
+            .filter(|&i| counts[i] < caps[i])
+            .min_by(|&a, &b| next(a).total_cmp(&next(b)).then(a.cmp(&b)));
+        match best {
+            Some(i) => counts[i] += 1,
+            None => break,
+        }
+    }
+    counts
 }
 
 /// The most layers each room can hold, offloading if it can (for the error when the model does not fit).
@@ -151,7 +171,7 @@ mod tests {
     use super::*;
 
     fn room(memory: u64, seconds: f64, offload_seconds: f64) -> Room {
-        Room { memory, fixed: 50, layer_bytes: 100, kv_bytes: 10, seconds, offload_seconds }
+        Room { memory, fixed: 50, layer_bytes: 100, kv_bytes: 10, seconds, offload_seconds, fixed_seconds: 0.0 }
     }
 
     #[test]
