@@ -1,4 +1,5 @@
-//! `strata bench`: prefill and decode throughput and peak memory of the CPU engine.
+//! `strata bench`: prefill and decode throughput and peak memory of the CPU engine (the cluster and kernel
+//! benchmarks are in `bench_cluster` and `bench_kernels`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -27,7 +28,7 @@ pub struct BenchArgs {
     #[command(flatten)]
     device: DeviceArgs,
     /// Benchmark serving through a running coordinator (gRPC URL) instead of the engine in this process.
-    #[arg(long, conflicts_with = "local")]
+    #[arg(long, conflicts_with_all = ["local", "kernels"])]
     coordinator: Option<String>,
     #[command(flatten)]
     tls: TlsArgs,
@@ -35,7 +36,7 @@ pub struct BenchArgs {
     api_key: crate::connect::ApiKeyArgs,
     /// Benchmark serving through local clusters of these stage counts (e.g. `1,2,3`), started in this process;
     /// --threads is then the total, split evenly over the stages.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', conflicts_with = "kernels")]
     local: Vec<usize>,
     /// Concurrent client streams for --coordinator/--local, one run per level.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
@@ -65,13 +66,15 @@ pub struct BenchArgs {
     /// Sequences decoded together in the batched measurement.
     #[arg(long, default_value_t = 8)]
     batch: usize,
-    /// Where to write the JSON report (default target/bench/engine.json, or target/bench/cluster.json with an
-    /// SVG plot beside it for --coordinator/--local).
+    /// Where to write the JSON report (default target/bench/engine.json, target/bench/cluster.json with an SVG
+    /// plot beside it for --coordinator/--local, target/bench/kernels.json for --kernels).
     #[arg(long)]
     out: Option<PathBuf>,
     /// A llama.cpp baseline JSON (from scripts/llama-cpp-baseline.sh) to print beside the results.
     #[arg(long)]
     compare: Option<PathBuf>,
+    #[command(flatten)]
+    kernels: crate::bench_kernels::KernelArgs,
 }
 
 #[derive(Serialize)]
@@ -118,6 +121,10 @@ fn parse_on_off(s: &str) -> Result<bool, String> {
 
 /// Runs `strata bench`.
 pub fn run(a: BenchArgs) -> Result<()> {
+    if a.kernels.kernels {
+        let out = a.out.unwrap_or_else(|| PathBuf::from("target/bench/kernels.json"));
+        return crate::bench_kernels::run(&a.kernels, &out);
+    }
     if a.coordinator.is_some() || !a.local.is_empty() {
         if a.device.quantize.is_some() {
             bail!("--quantize applies to the in-process benchmark; a cluster's workers take their own --quantize");
@@ -152,7 +159,7 @@ impl OnBackend for BenchArgs {
 }
 
 fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
-    let model = a.model.clone().context("--model is required (or --coordinator / --local)")?;
+    let model = a.model.clone().context("--model is required (or --coordinator / --local / --kernels)")?;
     let out = a.out.clone().unwrap_or_else(|| PathBuf::from("target/bench/engine.json"));
     let t0 = Instant::now();
     let loaded = load(&model, &a.device, backend.clone(), false)?;
@@ -287,6 +294,14 @@ mod tests {
         );
         assert!(parse(&["--micro-batches-per-stage", "1,0"]).is_err());
         assert!(parse(&["--micro-batches-per-stage", "17"]).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn kernels_need_no_model_and_exclude_the_cluster_benchmarks() -> Result<()> {
+        assert!(Cli::try_parse_from(["bench", "--kernels"])?.bench.kernels.kernels);
+        assert!(Cli::try_parse_from(["bench", "--kernels", "--local", "1"]).is_err());
+        assert!(Cli::try_parse_from(["bench", "--kernels", "--coordinator", "http://127.0.0.1:1"]).is_err());
         Ok(())
     }
 }

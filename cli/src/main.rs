@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_cluster;
+mod bench_kernels;
 mod chaos;
 mod client;
 mod cluster;
@@ -31,7 +32,8 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt in this process.
     Generate(generate::GenerateArgs),
-    /// Measure prefill and decode speed and peak memory, or serving through a cluster (--coordinator, --local).
+    /// Measure prefill and decode speed and peak memory, serving through a cluster (--coordinator, --local), or the
+    /// CPU kernels alone (--kernels).
     Bench(bench::BenchArgs),
     /// Convert a model: GGUF or Hugging Face directory into a Hugging Face directory (dequantized safetensors) or a
     /// GGUF file (a float type, or quantized with --quantize as llama.cpp does).

@@ -377,8 +377,8 @@ impl fmt::Display for QuantDtype {
 
 /// `n` blocks of `dtype` with random quantized bits and random but moderate scales (a few hundredths; K-quant
 /// super-scales a few thousandths, as their sub-scales multiply up to 63 or ±128): every bit pattern a kernel
-/// can meet, values of a plausible size.
-#[cfg(any(test, feature = "testing"))]
+/// can meet, values of a plausible size. Tests use them, and so does the kernel benchmark
+/// ([`crate::backend::cpu::kernel_bench`]).
 pub fn random_blocks(dtype: DType, n: usize, rng: &mut impl rand::Rng) -> Vec<u8> {
     let f = format(dtype).unwrap_or_else(|| panic!("{dtype} is not a block type"));
     let mut out: Vec<u8> = (0..n * f.block_bytes).map(|_| rng.random()).collect();

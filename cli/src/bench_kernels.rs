@@ -1,0 +1,166 @@
+//! `strata bench --kernels`: the CPU backend's quantized dot-product kernels timed one by one on this machine
+//! (`strata_engine::backend::cpu::kernel_bench`), printed as a table under the host line and written as JSON.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+use strata_engine::backend::cpu::kernel_bench::{self, KernelBench, KernelPath, Outcome};
+use strata_engine::quant;
+use strata_engine::tensor::DType;
+
+use crate::host::Host;
+
+/// The kernel benchmark's flags of `strata bench`.
+#[derive(clap::Args, Debug)]
+pub struct KernelArgs {
+    /// Time the CPU backend's quantized dot-product kernels instead: every block format on every path, one
+    /// thread, random weights, no model (default --out target/bench/kernels.json).
+    #[arg(long, env = "STRATA_BENCH_KERNELS")]
+    pub kernels: bool,
+    /// Block formats for --kernels (e.g. `q4_0,q4_k`; default: all).
+    #[arg(long, value_delimiter = ',', value_parser = parse_format, env = "STRATA_BENCH_KERNEL_FORMATS")]
+    kernel_formats: Vec<DType>,
+    /// The weight matrix of --kernels, ROWSxCOLS: rows a multiple of 8, columns of 256 for the K-quants.
+    #[arg(long, default_value = "576x1536", value_parser = parse_shape, env = "STRATA_BENCH_KERNEL_SHAPE")]
+    kernel_shape: (usize, usize),
+    /// Timings per format and path for --kernels (of ~2 ms each); the fastest is reported.
+    #[arg(long, default_value_t = 15, env = "STRATA_BENCH_KERNEL_SAMPLES")]
+    kernel_samples: usize,
+}
+
+fn parse_format(s: &str) -> Result<DType, String> {
+    DType::parse(s).filter(|d| d.is_quantized()).ok_or_else(|| {
+        let names: Vec<_> = quant::FORMATS.iter().map(|f| f.name).collect();
+        format!("{s:?}: expected a block format ({})", names.join(", "))
+    })
+}
+
+fn parse_shape(s: &str) -> Result<(usize, usize), String> {
+    s.split_once('x')
+        .and_then(|(r, c)| Some((r.trim().parse().ok()?, c.trim().parse().ok()?)))
+        .ok_or_else(|| format!("{s:?}: expected ROWSxCOLS, e.g. 576x1536"))
+}
+
+/// What `strata bench --kernels` writes.
+#[derive(Serialize)]
+struct Report<'a> {
+    host: Host,
+    #[serde(flatten)]
+    bench: &'a KernelBench,
+}
+
+/// Runs the kernel benchmark and writes its JSON to `out`.
+pub fn run(a: &KernelArgs, out: &Path) -> Result<()> {
+    let host = Host::detect();
+    println!("host: {}", host.describe());
+    let cfg = kernel_bench::Config {
+        formats: a.kernel_formats.clone(),
+        rows: a.kernel_shape.0,
+        cols: a.kernel_shape.1,
+        samples: a.kernel_samples,
+        ..kernel_bench::Config::default()
+    };
+    let bench = kernel_bench::run(&cfg)?;
+    print!("{}", table(&bench));
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let json = serde_json::to_string_pretty(&Report { host, bench: &bench })?;
+    std::fs::write(out, json).with_context(|| format!("writing {}", out.display()))?;
+    eprintln!("wrote {}", out.display());
+    Ok(())
+}
+
+/// The run as a markdown table, one row per format, then the reasons of the paths that did not run.
+fn table(b: &KernelBench) -> String {
+    let mut s = format!(
+        "CPU kernels ({}), {} x {} weights, one thread, best of {} timings; ns per (row, 32-element block[, token])\n\n",
+        b.isa, b.rows, b.cols, b.samples
+    );
+    s.push_str("| format | decode (dot_quant_rows) ns/block | widest rows kernel | 4-row | one-row | tile 8 tokens ns/block·token | scalar ns/block | GB/s decode |\n");
+    s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    let mut reasons: Vec<String> = Vec::new();
+    let mut formats: Vec<&str> = b.timings.iter().map(|t| t.format).collect();
+    formats.dedup();
+    for format in formats {
+        let of = |path: KernelPath| b.timings.iter().find(|t| t.format == format && t.path == path);
+        let mut cell = |path: KernelPath| match of(path).map(|t| (&t.outcome, t.rows_per_call)) {
+            Some((Outcome::Ran { ns_per_block, .. }, rows)) if path == KernelPath::Rows => {
+                format!("{ns_per_block:.2} ({rows} rows)")
+            }
+            Some((Outcome::Ran { ns_per_block, .. }, _)) => format!("{ns_per_block:.2}"),
+            Some((Outcome::NotRun { reason }, _)) => {
+                if !reasons.contains(reason) {
+                    reasons.push(reason.clone());
+                }
+                "not run".into()
+            }
+            None => "-".into(),
+        };
+        let cells = [
+            cell(KernelPath::Decode),
+            cell(KernelPath::Rows),
+            cell(KernelPath::Rows4),
+            cell(KernelPath::One),
+            cell(KernelPath::Tile),
+            cell(KernelPath::Scalar),
+        ];
+        let gb = match of(KernelPath::Decode).map(|t| &t.outcome) {
+            Some(Outcome::Ran { weight_gb_per_s, .. }) => format!("{weight_gb_per_s:.1}"),
+            _ => "-".into(),
+        };
+        let _ = writeln!(s, "| {format} | {} | {gb} |", cells.join(" | "));
+    }
+    for reason in reasons {
+        let _ = writeln!(s, "\nnot run: {reason}");
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+    use strata_engine::backend::cpu::kernel_bench::KernelTiming;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        kernels: KernelArgs,
+    }
+
+    #[test]
+    fn kernel_flags_parse_formats_and_a_shape() -> Result<()> {
+        let a = Cli::try_parse_from(["bench", "--kernels"])?.kernels;
+        assert!(a.kernels && a.kernel_formats.is_empty());
+        assert_eq!((a.kernel_shape, a.kernel_samples), ((576, 1536), 15));
+        let a =
+            Cli::try_parse_from(["bench", "--kernels", "--kernel-formats", "q4_0,Q6_K", "--kernel-shape", "8x256"])?;
+        assert_eq!(a.kernels.kernel_formats, [DType::Q4_0, DType::Q6_K]);
+        assert_eq!(a.kernels.kernel_shape, (8, 256));
+        for bad in [["--kernel-formats", "f16"], ["--kernel-formats", "iq2_xs"], ["--kernel-shape", "576"]] {
+            assert!(Cli::try_parse_from([&["bench", "--kernels"][..], &bad[..]].concat()).is_err(), "{bad:?}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn table_has_a_row_per_format_and_says_why_a_path_did_not_run() {
+        let timing = |format, path, outcome| KernelTiming { format, path, rows_per_call: 8, tokens: 1, outcome };
+        let ran = Outcome::Ran { ns_per_block: 1.234, weight_gb_per_s: 27.5 };
+        let not_run = Outcome::NotRun { reason: "this CPU lacks AVX2, FMA or F16C".into() };
+        let mut timings: Vec<_> = kernel_bench::PATHS.iter().map(|&p| timing("q8_0", p, ran.clone())).collect();
+        timings.extend(
+            kernel_bench::PATHS
+                .iter()
+                .map(|&p| timing("q4_k", p, if p == KernelPath::Tile { not_run.clone() } else { ran.clone() })),
+        );
+        let t = table(&KernelBench { isa: "avx2", rows: 8, cols: 256, samples: 1, timings });
+        assert!(t.contains("| q8_0 | 1.23 | 1.23 (8 rows) | 1.23 | 1.23 | 1.23 | 1.23 | 27.5 |"), "{t}");
+        assert!(t.contains("| q4_k | 1.23 | 1.23 (8 rows) | 1.23 | 1.23 | not run | 1.23 | 27.5 |"), "{t}");
+        assert!(t.ends_with("\nnot run: this CPU lacks AVX2, FMA or F16C\n"), "{t}");
+    }
+}

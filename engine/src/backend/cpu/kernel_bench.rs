@@ -1,0 +1,299 @@
+//! Single-threaded timings of the quantized dot-product kernels (`strata bench --kernels`): every block format on
+//! every path (one-token decode as the matmul runs it, its multi-row and one-row instances, the 8-token tile of
+//! batched decode and prefill, the scalar oracle) over one random matrix. docs/performance.md's kernel numbers.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use super::kernels::kernels;
+use super::qgemm::{GROUP, PackedActs};
+use super::simd::{self, Isa, Q8Block, quantize_row};
+use crate::quant::{self, BlockFormat, QK};
+use crate::tensor::DType;
+use crate::{Error, Result};
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Formats to time, in this order; empty: all of [`quant::FORMATS`].
+    pub formats: Vec<DType>,
+    /// Weight rows: a positive multiple of 8 (the widest multi-row kernel).
+    pub rows: usize,
+    /// Weight columns: whole blocks of every timed format (a multiple of 256 for the K-quants).
+    pub cols: usize,
+    /// Timings per format and path; the fastest is reported.
+    pub samples: usize,
+    /// About how long one timing lasts: its count of whole-matrix passes is sized to it.
+    pub sample_time: Duration,
+}
+
+impl Default for Config {
+    /// SmolLM2-135M's down projection (576 × 1536), best of 15 timings of ~2 ms.
+    fn default() -> Self {
+        Self { formats: Vec::new(), rows: 576, cols: 1536, samples: 15, sample_time: Duration::from_millis(2) }
+    }
+}
+
+/// A way through the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KernelPath {
+    /// `simd::dot_quant_rows` over the matrix, as one-token decode runs it (the widest multi-row instance, then
+    /// the 4-row and one-row ones for what is left).
+    Decode,
+    /// The widest multi-row instance alone: 8 rows, or 4 for the 32-element nibble formats.
+    Rows,
+    /// The 4-row instance alone.
+    Rows4,
+    /// The one-row kernel alone.
+    One,
+    /// `qgemm::rows_by_tokens` with 8 tokens: batched decode and prefill.
+    Tile,
+    /// The portable scalar reference the other kernels are tested against.
+    Scalar,
+}
+
+/// Every path, in the order a run reports them.
+pub const PATHS: [KernelPath; 6] =
+    [KernelPath::Decode, KernelPath::Rows, KernelPath::Rows4, KernelPath::One, KernelPath::Tile, KernelPath::Scalar];
+
+/// One format on one path.
+#[derive(Debug, Clone, Serialize)]
+pub struct KernelTiming {
+    /// The format's name (`q4_k`).
+    pub format: &'static str,
+    /// The path timed.
+    pub path: KernelPath,
+    /// Weight rows one kernel call takes (for `decode`, the widest instance it uses with AVX2).
+    pub rows_per_call: usize,
+    /// Tokens each weight row meets per pass: 8 for `tile`, else 1.
+    pub tokens: usize,
+    /// The time, or why there is none.
+    #[serde(flatten)]
+    pub outcome: Outcome,
+}
+
+/// A timing, or the reason a path cannot run on this CPU.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum Outcome {
+    /// The best timing.
+    Ran {
+        /// Nanoseconds per (weight row, 32-element sub-block, token).
+        ns_per_block: f64,
+        /// Weight bytes per second, in GB/s (each weight read once per pass, whatever the tokens).
+        weight_gb_per_s: f64,
+    },
+    /// Not timed.
+    NotRun {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// The result of [`run`].
+#[derive(Debug, Clone, Serialize)]
+pub struct KernelBench {
+    /// The instruction set the kernels dispatch to on this CPU: `avx2` or `scalar`.
+    pub isa: &'static str,
+    /// Weight rows.
+    pub rows: usize,
+    /// Weight columns.
+    pub cols: usize,
+    /// Timings per format and path (the best is kept).
+    pub samples: usize,
+    /// Every selected format on every path of [`PATHS`], format by format.
+    pub timings: Vec<KernelTiming>,
+}
+
+/// Times every selected format on every path, on the calling thread.
+///
+/// # Errors
+/// [`Error::Shape`] for a shape the kernels cannot take, a float type among the formats, or no samples.
+pub fn run(cfg: &Config) -> Result<KernelBench> {
+    let formats = selected(cfg)?;
+    let isa = Isa::detect();
+    let (rows, cols, blocks) = (cfg.rows, cfg.cols, cfg.cols / QK);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x6b62);
+    // GROUP tokens of activations; the first alone is the one-token paths'.
+    let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; QK] }; GROUP * blocks];
+    for dst in xq.chunks_exact_mut(blocks) {
+        quantize_row(&(0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>(), dst);
+    }
+    let (one, packed) = (&xq[..blocks], PackedActs::pack(&xq, GROUP, blocks));
+    let mut out = vec![0f32; GROUP * rows];
+    let mut timings = Vec::with_capacity(formats.len() * PATHS.len());
+    for f in formats {
+        let w = quant::random_blocks(f.dtype, rows * cols / f.block_elems, &mut rng);
+        let m = Operands { dtype: f.dtype, w: &w, row_bytes: w.len() / rows, rows, one, packed: &packed };
+        #[cfg(target_arch = "x86_64")]
+        let widest = kernels(f.dtype).rows;
+        #[cfg(not(target_arch = "x86_64"))]
+        let widest = 8;
+        for path in PATHS {
+            let tokens = if path == KernelPath::Tile { GROUP } else { 1 };
+            let outcome = match pass_seconds(cfg, isa, path, &m, &mut out) {
+                Ok(s) => Outcome::Ran {
+                    ns_per_block: s * 1e9 / (rows * blocks * tokens) as f64,
+                    weight_gb_per_s: w.len() as f64 / s / 1e9,
+                },
+                Err(reason) => Outcome::NotRun { reason },
+            };
+            let rows_per_call = match path {
+                KernelPath::Decode | KernelPath::Rows => widest,
+                KernelPath::Rows4 => 4,
+                _ => 1,
+            };
+            timings.push(KernelTiming { format: f.name, path, rows_per_call, tokens, outcome });
+        }
+    }
+    let isa = if isa == Isa::Avx2 { "avx2" } else { "scalar" };
+    Ok(KernelBench { isa, rows, cols, samples: cfg.samples, timings })
+}
+
+/// The formats `cfg` names, once its shape is checked against each.
+fn selected(cfg: &Config) -> Result<Vec<&'static BlockFormat>> {
+    let bad = |reason: String| Error::Shape { op: "kernel benchmark", reason };
+    if cfg.rows == 0 || !cfg.rows.is_multiple_of(8) {
+        return Err(bad(format!("{} rows: not a positive multiple of 8 (the widest kernel's rows)", cfg.rows)));
+    }
+    if cfg.samples == 0 {
+        return Err(bad("0 samples: at least one timing is needed".into()));
+    }
+    let formats = if cfg.formats.is_empty() {
+        quant::FORMATS.to_vec()
+    } else {
+        let format = |&d: &DType| quant::format(d).ok_or_else(|| bad(format!("{d} is not a block format")));
+        cfg.formats.iter().map(format).collect::<Result<Vec<_>>>()?
+    };
+    match formats.iter().find(|f| cfg.cols == 0 || !cfg.cols.is_multiple_of(f.block_elems)) {
+        Some(f) => Err(bad(format!("{} columns: not whole {} blocks of {}", cfg.cols, f.name, f.block_elems))),
+        None => Ok(formats),
+    }
+}
+
+/// One format's random weights and the activations every path multiplies them with.
+struct Operands<'a> {
+    dtype: DType,
+    w: &'a [u8],
+    row_bytes: usize,
+    rows: usize,
+    /// One token's blocks, and [`GROUP`] tokens' regrouped for the tile.
+    one: &'a [Q8Block],
+    packed: &'a PackedActs,
+}
+
+/// Seconds per whole-matrix pass of `path` (best of `cfg.samples` timings), or why it cannot run here. `out`
+/// holds [`GROUP`] × rows floats; `rows` is a multiple of every multi-row instance's width (see `selected`).
+fn pass_seconds(cfg: &Config, isa: Isa, path: KernelPath, m: &Operands<'_>, out: &mut [f32]) -> Result<f64, String> {
+    let (w, rb, blocks) = (m.w, m.row_bytes, m.one.len());
+    let k = kernels(m.dtype);
+    #[cfg(target_arch = "x86_64")]
+    let mut rows_of = |kernel: super::kernels::RowsKernel, n: usize| {
+        best_time(cfg, || {
+            for r in (0..m.rows).step_by(n) {
+                // SAFETY: called with AVX2/FMA/F16C detected; rows r..r + n lie in `w`, `m.one` has `blocks` blocks.
+                unsafe { kernel(&black_box(w)[r * rb..], rb, m.one, blocks, &mut out[r..r + n]) };
+            }
+            black_box(&mut *out);
+        })
+    };
+    Ok(match path {
+        KernelPath::Decode => best_time(cfg, || {
+            simd::dot_quant_rows(isa, m.dtype, black_box(w), rb, m.one, blocks, &mut out[..m.rows]);
+            black_box(&mut *out);
+        }),
+        KernelPath::Scalar => best_time(cfg, || {
+            for (r, o) in out[..m.rows].iter_mut().enumerate() {
+                *o = (k.scalar_dot)(&black_box(w)[r * rb..(r + 1) * rb], m.one);
+            }
+            black_box(&mut *out);
+        }),
+        #[cfg(target_arch = "x86_64")]
+        _ if isa != Isa::Avx2 => return Err("this CPU lacks AVX2, FMA or F16C".into()),
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Rows => rows_of(k.dot_rows, k.rows),
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Rows4 => rows_of(k.dot_rows4, 4),
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::One => best_time(cfg, || {
+            for (r, o) in out[..m.rows].iter_mut().enumerate() {
+                // SAFETY: AVX2/FMA/F16C detected; the row lies in `w`, `m.one` holds `blocks` blocks.
+                *o = unsafe { (k.dot_one)(&black_box(w)[r * rb..(r + 1) * rb], m.one, blocks) };
+            }
+            black_box(&mut *out);
+        }),
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Tile => best_time(cfg, || {
+            // SAFETY: `out` holds GROUP × rows floats: outputs t · rows + r for every token t and row r.
+            unsafe { super::qgemm::rows_by_tokens(m.dtype, black_box(w), rb, m.packed, out.as_mut_ptr(), m.rows) };
+            black_box(&mut *out);
+        }),
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => return Err("the SIMD kernels are x86-64 only".into()),
+    })
+}
+
+/// The fastest of `cfg.samples` timings of `pass`, in seconds per pass; each timing repeats `pass` as often as
+/// fits in about `cfg.sample_time`.
+fn best_time(cfg: &Config, mut pass: impl FnMut()) -> f64 {
+    pass(); // warms the caches
+    let t = Instant::now();
+    pass();
+    let reps = (cfg.sample_time.as_secs_f64() / t.elapsed().as_secs_f64().max(1e-9)).ceil().clamp(1.0, 1e6) as usize;
+    let mut best = f64::INFINITY;
+    for _ in 0..cfg.samples {
+        let t = Instant::now();
+        (0..reps).for_each(|_| pass());
+        best = best.min(t.elapsed().as_secs_f64() / reps as f64);
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn quick(rows: usize, cols: usize, formats: Vec<DType>) -> Config {
+        Config { formats, rows, cols, samples: 1, sample_time: Duration::from_micros(20) }
+    }
+
+    #[test]
+    fn every_format_and_path_is_timed_or_says_why_not() -> Result<()> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let (rows, cols) = (8 * rng.random_range(1..=3), quant::QK_K * rng.random_range(1..=2));
+        let bench = run(&quick(rows, cols, Vec::new()))?;
+        assert_eq!((bench.rows, bench.cols, bench.timings.len()), (rows, cols, quant::FORMATS.len() * PATHS.len()));
+        for (i, t) in bench.timings.iter().enumerate() {
+            // Format by format, every path once, in order.
+            assert_eq!((t.format, t.path), (quant::FORMATS[i / PATHS.len()].name, PATHS[i % PATHS.len()]));
+            match &t.outcome {
+                Outcome::Ran { ns_per_block: ns, weight_gb_per_s: gb } => {
+                    assert!(ns.is_finite() && *ns > 0.0 && gb.is_finite() && *gb > 0.0, "{t:?}");
+                }
+                // Only the SIMD-only paths may be missing, and only without AVX2.
+                Outcome::NotRun { reason } => {
+                    let simd_only = !matches!(t.path, KernelPath::Decode | KernelPath::Scalar);
+                    assert!(!reason.is_empty() && bench.isa != "avx2" && simd_only, "{t:?}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn shapes_the_kernels_cannot_take_are_refused() -> Result<()> {
+        assert!(run(&quick(12, 256, Vec::new())).is_err(), "rows not a multiple of 8");
+        assert!(run(&quick(8, 32, vec![DType::Q4_K])).is_err(), "a K-quant row of 32");
+        assert!(run(&quick(8, 32, vec![DType::F16])).is_err(), "a float type");
+        assert!(run(&Config { samples: 0, ..quick(8, 32, vec![DType::Q4_0]) }).is_err(), "no samples");
+        // 32 columns are whole blocks of the 32-element formats; the filter keeps its order.
+        let bench = run(&quick(8, 32, vec![DType::Q5_1, DType::Q4_0]))?;
+        let names: Vec<_> = bench.timings.iter().map(|t| t.format).collect();
+        assert_eq!(names, [["q5_1"; PATHS.len()], ["q4_0"; PATHS.len()]].concat());
+        Ok(())
+    }
+}
