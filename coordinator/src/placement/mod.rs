@@ -366,6 +366,10 @@ mod tests {
         check_invariants(&m, &nodes, &capped);
         let counts: Vec<usize> = capped.iter().map(|s| s.layer_end - s.layer_start).collect();
         assert_eq!(counts, [17, 13]);
+        // A head slower than all the other layers together still leaves the last node a layer.
+        let slow = plan(&m, &[head("a", 0.0), head("b", 0.0), head("c", 1.0)])?;
+        let counts: Vec<usize> = slow.iter().map(|s| s.layer_end - s.layer_start).collect();
+        assert_eq!(counts, [15, 14, 1]);
         // Without head times the split is the proportional one.
         let even = plan(&m, &[head("a", 0.0), head("b", 0.0)])?;
         assert_eq!(even.iter().map(|s| s.layer_end - s.layer_start).collect::<Vec<_>>(), [15, 15]);

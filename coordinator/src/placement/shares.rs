@@ -87,10 +87,11 @@ pub(super) fn offload_shares(n: usize, rooms: &[Room]) -> Option<Vec<usize>> {
 
 /// Splits `n` layers over `rooms`, all resident within `caps` (which hold `n` between them), so that the slowest
 /// stage, counting its fixed time, is as fast as it can be: the greedy split of [`offload_shares`] without
-/// offloading.
+/// offloading. Every node that can hold a layer gets at least one first (when there are enough layers): a head
+/// measured slow must not leave a node that joined without a stage.
 pub(super) fn resident_shares(n: usize, rooms: &[Room], caps: &[usize]) -> Vec<usize> {
-    let mut counts = vec![0usize; rooms.len()];
-    for _ in 0..n {
+    let mut counts: Vec<usize> = caps.iter().map(|&c| usize::from(c > 0 && n >= rooms.len())).collect();
+    for _ in counts.iter().sum::<usize>()..n {
         let next = |i: usize| rooms[i].fixed_seconds + (counts[i] + 1) as f64 * rooms[i].seconds;
         let best = (0..rooms.len())
             .filter(|&i| counts[i] < caps[i])
