@@ -191,10 +191,11 @@ fn place(model: &ModelShape, mut usable: Vec<&NodeCapacity>) -> Result<Vec<Stage
             resident_shares(n, &rooms, &caps)
         } else if resident >= n {
             let weights: Vec<f64> = usable.iter().map(|c| 1.0 / c.seconds_per_layer).collect();
-            apportion(n, &weights, &caps)
-        } else if let Some(counts) = offload_shares(n, &rooms) {
-            counts
+            Some(apportion(n, &weights, &caps))
         } else {
+            offload_shares(n, &rooms)
+        };
+        let Some(counts) = counts else {
             let fit: usize = rooms.iter().map(|r| most_layers(r, n)).sum();
             let missing = n.saturating_sub(fit).max(1) as u64;
             return Err(PlacementError::InsufficientMemory {

@@ -72,36 +72,28 @@ pub(super) fn layers_fitting(memory: u64, extras: u64, layer_cost: u64) -> usize
 /// then take the least time: every node's time only grows with its layers, so the `n` smallest increments
 /// chosen this way are the best bottleneck there is. Ties go to the earlier node.
 pub(super) fn offload_shares(n: usize, rooms: &[Room]) -> Option<Vec<usize>> {
-    let mut counts = vec![0usize; rooms.len()];
-    for _ in 0..n {
-        let (best, _) = rooms
-            .iter()
-            .zip(&counts)
-            .enumerate()
-            .filter_map(|(i, (room, &c))| Some((i, room.stage_seconds(c + 1)?)))
-            .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)))?;
-        counts[best] += 1;
-    }
-    Some(counts)
+    greedy(vec![0; rooms.len()], n, |i, c| rooms[i].stage_seconds(c))
 }
 
 /// Splits `n` layers over `rooms`, all resident within `caps` (which hold `n` between them), so that the slowest
 /// stage, counting its fixed time, is as fast as it can be: the greedy split of [`offload_shares`] without
 /// offloading. Every node that can hold a layer gets at least one first (when there are enough layers): a head
 /// measured slow must not leave a node that joined without a stage.
-pub(super) fn resident_shares(n: usize, rooms: &[Room], caps: &[usize]) -> Vec<usize> {
-    let mut counts: Vec<usize> = caps.iter().map(|&c| usize::from(c > 0 && n >= rooms.len())).collect();
+pub(super) fn resident_shares(n: usize, rooms: &[Room], caps: &[usize]) -> Option<Vec<usize>> {
+    let first: Vec<usize> = caps.iter().map(|&c| usize::from(c > 0 && n >= rooms.len())).collect();
+    greedy(first, n, |i, c| (c <= caps[i]).then(|| rooms[i].fixed_seconds + c as f64 * rooms[i].seconds))
+}
+
+/// Adds layers to `counts` one at a time until they hold `n`: each goes to the node whose time `time(node,
+/// layers)` would then be least, ties to the earlier node; `None` when no node can take another.
+fn greedy(mut counts: Vec<usize>, n: usize, time: impl Fn(usize, usize) -> Option<f64>) -> Option<Vec<usize>> {
     for _ in counts.iter().sum::<usize>()..n {
-        let next = |i: usize| rooms[i].fixed_seconds + (counts[i] + 1) as f64 * rooms[i].seconds;
-        let best = (0..rooms.len())
-            .filter(|&i| counts[i] < caps[i])
-            .min_by(|&a, &b| next(a).total_cmp(&next(b)).then(a.cmp(&b)));
-        match best {
-            Some(i) => counts[i] += 1,
-            None => break,
-        }
+        let (best, _) = (0..counts.len())
+            .filter_map(|i| Some((i, time(i, counts[i] + 1)?)))
+            .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)))?;
+        counts[best] += 1;
     }
-    counts
+    Some(counts)
 }
 
 /// The most layers each room can hold, offloading if it can (for the error when the model does not fit).
