@@ -15,8 +15,9 @@ use crate::host::Host;
 /// The kernel benchmark's flags of `strata bench`.
 #[derive(clap::Args, Debug)]
 pub struct KernelArgs {
-    /// Time the CPU backend's quantized dot-product kernels instead: every block format on every path, one
-    /// thread, random weights, no model (default --out target/bench/kernels.json).
+    /// Time the CPU backend's quantized dot-product kernels instead: every block format on every path at every
+    /// x86 level this CPU has (avx2, avx-vnni, avx512-vnni), one thread, random weights, no model (default --out
+    /// target/bench/kernels.json).
     #[arg(long, env = "STRATA_BENCH_KERNELS")]
     pub kernels: bool,
     /// Block formats for --kernels (e.g. `q4_0,q4_k`; default: all).
@@ -73,19 +74,25 @@ pub fn run(a: &KernelArgs, out: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The run as a markdown table, one row per format, then the reasons of the paths that did not run.
+/// The run as a markdown table, one row per format and instruction-set level this CPU has (the scalar oracle's
+/// time on each of the format's rows), then the reasons of the paths that did not run.
 fn table(b: &KernelBench) -> String {
     let mut s = format!(
-        "CPU kernels ({}), {} x {} weights, one thread, best of {} timings; ns per (row, 32-element block[, token])\n\n",
+        "CPU kernels (dispatch: {}), {} x {} weights, one thread, best of {} timings; ns per (row, 32-element block[, token])\n\n",
         b.isa, b.rows, b.cols, b.samples
     );
-    s.push_str("| format | decode (dot_quant_rows) ns/block | widest rows kernel | 4-row | one-row | tile 8 tokens ns/block·token | scalar ns/block | GB/s decode |\n");
-    s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    s.push_str("| format | isa | decode (dot_quant_rows) ns/block | widest rows kernel | 4-row | one-row | tile 8 tokens ns/block·token | scalar ns/block | GB/s decode |\n");
+    s.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
     let mut reasons: Vec<String> = Vec::new();
-    let mut formats: Vec<&str> = b.timings.iter().map(|t| t.format).collect();
-    formats.dedup();
-    for format in formats {
-        let of = |path: KernelPath| b.timings.iter().find(|t| t.format == format && t.path == path);
+    let mut rows: Vec<(&str, &str)> =
+        b.timings.iter().filter(|t| t.path != KernelPath::Scalar).map(|t| (t.format, t.isa)).collect();
+    rows.dedup();
+    for (format, isa) in rows {
+        let of = |path: KernelPath| {
+            b.timings
+                .iter()
+                .find(|t| t.format == format && t.path == path && (t.isa == isa || path == KernelPath::Scalar))
+        };
         let mut cell = |path: KernelPath| match of(path).map(|t| (&t.outcome, t.rows_per_call)) {
             Some((Outcome::Ran { ns_per_block, .. }, rows)) if path == KernelPath::Rows => {
                 format!("{ns_per_block:.2} ({rows} rows)")
@@ -111,7 +118,11 @@ fn table(b: &KernelBench) -> String {
             Some(Outcome::Ran { weight_gb_per_s, .. }) => format!("{weight_gb_per_s:.1}"),
             _ => "-".into(),
         };
-        let _ = writeln!(s, "| {format} | {} | {gb} |", cells.join(" | "));
+        // A level this CPU lacks has no row, only its reason below.
+        if cells[..cells.len() - 1].iter().all(|c| c == "not run") {
+            continue;
+        }
+        let _ = writeln!(s, "| {format} | {isa} | {} | {gb} |", cells.join(" | "));
     }
     for reason in reasons {
         let _ = writeln!(s, "\nnot run: {reason}");
@@ -148,19 +159,21 @@ mod tests {
     }
 
     #[test]
-    fn table_has_a_row_per_format_and_says_why_a_path_did_not_run() {
-        let timing = |format, path, outcome| KernelTiming { format, path, rows_per_call: 8, tokens: 1, outcome };
+    fn table_has_a_row_per_format_and_level_run_and_says_why_a_level_did_not_run() {
+        let timing =
+            |format, isa, path, outcome| KernelTiming { format, isa, path, rows_per_call: 8, tokens: 1, outcome };
         let ran = Outcome::Ran { ns_per_block: 1.234, weight_gb_per_s: 27.5 };
-        let not_run = Outcome::NotRun { reason: "this CPU lacks AVX2, FMA or F16C".into() };
-        let mut timings: Vec<_> = kernel_bench::PATHS.iter().map(|&p| timing("q8_0", p, ran.clone())).collect();
-        timings.extend(
-            kernel_bench::PATHS
-                .iter()
-                .map(|&p| timing("q4_k", p, if p == KernelPath::Tile { not_run.clone() } else { ran.clone() })),
-        );
+        let not_run = Outcome::NotRun { reason: "avx512-vnni: this CPU lacks AVX-512".into() };
+        let simd = &kernel_bench::PATHS[..kernel_bench::PATHS.len() - 1];
+        let mut timings = Vec::new();
+        for format in ["q8_0", "q4_k"] {
+            timings.extend(simd.iter().map(|&p| timing(format, "avx2", p, ran.clone())));
+            timings.extend(simd.iter().map(|&p| timing(format, "avx512-vnni", p, not_run.clone())));
+            timings.push(timing(format, "scalar", KernelPath::Scalar, ran.clone()));
+        }
         let t = table(&KernelBench { isa: "avx2", rows: 8, cols: 256, samples: 1, timings });
-        assert!(t.contains("| q8_0 | 1.23 | 1.23 (8 rows) | 1.23 | 1.23 | 1.23 | 1.23 | 27.5 |"), "{t}");
-        assert!(t.contains("| q4_k | 1.23 | 1.23 (8 rows) | 1.23 | 1.23 | not run | 1.23 | 27.5 |"), "{t}");
-        assert!(t.ends_with("\nnot run: this CPU lacks AVX2, FMA or F16C\n"), "{t}");
+        assert!(t.contains("| q8_0 | avx2 | 1.23 | 1.23 (8 rows) | 1.23 | 1.23 | 1.23 | 1.23 | 27.5 |"), "{t}");
+        assert!(!t.contains("| avx512-vnni |") && t.matches("| q4_k |").count() == 1, "{t}");
+        assert!(t.ends_with("\nnot run: avx512-vnni: this CPU lacks AVX-512\n"), "{t}");
     }
 }

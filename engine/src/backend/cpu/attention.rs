@@ -111,7 +111,7 @@ fn one_head(isa: Isa, qrow: &[f32], kv: &KvView<'_>, ctx: usize, scale: f32, sco
     scores.clear();
     scores.resize(ctx, 0.0);
     #[cfg(target_arch = "x86_64")]
-    let fast = isa == Isa::Avx2 && head_dim.is_multiple_of(8);
+    let fast = isa.avx2() && head_dim.is_multiple_of(8);
     #[cfg(not(target_arch = "x86_64"))]
     let fast = false;
     if fast {

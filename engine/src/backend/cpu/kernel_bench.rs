@@ -1,6 +1,7 @@
 //! Single-threaded timings of the quantized dot-product kernels (`strata bench --kernels`): every block format on
 //! every path (one-token decode as the matmul runs it, its multi-row and one-row instances, the 8-token tile of
-//! batched decode and prefill, the scalar oracle) over one random matrix. docs/performance.md's kernel numbers.
+//! batched decode and prefill) at every x86 instruction-set level this CPU has (the others reported as not run),
+//! and the scalar oracle, over one random matrix. docs/performance.md's kernel numbers.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -60,11 +61,13 @@ pub enum KernelPath {
 pub const PATHS: [KernelPath; 6] =
     [KernelPath::Decode, KernelPath::Rows, KernelPath::Rows4, KernelPath::One, KernelPath::Tile, KernelPath::Scalar];
 
-/// One format on one path.
+/// One format on one path at one instruction-set level.
 #[derive(Debug, Clone, Serialize)]
 pub struct KernelTiming {
     /// The format's name (`q4_k`).
     pub format: &'static str,
+    /// The instruction-set level ([`Isa::name`]): `scalar` for the scalar path, else an x86 level.
+    pub isa: &'static str,
     /// The path timed.
     pub path: KernelPath,
     /// Weight rows one kernel call takes (for `decode`, the widest instance it uses with AVX2).
@@ -97,7 +100,7 @@ pub enum Outcome {
 /// The result of [`run`].
 #[derive(Debug, Clone, Serialize)]
 pub struct KernelBench {
-    /// The instruction set the kernels dispatch to on this CPU: `avx2` or `scalar`.
+    /// The instruction set the kernels dispatch to on this CPU ([`Isa::name`]).
     pub isa: &'static str,
     /// Weight rows.
     pub rows: usize,
@@ -105,7 +108,8 @@ pub struct KernelBench {
     pub cols: usize,
     /// Timings per format and path (the best is kept).
     pub samples: usize,
-    /// Every selected format on every path of [`PATHS`], format by format.
+    /// Every selected format, format by format: the SIMD paths of [`PATHS`] at each level of [`Isa::X86`], level by
+    /// level, then the scalar path.
     pub timings: Vec<KernelTiming>,
 }
 
@@ -115,7 +119,6 @@ pub struct KernelBench {
 /// [`Error::Shape`] for a shape the kernels cannot take, a float type among the formats, or no samples.
 pub fn run(cfg: &Config) -> Result<KernelBench> {
     let formats = selected(cfg)?;
-    let isa = Isa::detect();
     let (rows, cols, blocks) = (cfg.rows, cfg.cols, cfg.cols / QK);
     let mut rng = rand::rngs::StdRng::seed_from_u64(0x6b62);
     // GROUP tokens of activations; the first alone is the one-token paths'.
@@ -125,15 +128,17 @@ pub fn run(cfg: &Config) -> Result<KernelBench> {
     }
     let (one, packed) = (&xq[..blocks], PackedActs::pack(&xq, GROUP, blocks));
     let mut out = vec![0f32; GROUP * rows];
-    let mut timings = Vec::with_capacity(formats.len() * PATHS.len());
+    let mut timings = Vec::new();
     for f in formats {
         let w = quant::random_blocks(f.dtype, rows * cols / f.block_elems, &mut rng);
         let m = Operands { dtype: f.dtype, w: &w, row_bytes: w.len() / rows, rows, one, packed: &packed };
         #[cfg(target_arch = "x86_64")]
-        let widest = kernels(f.dtype).rows;
+        let widest = kernels(f.dtype).x86[0].rows;
         #[cfg(not(target_arch = "x86_64"))]
         let widest = 8;
-        for path in PATHS {
+        let scalar = [(Isa::Scalar, KernelPath::Scalar)];
+        let simd = Isa::X86.into_iter().flat_map(|isa| PATHS[..PATHS.len() - 1].iter().map(move |&p| (isa, p)));
+        for (isa, path) in simd.chain(scalar) {
             let tokens = if path == KernelPath::Tile { GROUP } else { 1 };
             let outcome = match pass_seconds(cfg, isa, path, &m, &mut out) {
                 Ok(s) => Outcome::Ran {
@@ -147,11 +152,10 @@ pub fn run(cfg: &Config) -> Result<KernelBench> {
                 KernelPath::Rows4 => 4,
                 _ => 1,
             };
-            timings.push(KernelTiming { format: f.name, path, rows_per_call, tokens, outcome });
+            timings.push(KernelTiming { format: f.name, isa: isa.name(), path, rows_per_call, tokens, outcome });
         }
     }
-    let isa = if isa == Isa::Avx2 { "avx2" } else { "scalar" };
-    Ok(KernelBench { isa, rows, cols, samples: cfg.samples, timings })
+    Ok(KernelBench { isa: Isa::detect().name(), rows, cols, samples: cfg.samples, timings })
 }
 
 /// The formats `cfg` names, once its shape is checked against each.
@@ -186,16 +190,30 @@ struct Operands<'a> {
     packed: &'a PackedActs,
 }
 
-/// Seconds per whole-matrix pass of `path` (best of `cfg.samples` timings), or why it cannot run here. `out`
-/// holds [`GROUP`] × rows floats; `rows` is a multiple of every multi-row instance's width (see `selected`).
+/// Seconds per whole-matrix pass of `path` with `isa`'s kernels (best of `cfg.samples` timings), or why it cannot
+/// run here. `out` holds [`GROUP`] × rows floats; `rows` is a multiple of every multi-row instance's width (see
+/// `selected`).
 fn pass_seconds(cfg: &Config, isa: Isa, path: KernelPath, m: &Operands<'_>, out: &mut [f32]) -> Result<f64, String> {
     let (w, rb, blocks) = (m.w, m.row_bytes, m.one.len());
     let k = kernels(m.dtype);
+    if !isa.supported() {
+        return Err(format!("{}: this CPU lacks {}", isa.name(), isa.needs()));
+    }
+    if path == KernelPath::Scalar {
+        return Ok(best_time(cfg, || {
+            for (r, o) in out[..m.rows].iter_mut().enumerate() {
+                *o = (k.scalar_dot)(&black_box(w)[r * rb..(r + 1) * rb], m.one);
+            }
+            black_box(&mut *out);
+        }));
+    }
+    #[cfg(target_arch = "x86_64")]
+    let Some(x) = k.x86(isa) else { return Err(format!("{} has no {path:?} kernel", isa.name())) };
     #[cfg(target_arch = "x86_64")]
     let mut rows_of = |kernel: super::kernels::RowsKernel, n: usize| {
         best_time(cfg, || {
             for r in (0..m.rows).step_by(n) {
-                // SAFETY: called with AVX2/FMA/F16C detected; rows r..r + n lie in `w`, `m.one` has `blocks` blocks.
+                // SAFETY: `isa`'s features were detected; rows r..r + n lie in `w`, `m.one` has `blocks` blocks.
                 unsafe { kernel(&black_box(w)[r * rb..], rb, m.one, blocks, &mut out[r..r + n]) };
             }
             black_box(&mut *out);
@@ -206,32 +224,26 @@ fn pass_seconds(cfg: &Config, isa: Isa, path: KernelPath, m: &Operands<'_>, out:
             simd::dot_quant_rows(isa, m.dtype, black_box(w), rb, m.one, blocks, &mut out[..m.rows]);
             black_box(&mut *out);
         }),
-        KernelPath::Scalar => best_time(cfg, || {
-            for (r, o) in out[..m.rows].iter_mut().enumerate() {
-                *o = (k.scalar_dot)(&black_box(w)[r * rb..(r + 1) * rb], m.one);
-            }
-            black_box(&mut *out);
-        }),
         #[cfg(target_arch = "x86_64")]
-        _ if isa != Isa::Avx2 => return Err("this CPU lacks AVX2, FMA or F16C".into()),
+        KernelPath::Rows => rows_of(x.dot_rows, x.rows),
         #[cfg(target_arch = "x86_64")]
-        KernelPath::Rows => rows_of(k.dot_rows, k.rows),
-        #[cfg(target_arch = "x86_64")]
-        KernelPath::Rows4 => rows_of(k.dot_rows4, 4),
+        KernelPath::Rows4 => rows_of(x.dot_rows4, 4),
         #[cfg(target_arch = "x86_64")]
         KernelPath::One => best_time(cfg, || {
             for (r, o) in out[..m.rows].iter_mut().enumerate() {
-                // SAFETY: AVX2/FMA/F16C detected; the row lies in `w`, `m.one` holds `blocks` blocks.
-                *o = unsafe { (k.dot_one)(&black_box(w)[r * rb..(r + 1) * rb], m.one, blocks) };
+                // SAFETY: `isa`'s features were detected; the row lies in `w`, `m.one` holds `blocks` blocks.
+                *o = unsafe { (x.dot_one)(&black_box(w)[r * rb..(r + 1) * rb], m.one, blocks) };
             }
             black_box(&mut *out);
         }),
         #[cfg(target_arch = "x86_64")]
         KernelPath::Tile => best_time(cfg, || {
             // SAFETY: `out` holds GROUP × rows floats: outputs t · rows + r for every token t and row r.
-            unsafe { super::qgemm::rows_by_tokens(m.dtype, black_box(w), rb, m.packed, out.as_mut_ptr(), m.rows) };
+            unsafe { super::qgemm::rows_by_tokens(isa, m.dtype, black_box(w), rb, m.packed, out.as_mut_ptr(), m.rows) };
             black_box(&mut *out);
         }),
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Scalar => unreachable!("timed above"),
         #[cfg(not(target_arch = "x86_64"))]
         _ => return Err("the SIMD kernels are x86-64 only".into()),
     })
@@ -266,18 +278,26 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
         let (rows, cols) = (8 * rng.random_range(1..=3), quant::QK_K * rng.random_range(1..=2));
         let bench = run(&quick(rows, cols, Vec::new()))?;
-        assert_eq!((bench.rows, bench.cols, bench.timings.len()), (rows, cols, quant::FORMATS.len() * PATHS.len()));
+        // Per format: 5 SIMD paths at each of the 3 x86 levels, then the scalar one.
+        let per_format = 3 * (PATHS.len() - 1) + 1;
+        assert_eq!((bench.rows, bench.cols, bench.timings.len()), (rows, cols, quant::FORMATS.len() * per_format));
+        assert_eq!(bench.isa, Isa::detect().name());
         for (i, t) in bench.timings.iter().enumerate() {
-            // Format by format, every path once, in order.
-            assert_eq!((t.format, t.path), (quant::FORMATS[i / PATHS.len()].name, PATHS[i % PATHS.len()]));
+            // Format by format, level by level, every path once, in order.
+            let (f, j) = (i / per_format, i % per_format);
+            let (isa, path) = if j + 1 == per_format {
+                (Isa::Scalar, KernelPath::Scalar)
+            } else {
+                (Isa::X86[j / (PATHS.len() - 1)], PATHS[j % (PATHS.len() - 1)])
+            };
+            assert_eq!((t.format, t.isa, t.path), (quant::FORMATS[f].name, isa.name(), path));
             match &t.outcome {
                 Outcome::Ran { ns_per_block: ns, weight_gb_per_s: gb } => {
-                    assert!(ns.is_finite() && *ns > 0.0 && gb.is_finite() && *gb > 0.0, "{t:?}");
+                    assert!(isa.supported() && ns.is_finite() && *ns > 0.0 && gb.is_finite() && *gb > 0.0, "{t:?}");
                 }
-                // Only the SIMD-only paths may be missing, and only without AVX2.
+                // Exactly the levels this CPU lacks are missing, saying which.
                 Outcome::NotRun { reason } => {
-                    let simd_only = !matches!(t.path, KernelPath::Decode | KernelPath::Scalar);
-                    assert!(!reason.is_empty() && bench.isa != "avx2" && simd_only, "{t:?}");
+                    assert!(!isa.supported() && reason.contains(isa.needs()), "{t:?}");
                 }
             }
         }
@@ -293,7 +313,8 @@ mod tests {
         // 32 columns are whole blocks of the 32-element formats; the filter keeps its order.
         let bench = run(&quick(8, 32, vec![DType::Q5_1, DType::Q4_0]))?;
         let names: Vec<_> = bench.timings.iter().map(|t| t.format).collect();
-        assert_eq!(names, [["q5_1"; PATHS.len()], ["q4_0"; PATHS.len()]].concat());
+        let per_format = 3 * (PATHS.len() - 1) + 1;
+        assert_eq!(names, [vec!["q5_1"; per_format], vec!["q4_0"; per_format]].concat());
         Ok(())
     }
 }

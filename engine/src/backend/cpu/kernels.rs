@@ -1,12 +1,12 @@
 //! The CPU kernels of each block-quantized format ([`crate::quant`]), selected by format here and nowhere
 //! else: the scalar reference dot (one weight row against 8-bit activation blocks of 32, several per K-quant
-//! block) and, on x86-64, the AVX2 instances of the one-row, multi-row and token-tile kernels specialized to the
-//! format's block layout (`unpack` decodes a sub-block for them). A new format adds one [`QuantKernels`] here
+//! block) and, on x86-64, the instances of the one-row, multi-row and token-tile kernels specialized to the
+//! format's block layout (`unpack` decodes a sub-block for them) at each instruction-set level of [`Isa::X86`]. A new format adds one [`QuantKernels`] here
 //! and its `unpack` arm; `simd` and `qgemm` call through the table and need no edit.
 
 #[cfg(target_arch = "x86_64")]
 use super::qgemm::{self, Q8x8};
-use super::simd::Q8Block;
+use super::simd::{Isa, Q8Block};
 #[cfg(target_arch = "x86_64")]
 use super::{simd, unpack};
 use crate::quant::{
@@ -18,21 +18,32 @@ use crate::tensor::{DType, f16_at};
 pub(super) struct QuantKernels {
     /// Scalar reference: one weight row (whole blocks) against its activation blocks (one per 32 elements).
     pub scalar_dot: fn(w: &[u8], a: &[Q8Block]) -> f32,
-    /// AVX2 `simd::x86::dot_quant_one` for this layout.
+    /// The x86 instances, one per level of [`Isa::X86`] (AVX2, AVX-VNNI, AVX512-VNNI), all giving the same bits.
     #[cfg(target_arch = "x86_64")]
+    pub x86: [X86Kernels; 3],
+}
+
+impl QuantKernels {
+    /// The instances of `isa`; `None` for [`Isa::Scalar`].
+    #[cfg(target_arch = "x86_64")]
+    pub fn x86(&self, isa: Isa) -> Option<&X86Kernels> {
+        Isa::X86.iter().position(|&i| i == isa).map(|level| &self.x86[level])
+    }
+}
+
+/// One format's kernels at one x86 instruction-set level.
+#[cfg(target_arch = "x86_64")]
+pub(super) struct X86Kernels {
+    /// `simd::x86` `dot_one` for this layout.
     pub dot_one: unsafe fn(w: &[u8], a: &[Q8Block], blocks: usize) -> f32,
-    /// AVX2 `simd::x86::dot_rows_n` for [`Self::rows`] rows: 8, or 4 for the 32-element nibble formats, whose
-    /// 8-row instance runs out of vector registers (measured ~15 % slower per block than 4 rows on Q5_0).
-    #[cfg(target_arch = "x86_64")]
+    /// `simd::x86` `dot_rows` for [`Self::rows`] rows: 8, or 4 for the 32-element nibble formats, whose 8-row
+    /// instance runs out of vector registers (measured ~15 % slower per block than 4 rows on Q5_0 with AVX2).
     pub dot_rows: RowsKernel,
     /// Rows [`Self::dot_rows`] takes.
-    #[cfg(target_arch = "x86_64")]
     pub rows: usize,
-    /// AVX2 `simd::x86::dot_rows_n` for 4 rows.
-    #[cfg(target_arch = "x86_64")]
+    /// `simd::x86` `dot_rows` for 4 rows.
     pub dot_rows4: RowsKernel,
-    /// AVX2 `qgemm::x86::dispatch`: one weight row against up to 8 tokens.
-    #[cfg(target_arch = "x86_64")]
+    /// `qgemm::x86` `dispatch`: one weight row against up to 8 tokens.
     pub tile: unsafe fn(
         tokens: usize,
         w: *const u8,
@@ -97,29 +108,40 @@ fn nibble_dot(qs: &[u8], a: &[i8; QK]) -> i32 {
     isum
 }
 
-/// The AVX2 kernel instances of layout tag `$tag`.
-macro_rules! avx2_kernels {
+/// The kernels of layout tag `$tag`: the scalar reference and the x86 instances at every level.
+macro_rules! kernels_of {
     ($scalar:expr, $tag:path) => {
-        avx2_kernels!($scalar, $tag, 8)
+        kernels_of!($scalar, $tag, 8)
     };
     ($scalar:expr, $tag:path, $rows:literal) => {
         QuantKernels {
             scalar_dot: $scalar,
             #[cfg(target_arch = "x86_64")]
-            dot_one: simd::x86::dot_quant_one::<{ $tag }>,
-            #[cfg(target_arch = "x86_64")]
-            dot_rows: simd::x86::dot_rows_n::<$rows, { $tag }>,
-            #[cfg(target_arch = "x86_64")]
-            rows: $rows,
-            #[cfg(target_arch = "x86_64")]
-            dot_rows4: simd::x86::dot_rows_n::<4, { $tag }>,
-            #[cfg(target_arch = "x86_64")]
-            tile: qgemm::x86::dispatch::<{ $tag }>,
+            x86: [
+                instances!(avx2, $tag, $rows),
+                instances!(avx_vnni, $tag, $rows),
+                instances!(avx512_vnni, $tag, $rows),
+            ],
         }
     };
 }
 
-static Q8_0: QuantKernels = avx2_kernels!(
+/// Layout tag `$tag`'s instances at the level whose entry points are the modules `$level` of `simd::x86` and
+/// `qgemm::x86`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! instances {
+    ($level:ident, $tag:path, $rows:literal) => {
+        X86Kernels {
+            dot_one: simd::x86::$level::dot_one::<{ $tag }>,
+            dot_rows: simd::x86::$level::dot_rows::<$rows, { $tag }>,
+            rows: $rows,
+            dot_rows4: simd::x86::$level::dot_rows::<4, { $tag }>,
+            tile: qgemm::x86::$level::dispatch::<{ $tag }>,
+        }
+    };
+}
+
+static Q8_0: QuantKernels = kernels_of!(
     |w, a| {
         row_dot(w, a, &quant::Q8_0, |blk, _, ab| {
             f16_at(blk, 0) * ab.d * int_dot(ab, |l| (blk[2 + l] as i8) as i32) as f32
@@ -128,7 +150,7 @@ static Q8_0: QuantKernels = avx2_kernels!(
     unpack::Q8_0
 );
 
-static Q4_0: QuantKernels = avx2_kernels!(
+static Q4_0: QuantKernels = kernels_of!(
     |w, a| {
         row_dot(w, a, &quant::Q4_0, |blk, _, ab| {
             f16_at(blk, 0) * (ab.d * nibble_dot(&blk[2..18], &ab.qs) as f32 - 8.0 * ab.s)
@@ -138,7 +160,7 @@ static Q4_0: QuantKernels = avx2_kernels!(
     4
 );
 
-static Q4_1: QuantKernels = avx2_kernels!(
+static Q4_1: QuantKernels = kernels_of!(
     |w, a| {
         row_dot(w, a, &quant::Q4_1, |blk, _, ab| {
             f16_at(blk, 0) * ab.d * nibble_dot(&blk[4..20], &ab.qs) as f32 + f16_at(blk, 2) * ab.s
@@ -148,7 +170,7 @@ static Q4_1: QuantKernels = avx2_kernels!(
     4
 );
 
-static Q5_0: QuantKernels = avx2_kernels!(
+static Q5_0: QuantKernels = kernels_of!(
     |w, a| {
         row_dot(w, a, &quant::Q5_0, |blk, _, ab| {
             let isum = int_dot(ab, |l| five_bit(&blk[2..22], l) as i32);
@@ -159,7 +181,7 @@ static Q5_0: QuantKernels = avx2_kernels!(
     4
 );
 
-static Q5_1: QuantKernels = avx2_kernels!(
+static Q5_1: QuantKernels = kernels_of!(
     |w, a| {
         row_dot(w, a, &quant::Q5_1, |blk, _, ab| {
             let isum = int_dot(ab, |l| five_bit(&blk[4..24], l) as i32);
@@ -170,7 +192,7 @@ static Q5_1: QuantKernels = avx2_kernels!(
     4
 );
 
-static Q8_K: QuantKernels = avx2_kernels!(
+static Q8_K: QuantKernels = kernels_of!(
     |w, a| {
         row_dot(w, a, &quant::Q8_K, |blk, j, ab| {
             let d = f32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]]);
@@ -189,12 +211,12 @@ fn k4_sub(blk: &[u8], j: usize, ab: &Q8Block, value: fn(&[u8], usize) -> u8) -> 
 }
 
 static Q4_K: QuantKernels =
-    avx2_kernels!(|w, a| row_dot(w, a, &quant::Q4_K, |blk, j, ab| k4_sub(blk, j, ab, q4k_value)), unpack::Q4_K);
+    kernels_of!(|w, a| row_dot(w, a, &quant::Q4_K, |blk, j, ab| k4_sub(blk, j, ab, q4k_value)), unpack::Q4_K);
 
 static Q5_K: QuantKernels =
-    avx2_kernels!(|w, a| row_dot(w, a, &quant::Q5_K, |blk, j, ab| k4_sub(blk, j, ab, q5k_value)), unpack::Q5_K);
+    kernels_of!(|w, a| row_dot(w, a, &quant::Q5_K, |blk, j, ab| k4_sub(blk, j, ab, q5k_value)), unpack::Q5_K);
 
-static Q6_K: QuantKernels = avx2_kernels!(
+static Q6_K: QuantKernels = kernels_of!(
     |w, a| {
         row_dot(w, a, &quant::Q6_K, |blk, j, ab| {
             let isum = int_dot(ab, |l| (blk[192 + 2 * j + l / 16] as i8) as i32 * q6k_value(blk, 32 * j + l));
@@ -214,9 +236,9 @@ fn q2k_sub(blk: &[u8], j: usize, ab: &Q8Block) -> f32 {
     f16_at(blk, 80) * ab.d * isum as f32 - f16_at(blk, 82) * ab.d * msum as f32
 }
 
-static Q2_K: QuantKernels = avx2_kernels!(|w, a| row_dot(w, a, &quant::Q2_K, q2k_sub), unpack::Q2_K);
+static Q2_K: QuantKernels = kernels_of!(|w, a| row_dot(w, a, &quant::Q2_K, q2k_sub), unpack::Q2_K);
 
-static Q3_K: QuantKernels = avx2_kernels!(
+static Q3_K: QuantKernels = kernels_of!(
     |w, a| {
         row_dot(w, a, &quant::Q3_K, |blk, j, ab| {
             let isum = int_dot(ab, |l| q3k_scale(&blk[96..108], 2 * j + l / 16) * q3k_value(blk, 32 * j + l));

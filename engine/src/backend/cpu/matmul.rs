@@ -51,7 +51,7 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
     };
     // Several tokens: the register-tiled kernel, on activations regrouped once for every job.
     #[cfg(target_arch = "x86_64")]
-    let packed = (isa == Isa::Avx2 && m >= 2 && !xq.is_empty()).then(|| PackedActs::pack(&xq, m, blocks));
+    let packed = (isa.avx2() && m >= 2 && !xq.is_empty()).then(|| PackedActs::pack(&xq, m, blocks));
     // Final [m, n] outputs, written in place by tasks that each own a disjoint range of rows (output columns).
     let mut outs: Vec<Vec<f32>> = jobs.iter().map(|(w, _)| vec![0f32; m * w.rows]).collect();
     let total_rows: usize = jobs.iter().map(|(w, _)| w.rows).sum();
@@ -78,7 +78,7 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
         if let Some(acts) = packed.as_ref().filter(|_| w.dtype.is_quantized()) {
             // SAFETY: elements (t, first_row..first_row + nrows) for t < m are inside the m×n buffer and owned by
             // this task alone.
-            unsafe { qgemm::rows_by_tokens(w.dtype, rows, row_bytes, acts, dst.ptr.add(first_row), dst.n) };
+            unsafe { qgemm::rows_by_tokens(isa, w.dtype, rows, row_bytes, acts, dst.ptr.add(first_row), dst.n) };
             return;
         }
         let mut col = vec![0f32; m];

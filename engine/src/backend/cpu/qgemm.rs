@@ -4,7 +4,7 @@
 //! float operations of the one-token kernels in `simd` (same order, same roundings), so how tokens are grouped
 //! never changes a result.
 
-use super::simd::Q8Block;
+use super::simd::{Isa, Q8Block};
 use crate::quant::QK;
 use crate::tensor::DType;
 
@@ -47,12 +47,14 @@ impl PackedActs {
 }
 
 /// `out[t · token_stride + r] = w_r · x_t` for every row `r` of `w` (raw GGML blocks of `dtype`, `row_bytes`
-/// apart) and every token `t` of `acts`. Needs AVX2, FMA and F16C (checked).
+/// apart) and every token `t` of `acts`, with the kernels of `isa`, an x86 instruction set this CPU has
+/// (checked).
 ///
 /// # Safety
 /// Those output elements must be valid for writes and not accessed by anyone else during the call.
 #[cfg(target_arch = "x86_64")]
 pub unsafe fn rows_by_tokens(
+    isa: Isa,
     dtype: DType,
     w: &[u8],
     row_bytes: usize,
@@ -63,16 +65,16 @@ pub unsafe fn rows_by_tokens(
     let (m, blocks) = (acts.tokens, acts.blocks);
     let n = w.len() / row_bytes.max(1);
     // These bounds are what every raw-pointer access below relies on.
+    let k = dtype.is_quantized().then(|| super::kernels::kernels(dtype).x86(isa)).flatten();
     assert!(
         dtype.bytes_for(blocks * QK).is_some_and(|b| row_bytes >= b)
             && acts.groups.len() == m.div_ceil(GROUP) * blocks
-            && dtype.is_quantized()
-            && super::simd::Isa::detect() == super::simd::Isa::Avx2,
+            && isa.supported(),
         "qgemm operands do not match"
     );
+    let Some(k) = k else { panic!("qgemm has no {} kernels for {dtype}", isa.name()) };
     // Per-block scales of one row × one group, rewritten by every tile (aligned for 256-bit stores): `d_w·d_a`,
     // then, for formats whose halves have their own minimums (Q2_K), `min_w·d_a`.
-    let k = super::kernels::kernels(dtype);
     let mut scales = vec![Align32([0f32; GROUP]); 2 * blocks];
     let sc = scales.as_mut_ptr() as *mut f32;
     // Token groups are visited in runs that fit in L1 (with room for the weight rows), all rows per run: with
@@ -86,7 +88,7 @@ pub unsafe fn rows_by_tokens(
                 let tokens = (m - g * GROUP).min(GROUP);
                 let ap = acts.groups[g * blocks..].as_ptr();
                 let op = out.wrapping_add(g * GROUP * token_stride + r);
-                // SAFETY: AVX2/FMA/F16C were detected; row r lies in `w`, the group's blocks in `acts`, `scales` holds
+                // SAFETY: `isa`'s features were detected; row r lies in `w`, the group's blocks in `acts`, `scales` holds
                 // `2 · blocks` aligned groups of floats (asserted above), and the caller vouches for outputs
                 // (g·8 + t, r) for t < tokens.
                 unsafe { (k.tile)(tokens, wp, ap, blocks, sc, op, token_stride) }
@@ -106,42 +108,70 @@ struct Align32([f32; GROUP]);
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
     use super::{GROUP, Q8x8};
-    use crate::backend::cpu::simd::x86::hsum;
+    use crate::backend::cpu::simd::x86::{AVX_VNNI, AVX2, AVX512_VNNI, hsum, weighted};
     use crate::backend::cpu::unpack::{
-        Q4_0, Q4_1, Q5_0, Q5_1, block_scales, half_mins, has_offset, signed, sub_offset, subs, unpack_with,
+        Q4_0, Q4_1, Q5_0, Q5_1, Sub, block_scales, half_mins, has_offset, signed, sub_offset, subs, unit_mul,
+        unpack_with,
     };
     use std::arch::x86_64::*;
 
     /// How far ahead in the weight row to prefetch.
     const PREFETCH_BYTES: usize = 1024;
 
-    /// Picks the tile instance for `tokens` (1..=8).
-    ///
-    /// # Safety
-    /// As for [`tile`].
-    pub unsafe fn dispatch<const Q: u8>(
-        tokens: usize,
-        w: *const u8,
-        a: *const Q8x8,
-        blocks: usize,
-        sc: *mut f32,
-        out: *mut f32,
-        stride: usize,
-    ) {
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            match tokens {
-                8 => tile::<8, Q>(w, a, blocks, sc, out, stride),
-                7 => tile::<7, Q>(w, a, blocks, sc, out, stride),
-                6 => tile::<6, Q>(w, a, blocks, sc, out, stride),
-                5 => tile::<5, Q>(w, a, blocks, sc, out, stride),
-                4 => tile::<4, Q>(w, a, blocks, sc, out, stride),
-                3 => tile::<3, Q>(w, a, blocks, sc, out, stride),
-                2 => tile::<2, Q>(w, a, blocks, sc, out, stride),
-                _ => tile::<1, Q>(w, a, blocks, sc, out, stride),
+    /// The tile's entry points at one instruction-set level (see `simd::x86`'s `level!`).
+    macro_rules! level {
+        ($module:ident, $level:expr, $features:literal) => {
+            pub mod $module {
+                use super::*;
+
+                /// Picks the tile instance for `tokens` (1..=8).
+                ///
+                /// # Safety
+                /// The CPU has this level's features; otherwise as for `tile`.
+                pub unsafe fn dispatch<const Q: u8>(
+                    tokens: usize,
+                    w: *const u8,
+                    a: *const Q8x8,
+                    blocks: usize,
+                    sc: *mut f32,
+                    out: *mut f32,
+                    stride: usize,
+                ) {
+                    // SAFETY: forwarded from the caller.
+                    unsafe {
+                        match tokens {
+                            8 => entry::<8, Q>(w, a, blocks, sc, out, stride),
+                            7 => entry::<7, Q>(w, a, blocks, sc, out, stride),
+                            6 => entry::<6, Q>(w, a, blocks, sc, out, stride),
+                            5 => entry::<5, Q>(w, a, blocks, sc, out, stride),
+                            4 => entry::<4, Q>(w, a, blocks, sc, out, stride),
+                            3 => entry::<3, Q>(w, a, blocks, sc, out, stride),
+                            2 => entry::<2, Q>(w, a, blocks, sc, out, stride),
+                            _ => entry::<1, Q>(w, a, blocks, sc, out, stride),
+                        }
+                    }
+                }
+
+                /// `tile` under this level's features.
+                #[target_feature(enable = $features)]
+                unsafe fn entry<const T: usize, const Q: u8>(
+                    w: *const u8,
+                    a: *const Q8x8,
+                    blocks: usize,
+                    sc: *mut f32,
+                    out: *mut f32,
+                    stride: usize,
+                ) {
+                    // SAFETY: forwarded; this function's features are the level's.
+                    unsafe { tile::<{ $level }, T, Q>(w, a, blocks, sc, out, stride) }
+                }
             }
-        }
+        };
     }
+
+    level!(avx2, AVX2, "avx2,fma,f16c");
+    level!(avx_vnni, AVX_VNNI, "avx2,fma,f16c,avxvnni");
+    level!(avx512_vnni, AVX512_VNNI, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
 
     /// The f16 at `p` converted and broadcast to eight lanes. A load-broadcast, not an insert into a register:
     /// `_mm_cvtsi32_si128` + insert made every block wait on the previous block's offset sum.
@@ -156,11 +186,11 @@ pub(super) mod x86 {
     /// `hsum(acc) + Σ min·s`, the arithmetic of `simd::x86::dot_quant_one`.
     ///
     /// # Safety
-    /// AVX2/FMA/F16C available; `w` points at one row of at least `blocks` sub-blocks of layout `Q`; `a` at
-    /// `blocks` groups; `sc` at `2 · blocks · GROUP` writable floats, 32-byte aligned; `out + t·stride` writable for
-    /// `t < T`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile<const T: usize, const Q: u8>(
+    /// Level `V`'s features available; `w` points at one row of at least `blocks` sub-blocks of layout `Q`; `a`
+    /// at `blocks` groups; `sc` at `2 · blocks · GROUP` writable floats, 32-byte aligned; `out + t·stride`
+    /// writable for `t < T`.
+    #[inline(always)]
+    unsafe fn tile<const V: u8, const T: usize, const Q: u8>(
         w: *const u8,
         a: *const Q8x8,
         blocks: usize,
@@ -204,23 +234,16 @@ pub(super) mod x86 {
                 }
             }
             let mut acc = [_mm256_setzero_ps(); T];
-            let mask = _mm256_set1_epi8(0x0f);
-            for b in 0..blocks {
-                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(sub_offset::<Q>(b) + PREFETCH_BYTES) as *const i8);
-                // The scales come from `sc`: the sub-block's own are not needed here.
-                let sub = unpack_with::<Q>(w, b, mask, 0.0, 0.0);
-                let ab = &*a.add(b);
-                for (t, acc) in acc.iter_mut().enumerate() {
-                    let av = _mm256_load_si256(ab.qs[t].as_ptr() as *const __m256i);
-                    let av = if signed::<Q>() { _mm256_sign_epi8(av, sub.wq) } else { av };
-                    let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(sub.wabs, av), sub.mul);
-                    let scale = _mm256_broadcast_ss(&*sc.add(b * GROUP + t));
-                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), scale, *acc);
-                    if half_mins::<Q>() {
-                        // The half-minimum term of `simd::x86::block_dot`, in the same order.
-                        let m32 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), av), sub.mins);
-                        let scale = _mm256_broadcast_ss(&*sc.add((blocks + b) * GROUP + t));
-                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m32), scale, *acc);
+            if V == AVX512_VNNI && T >= 2 {
+                pairs::<T, Q>(w, a, blocks, sc, &mut acc);
+            } else {
+                let mask = _mm256_set1_epi8(0x0f);
+                for b in 0..blocks {
+                    _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(sub_offset::<Q>(b) + PREFETCH_BYTES) as *const i8);
+                    // The scales come from `sc`: the sub-block's own are not needed here.
+                    let sub = unpack_with::<Q>(w, b, mask, 0.0, 0.0);
+                    for (t, acc) in acc.iter_mut().enumerate() {
+                        step::<V, Q>(&sub, &*a.add(b), sc, blocks, b, t, acc);
                     }
                 }
             }
@@ -232,6 +255,101 @@ pub(super) mod x86 {
             }
         }
     }
+
+    /// Token `t`'s share of sub-block `b` in 256-bit lanes: `acc += cvt(Σ w·a)·(d_w·d_a)`, then the half-minimum
+    /// term of `simd::x86::block_dot` in the same order.
+    ///
+    /// # Safety
+    /// As for [`tile`]; `sc` holds the first pass's scales.
+    #[inline(always)]
+    unsafe fn step<const V: u8, const Q: u8>(
+        sub: &Sub,
+        ab: &Q8x8,
+        sc: *const f32,
+        blocks: usize,
+        b: usize,
+        t: usize,
+        acc: &mut __m256,
+    ) {
+        // SAFETY: forwarded; `sc` holds 2 · blocks · GROUP floats.
+        unsafe {
+            let av = _mm256_load_si256(ab.qs[t].as_ptr() as *const __m256i);
+            let av = if signed::<Q>() { _mm256_sign_epi8(av, sub.wq) } else { av };
+            let p32 = weighted::<V, Q>(sub.wabs, av, sub.mul);
+            let scale = _mm256_broadcast_ss(&*sc.add(b * GROUP + t));
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), scale, *acc);
+            if half_mins::<Q>() {
+                let m32 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), av), sub.mins);
+                let scale = _mm256_broadcast_ss(&*sc.add((blocks + b) * GROUP + t));
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m32), scale, *acc);
+            }
+        }
+    }
+
+    /// The main loop of [`tile`] with AVX-512: tokens in pairs, one 512-bit register per pair (lanes 0..8 token
+    /// `2p`, 8..16 token `2p + 1`), the sub-block's weights broadcast to both halves. Every lane meets the same
+    /// integers, conversions and fused multiply-adds in the same order as in [`step`], so each token's
+    /// accumulator, split back into 256-bit halves, holds the same bits; an odd last token takes [`step`].
+    ///
+    /// # Safety
+    /// AVX-512 F/BW and VNNI available; otherwise as for [`tile`].
+    #[inline(always)]
+    unsafe fn pairs<const T: usize, const Q: u8>(
+        w: *const u8,
+        a: *const Q8x8,
+        blocks: usize,
+        sc: *const f32,
+        acc: &mut [__m256; T],
+    ) {
+        // SAFETY (whole body): the caller's features and ranges; a group's two adjacent token rows are 64 bytes.
+        unsafe {
+            let mask = _mm256_set1_epi8(0x0f);
+            let zero = _mm512_setzero_si512();
+            // Lane l of pair p reads token 2p + l / 8's scale from the block's eight.
+            let lanes: [__m512i; GROUP / 2] = std::array::from_fn(|p| {
+                _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_set1_epi32(2 * p as i32)),
+                    _mm256_set1_epi32(2 * p as i32 + 1),
+                )
+            });
+            let mut acc2 = [_mm512_setzero_ps(); GROUP / 2];
+            for b in 0..blocks {
+                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(sub_offset::<Q>(b) + PREFETCH_BYTES) as *const i8);
+                let sub = unpack_with::<Q>(w, b, mask, 0.0, 0.0);
+                let ab = &*a.add(b);
+                let wabs = _mm512_broadcast_i64x4(sub.wabs);
+                // `sign_epi8` has no 512-bit form: negate the activations under the negative weights' mask (where
+                // a weight is 0 its magnitude is 0 too, so leaving that activation as it is changes no sum).
+                let negative = if signed::<Q>() { _mm512_movepi8_mask(_mm512_broadcast_i64x4(sub.wq)) } else { 0 };
+                let scales = _mm512_castps256_ps512(_mm256_load_ps(sc.add(b * GROUP)));
+                let min_scales = _mm512_castps256_ps512(_mm256_load_ps(sc.add((blocks + b) * GROUP)));
+                for p in 0..T / 2 {
+                    let av = _mm512_loadu_si512(ab.qs[2 * p].as_ptr() as *const __m512i);
+                    let av = if signed::<Q>() { _mm512_mask_sub_epi8(av, negative, zero, av) } else { av };
+                    let p32 = if unit_mul::<Q>() {
+                        _mm512_dpbusd_epi32(zero, wabs, av)
+                    } else {
+                        _mm512_madd_epi16(_mm512_maddubs_epi16(wabs, av), _mm512_broadcast_i64x4(sub.mul))
+                    };
+                    let scale = _mm512_permutexvar_ps(lanes[p], scales);
+                    acc2[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p32), scale, acc2[p]);
+                    if half_mins::<Q>() {
+                        let ones = _mm512_set1_epi8(1);
+                        let m32 = _mm512_madd_epi16(_mm512_maddubs_epi16(ones, av), _mm512_broadcast_i64x4(sub.mins));
+                        let scale = _mm512_permutexvar_ps(lanes[p], min_scales);
+                        acc2[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m32), scale, acc2[p]);
+                    }
+                }
+                if T % 2 == 1 {
+                    step::<AVX512_VNNI, Q>(&sub, ab, sc, blocks, b, T - 1, &mut acc[T - 1]);
+                }
+            }
+            for p in 0..T / 2 {
+                acc[2 * p] = _mm512_castps512_ps256(acc2[p]);
+                acc[2 * p + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc2[p])));
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -240,11 +358,19 @@ mod tests {
     use crate::backend::cpu::simd::{Isa, dot_quant_scalar, quantize_row};
     use rand::{Rng, SeedableRng};
 
+    /// At every x86 level this CPU has, the tile gives the one-token kernel's bits, whatever the rows and tokens.
     #[test]
     fn tile_equals_one_token_kernel_bit_for_bit() {
-        if Isa::detect() != Isa::Avx2 {
-            return;
+        for isa in Isa::X86 {
+            if isa.supported() {
+                tile_equals_one_token_kernel(isa);
+            } else {
+                crate::backend::cpu::simd::report_not_run(isa, "tile_equals_one_token_kernel_bit_for_bit");
+            }
         }
+    }
+
+    fn tile_equals_one_token_kernel(isa: Isa) {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         // One K-quant super-block, eight blocks of the 32-element formats.
         let blocks = 8;
@@ -264,13 +390,13 @@ mod tests {
                     let acts = PackedActs::pack(&xq, tokens, blocks);
                     let mut out = vec![0f32; tokens * rows];
                     // SAFETY: tokens × rows outputs, stride rows.
-                    unsafe { rows_by_tokens(dtype, &w, row_bytes, &acts, out.as_mut_ptr(), rows) };
+                    unsafe { rows_by_tokens(isa, dtype, &w, row_bytes, &acts, out.as_mut_ptr(), rows) };
                     for r in 0..rows {
                         for t in 0..tokens {
                             let wr = &w[r * row_bytes..(r + 1) * row_bytes];
                             let mut one = [0f32];
                             super::super::simd::dot_quant(
-                                Isa::Avx2,
+                                isa,
                                 dtype,
                                 wr,
                                 &xq[t * blocks..(t + 1) * blocks],
@@ -278,9 +404,10 @@ mod tests {
                                 &mut one,
                             );
                             let got = out[t * rows + r];
-                            assert_eq!(got.to_bits(), one[0].to_bits(), "{dtype} {rows}x{tokens} at ({r},{t})");
+                            let at = format!("{} {dtype} {rows}x{tokens} at ({r},{t})", isa.name());
+                            assert_eq!(got.to_bits(), one[0].to_bits(), "{at}");
                             let slow = dot_quant_scalar(dtype, wr, &xq[t * blocks..(t + 1) * blocks]);
-                            assert!((got - slow).abs() < 1e-3 * slow.abs().max(1.0), "{dtype}: {got} vs {slow}");
+                            assert!((got - slow).abs() < 1e-3 * slow.abs().max(1.0), "{at}: {got} vs {slow}");
                         }
                     }
                 }

@@ -44,26 +44,78 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
+    /// AVX2 + FMA + F16C with AVX-VNNI: the 8-bit dot products of the quantized kernels as one `vpdpbusd`.
+    AvxVnni,
+    /// AVX2 + FMA + F16C with AVX-512 F/BW/VL and VNNI: `vpdpbusd`, and 512-bit multi-row kernels.
+    Avx512Vnni,
 }
 
 impl Isa {
+    /// The x86-64 instruction sets, in the order [`Isa::detect`] prefers the last one present.
+    pub const X86: [Isa; 3] = [Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni];
+
     /// The best instruction set this CPU supports.
     pub fn detect() -> Self {
+        Self::X86.into_iter().rev().find(|isa| isa.supported()).unwrap_or(Isa::Scalar)
+    }
+
+    /// Whether this CPU can run the kernels of `self`.
+    pub fn supported(self) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
-                return Isa::Avx2;
+            let avx2 = || {
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+            };
+            match self {
+                Isa::Scalar => true,
+                Isa::Avx2 => avx2(),
+                Isa::AvxVnni => avx2() && is_x86_feature_detected!("avxvnni"),
+                Isa::Avx512Vnni => {
+                    avx2()
+                        && is_x86_feature_detected!("avx512f")
+                        && is_x86_feature_detected!("avx512bw")
+                        && is_x86_feature_detected!("avx512vl")
+                        && is_x86_feature_detected!("avx512vnni")
+                }
             }
         }
-        Isa::Scalar
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Isa::Scalar
+        }
+    }
+
+    /// Whether the AVX2 kernels (and so every x86 one) may run: every instruction set but [`Isa::Scalar`].
+    pub(super) fn avx2(self) -> bool {
+        self != Isa::Scalar
+    }
+
+    /// The name benchmarks and logs print.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::AvxVnni => "avx-vnni",
+            Isa::Avx512Vnni => "avx512-vnni",
+        }
+    }
+
+    /// The CPU features `self` needs beyond the baseline, for reports of a path this CPU cannot run.
+    pub fn needs(self) -> &'static str {
+        match self {
+            Isa::Scalar => "nothing",
+            Isa::Avx2 => "AVX2, FMA and F16C",
+            Isa::AvxVnni => "AVX-VNNI",
+            Isa::Avx512Vnni => "AVX-512 F/BW/VL and AVX512-VNNI",
+        }
     }
 }
 
 /// Σ a·b over f32.
 pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
-        // SAFETY: Avx2 is only chosen after runtime detection of avx2, fma and f16c.
+    if isa.avx2() {
+        // SAFETY: every x86 instruction set is only chosen after runtime detection of avx2, fma and f16c.
         return unsafe { x86::dot_f32(a, b) };
     }
     let _ = isa;
@@ -73,7 +125,7 @@ pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
 /// `y += a·x`.
 pub fn axpy(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
+    if isa.avx2() {
         // SAFETY: see dot_f32.
         return unsafe { x86::axpy(a, x, y) };
     }
@@ -86,7 +138,7 @@ pub fn axpy(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
 /// Σ x·w with `w` as f16 bits.
 pub fn dot_f16(isa: Isa, x: &[f32], w: &[u16]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
+    if isa.avx2() {
         // SAFETY: see dot_f32.
         return unsafe { x86::dot_f16(x, w) };
     }
@@ -97,7 +149,7 @@ pub fn dot_f16(isa: Isa, x: &[f32], w: &[u16]) -> f32 {
 /// Σ x·w with `w` as bf16 bits.
 pub fn dot_bf16(isa: Isa, x: &[f32], w: &[u16]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
+    if isa.avx2() {
         // SAFETY: see dot_f32.
         return unsafe { x86::dot_bf16(x, w) };
     }
@@ -113,10 +165,10 @@ pub fn dot_quant(isa: Isa, dtype: DType, w: &[u8], xq: &[Q8Block], blocks: usize
     for (t, o) in out.iter_mut().enumerate() {
         let a = &xq[t * blocks..(t + 1) * blocks];
         #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx2 {
-            // SAFETY: Avx2 is only chosen after runtime detection; `w` holds `blocks` blocks of `dtype` and `a`
-            // holds `blocks` blocks (checked by the caller's shapes).
-            *o = unsafe { (k.dot_one)(w, a, blocks) };
+        if let Some(x) = k.x86(isa) {
+            // SAFETY: an x86 instruction set is only chosen after runtime detection of its features; `w` holds
+            // `blocks` blocks of `dtype` and `a` holds `blocks` blocks (checked by the caller's shapes).
+            *o = unsafe { (x.dot_one)(w, a, blocks) };
             continue;
         }
         let _ = isa;
@@ -137,8 +189,7 @@ pub fn dot_quant_rows(
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
-        let k = kernels(dtype);
+    if let Some(k) = kernels(dtype).x86(isa) {
         let mut r = 0;
         while r < out.len() {
             let n = if out.len() - r >= k.rows {
@@ -150,7 +201,7 @@ pub fn dot_quant_rows(
             };
             let rows = &w[r * row_bytes..(r + n) * row_bytes];
             let o = &mut out[r..r + n];
-            // SAFETY: Avx2 is only chosen after runtime detection; `rows` holds `n` rows of `blocks` blocks.
+            // SAFETY: `isa` was detected (see dot_quant); `rows` holds `n` rows of `blocks` blocks.
             unsafe {
                 match n {
                     1 => o[0] = (k.dot_one)(rows, xq, blocks),
@@ -167,6 +218,15 @@ pub fn dot_quant_rows(
     }
 }
 
+/// Says, on the test binary's own stderr (which the test harness does not capture), that `test` skipped the
+/// kernels of `isa` because this CPU lacks their features: a path the CPU cannot run is reported by name, never
+/// passed in silence.
+#[cfg(test)]
+pub(super) fn report_not_run(isa: Isa, test: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "not run: {} kernels in {test}: this CPU lacks {}", isa.name(), isa.needs());
+}
+
 /// The portable reference for [`dot_quant`], one activation row.
 pub fn dot_quant_scalar(dtype: DType, w: &[u8], a: &[Q8Block]) -> f32 {
     (kernels(dtype).scalar_dot)(w, a)
@@ -176,7 +236,7 @@ pub fn dot_quant_scalar(dtype: DType, w: &[u8], a: &[Q8Block]) -> f32 {
 pub(super) mod x86 {
     use super::Q8Block;
     use crate::backend::cpu::unpack::{
-        Sub, block_bytes, block_scales, half_mins, has_offset, signed, sub_offset, subs, unpack, unpack_with,
+        Sub, block_bytes, block_scales, half_mins, has_offset, signed, sub_offset, subs, unit_mul, unpack, unpack_with,
     };
     use std::arch::x86_64::*;
 
@@ -281,99 +341,188 @@ pub(super) mod x86 {
         s
     }
 
+    /// The x86 instruction-set levels the quantized kernels are instantiated for, a const parameter of the
+    /// shared kernel bodies: the 8-bit dot product is `maddubs` + `madd` on AVX2, one `vpdpbusd` with VNNI.
+    pub(in crate::backend::cpu) const AVX2: u8 = 0;
+    pub(in crate::backend::cpu) const AVX_VNNI: u8 = 1;
+    pub(in crate::backend::cpu) const AVX512_VNNI: u8 = 2;
+
+    /// `Σ w·a` over each group of 4 bytes (unsigned `w`, signed `a`) as eight i32 lanes: the same integers on every
+    /// level, since `maddubs`' 16-bit pairs cannot saturate with the kernels' operands (|w| ≤ 128, |a| ≤ 127).
+    ///
+    /// # Safety
+    /// The CPU has level `V`'s features (the callers are inlined into entry points that enable them).
+    #[inline(always)]
+    pub(in crate::backend::cpu) unsafe fn dot4<const V: u8>(w: __m256i, a: __m256i) -> __m256i {
+        // SAFETY: forwarded.
+        unsafe {
+            match V {
+                AVX512_VNNI => _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a),
+                AVX_VNNI => _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, a),
+                _ => _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)),
+            }
+        }
+    }
+
+    /// `madd(maddubs(w, a), mul)`: the sub-block's products weighted by its 16-bit multipliers, as
+    /// [`dot4`] where those are all ones.
+    ///
+    /// # Safety
+    /// As for [`dot4`].
+    #[inline(always)]
+    pub(in crate::backend::cpu) unsafe fn weighted<const V: u8, const Q: u8>(
+        w: __m256i,
+        a: __m256i,
+        mul: __m256i,
+    ) -> __m256i {
+        // SAFETY: forwarded.
+        unsafe { if unit_mul::<Q>() { dot4::<V>(w, a) } else { _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), mul) } }
+    }
+
     /// One sub-block's contribution: `acc += d·da·Σ(w·a)`, returning the offset term `min·s`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn block_dot<const Q: u8>(w: Sub, ab: &Q8Block, acc: &mut __m256) -> f32 {
-        // SAFETY: activation blocks hold 32 i8.
-        let av = unsafe { _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i) };
-        // maddubs needs an unsigned operand: for signed weights, move their sign onto a.
-        let av = if signed::<Q>() { _mm256_sign_epi8(av, w.wq) } else { av };
-        let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(w.wabs, av), w.mul);
-        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(w.d * ab.d), *acc);
-        if half_mins::<Q>() {
-            // Σ_h m_h·Σ_{l∈h} a_l: pairs of activations summed by maddubs with ones, then weighted by madd.
-            let m32 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), av), w.mins);
-            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m32), _mm256_set1_ps(w.min * ab.d), *acc);
+    ///
+    /// # Safety
+    /// As for [`dot4`].
+    #[inline(always)]
+    unsafe fn block_dot<const V: u8, const Q: u8>(w: Sub, ab: &Q8Block, acc: &mut __m256) -> f32 {
+        // SAFETY: level V's features are present; activation blocks hold 32 i8.
+        unsafe {
+            let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
+            // maddubs needs an unsigned operand: for signed weights, move their sign onto a.
+            let av = if signed::<Q>() { _mm256_sign_epi8(av, w.wq) } else { av };
+            let p32 = weighted::<V, Q>(w.wabs, av, w.mul);
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(w.d * ab.d), *acc);
+            if half_mins::<Q>() {
+                // Σ_h m_h·Σ_{l∈h} a_l: pairs of activations summed by maddubs with ones, then weighted by madd.
+                let m32 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), av), w.mins);
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m32), _mm256_set1_ps(w.min * ab.d), *acc);
+            }
         }
         if has_offset::<Q>() { w.min * ab.s } else { 0.0 }
     }
 
     /// One activation row against one weight row: `acc += cvt(Σ w·a) · (d_w·d_a)` per sub-block, then
     /// `hsum(acc) + Σ min·s`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_quant_one<const Q: u8>(w: &[u8], a: &[Q8Block], blocks: usize) -> f32 {
+    ///
+    /// # Safety
+    /// As for [`dot4`].
+    #[inline(always)]
+    unsafe fn dot_quant_one<const V: u8, const Q: u8>(w: &[u8], a: &[Q8Block], blocks: usize) -> f32 {
         assert!(w.len() >= blocks / subs::<Q>() * block_bytes::<Q>() && a.len() >= blocks);
-        let mut acc = _mm256_setzero_ps();
-        let mut offset = 0f32;
-        let mask = _mm256_set1_epi8(0x0f);
-        let mut ks = ([0f32; 8], [0f32; 8]);
-        for (b, ab) in a.iter().take(blocks).enumerate() {
-            let j = b % subs::<Q>();
-            // SAFETY: the assert above keeps sub-block `b`, and so its block, inside `w`.
-            let sub = unsafe {
-                if subs::<Q>() > 1 {
+        // SAFETY (whole body): level V's features are present; the assert above keeps every sub-block `b`, and
+        // so its block, inside `w`.
+        unsafe {
+            let mut acc = _mm256_setzero_ps();
+            let mut offset = 0f32;
+            let mask = _mm256_set1_epi8(0x0f);
+            let mut ks = ([0f32; 8], [0f32; 8]);
+            for (b, ab) in a.iter().take(blocks).enumerate() {
+                let j = b % subs::<Q>();
+                let sub = if subs::<Q>() > 1 {
                     if j == 0 {
                         ks = block_scales::<Q>(w.as_ptr(), b / subs::<Q>());
                     }
                     unpack_with::<Q>(w.as_ptr(), b, mask, ks.0[j], ks.1[j])
                 } else {
                     unpack::<Q>(w.as_ptr(), b, mask)
-                }
-            };
-            offset += block_dot::<Q>(sub, ab, &mut acc);
+                };
+                offset += block_dot::<V, Q>(sub, ab, &mut acc);
+            }
+            hsum(acc) + offset
         }
-        hsum(acc) + offset
     }
 
     /// `R` consecutive weight rows against one activation row; per row the arithmetic is that of
     /// [`dot_quant_one`], so results are identical.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_rows_n<const R: usize, const Q: u8>(
+    ///
+    /// # Safety
+    /// As for [`dot4`].
+    #[inline(always)]
+    unsafe fn dot_rows_n<const V: u8, const R: usize, const Q: u8>(
         w: &[u8],
         row_bytes: usize,
         a: &[Q8Block],
         blocks: usize,
         out: &mut [f32],
     ) {
-        let mut acc = [_mm256_setzero_ps(); R];
-        let mut offset = [0f32; R];
-        let mask = _mm256_set1_epi8(0x0f);
         assert!(
             w.len() >= R * row_bytes
                 && row_bytes >= blocks / subs::<Q>() * block_bytes::<Q>()
                 && a.len() >= blocks
                 && out.len() >= R
         );
-        // K-quants: each row's sub-block scales, decoded once per block.
-        let mut ks = [([0f32; 8], [0f32; 8]); R];
-        for (b, ab) in a.iter().take(blocks).enumerate() {
-            let j = b % subs::<Q>();
-            if subs::<Q>() > 1 && j == 0 {
-                for (r, ks) in ks.iter_mut().enumerate() {
-                    // SAFETY: as below, for the block holding sub-block `b`.
-                    *ks = unsafe { block_scales::<Q>(w.as_ptr().wrapping_add(r * row_bytes), b / subs::<Q>()) };
+        // SAFETY (whole body): level V's features are present; the assert above keeps sub-block `b` of every
+        // row `r` inside `w` (prefetches may point past it: they never fault).
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); R];
+            let mut offset = [0f32; R];
+            let mask = _mm256_set1_epi8(0x0f);
+            // K-quants: each row's sub-block scales, decoded once per block.
+            let mut ks = [([0f32; 8], [0f32; 8]); R];
+            for (b, ab) in a.iter().take(blocks).enumerate() {
+                let j = b % subs::<Q>();
+                if subs::<Q>() > 1 && j == 0 {
+                    for (r, ks) in ks.iter_mut().enumerate() {
+                        *ks = block_scales::<Q>(w.as_ptr().wrapping_add(r * row_bytes), b / subs::<Q>());
+                    }
                 }
-            }
-            for r in 0..R {
-                let row = w.as_ptr().wrapping_add(r * row_bytes);
-                // Rows are contiguous: fetch the same sub-block of the next group of R rows.
-                _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(R * row_bytes + sub_offset::<Q>(b)) as *const i8);
-                // SAFETY: the assert above keeps sub-block `b` of row `r` inside `w`.
-                let sub = unsafe {
-                    if subs::<Q>() > 1 {
+                for r in 0..R {
+                    let row = w.as_ptr().wrapping_add(r * row_bytes);
+                    // Rows are contiguous: fetch the same sub-block of the next group of R rows.
+                    _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(R * row_bytes + sub_offset::<Q>(b)) as *const i8);
+                    let sub = if subs::<Q>() > 1 {
                         unpack_with::<Q>(row, b, mask, ks[r].0[j], ks[r].1[j])
                     } else {
                         unpack::<Q>(row, b, mask)
-                    }
-                };
-                offset[r] += block_dot::<Q>(sub, ab, &mut acc[r]);
+                    };
+                    offset[r] += block_dot::<V, Q>(sub, ab, &mut acc[r]);
+                }
+            }
+            for r in 0..R {
+                out[r] = hsum(acc[r]) + offset[r];
             }
         }
-        for r in 0..R {
-            out[r] = hsum(acc[r]) + offset[r];
-        }
     }
+
+    /// The entry points of one instruction-set level: the shared kernel bodies inlined under that level's
+    /// `target_feature`s (a feature enabled on a function lets the compiler use it anywhere inside, so each
+    /// level is its own instance, called only once its features are detected).
+    macro_rules! level {
+        ($module:ident, $level:expr, $features:literal) => {
+            pub mod $module {
+                use super::*;
+
+                /// [`dot_quant_one`](super) at this level.
+                ///
+                /// # Safety
+                /// The CPU has this level's features; `w` holds `blocks` sub-blocks of layout `Q`.
+                #[target_feature(enable = $features)]
+                pub unsafe fn dot_one<const Q: u8>(w: &[u8], a: &[Q8Block], blocks: usize) -> f32 {
+                    // SAFETY: this function's features are the level's.
+                    unsafe { dot_quant_one::<{ $level }, Q>(w, a, blocks) }
+                }
+
+                /// [`dot_rows_n`](super) at this level.
+                ///
+                /// # Safety
+                /// As for [`dot_one`].
+                #[target_feature(enable = $features)]
+                pub unsafe fn dot_rows<const R: usize, const Q: u8>(
+                    w: &[u8],
+                    row_bytes: usize,
+                    a: &[Q8Block],
+                    blocks: usize,
+                    out: &mut [f32],
+                ) {
+                    // SAFETY: as above.
+                    unsafe { dot_rows_n::<{ $level }, R, Q>(w, row_bytes, a, blocks, out) }
+                }
+            }
+        };
+    }
+    level!(avx2, AVX2, "avx2,fma,f16c");
+    level!(avx_vnni, AVX_VNNI, "avx2,fma,f16c,avxvnni");
+    level!(avx512_vnni, AVX512_VNNI, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
 }
 
 #[cfg(test)]
@@ -423,6 +572,49 @@ mod tests {
                 let mut one = [0f32];
                 dot_quant(isa, f.dtype, &w[r * row_bytes..(r + 1) * row_bytes], &xq, blocks, &mut one);
                 assert_eq!(one[0].to_bits(), many[r].to_bits(), "{} row {r}", f.name);
+            }
+        }
+    }
+
+    /// Every x86 level this CPU has gives the AVX2 kernels' bits on every format, one row and many (VNNI's
+    /// `vpdpbusd` forms the same integer sums as `maddubs` + `madd`); the tile is checked against the one-row
+    /// kernel per level in `qgemm`. The levels this CPU lacks are reported as not run.
+    #[test]
+    fn every_x86_level_equals_avx2_bit_for_bit() {
+        if !Isa::Avx2.supported() {
+            report_not_run(Isa::Avx2, "every_x86_level_equals_avx2_bit_for_bit");
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        let (blocks, rows) = (24, 13);
+        for isa in Isa::X86 {
+            if !isa.supported() {
+                report_not_run(isa, "every_x86_level_equals_avx2_bit_for_bit");
+                continue;
+            }
+            for f in crate::quant::FORMATS {
+                for _ in 0..4 {
+                    // Extreme activations too: ±127 everywhere is where 16-bit pair sums come closest to saturating.
+                    let mut xq = acts(&mut rng, blocks);
+                    for b in xq.iter_mut().step_by(3) {
+                        b.qs.iter_mut().enumerate().for_each(|(i, q)| *q = if i % 2 == 0 { 127 } else { -127 });
+                    }
+                    let w = crate::quant::random_blocks(f.dtype, rows * blocks * 32 / f.block_elems, &mut rng);
+                    let row_bytes = w.len() / rows;
+                    let (mut want, mut got) = (vec![0f32; rows], vec![0f32; rows]);
+                    dot_quant_rows(Isa::Avx2, f.dtype, &w, row_bytes, &xq, blocks, &mut want);
+                    dot_quant_rows(isa, f.dtype, &w, row_bytes, &xq, blocks, &mut got);
+                    for r in 0..rows {
+                        let mut one = [0f32];
+                        dot_quant(isa, f.dtype, &w[r * row_bytes..(r + 1) * row_bytes], &xq, blocks, &mut one);
+                        let at = format!("{} {} row {r}", isa.name(), f.name);
+                        assert_eq!(
+                            (got[r].to_bits(), one[0].to_bits()),
+                            (want[r].to_bits(), want[r].to_bits()),
+                            "{at}"
+                        );
+                    }
+                }
             }
         }
     }

@@ -61,6 +61,12 @@ pub(super) const fn half_mins<const Q: u8>() -> bool {
     Q == Q2_K
 }
 
+/// Whether [`Sub::mul`] is all ones (every format but those with 16-element scales: Q6_K, Q2_K, Q3_K), so the
+/// sub-block's dot product is a plain sum of 4-byte groups (one `vpdpbusd` where VNNI is present).
+pub(super) const fn unit_mul<const Q: u8>() -> bool {
+    !matches!(Q, Q6_K | Q2_K | Q3_K)
+}
+
 /// Byte offset of sub-block `b` in a row, for prefetching.
 pub(super) const fn sub_offset<const Q: u8>(b: usize) -> usize {
     b * block_bytes::<Q>() / subs::<Q>()
@@ -365,7 +371,7 @@ mod tests {
     /// Every decoded sub-block, as `d · q + offset`, is the table's dequantized block.
     #[test]
     fn unpacked_sub_blocks_are_the_reference_dequantization() {
-        if super::super::simd::Isa::detect() != super::super::simd::Isa::Avx2 {
+        if !super::super::simd::Isa::Avx2.supported() {
             return;
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
