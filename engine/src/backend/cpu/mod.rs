@@ -3,6 +3,7 @@
 //! It is the reference every other backend and the distributed path are checked against.
 
 mod attention;
+mod isa;
 pub mod kernel_bench;
 mod kernels;
 mod kv;

@@ -1,6 +1,7 @@
 //! Dot-product kernels: a portable scalar version of each (the oracle) and AVX2/FMA/F16C versions picked
 //! at runtime.
 
+pub use super::isa::Isa;
 use super::kernels::kernels;
 use crate::quant::QK;
 use crate::tensor::DType;
@@ -34,80 +35,6 @@ pub fn quantize_row(x: &[f32], out: &mut [Q8Block]) {
         }
         b.d = d;
         b.s = d * sum as f32;
-    }
-}
-
-/// Which instruction set the kernels use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Isa {
-    /// Portable Rust.
-    Scalar,
-    /// x86-64 AVX2 + FMA + F16C.
-    Avx2,
-    /// AVX2 + FMA + F16C with AVX-VNNI: the 8-bit dot products of the quantized kernels as one `vpdpbusd`.
-    AvxVnni,
-    /// AVX2 + FMA + F16C with AVX-512 F/BW/VL and VNNI: `vpdpbusd`, and 512-bit multi-row kernels.
-    Avx512Vnni,
-}
-
-impl Isa {
-    /// The x86-64 instruction sets, in the order [`Isa::detect`] prefers the last one present.
-    pub const X86: [Isa; 3] = [Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni];
-
-    /// The best instruction set this CPU supports.
-    pub fn detect() -> Self {
-        Self::X86.into_iter().rev().find(|isa| isa.supported()).unwrap_or(Isa::Scalar)
-    }
-
-    /// Whether this CPU can run the kernels of `self`.
-    pub fn supported(self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let avx2 = || {
-                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
-            };
-            match self {
-                Isa::Scalar => true,
-                Isa::Avx2 => avx2(),
-                Isa::AvxVnni => avx2() && is_x86_feature_detected!("avxvnni"),
-                Isa::Avx512Vnni => {
-                    avx2()
-                        && is_x86_feature_detected!("avx512f")
-                        && is_x86_feature_detected!("avx512bw")
-                        && is_x86_feature_detected!("avx512vl")
-                        && is_x86_feature_detected!("avx512vnni")
-                }
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            self == Isa::Scalar
-        }
-    }
-
-    /// Whether the AVX2 kernels (and so every x86 one) may run: every instruction set but [`Isa::Scalar`].
-    pub(super) fn avx2(self) -> bool {
-        self != Isa::Scalar
-    }
-
-    /// The name benchmarks and logs print.
-    pub fn name(self) -> &'static str {
-        match self {
-            Isa::Scalar => "scalar",
-            Isa::Avx2 => "avx2",
-            Isa::AvxVnni => "avx-vnni",
-            Isa::Avx512Vnni => "avx512-vnni",
-        }
-    }
-
-    /// The CPU features `self` needs beyond the baseline, for reports of a path this CPU cannot run.
-    pub fn needs(self) -> &'static str {
-        match self {
-            Isa::Scalar => "nothing",
-            Isa::Avx2 => "AVX2, FMA and F16C",
-            Isa::AvxVnni => "AVX-VNNI",
-            Isa::Avx512Vnni => "AVX-512 F/BW/VL and AVX512-VNNI",
-        }
     }
 }
 
