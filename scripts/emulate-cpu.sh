@@ -232,6 +232,9 @@ shq() { printf "'%s'" "${1//\'/\'\\\'\'}"; }
     echo 'rc=$?'
     echo 'read -r up _ < /proc/uptime'
     echo 'echo "STRATA-EMULATE-EXIT $rc uptime=$up"'
+    # The console's tty buffer (a few KiB) drains at the UART's pace: powering off at once lost the tail of a
+    # failing test's output and the marker with it (exit 125 instead of the program's 101).
+    echo 'sleep 2'
     echo 'poweroff -f'
     echo 'sleep 5'
 } > "$root/init"
