@@ -75,3 +75,16 @@ impl Isa {
         }
     }
 }
+
+/// Calls `$m!(module, level constant, target features)` for each level of [`Isa::X86`], in that order: the one
+/// list of the features each level's kernel entry points (`simd::x86`, `qgemm::x86`) are compiled with.
+#[cfg(target_arch = "x86_64")]
+macro_rules! for_each_level {
+    ($m:ident) => {
+        $m!(avx2, AVX2, "avx2,fma,f16c");
+        $m!(avx_vnni, AVX_VNNI, "avx2,fma,f16c,avxvnni");
+        $m!(avx512_vnni, AVX512_VNNI, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
+    };
+}
+#[cfg(target_arch = "x86_64")]
+pub(super) use for_each_level;

@@ -133,7 +133,7 @@ pub fn run(cfg: &Config) -> Result<KernelBench> {
         let w = quant::random_blocks(f.dtype, rows * cols / f.block_elems, &mut rng);
         let m = Operands { dtype: f.dtype, w: &w, row_bytes: w.len() / rows, rows, one, packed: &packed };
         #[cfg(target_arch = "x86_64")]
-        let widest = kernels(f.dtype).x86[0].rows;
+        let widest = kernels(f.dtype).rows;
         #[cfg(not(target_arch = "x86_64"))]
         let widest = 8;
         let scalar = [(Isa::Scalar, KernelPath::Scalar)];
@@ -225,7 +225,7 @@ fn pass_seconds(cfg: &Config, isa: Isa, path: KernelPath, m: &Operands<'_>, out:
             black_box(&mut *out);
         }),
         #[cfg(target_arch = "x86_64")]
-        KernelPath::Rows => rows_of(x.dot_rows, x.rows),
+        KernelPath::Rows => rows_of(x.dot_rows, k.rows),
         #[cfg(target_arch = "x86_64")]
         KernelPath::Rows4 => rows_of(x.dot_rows4, 4),
         #[cfg(target_arch = "x86_64")]

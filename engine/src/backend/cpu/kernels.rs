@@ -1,8 +1,9 @@
 //! The CPU kernels of each block-quantized format ([`crate::quant`]), selected by format here and nowhere
 //! else: the scalar reference dot (one weight row against 8-bit activation blocks of 32, several per K-quant
 //! block) and, on x86-64, the instances of the one-row, multi-row and token-tile kernels specialized to the
-//! format's block layout (`unpack` decodes a sub-block for them) at each instruction-set level of [`Isa::X86`]. A new format adds one [`QuantKernels`] here
-//! and its `unpack` arm; `simd` and `qgemm` call through the table and need no edit.
+//! format's block layout (`unpack` decodes a sub-block for them) at each instruction-set level of [`Isa::X86`].
+//! A new format adds one [`QuantKernels`] here and its `unpack` arm; `simd` and `qgemm` call through the table
+//! and need no edit.
 
 #[cfg(target_arch = "x86_64")]
 use super::qgemm::{self, Q8x8};
@@ -18,6 +19,11 @@ use crate::tensor::{DType, f16_at};
 pub(super) struct QuantKernels {
     /// Scalar reference: one weight row (whole blocks) against its activation blocks (one per 32 elements).
     pub scalar_dot: fn(w: &[u8], a: &[Q8Block]) -> f32,
+    /// Rows the widest multi-row instance ([`X86Kernels::dot_rows`]) takes: 8, or 4 for the 32-element nibble
+    /// formats, whose 8-row instance runs out of vector registers (measured ~15 % slower per block than 4 rows on
+    /// Q5_0 with AVX2).
+    #[cfg(target_arch = "x86_64")]
+    pub rows: usize,
     /// The x86 instances, one per level of [`Isa::X86`] (AVX2, AVX-VNNI, AVX512-VNNI), all giving the same bits.
     #[cfg(target_arch = "x86_64")]
     pub x86: [X86Kernels; 3],
@@ -36,11 +42,8 @@ impl QuantKernels {
 pub(super) struct X86Kernels {
     /// `simd::x86` `dot_one` for this layout.
     pub dot_one: unsafe fn(w: &[u8], a: &[Q8Block], blocks: usize) -> f32,
-    /// `simd::x86` `dot_rows` for [`Self::rows`] rows: 8, or 4 for the 32-element nibble formats, whose 8-row
-    /// instance runs out of vector registers (measured ~15 % slower per block than 4 rows on Q5_0 with AVX2).
+    /// `simd::x86` `dot_rows` for [`QuantKernels::rows`] rows.
     pub dot_rows: RowsKernel,
-    /// Rows [`Self::dot_rows`] takes.
-    pub rows: usize,
     /// `simd::x86` `dot_rows` for 4 rows.
     pub dot_rows4: RowsKernel,
     /// `qgemm::x86` `dispatch`: one weight row against up to 8 tokens.
@@ -117,6 +120,8 @@ macro_rules! kernels_of {
         QuantKernels {
             scalar_dot: $scalar,
             #[cfg(target_arch = "x86_64")]
+            rows: $rows,
+            #[cfg(target_arch = "x86_64")]
             x86: [
                 instances!(avx2, $tag, $rows),
                 instances!(avx_vnni, $tag, $rows),
@@ -134,7 +139,6 @@ macro_rules! instances {
         X86Kernels {
             dot_one: simd::x86::$level::dot_one::<{ $tag }>,
             dot_rows: simd::x86::$level::dot_rows::<$rows, { $tag }>,
-            rows: $rows,
             dot_rows4: simd::x86::$level::dot_rows::<4, { $tag }>,
             tile: qgemm::x86::$level::dispatch::<{ $tag }>,
         }

@@ -65,13 +65,13 @@ pub unsafe fn rows_by_tokens(
     let (m, blocks) = (acts.tokens, acts.blocks);
     let n = w.len() / row_bytes.max(1);
     // These bounds are what every raw-pointer access below relies on.
-    let k = dtype.is_quantized().then(|| super::kernels::kernels(dtype).x86(isa)).flatten();
     assert!(
         dtype.bytes_for(blocks * QK).is_some_and(|b| row_bytes >= b)
             && acts.groups.len() == m.div_ceil(GROUP) * blocks
             && isa.supported(),
         "qgemm operands do not match"
     );
+    let k = dtype.is_quantized().then(|| super::kernels::kernels(dtype).x86(isa)).flatten();
     let Some(k) = k else { panic!("qgemm has no {} kernels for {dtype}", isa.name()) };
     // Per-block scales of one row × one group, rewritten by every tile (aligned for 256-bit stores): `d_w·d_a`,
     // then, for formats whose halves have their own minimums (Q2_K), `min_w·d_a`.
@@ -88,8 +88,8 @@ pub unsafe fn rows_by_tokens(
                 let tokens = (m - g * GROUP).min(GROUP);
                 let ap = acts.groups[g * blocks..].as_ptr();
                 let op = out.wrapping_add(g * GROUP * token_stride + r);
-                // SAFETY: `isa`'s features were detected; row r lies in `w`, the group's blocks in `acts`, `scales` holds
-                // `2 · blocks` aligned groups of floats (asserted above), and the caller vouches for outputs
+                // SAFETY: `isa`'s features were detected; row r lies in `w`, the group's blocks in `acts`, `scales`
+                // holds `2 · blocks` aligned groups of floats (asserted above), and the caller vouches for outputs
                 // (g·8 + t, r) for t < tokens.
                 unsafe { (k.tile)(tokens, wp, ap, blocks, sc, op, token_stride) }
             }
@@ -108,7 +108,7 @@ struct Align32([f32; GROUP]);
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
     use super::{GROUP, Q8x8};
-    use crate::backend::cpu::simd::x86::{AVX_VNNI, AVX2, AVX512_VNNI, hsum, weighted};
+    use crate::backend::cpu::simd::x86::{AVX_VNNI, AVX2, AVX512_VNNI, accumulate, hsum};
     use crate::backend::cpu::unpack::{
         Q4_0, Q4_1, Q5_0, Q5_1, Sub, block_scales, half_mins, has_offset, signed, sub_offset, subs, unit_mul,
         unpack_with,
@@ -169,9 +169,7 @@ pub(super) mod x86 {
         };
     }
 
-    level!(avx2, AVX2, "avx2,fma,f16c");
-    level!(avx_vnni, AVX_VNNI, "avx2,fma,f16c,avxvnni");
-    level!(avx512_vnni, AVX512_VNNI, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
+    crate::backend::cpu::isa::for_each_level!(level);
 
     /// The f16 at `p` converted and broadcast to eight lanes. A load-broadcast, not an insert into a register:
     /// `_mm_cvtsi32_si128` + insert made every block wait on the previous block's offset sum.
@@ -256,8 +254,8 @@ pub(super) mod x86 {
         }
     }
 
-    /// Token `t`'s share of sub-block `b` in 256-bit lanes: `acc += cvt(Σ w·a)·(d_w·d_a)`, then the half-minimum
-    /// term of `simd::x86::block_dot` in the same order.
+    /// Token `t`'s share of sub-block `b` in 256-bit lanes, with the first pass's scales: `simd::x86::accumulate`,
+    /// as the one-token kernels run it.
     ///
     /// # Safety
     /// As for [`tile`]; `sc` holds the first pass's scales.
@@ -274,15 +272,9 @@ pub(super) mod x86 {
         // SAFETY: forwarded; `sc` holds 2 · blocks · GROUP floats.
         unsafe {
             let av = _mm256_load_si256(ab.qs[t].as_ptr() as *const __m256i);
-            let av = if signed::<Q>() { _mm256_sign_epi8(av, sub.wq) } else { av };
-            let p32 = weighted::<V, Q>(sub.wabs, av, sub.mul);
             let scale = _mm256_broadcast_ss(&*sc.add(b * GROUP + t));
-            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), scale, *acc);
-            if half_mins::<Q>() {
-                let m32 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), av), sub.mins);
-                let scale = _mm256_broadcast_ss(&*sc.add((blocks + b) * GROUP + t));
-                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m32), scale, *acc);
-            }
+            let min_scale = _mm256_broadcast_ss(&*sc.add((blocks + b) * GROUP + t));
+            accumulate::<V, Q>(sub, av, scale, min_scale, acc);
         }
     }
 
@@ -322,7 +314,6 @@ pub(super) mod x86 {
                 // a weight is 0 its magnitude is 0 too, so leaving that activation as it is changes no sum).
                 let negative = if signed::<Q>() { _mm512_movepi8_mask(_mm512_broadcast_i64x4(sub.wq)) } else { 0 };
                 let scales = _mm512_castps256_ps512(_mm256_load_ps(sc.add(b * GROUP)));
-                let min_scales = _mm512_castps256_ps512(_mm256_load_ps(sc.add((blocks + b) * GROUP)));
                 for p in 0..T / 2 {
                     let av = _mm512_loadu_si512(ab.qs[2 * p].as_ptr() as *const __m512i);
                     let av = if signed::<Q>() { _mm512_mask_sub_epi8(av, negative, zero, av) } else { av };
@@ -336,6 +327,7 @@ pub(super) mod x86 {
                     if half_mins::<Q>() {
                         let ones = _mm512_set1_epi8(1);
                         let m32 = _mm512_madd_epi16(_mm512_maddubs_epi16(ones, av), _mm512_broadcast_i64x4(sub.mins));
+                        let min_scales = _mm512_castps256_ps512(_mm256_load_ps(sc.add((blocks + b) * GROUP)));
                         let scale = _mm512_permutexvar_ps(lanes[p], min_scales);
                         acc2[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m32), scale, acc2[p]);
                     }

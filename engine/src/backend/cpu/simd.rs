@@ -1,5 +1,5 @@
-//! Dot-product kernels: a portable scalar version of each (the oracle) and AVX2/FMA/F16C versions picked
-//! at runtime.
+//! Dot-product kernels: a portable scalar version of each (the oracle) and x86 versions picked at runtime (AVX2/
+//! FMA/F16C; the quantized ones also at the VNNI levels of [`Isa::X86`]).
 
 pub use super::isa::Isa;
 use super::kernels::kernels;
@@ -117,10 +117,11 @@ pub fn dot_quant_rows(
 ) {
     #[cfg(target_arch = "x86_64")]
     if let Some(k) = kernels(dtype).x86(isa) {
+        let widest = kernels(dtype).rows;
         let mut r = 0;
         while r < out.len() {
-            let n = if out.len() - r >= k.rows {
-                k.rows
+            let n = if out.len() - r >= widest {
+                widest
             } else if out.len() - r >= 4 {
                 4
             } else {
@@ -280,7 +281,7 @@ pub(super) mod x86 {
     /// # Safety
     /// The CPU has level `V`'s features (the callers are inlined into entry points that enable them).
     #[inline(always)]
-    pub(in crate::backend::cpu) unsafe fn dot4<const V: u8>(w: __m256i, a: __m256i) -> __m256i {
+    unsafe fn dot4<const V: u8>(w: __m256i, a: __m256i) -> __m256i {
         // SAFETY: forwarded.
         unsafe {
             match V {
@@ -297,13 +298,36 @@ pub(super) mod x86 {
     /// # Safety
     /// As for [`dot4`].
     #[inline(always)]
-    pub(in crate::backend::cpu) unsafe fn weighted<const V: u8, const Q: u8>(
-        w: __m256i,
-        a: __m256i,
-        mul: __m256i,
-    ) -> __m256i {
+    unsafe fn weighted<const V: u8, const Q: u8>(w: __m256i, a: __m256i, mul: __m256i) -> __m256i {
         // SAFETY: forwarded.
         unsafe { if unit_mul::<Q>() { dot4::<V>(w, a) } else { _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), mul) } }
+    }
+
+    /// One token's share of one sub-block in 256-bit lanes: `acc += cvt(Σ w·a)·scale`, then for [`half_mins`]
+    /// formats `acc += cvt(Σ_h m_h·Σ_{l∈h} a_l)·min_scale`; `a` is the token's activations as loaded. The one-token
+    /// kernels and the tile (`qgemm::x86`) both take this path, so their results agree bit for bit.
+    ///
+    /// # Safety
+    /// As for [`dot4`].
+    #[inline(always)]
+    pub(in crate::backend::cpu) unsafe fn accumulate<const V: u8, const Q: u8>(
+        w: &Sub,
+        a: __m256i,
+        scale: __m256,
+        min_scale: __m256,
+        acc: &mut __m256,
+    ) {
+        // SAFETY: forwarded.
+        unsafe {
+            // maddubs needs an unsigned operand: for signed weights, move their sign onto a.
+            let a = if signed::<Q>() { _mm256_sign_epi8(a, w.wq) } else { a };
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(weighted::<V, Q>(w.wabs, a, w.mul)), scale, *acc);
+            if half_mins::<Q>() {
+                // Pairs of activations summed by maddubs with ones, then weighted by madd.
+                let m32 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), a), w.mins);
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m32), min_scale, *acc);
+            }
+        }
     }
 
     /// One sub-block's contribution: `acc += d·da·Σ(w·a)`, returning the offset term `min·s`.
@@ -315,15 +339,7 @@ pub(super) mod x86 {
         // SAFETY: level V's features are present; activation blocks hold 32 i8.
         unsafe {
             let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
-            // maddubs needs an unsigned operand: for signed weights, move their sign onto a.
-            let av = if signed::<Q>() { _mm256_sign_epi8(av, w.wq) } else { av };
-            let p32 = weighted::<V, Q>(w.wabs, av, w.mul);
-            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(w.d * ab.d), *acc);
-            if half_mins::<Q>() {
-                // Σ_h m_h·Σ_{l∈h} a_l: pairs of activations summed by maddubs with ones, then weighted by madd.
-                let m32 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), av), w.mins);
-                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m32), _mm256_set1_ps(w.min * ab.d), *acc);
-            }
+            accumulate::<V, Q>(&w, av, _mm256_set1_ps(w.d * ab.d), _mm256_set1_ps(w.min * ab.d), acc);
         }
         if has_offset::<Q>() { w.min * ab.s } else { 0.0 }
     }
@@ -447,9 +463,7 @@ pub(super) mod x86 {
             }
         };
     }
-    level!(avx2, AVX2, "avx2,fma,f16c");
-    level!(avx_vnni, AVX_VNNI, "avx2,fma,f16c,avxvnni");
-    level!(avx512_vnni, AVX512_VNNI, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
+    crate::backend::cpu::isa::for_each_level!(level);
 }
 
 #[cfg(test)]

@@ -102,9 +102,9 @@ unsafe fn half_at(p: *const u8) -> f32 {
     half(unsafe { (p as *const u16).read_unaligned() })
 }
 
-/// The two f16s at `p` and `p + 2`, from one 32-bit load and one conversion: in the one-row kernels a 16-bit
-/// load, insert and conversion per scale cost Q4_1 more than its integer dot (3.7 against 1.65 ns per block and
-/// row, measured with `strata bench --kernels`). Exact, like any f16 to f32 conversion.
+/// The two f16s at `p` and `p + 2`, from one 32-bit load and one conversion. A 16-bit load, insert and
+/// conversion per scale held Q4_1's one-row kernel at 3.7 ns per (row, block) and its decode at 1.9; this takes
+/// them to 1.7–2.2 and 1.3 (`strata bench --kernels`, docs/performance.md). Exact, like any f16 to f32 conversion.
 ///
 /// # Safety
 /// Four readable bytes at `p` (the 32-element formats' blocks start with their scales).
