@@ -175,41 +175,46 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
     let mut engine = Engine::with_kv_dtype(loaded.model, None, kv_tokens, kv_dtype)?;
     let vocab = cfg.vocab_size;
 
-    // Warm up caches and page in the weights.
-    let warm = synthetic_prompt(8, vocab, 99);
-    engine.step(&[SeqChunk { seq_id: 999, start_pos: 0, len: warm.len() }], &warm)?;
-    engine.release(999);
+    // Every step in the backend's context, as a stage's executor runs its batches.
+    let (decode_tokens, batch, prompt_tokens) = (a.decode_tokens, a.batch, a.prompt_tokens);
+    let (prefill_s, decode1_s, decode_b_s) = engine.scoped(|e| -> Result<_> {
+        // Warm up caches and page in the weights.
+        let warm = synthetic_prompt(8, vocab, 99);
+        e.step(&[SeqChunk { seq_id: 999, start_pos: 0, len: warm.len() }], &warm)?;
+        e.release(999);
 
-    // Prefill + batch-1 decode.
-    let prompt = synthetic_prompt(a.prompt_tokens, vocab, 0);
-    let t = Instant::now();
-    let logits = engine.step(&[SeqChunk { seq_id: 0, start_pos: 0, len: prompt.len() }], &prompt)?;
-    let prefill_s = t.elapsed().as_secs_f64();
-    let mut next = argmax(&logits[0]);
-    let t = Instant::now();
-    for i in 0..a.decode_tokens {
-        let l = engine.step(&[SeqChunk { seq_id: 0, start_pos: prompt.len() + i, len: 1 }], &[next])?;
-        next = argmax(&l[0]);
-    }
-    let decode1_s = t.elapsed().as_secs_f64();
-    engine.release(0);
+        // Prefill + batch-1 decode.
+        let prompt = synthetic_prompt(prompt_tokens, vocab, 0);
+        let t = Instant::now();
+        let logits = e.step(&[SeqChunk { seq_id: 0, start_pos: 0, len: prompt.len() }], &prompt)?;
+        let prefill_s = t.elapsed().as_secs_f64();
+        let mut next = argmax(&logits[0]);
+        let t = Instant::now();
+        for i in 0..decode_tokens {
+            let l = e.step(&[SeqChunk { seq_id: 0, start_pos: prompt.len() + i, len: 1 }], &[next])?;
+            next = argmax(&l[0]);
+        }
+        let decode1_s = t.elapsed().as_secs_f64();
+        e.release(0);
 
-    // Batched decode: `batch` sequences with short prompts, stepped together.
-    let short = SHORT_PROMPT;
-    let mut nexts = Vec::new();
-    for s in 0..a.batch {
-        let p = synthetic_prompt(short, vocab, s + 1);
-        let l = engine.step(&[SeqChunk { seq_id: s as u64 + 1, start_pos: 0, len: short }], &p)?;
-        nexts.push(argmax(&l[0]));
-    }
-    let t = Instant::now();
-    for i in 0..a.decode_tokens {
-        let chunks: Vec<SeqChunk> =
-            (0..a.batch).map(|s| SeqChunk { seq_id: s as u64 + 1, start_pos: short + i, len: 1 }).collect();
-        let l = engine.step(&chunks, &nexts)?;
-        nexts = l.iter().map(|r| argmax(r)).collect();
-    }
-    let decode_b_s = t.elapsed().as_secs_f64();
+        // Batched decode: `batch` sequences with short prompts, stepped together.
+        let short = SHORT_PROMPT;
+        let mut nexts = Vec::new();
+        for s in 0..batch {
+            let p = synthetic_prompt(short, vocab, s + 1);
+            let l = e.step(&[SeqChunk { seq_id: s as u64 + 1, start_pos: 0, len: short }], &p)?;
+            nexts.push(argmax(&l[0]));
+        }
+        let t = Instant::now();
+        for i in 0..decode_tokens {
+            let chunks: Vec<SeqChunk> =
+                (0..batch).map(|s| SeqChunk { seq_id: s as u64 + 1, start_pos: short + i, len: 1 }).collect();
+            let l = e.step(&chunks, &nexts)?;
+            nexts = l.iter().map(|r| argmax(r)).collect();
+        }
+        let decode_b_s = t.elapsed().as_secs_f64();
+        Ok((prefill_s, decode1_s, decode_b_s))
+    })?;
 
     let report = Report {
         engine: "strata",

@@ -1,6 +1,9 @@
 //! The machine a benchmark or fault run happened on, recorded beside its numbers (CPUs differ from one run to
 //! the next, and a shared machine's load skews timings).
 
+use std::sync::mpsc::sync_channel;
+use std::time::{Duration, Instant};
+
 use serde::Serialize;
 
 /// The machine a run happened on.
@@ -18,6 +21,45 @@ pub struct Host {
     pub date: String,
     /// The 1, 5 and 15 minute load averages when the run started (other work skews a timing).
     pub load_average: String,
+    /// Median microseconds from one thread's send to a sleeping thread running ([`wake_up_micros`]); only the
+    /// benchmarks that count hand-offs between threads measure it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wake_up_micros: Option<f64>,
+}
+
+/// Median microseconds a thread blocked on a channel takes to run once another thread sends to it, each time after
+/// the sender computed for 1 ms (as an executor does before it hands a batch on, so the woken thread usually runs
+/// on another, idle CPU): what each hand-off between threads costs on this machine, of which a pipeline hop has
+/// several (tens of microseconds on virtual machines, whose idle CPUs halt; a few on bare metal).
+pub fn wake_up_micros() -> f64 {
+    const ROUNDS: usize = 101;
+    let (to_echo, from_main) = sync_channel::<Instant>(1);
+    let (to_main, from_echo) = sync_channel::<Duration>(1);
+    let echo = std::thread::spawn(move || {
+        while let Ok(sent) = from_main.recv() {
+            if to_main.send(sent.elapsed()).is_err() {
+                break;
+            }
+        }
+    });
+    let mut samples = Vec::with_capacity(ROUNDS);
+    for _ in 0..ROUNDS {
+        let busy = Instant::now();
+        while busy.elapsed() < Duration::from_millis(1) {
+            std::hint::spin_loop();
+        }
+        if to_echo.send(Instant::now()).is_err() {
+            break;
+        }
+        match from_echo.recv() {
+            Ok(took) => samples.push(took.as_secs_f64() * 1e6),
+            Err(_) => break,
+        }
+    }
+    drop(to_echo);
+    let _ = echo.join();
+    samples.sort_by(f64::total_cmp);
+    samples.get(samples.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// Flags worth printing (the kernels dispatch on these); the rest of /proc/cpuinfo's list is noise here.
@@ -76,13 +118,15 @@ impl Host {
             load_average: std::fs::read_to_string("/proc/loadavg")
                 .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
                 .unwrap_or_default(),
+            wake_up_micros: None,
         }
     }
 
-    /// One line for a report's header: CPU, flags, load, commit and date.
+    /// One line for a report's header: CPU, flags, load, commit, date and, when measured, the wake-up time.
     pub fn describe(&self) -> String {
+        let wake = self.wake_up_micros.map(|us| format!(", thread wake-up {us:.0} µs (p50)")).unwrap_or_default();
         format!(
-            "{} ({} CPUs; {}), load average {}, commit {}, {}",
+            "{} ({} CPUs; {}), load average {}, commit {}, {}{wake}",
             self.cpu_model,
             self.cpus,
             self.cpu_flags.join(" "),
@@ -104,5 +148,14 @@ mod tests {
         assert_eq!(model, "AMD EPYC 9654 96-Core Processor");
         assert_eq!(flags, ["sse4_2", "avx", "avx2", "fma", "f16c", "avx512f"]);
         assert_eq!(parse_cpuinfo("").0, "unknown");
+    }
+
+    #[test]
+    fn a_wake_up_takes_some_time_and_is_reported() {
+        let us = wake_up_micros();
+        // A send and a context switch are never free; a busy test machine may take long, but not 100 ms.
+        assert!(us > 0.0 && us < 100_000.0, "{us} µs");
+        let host = Host { wake_up_micros: Some(us), ..Host::default() };
+        assert!(host.describe().ends_with(&format!("thread wake-up {us:.0} µs (p50)")), "{}", host.describe());
     }
 }

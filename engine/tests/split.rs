@@ -6,6 +6,7 @@ use anyhow::Result;
 use strata_engine::KvDtype;
 use strata_engine::backend::cpu::{CpuBackend, CpuTensor};
 use strata_engine::config::{Architecture, Llama3RopeScaling, ModelConfig};
+use strata_engine::generate::Engine;
 use strata_engine::loader::ModelFiles;
 use strata_engine::model::{LoadOptions, LogitRows, SeqChunk, StageInput, StageModel};
 use strata_engine::tensor::DType;
@@ -92,6 +93,33 @@ fn split_stages_equal_one_stage_bit_for_bit() -> Result<()> {
             assert_eq!(whole, split, "{name}: cuts {cuts:?} changed the logits");
         }
     }
+    Ok(())
+}
+
+/// Steps taken in the engine's backend context (as a stage's executor and the benchmarks take them) run on the
+/// CPU pool's threads and give the logits of steps handed into the pool one by one.
+#[test]
+fn steps_in_the_backend_context_run_on_the_pool_and_change_nothing() -> Result<()> {
+    let spec = TinySpec { config: tiny_config(), dtype: DType::F32, seed: 9 };
+    let dir = tempfile::tempdir()?;
+    write_hf(dir.path(), &spec, &random_weights(&spec))?;
+    let files = ModelFiles::open(dir.path())?;
+    let mut outputs = Vec::new();
+    for scoped in [false, true] {
+        let model = load(&files, &[], &Arc::new(CpuBackend::new(2)?))?.remove(0);
+        let mut engine = Engine::new(model, None, 64)?;
+        let steps = |e: &mut Engine<CpuBackend>| -> Result<(Vec<Vec<f32>>, Option<String>)> {
+            let mut logits = e.step(&[SeqChunk { seq_id: 0, start_pos: 0, len: 5 }], &[3, 1, 4, 1, 5])?;
+            for (i, next) in [9, 2, 6].into_iter().enumerate() {
+                logits.extend(e.step(&[SeqChunk { seq_id: 0, start_pos: 5 + i, len: 1 }], &[next])?);
+            }
+            Ok((logits, std::thread::current().name().map(str::to_owned)))
+        };
+        let (logits, thread) = if scoped { engine.scoped(steps)? } else { steps(&mut engine)? };
+        assert_eq!(thread.as_deref().is_some_and(|t| t.starts_with("strata-cpu-")), scoped, "ran on {thread:?}");
+        outputs.push(logits);
+    }
+    assert_eq!(outputs[0], outputs[1], "the backend context changed the logits");
     Ok(())
 }
 

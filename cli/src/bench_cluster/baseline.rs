@@ -52,15 +52,19 @@ impl EngineBaseline {
     /// Batch-1 decode latency per token after `prompt`: p50, and the means over the first and last tenth.
     pub fn decode_latency(&mut self, prompt: &[u32], max_tokens: usize) -> Result<SingleProcess> {
         let prompt: Vec<u32> = prompt.iter().map(|&id| id % self.vocab).collect();
-        let logits = self.engine.step(&[SeqChunk { seq_id: 0, start_pos: 0, len: prompt.len() }], &prompt)?;
-        let mut next = argmax(&logits[0]);
-        let mut times = Vec::with_capacity(max_tokens);
-        for i in 0..max_tokens {
-            let t = Instant::now();
-            let l = self.engine.step(&[SeqChunk { seq_id: 0, start_pos: prompt.len() + i, len: 1 }], &[next])?;
-            next = argmax(&l[0]);
-            times.push(t.elapsed().as_secs_f64() * 1e3);
-        }
+        // In the backend's context, as a stage's executor runs its batches.
+        let mut times = self.engine.scoped(|engine| -> Result<Vec<f64>> {
+            let logits = engine.step(&[SeqChunk { seq_id: 0, start_pos: 0, len: prompt.len() }], &prompt)?;
+            let mut next = argmax(&logits[0]);
+            let mut times = Vec::with_capacity(max_tokens);
+            for i in 0..max_tokens {
+                let t = Instant::now();
+                let l = engine.step(&[SeqChunk { seq_id: 0, start_pos: prompt.len() + i, len: 1 }], &[next])?;
+                next = argmax(&l[0]);
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            Ok(times)
+        })?;
         self.engine.release(0);
         Ok(SingleProcess {
             threads: self.threads,
@@ -74,34 +78,39 @@ impl EngineBaseline {
     /// a round's prompts in one step, then `max_tokens - 1` greedy decode steps of the whole round (the first
     /// token comes from the prompt's step, as in serving).
     pub fn workload(&mut self, rounds: &[Vec<Vec<u32>>], max_tokens: usize) -> Result<EngineRate> {
-        let (mut total, mut decode_s, mut tokens, mut decode_tokens) = (0.0, 0.0, 0usize, 0usize);
-        for round in rounds {
-            let mut chunks = Vec::with_capacity(round.len());
-            let mut ids = Vec::new();
-            for (seq, prompt) in round.iter().enumerate() {
-                chunks.push(SeqChunk { seq_id: seq as u64, start_pos: 0, len: prompt.len() });
-                ids.extend(prompt.iter().map(|&id| id % self.vocab));
-            }
-            let start = Instant::now();
-            let logits = self.engine.step(&chunks, &ids)?;
-            let mut next: Vec<u32> = logits.iter().map(|l| argmax(l)).collect();
-            let decode_start = Instant::now();
-            for _ in 1..max_tokens {
-                for c in &mut chunks {
-                    c.start_pos += c.len;
-                    c.len = 1;
+        let vocab = self.vocab;
+        // In the backend's context, as a stage's executor runs its batches.
+        let (total, decode_s, tokens, decode_tokens) = self.engine.scoped(|engine| -> Result<_> {
+            let (mut total, mut decode_s, mut tokens, mut decode_tokens) = (0.0, 0.0, 0usize, 0usize);
+            for round in rounds {
+                let mut chunks = Vec::with_capacity(round.len());
+                let mut ids = Vec::new();
+                for (seq, prompt) in round.iter().enumerate() {
+                    chunks.push(SeqChunk { seq_id: seq as u64, start_pos: 0, len: prompt.len() });
+                    ids.extend(prompt.iter().map(|&id| id % vocab));
                 }
-                let logits = self.engine.step(&chunks, &next)?;
-                next = logits.iter().map(|l| argmax(l)).collect();
+                let start = Instant::now();
+                let logits = engine.step(&chunks, &ids)?;
+                let mut next: Vec<u32> = logits.iter().map(|l| argmax(l)).collect();
+                let decode_start = Instant::now();
+                for _ in 1..max_tokens {
+                    for c in &mut chunks {
+                        c.start_pos += c.len;
+                        c.len = 1;
+                    }
+                    let logits = engine.step(&chunks, &next)?;
+                    next = logits.iter().map(|l| argmax(l)).collect();
+                }
+                decode_s += decode_start.elapsed().as_secs_f64();
+                total += start.elapsed().as_secs_f64();
+                tokens += round.len() * max_tokens;
+                decode_tokens += round.len() * max_tokens.saturating_sub(1);
+                for seq in 0..round.len() {
+                    engine.release(seq as u64);
+                }
             }
-            decode_s += decode_start.elapsed().as_secs_f64();
-            total += start.elapsed().as_secs_f64();
-            tokens += round.len() * max_tokens;
-            decode_tokens += round.len() * max_tokens.saturating_sub(1);
-            for seq in 0..round.len() {
-                self.engine.release(seq as u64);
-            }
-        }
+            Ok((total, decode_s, tokens, decode_tokens))
+        })?;
         let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
         Ok(EngineRate { tokens_per_s: rate(tokens, total), decode_tokens_per_s: rate(decode_tokens, decode_s) })
     }
