@@ -48,6 +48,16 @@ impl<'a> KvView<'a> {
     }
 }
 
+/// A run of up to [`ROWS_PER_TASK`] query rows of sequence `si`, for the query heads `g0..` of KV head `kvh`.
+#[derive(Clone, Copy)]
+struct AttnTask {
+    si: usize,
+    kvh: usize,
+    t0: usize,
+    rows: usize,
+    g0: usize,
+}
+
 /// Runs attention for every (sequence, query head); the cache must already hold the new keys/values.
 /// Each output row depends only on its query and the cached rows it attends to, computed the same way whatever
 /// else is in the batch or how a prompt is chunked.
@@ -57,29 +67,36 @@ pub fn attend(isa: Isa, q: &CpuTensor, cache: &CpuKvLayer, seqs: &[AttnSeq<'_>],
     let q_dim = num_heads * head_dim;
     let scale = 1.0 / (head_dim as f32).sqrt();
     // One task per (sequence, KV head, run of query rows): the query heads sharing a KV head read its rows while
-    // they are in cache.
-    let tasks: Vec<(usize, usize, usize, usize)> = seqs
+    // they are in cache. With fewer such tasks than twice the threads (decoding a small batch: SmolLM2 has 3 KV
+    // heads, so 2 threads would split 2 + 1) an f32 cache's query heads get a task each instead; any other cache
+    // type keeps them together, as each task converts its KV head's rows first.
+    let runs: usize = seqs.iter().map(|s| s.len.div_ceil(ROWS_PER_TASK)).sum::<usize>() * num_kv_heads;
+    let heads = if runs < 2 * rayon::current_num_threads() && cache.as_f32().is_some() { 1 } else { group };
+    let tasks: Vec<AttnTask> = seqs
         .iter()
         .enumerate()
         .flat_map(|(si, s)| {
             (0..num_kv_heads).flat_map(move |kvh| {
-                (0..s.len).step_by(ROWS_PER_TASK).map(move |t0| (si, kvh, t0, (s.len - t0).min(ROWS_PER_TASK)))
+                (0..s.len).step_by(ROWS_PER_TASK).flat_map(move |t0| {
+                    let rows = (s.len - t0).min(ROWS_PER_TASK);
+                    (0..group).step_by(heads).map(move |g0| AttnTask { si, kvh, t0, rows, g0 })
+                })
             })
         })
         .collect();
     let results: Vec<Vec<f32>> = tasks
         .par_iter()
-        .map(|&(si, kvh, t0, n)| {
+        .map(|&AttnTask { si, kvh, t0, rows: n, g0 }| {
             let s = &seqs[si];
             let rows = |kv: &KvView<'_>| {
-                let mut out = vec![0f32; n * group * head_dim];
+                let mut out = vec![0f32; n * heads * head_dim];
                 let mut scores = Vec::with_capacity(s.start_pos + s.len);
                 for t in 0..n {
                     let ctx = s.start_pos + t0 + t + 1;
-                    for g in 0..group {
-                        let h = kvh * group + g;
+                    for g in 0..heads {
+                        let h = kvh * group + g0 + g;
                         let qrow = &q.data[(s.row + t0 + t) * q_dim + h * head_dim..][..head_dim];
-                        let o = &mut out[(t * group + g) * head_dim..][..head_dim];
+                        let o = &mut out[(t * heads + g) * head_dim..][..head_dim];
                         one_head(isa, qrow, kv, ctx, scale, &mut scores, o);
                     }
                 }
@@ -95,11 +112,11 @@ pub fn attend(isa: Isa, q: &CpuTensor, cache: &CpuKvLayer, seqs: &[AttnSeq<'_>],
         })
         .collect();
     let mut data = vec![0f32; q.rows * q_dim];
-    for (&(si, kvh, t0, n), out) in tasks.iter().zip(results) {
+    for (&AttnTask { si, kvh, t0, rows: n, g0 }, out) in tasks.iter().zip(results) {
         let row0 = seqs[si].row + t0;
         for t in 0..n {
-            let dst = &mut data[(row0 + t) * q_dim + kvh * group * head_dim..][..group * head_dim];
-            dst.copy_from_slice(&out[t * group * head_dim..][..group * head_dim]);
+            let dst = &mut data[(row0 + t) * q_dim + (kvh * group + g0) * head_dim..][..heads * head_dim];
+            dst.copy_from_slice(&out[t * heads * head_dim..][..heads * head_dim]);
         }
     }
     CpuTensor { data, rows: q.rows, cols: q_dim }
@@ -281,6 +298,24 @@ mod tests {
                 assert!((a - b).abs() < 1e-5, "head_dim {head_dim}, element {i}: {a} vs {b}");
             }
         }
+    }
+
+    #[test]
+    fn query_heads_split_over_threads_give_the_bits_of_whole_groups() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(14);
+        let shape = AttnShape { num_heads: 9, num_kv_heads: 3, head_dim: 64, block_size: 16 };
+        let (cache, table) = setup(&mut rng, shape, 6);
+        let q = queries(&mut rng, 2, shape);
+        // Two decode rows: 6 (sequence, KV head) tasks, fewer than twice 4 threads (split), not than twice 1.
+        let seqs = [
+            AttnSeq { row: 0, len: 1, start_pos: 40, blocks: &table },
+            AttnSeq { row: 1, len: 1, start_pos: 70, blocks: &table },
+        ];
+        let on = |threads| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
+            pool.install(|| attend(Isa::detect(), &q, &cache, &seqs, shape))
+        };
+        assert!(on(4).data == on(1).data, "splitting a KV head's query heads changed the output");
     }
 
     #[test]
