@@ -127,13 +127,19 @@ fn table(b: &KernelBench) -> String {
     for reason in reasons {
         let _ = writeln!(s, "\nnot run: {reason}");
     }
+    s.push_str(
+        "\nDecode attention (one query row; 9 heads sharing 3 KV heads of 64; f32 cache in 16-token blocks), one thread; ns per (position, head)\n\n| context | isa | ns/position·head |\n|---:|---|---:|\n",
+    );
+    for a in &b.attention {
+        let _ = writeln!(s, "| {} | {} | {:.2} |", a.context, a.isa, a.ns_per_position);
+    }
     s
 }
 
 #[cfg(test)]
 mod tests {
     use clap::Parser;
-    use strata_engine::backend::cpu::kernel_bench::KernelTiming;
+    use strata_engine::backend::cpu::kernel_bench::{AttentionTiming, KernelTiming};
 
     use super::*;
 
@@ -171,9 +177,11 @@ mod tests {
             timings.extend(simd.iter().map(|&p| timing(format, "avx512-vnni", p, not_run.clone())));
             timings.push(timing(format, "scalar", KernelPath::Scalar, ran.clone()));
         }
-        let t = table(&KernelBench { isa: "avx2", rows: 8, cols: 256, samples: 1, timings });
+        let attention = vec![AttentionTiming { context: 256, isa: "avx2", ns_per_position: 0.456 }];
+        let t = table(&KernelBench { isa: "avx2", rows: 8, cols: 256, samples: 1, timings, attention });
         assert!(t.contains("| q8_0 | avx2 | 1.23 | 1.23 (8 rows) | 1.23 | 1.23 | 1.23 | 1.23 | 27.5 |"), "{t}");
         assert!(!t.contains("| avx512-vnni |") && t.matches("| q4_k |").count() == 1, "{t}");
-        assert!(t.ends_with("\nnot run: avx512-vnni: this CPU lacks AVX-512\n"), "{t}");
+        assert!(t.contains("\nnot run: avx512-vnni: this CPU lacks AVX-512\n"), "{t}");
+        assert!(t.ends_with("|---:|---|---:|\n| 256 | avx2 | 0.46 |\n"), "{t}");
     }
 }

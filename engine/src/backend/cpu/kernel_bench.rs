@@ -1,7 +1,8 @@
 //! Single-threaded timings of the quantized dot-product kernels (`strata bench --kernels`): every block format on
 //! every path (one-token decode as the matmul runs it, its multi-row and one-row instances, the 8-token tile of
 //! batched decode and prefill) at every x86 instruction-set level this CPU has (the others reported as not run),
-//! and the scalar oracle, over one random matrix. docs/performance.md's kernel numbers.
+//! and the scalar oracle, over one random matrix; and one decode step's attention at a short and a long context.
+//! docs/performance.md's kernel numbers.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -9,12 +10,15 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
+use super::attention::attend;
 use super::kernels::kernels;
 use super::qgemm::{GROUP, PackedActs};
 use super::simd::{self, Isa, Q8Block, quantize_row};
+use super::{CpuKvLayer, CpuTensor};
+use crate::backend::{AttnSeq, AttnShape};
 use crate::quant::{self, BlockFormat, QK};
 use crate::tensor::DType;
-use crate::{Error, Result};
+use crate::{Error, KvDtype, Result};
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -111,6 +115,22 @@ pub struct KernelBench {
     /// Every selected format, format by format: the SIMD paths of [`PATHS`] at each level of [`Isa::X86`], level by
     /// level, then the scalar path.
     pub timings: Vec<KernelTiming>,
+    /// Decode-step attention at each of [`ATTENTION_CONTEXTS`]: the dispatched level, then the scalar path.
+    pub attention: Vec<AttentionTiming>,
+}
+
+/// Cached positions the decode-step attention is timed against.
+pub const ATTENTION_CONTEXTS: [usize; 2] = [256, 1024];
+
+/// One decode step's attention at one context length.
+#[derive(Debug, Clone, Serialize)]
+pub struct AttentionTiming {
+    /// Cached positions the query attends to.
+    pub context: usize,
+    /// The instruction-set level ([`Isa::name`]).
+    pub isa: &'static str,
+    /// Nanoseconds per (position, query head).
+    pub ns_per_position: f64,
 }
 
 /// Times every selected format on every path, on the calling thread.
@@ -155,7 +175,35 @@ pub fn run(cfg: &Config) -> Result<KernelBench> {
             timings.push(KernelTiming { format: f.name, isa: isa.name(), path, rows_per_call, tokens, outcome });
         }
     }
-    Ok(KernelBench { isa: Isa::detect().name(), rows, cols, samples: cfg.samples, timings })
+    let attention = attention(cfg)?;
+    Ok(KernelBench { isa: Isa::detect().name(), rows, cols, samples: cfg.samples, timings, attention })
+}
+
+/// One query row of SmolLM2's attention (9 heads sharing 3 KV heads of 64) against each of [`ATTENTION_CONTEXTS`]
+/// positions of an f32 cache in 16-token blocks, held in reverse order (a long-running cache's blocks are not in
+/// order), on one thread: the level this CPU dispatches to, then the scalar path.
+fn attention(cfg: &Config) -> Result<Vec<AttentionTiming>> {
+    let shape = AttnShape { num_heads: 9, num_kv_heads: 3, head_dim: 64, block_size: 16 };
+    let one_thread = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .map_err(|e| Error::Device(format!("cannot start a thread for the attention timing: {e}")))?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x6174);
+    let width = shape.num_heads * shape.head_dim;
+    let q = CpuTensor { data: (0..width).map(|_| rng.random_range(-1.0f32..1.0)).collect(), rows: 1, cols: width };
+    let mut timings = Vec::new();
+    for context in ATTENTION_CONTEXTS {
+        let blocks = context.div_ceil(shape.block_size);
+        let cache = CpuKvLayer::new(blocks, shape.block_size, shape.num_kv_heads * shape.head_dim, KvDtype::F32)?;
+        let table: Vec<u32> = (0..blocks as u32).rev().collect();
+        let seqs = [AttnSeq { row: 0, len: 1, start_pos: context - 1, blocks: &table }];
+        for isa in [Isa::detect(), Isa::Scalar] {
+            let s = one_thread.install(|| best_time(cfg, || drop(black_box(attend(isa, &q, &cache, &seqs, shape)))));
+            let ns_per_position = s * 1e9 / (context * shape.num_heads) as f64;
+            timings.push(AttentionTiming { context, isa: isa.name(), ns_per_position });
+        }
+    }
+    Ok(timings)
 }
 
 /// The formats `cfg` names, once its shape is checked against each.
@@ -282,6 +330,10 @@ mod tests {
         let per_format = 3 * (PATHS.len() - 1) + 1;
         assert_eq!((bench.rows, bench.cols, bench.timings.len()), (rows, cols, quant::FORMATS.len() * per_format));
         assert_eq!(bench.isa, Isa::detect().name());
+        let attention: Vec<_> = bench.attention.iter().map(|a| (a.context, a.isa)).collect();
+        let levels = [Isa::detect().name(), Isa::Scalar.name()];
+        assert_eq!(attention, ATTENTION_CONTEXTS.iter().flat_map(|&c| levels.map(|l| (c, l))).collect::<Vec<_>>());
+        assert!(bench.attention.iter().all(|a| a.ns_per_position.is_finite() && a.ns_per_position > 0.0));
         for (i, t) in bench.timings.iter().enumerate() {
             // Format by format, level by level, every path once, in order.
             let (f, j) = (i / per_format, i % per_format);
