@@ -174,7 +174,7 @@ impl<B: Backend> Engine<B> {
 
     /// Runs `f` on this engine in the backend's execution context (the CPU backend's pool), so the steps it
     /// takes run on the thread that called them: a [`Engine::step`] outside it hands its work into the pool and
-    /// waits for it, two thread wake-ups per step (20-150 µs each on the development VMs).
+    /// waits for it, two thread wake-ups per step (50-150 µs each on the development VMs).
     pub fn scoped<R: Send>(&mut self, f: impl FnOnce(&mut Self) -> R + Send) -> R {
         let backend = Arc::clone(self.model.backend());
         backend.scope(|| f(self))

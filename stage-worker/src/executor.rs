@@ -281,7 +281,7 @@ fn wire_dtype(d: HiddenDtype) -> pb::Dtype {
 fn run_contained<B: Backend>(mut exec: Executor<B>, mut rx: mpsc::Receiver<Command>, death: &Death) {
     // The loop itself runs in the backend's execution context (on the CPU, a thread of its pool), so a batch's
     // compute starts and ends on the thread that took it off the queue: handing each batch into the pool and its
-    // result back cost two thread wake-ups per batch (20-150 µs each on the development VMs).
+    // result back cost two thread wake-ups per batch (50-150 µs each on the development VMs).
     let backend = Arc::clone(exec.model.backend());
     let outcome = catch_unwind(AssertUnwindSafe(|| backend.scope(|| exec.run(&mut rx))));
     // Weights and KV cache are freed before the death is announced, so a reload that waits for it has the room.

@@ -71,7 +71,7 @@ pub fn attend(isa: Isa, q: &CpuTensor, cache: &CpuKvLayer, seqs: &[AttnSeq<'_>],
     // heads, so 2 threads would split 2 + 1) an f32 cache's query heads get a task each instead; any other cache
     // type keeps them together, as each task converts its KV head's rows first.
     let runs: usize = seqs.iter().map(|s| s.len.div_ceil(ROWS_PER_TASK)).sum::<usize>() * num_kv_heads;
-    let heads = if runs < 2 * rayon::current_num_threads() && cache.as_f32().is_some() { 1 } else { group };
+    let heads_per_task = if runs < 2 * rayon::current_num_threads() && cache.as_f32().is_some() { 1 } else { group };
     let tasks: Vec<AttnTask> = seqs
         .iter()
         .enumerate()
@@ -79,7 +79,7 @@ pub fn attend(isa: Isa, q: &CpuTensor, cache: &CpuKvLayer, seqs: &[AttnSeq<'_>],
             (0..num_kv_heads).flat_map(move |kvh| {
                 (0..s.len).step_by(ROWS_PER_TASK).flat_map(move |t0| {
                     let rows = (s.len - t0).min(ROWS_PER_TASK);
-                    (0..group).step_by(heads).map(move |g0| AttnTask { si, kvh, t0, rows, g0 })
+                    (0..group).step_by(heads_per_task).map(move |g0| AttnTask { si, kvh, t0, rows, g0 })
                 })
             })
         })
@@ -89,14 +89,14 @@ pub fn attend(isa: Isa, q: &CpuTensor, cache: &CpuKvLayer, seqs: &[AttnSeq<'_>],
         .map(|&AttnTask { si, kvh, t0, rows: n, g0 }| {
             let s = &seqs[si];
             let rows = |kv: &KvView<'_>| {
-                let mut out = vec![0f32; n * heads * head_dim];
+                let mut out = vec![0f32; n * heads_per_task * head_dim];
                 let mut scores = Vec::with_capacity(s.start_pos + s.len);
                 for t in 0..n {
                     let ctx = s.start_pos + t0 + t + 1;
-                    for g in 0..heads {
+                    for g in 0..heads_per_task {
                         let h = kvh * group + g0 + g;
                         let qrow = &q.data[(s.row + t0 + t) * q_dim + h * head_dim..][..head_dim];
-                        let o = &mut out[(t * heads + g) * head_dim..][..head_dim];
+                        let o = &mut out[(t * heads_per_task + g) * head_dim..][..head_dim];
                         one_head(isa, qrow, kv, ctx, scale, &mut scores, o);
                     }
                 }
@@ -115,8 +115,8 @@ pub fn attend(isa: Isa, q: &CpuTensor, cache: &CpuKvLayer, seqs: &[AttnSeq<'_>],
     for (&AttnTask { si, kvh, t0, rows: n, g0 }, out) in tasks.iter().zip(results) {
         let row0 = seqs[si].row + t0;
         for t in 0..n {
-            let dst = &mut data[(row0 + t) * q_dim + (kvh * group + g0) * head_dim..][..heads * head_dim];
-            dst.copy_from_slice(&out[t * heads * head_dim..][..heads * head_dim]);
+            let dst = &mut data[(row0 + t) * q_dim + (kvh * group + g0) * head_dim..][..heads_per_task * head_dim];
+            dst.copy_from_slice(&out[t * heads_per_task * head_dim..][..heads_per_task * head_dim]);
         }
     }
     CpuTensor { data, rows: q.rows, cols: q_dim }

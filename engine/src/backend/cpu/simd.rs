@@ -116,8 +116,10 @@ pub fn dot_quant_rows(
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if let Some(k) = kernels(dtype).x86(isa) {
-        let widest = kernels(dtype).rows;
+    let format = kernels(dtype);
+    #[cfg(target_arch = "x86_64")]
+    if let Some(k) = format.x86(isa) {
+        let widest = format.rows;
         let mut r = 0;
         while r < out.len() {
             let n = if out.len() - r >= widest {
