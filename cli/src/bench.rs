@@ -93,13 +93,16 @@ struct Report {
     decode_tokens_per_s_batch1: f64,
     decode_tokens_per_s_batched: f64,
     peak_rss_bytes: u64,
+    /// Anonymous memory in transparent huge pages: the CPU backend's copied weights, where the system grants them.
+    huge_page_bytes: u64,
 }
 
-fn peak_rss() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
+/// A `key:  N kB` line of a `/proc/self` file, in bytes (0 where absent).
+fn proc_self_kib(file: &str, key: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/self/{file}"))
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).map(str::to_string))
-        .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
+        .and_then(|s| s.lines().find(|l| l.starts_with(key)).map(str::to_string))
+        .and_then(|l| l[key.len()..].split_whitespace().next().and_then(|kb| kb.parse::<u64>().ok()))
         .map_or(0, |kb| kb * 1024)
 }
 
@@ -230,7 +233,8 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         prefill_tokens_per_s: a.prompt_tokens as f64 / prefill_s,
         decode_tokens_per_s_batch1: a.decode_tokens as f64 / decode1_s,
         decode_tokens_per_s_batched: (a.decode_tokens * a.batch) as f64 / decode_b_s,
-        peak_rss_bytes: peak_rss(),
+        peak_rss_bytes: proc_self_kib("status", "VmHWM:"),
+        huge_page_bytes: proc_self_kib("smaps_rollup", "AnonHugePages:"),
     };
     if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -269,6 +273,7 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         base("decode_tokens_per_s_batch8")
     );
     println!("| peak RSS MiB | {:.1} | - |", report.peak_rss_bytes as f64 / 1048576.0);
+    println!("| in huge pages MiB | {:.1} | - |", report.huge_page_bytes as f64 / 1048576.0);
     println!("| load s | {:.2} | - |", report.load_seconds);
     eprintln!("wrote {}", out.display());
     Ok(())

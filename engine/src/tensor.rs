@@ -1,5 +1,5 @@
-//! Host-side tensors as read from model files: an element type, a shape and bytes that are either
-//! borrowed from a memory map (zero-copy) or owned.
+//! Host-side tensors as read from model files: an element type, a shape and bytes that are borrowed from a
+//! memory map (zero-copy), owned, or a window of a shared anonymous mapping (the CPU backend's weight arena).
 
 use std::fmt;
 use std::io::Write;
@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use half::{bf16, f16};
-use memmap2::Mmap;
+use memmap2::{Mmap, MmapRaw};
 
 use crate::quant;
 use crate::{Error, Result};
@@ -113,6 +113,15 @@ pub enum Bytes {
         /// Length in bytes.
         len: usize,
     },
+    /// A window of an anonymous mapping shared by many tensors; build it with [`Bytes::arena`].
+    Arena {
+        /// The mapping (kept alive by this reference).
+        map: Arc<MmapRaw>,
+        /// Start of the window.
+        offset: usize,
+        /// Length of the window.
+        len: usize,
+    },
 }
 
 impl Bytes {
@@ -132,18 +141,30 @@ impl Bytes {
         }
     }
 
+    /// A window of `map` that has been written and is never written again.
+    ///
+    /// # Safety
+    /// `offset..offset + len` must lie inside `map`, hold initialized bytes, and not be written through any
+    /// pointer for as long as the returned value (or a clone) lives; other windows of `map` may be.
+    pub unsafe fn arena(map: Arc<MmapRaw>, offset: usize, len: usize) -> Self {
+        debug_assert!(offset.checked_add(len).is_some_and(|end| end <= map.len()));
+        Bytes::Arena { map, offset, len }
+    }
+
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
         match self {
             Bytes::Mapped { map, offset, len } => &map[*offset..*offset + *len],
             Bytes::Owned { words, len } => &bytemuck::cast_slice::<u32, u8>(words)[..*len],
+            // SAFETY: `Bytes::arena`'s contract: the window is inside the live map, written, and frozen.
+            Bytes::Arena { map, offset, len } => unsafe { std::slice::from_raw_parts(map.as_ptr().add(*offset), *len) },
         }
     }
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
         match self {
-            Bytes::Mapped { len, .. } | Bytes::Owned { len, .. } => *len,
+            Bytes::Mapped { len, .. } | Bytes::Owned { len, .. } | Bytes::Arena { len, .. } => *len,
         }
     }
 
@@ -152,7 +173,7 @@ impl Bytes {
         self.len() == 0
     }
 
-    /// Tells the kernel how the pages of a mapped window will be used; owned bytes are left as they are.
+    /// Tells the kernel how the pages of a mapped window will be used; other bytes are left as they are.
     /// `DontNeed` drops the window's pages from this process's resident set: the map is read-only, so the next
     /// read faults them in again from the file (or the page cache). Pages shared with a neighbouring tensor are
     /// dropped too, which costs that tensor a fault, never its contents.
@@ -172,11 +193,11 @@ impl Bytes {
     }
 
     /// The same bytes backed by a file, so their pages can leave memory ([`Bytes::advise`]): a mapped window as
-    /// it is, owned bytes written to an unnamed temporary file in `dir` (gone when the last map of it is).
+    /// it is, other bytes written to an unnamed temporary file in `dir` (gone when the last map of it is).
     pub fn spill(&self, dir: &Path) -> Result<Bytes> {
-        let Bytes::Owned { len: 1.., .. } = self else {
+        if matches!(self, Bytes::Mapped { .. }) || self.is_empty() {
             return Ok(self.clone());
-        };
+        }
         let io = |e| Error::io(dir, e);
         let mut file = tempfile::tempfile_in(dir).map_err(io)?;
         file.write_all(self.as_slice()).map_err(io)?;
@@ -200,6 +221,7 @@ impl fmt::Debug for Bytes {
         match self {
             Bytes::Mapped { len, .. } => write!(f, "Mapped({len} bytes)"),
             Bytes::Owned { len, .. } => write!(f, "Owned({len} bytes)"),
+            Bytes::Arena { len, .. } => write!(f, "Arena({len} bytes)"),
         }
     }
 }

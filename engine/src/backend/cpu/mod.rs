@@ -2,6 +2,7 @@
 //! private thread pool.
 //! It is the reference every other backend and the distributed path are checked against.
 
+mod arena;
 mod attention;
 mod isa;
 pub mod kernel_bench;
@@ -56,6 +57,8 @@ pub struct CpuBackend {
     pool: rayon::ThreadPool,
     threads: usize,
     isa: Isa,
+    /// Where resident weights are copied; `None` where the system grants no transparent huge pages.
+    arena: Option<arena::WeightArena>,
 }
 
 impl CpuBackend {
@@ -68,7 +71,7 @@ impl CpuBackend {
             .thread_name(|i| format!("strata-cpu-{i}"))
             .build()
             .map_err(|e| Error::Device(format!("cannot start CPU thread pool: {e}")))?;
-        Ok(CpuBackend { pool, threads, isa: Isa::detect() })
+        Ok(CpuBackend { pool, threads, isa: Isa::detect(), arena: arena::WeightArena::if_supported() })
     }
 
     /// The same backend restricted to portable scalar kernels (for testing the SIMD ones).
@@ -80,6 +83,14 @@ impl CpuBackend {
     pub fn threads(&self) -> usize {
         self.threads
     }
+}
+
+/// `t`'s shape and type over `bytes` (its own or a copy).
+fn cpu_matrix(t: &HostTensor, bytes: Bytes) -> Result<CpuMatrix> {
+    if t.shape.len() != 2 {
+        return Err(Error::Shape { op: "upload_matrix", reason: format!("expected 2-D, got {:?}", t.shape) });
+    }
+    Ok(CpuMatrix { rows: t.shape[0], cols: t.shape[1], dtype: t.dtype, bytes })
 }
 
 fn same_shape(op: &'static str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
@@ -118,11 +129,16 @@ impl Backend for CpuBackend {
         self.pool.install(f)
     }
 
+    /// Resident weights are copied into huge pages where the system has them ([`arena`]).
     fn upload_matrix(&self, t: &HostTensor) -> Result<CpuMatrix> {
-        if t.shape.len() != 2 {
-            return Err(Error::Shape { op: "upload_matrix", reason: format!("expected 2-D, got {:?}", t.shape) });
-        }
-        Ok(CpuMatrix { rows: t.shape[0], cols: t.shape[1], dtype: t.dtype, bytes: t.bytes.clone() })
+        let m = cpu_matrix(t, t.bytes.clone())?;
+        let Some(arena) = &self.arena else {
+            return Ok(m);
+        };
+        let bytes = arena.copy(t.bytes.as_slice())?;
+        // The file's pages are not read again: let them leave this process's resident set.
+        t.bytes.advise(Paging::DontNeed)?;
+        Ok(CpuMatrix { bytes, ..m })
     }
 
     fn upload_vector(&self, v: &[f32]) -> Result<Vec<f32>> {
@@ -143,8 +159,7 @@ impl Backend for CpuBackend {
     /// ones converted at load (no file holds them in that form) are first written to a temporary file in
     /// `TMPDIR`.
     fn upload_matrix_offloaded(&self, t: &HostTensor) -> Result<CpuMatrix> {
-        let spilled = HostTensor { bytes: t.bytes.spill(&std::env::temp_dir())?, ..t.clone() };
-        self.upload_matrix(&spilled)
+        cpu_matrix(t, t.bytes.spill(&std::env::temp_dir())?)
     }
 
     /// Starts reading the next offloaded layer's pages while this one runs.
@@ -301,5 +316,31 @@ impl Backend for CpuBackend {
             data.extend_from_slice(&x.data[r * x.cols..(r + 1) * x.cols]);
         }
         Ok(CpuTensor { data, rows: rows.len(), cols: x.cols })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resident_weights_are_copied_into_the_arena_and_offloaded_ones_are_not() -> Result<()> {
+        let values: Vec<f32> = (0..64 * 32).map(|i| i as f32 * 0.5).collect();
+        let t =
+            HostTensor { dtype: DType::F32, shape: vec![64, 32], bytes: Bytes::owned(bytemuck::cast_slice(&values)) };
+        let x = CpuTensor { data: (0..32).map(|i| i as f32).collect(), rows: 1, cols: 32 };
+        let mut outputs = Vec::new();
+        for arena in [None, Some(arena::WeightArena::new())] {
+            let with_arena = arena.is_some();
+            let be = CpuBackend { arena, ..CpuBackend::new(2)? };
+            let m = be.upload_matrix(&t)?;
+            assert_eq!(matches!(m.bytes, Bytes::Arena { .. }), with_arena, "{:?}", m.bytes);
+            assert!(m.bytes.as_slice() == t.bytes.as_slice());
+            let off = be.upload_matrix_offloaded(&t)?;
+            assert!(matches!(off.bytes, Bytes::Mapped { .. }), "offloaded weights stay file-backed: {:?}", off.bytes);
+            outputs.push(be.linear(&x, &m, None)?);
+        }
+        assert_eq!(outputs[0], outputs[1]);
+        Ok(())
     }
 }
