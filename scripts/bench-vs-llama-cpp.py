@@ -3,7 +3,9 @@
 
 Runs `strata bench` and llama.cpp's `llama-bench` / `llama-batched-bench` alternately, REPS times each, so both
 engines see the same machine conditions, then prints a markdown table of medians and writes JSON (with the CPU
-model, its SIMD flags and the load average before and after).
+model, its SIMD flags, the load average before and after, and each run's steal time: the share of CPU the hypervisor
+gave other guests meanwhile, /proc/stat). Besides the medians it prints the median of the per-repetition ratios, over
+all repetitions and over those with under 2 % steal on both sides.
 
   scripts/bench-vs-llama-cpp.py [--model GGUF] [--quantize Q4_K_M] [--build] [--threads 2] [--reps 3]
                                 [--strata target/release/strata] [--wait-idle SECS] [--out target/bench/compare.json]
@@ -95,6 +97,20 @@ def wait_idle():
     waits.append({"waited_s": round(time.time() - start, 1), "idle": idle, "loadavg": loadavg()})
 
 
+def cpu_times():
+    return [int(x) for x in open("/proc/stat").readline().split()[1:]]
+
+
+def with_steal(run):
+    """run()'s result plus `steal_pct`: the share of CPU time the hypervisor gave to other guests meanwhile
+    (/proc/stat's steal column). On a shared VM it is the clearest sign that a neighbour slowed a run down."""
+    before = cpu_times()
+    res = run()
+    delta = [b - a for a, b in zip(before, cpu_times())]
+    res["steal_pct"] = 100.0 * delta[7] / max(sum(delta), 1) if len(delta) > 7 else None
+    return res
+
+
 def strata_once():
     wait_idle()
     out = "target/bench/strata-rep.json"
@@ -103,7 +119,8 @@ def strata_once():
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     r = json.load(open(out))
     return {"prefill": r["prefill_tokens_per_s"], "decode1": r["decode_tokens_per_s_batch1"],
-            "decode8": r["decode_tokens_per_s_batched"], "rss_mib": r["peak_rss_bytes"] / 2**20}
+            "decode8": r["decode_tokens_per_s_batched"], "rss_mib": r["peak_rss_bytes"] / 2**20,
+            "huge_page_mib": r.get("huge_page_bytes", 0) / 2**20}
 
 
 def llama_once():
@@ -137,8 +154,8 @@ def batched_tg(npp, npl):
 load_before = loadavg()
 runs = {"strata": [], "llama.cpp": []}
 for i in range(a.reps):
-    runs["strata"].append(strata_once())
-    runs["llama.cpp"].append(llama_once())
+    runs["strata"].append(with_steal(strata_once))
+    runs["llama.cpp"].append(with_steal(llama_once))
     print(f"rep {i + 1}/{a.reps}: strata {runs['strata'][-1]}  llama.cpp {runs['llama.cpp'][-1]}", file=sys.stderr)
 
 
@@ -147,10 +164,34 @@ def med(engine, key):
     return statistics.median(vals) if vals else None
 
 
+QUIET_STEAL_PCT = 2.0
+KEYS = ("prefill", "decode1", "decode8")
+
+
+def rep_ratios(key, max_steal=None):
+    """strata / llama.cpp per repetition; with max_steal, only repetitions where both sides had less steal."""
+    out = []
+    for s, l in zip(runs["strata"], runs["llama.cpp"]):
+        if not (s.get(key) and l.get(key)):
+            continue
+        if max_steal is not None and max(s.get("steal_pct") or 0, l.get("steal_pct") or 0) >= max_steal:
+            continue
+        out.append(s[key] / l[key])
+    return out
+
+
+def ratio_summary(max_steal=None):
+    per_key = {k: rep_ratios(k, max_steal) for k in KEYS}
+    return {"repetitions": len(per_key["decode1"]),
+            "median": {k: statistics.median(v) if v else None for k, v in per_key.items()}}
+
+
 report = {"model": model, "quantize": a.quantize, "strata": strata, "threads": a.threads, "reps": a.reps,
           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu": cpu_info(),
           "loadavg_before": load_before, "loadavg": loadavg(), "runs": runs, "idle_waits": waits,
-          "median": {e: {k: med(e, k) for k in ("prefill", "decode1", "decode8", "decode1_depth0")} for e in runs}}
+          "median": {e: {k: med(e, k) for k in ("prefill", "decode1", "decode8", "decode1_depth0")} for e in runs},
+          "ratio_per_repetition": ratio_summary(),
+          f"ratio_per_repetition_steal_below_{QUIET_STEAL_PCT:g}pct": ratio_summary(QUIET_STEAL_PCT)}
 os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
 json.dump(report, open(a.out, "w"), indent=2)
 fmt = lambda v: "-" if v is None else f"{v:.1f}"
@@ -165,5 +206,14 @@ for key, name in (("prefill", "prefill tok/s (128-token prompt)"), ("decode1", "
     print(f"| {name} | {fmt(s)} | {fmt(l)} | {fmt(s / l if s and l else None)}x |")
 print(f"| llama.cpp decode tok/s from an empty cache (llama-bench -n 128) | - | {fmt(med('llama.cpp', 'decode1_depth0'))} | |")
 print(f"| peak RSS MiB | {fmt(med('strata', 'rss_mib'))} | - | |")
+print()
+for label, summary in (("all repetitions", ratio_summary()),
+                       (f"repetitions with < {QUIET_STEAL_PCT:g} % steal on both sides", ratio_summary(QUIET_STEAL_PCT))):
+    m = summary["median"]
+    print(f"strata / llama.cpp per repetition, median over {label} ({summary['repetitions']}): prefill "
+          f"{fmt(m['prefill'] and m['prefill'] * 100)} %, decode batch 1 {fmt(m['decode1'] and m['decode1'] * 100)} %, "
+          f"8 sequences {fmt(m['decode8'] and m['decode8'] * 100)} %")
+print("steal % per repetition (strata, llama.cpp): " + ", ".join(
+    f"{fmt(s.get('steal_pct'))}/{fmt(l.get('steal_pct'))}" for s, l in zip(runs["strata"], runs["llama.cpp"])))
 print()
 print(f"load average before: {' '.join(load_before)}, at the end: {' '.join(report['loadavg'])}; JSON: {a.out}")
