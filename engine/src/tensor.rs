@@ -113,15 +113,34 @@ pub enum Bytes {
         /// Length in bytes.
         len: usize,
     },
-    /// A window of an anonymous mapping shared by many tensors; build it with [`Bytes::arena`].
-    Arena {
-        /// The mapping (kept alive by this reference).
-        map: Arc<MmapRaw>,
-        /// Start of the window.
-        offset: usize,
-        /// Length of the window.
-        len: usize,
-    },
+    /// A window of an anonymous mapping shared by many tensors (the CPU backend's weight arena).
+    Arena(ArenaWindow),
+}
+
+/// A written, frozen window of a shared anonymous mapping; only [`ArenaWindow::new`] makes one, so a window
+/// always lies inside its map.
+#[derive(Clone)]
+pub struct ArenaWindow {
+    map: Arc<MmapRaw>,
+    offset: usize,
+    len: usize,
+}
+
+impl ArenaWindow {
+    /// Bytes `offset..offset + len` of `map`.
+    ///
+    /// # Safety
+    /// The range must lie inside `map`, hold initialized bytes, and not be written through any pointer for as long
+    /// as the window (or a clone) lives; other ranges of `map` may be.
+    pub(crate) unsafe fn new(map: Arc<MmapRaw>, offset: usize, len: usize) -> Self {
+        debug_assert!(offset.checked_add(len).is_some_and(|end| end <= map.len()));
+        ArenaWindow { map, offset, len }
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: `new`'s contract: the range is inside the live map, written, and frozen.
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(self.offset), self.len) }
+    }
 }
 
 impl Bytes {
@@ -141,30 +160,19 @@ impl Bytes {
         }
     }
 
-    /// A window of `map` that has been written and is never written again.
-    ///
-    /// # Safety
-    /// `offset..offset + len` must lie inside `map`, hold initialized bytes, and not be written through any
-    /// pointer for as long as the returned value (or a clone) lives; other windows of `map` may be.
-    pub unsafe fn arena(map: Arc<MmapRaw>, offset: usize, len: usize) -> Self {
-        debug_assert!(offset.checked_add(len).is_some_and(|end| end <= map.len()));
-        Bytes::Arena { map, offset, len }
-    }
-
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
         match self {
             Bytes::Mapped { map, offset, len } => &map[*offset..*offset + *len],
             Bytes::Owned { words, len } => &bytemuck::cast_slice::<u32, u8>(words)[..*len],
-            // SAFETY: `Bytes::arena`'s contract: the window is inside the live map, written, and frozen.
-            Bytes::Arena { map, offset, len } => unsafe { std::slice::from_raw_parts(map.as_ptr().add(*offset), *len) },
+            Bytes::Arena(window) => window.as_slice(),
         }
     }
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
         match self {
-            Bytes::Mapped { len, .. } | Bytes::Owned { len, .. } | Bytes::Arena { len, .. } => *len,
+            Bytes::Mapped { len, .. } | Bytes::Owned { len, .. } | Bytes::Arena(ArenaWindow { len, .. }) => *len,
         }
     }
 
@@ -221,7 +229,7 @@ impl fmt::Debug for Bytes {
         match self {
             Bytes::Mapped { len, .. } => write!(f, "Mapped({len} bytes)"),
             Bytes::Owned { len, .. } => write!(f, "Owned({len} bytes)"),
-            Bytes::Arena { len, .. } => write!(f, "Arena({len} bytes)"),
+            Bytes::Arena(w) => write!(f, "Arena({} bytes)", w.len),
         }
     }
 }

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use memmap2::{Advice, MmapOptions, MmapRaw};
 
-use crate::tensor::Bytes;
+use crate::tensor::{ArenaWindow, Bytes};
 use crate::{Error, Result};
 
 /// A transparent huge page on x86-64 and (with 4 KiB base pages) arm64.
@@ -67,8 +67,8 @@ impl WeightArena {
         // over it exists yet, and other threads only write their own reserved windows.
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr(), map.as_mut_ptr().add(offset), src.len());
-            // SAFETY: written just above and never written again; the map lives as long as the returned value.
-            Ok(Bytes::arena(map, offset, src.len()))
+            // SAFETY: written just above and never written again; the window holds the map alive.
+            Ok(Bytes::Arena(ArenaWindow::new(map, offset, src.len())))
         }
     }
 }
@@ -107,7 +107,7 @@ mod tests {
             sizes.iter().enumerate().map(|(i, &n)| (0..n).map(|j| (i * 31 + j * 7) as u8).collect()).collect();
         let copies = srcs.iter().map(|s| arena.copy(s)).collect::<Result<Vec<_>>>()?;
         for (src, copy) in srcs.iter().zip(&copies) {
-            assert!(matches!(copy, Bytes::Arena { .. }), "{copy:?}");
+            assert!(matches!(copy, Bytes::Arena(_)), "{copy:?}");
             assert!(copy.as_slice() == src.as_slice(), "{} bytes changed", src.len());
             assert!((copy.as_slice().as_ptr() as usize).is_multiple_of(ALIGN));
         }
