@@ -14,6 +14,8 @@ both `strata bench` runs (e.g. `-- --batch 4 --prompt-tokens 512`).
 """
 import argparse, json, os, statistics, subprocess, sys, time
 
+from bench_host import STEAL, cpu_info, cpu_times, loadavg, share
+
 cache = os.environ.get("STRATA_CACHE", "/var/cache/strata")
 ap = argparse.ArgumentParser()
 ap.add_argument("a")
@@ -29,37 +31,21 @@ METRICS = {"prefill": "prefill_tokens_per_s", "decode1": "decode_tokens_per_s_ba
            "decode_batched": "decode_tokens_per_s_batched"}
 
 
-def cpu_info():
-    model, flags = None, []
-    for line in open("/proc/cpuinfo"):
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and model is None:
-            model = value.strip()
-        if key.strip() == "flags" and not flags:
-            flags = value.split()
-    return {"model": model, "cpus": os.cpu_count(),
-            "simd_flags": sorted(f for f in flags if f.startswith(("avx", "fma", "f16c", "vnni", "amx")))}
-
-
-def cpu_times():
-    return [int(x) for x in open("/proc/stat").readline().split()[1:]]
-
-
 def once(binary):
     out = os.path.join(os.path.dirname(args.out) or ".", "ab-run.json")
     before = cpu_times()
     subprocess.run([binary, "bench", "--model", args.model, "--threads", str(args.threads), "--out", out,
                     *args.bench_args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    delta = [b - a for a, b in zip(before, cpu_times())]
+    steal = share(before, cpu_times(), STEAL)
     report = json.load(open(out))
     res = {name: report[key] for name, key in METRICS.items()}
     # The share of CPU time the hypervisor gave other guests during the run (/proc/stat's steal column).
-    res["steal_pct"] = 100.0 * delta[7] / max(sum(delta), 1) if len(delta) > 7 else 0.0
+    res["steal_pct"] = 0.0 if steal is None else 100.0 * steal
     return res
 
 
 os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-load_before = open("/proc/loadavg").read().split()[:3]
+load_before = loadavg()
 runs = {"a": [], "b": []}
 for i in range(args.reps):
     for side in ("a", "b") if i % 2 == 0 else ("b", "a"):
@@ -79,7 +65,7 @@ for name in METRICS:
                      "quiet_ratio_median": statistics.median(quiet) if quiet else None, "quiet_rounds": len(quiet)}
 report = {"a": args.a, "b": args.b, "model": args.model, "threads": args.threads, "reps": args.reps,
           "bench_args": args.bench_args, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-          "cpu": cpu_info(), "loadavg_before": load_before, "loadavg": open("/proc/loadavg").read().split()[:3],
+          "cpu": cpu_info(), "loadavg_before": load_before, "loadavg": loadavg(),
           "runs": runs, "summary": summary}
 json.dump(report, open(args.out, "w"), indent=2)
 print(f"A = {args.a}, B = {args.b}; {os.path.basename(args.model)}, {args.threads} threads, {args.reps} interleaved "

