@@ -1,7 +1,7 @@
 //! Resident weights copied into anonymous memory backed by transparent huge pages.
 //!
 //! Why: a decode step streams every weight once, and a mapped model file sits in 4 KiB page-cache pages, so
-//! the kernels take a TLB miss every 4 KiB (25,000 per token for SmolLM2-135M's 96 MB). Copied into 2 MiB
+//! the kernels take a TLB miss every 4 KiB (~24,000 per token for SmolLM2-135M's 96 MB). Copied into 2 MiB
 //! pages they take one per 2 MiB. Most tensors are far smaller than 2 MiB, so they are packed one after another
 //! into shared chunks, each advised `MADV_HUGEPAGE` and aligned to 2 MiB. Measured in docs/performance.md.
 //!
@@ -54,11 +54,10 @@ impl WeightArena {
         }
         let (map, offset) = {
             let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
-            let fits = current.as_ref().is_some_and(|c| c.next + src.len() <= c.map.len());
-            if !fits {
-                *current = Some(Chunk::new(src.len())?);
-            }
-            let chunk = current.as_mut().ok_or_else(|| Error::Device("weight arena: no chunk".into()))?;
+            let chunk = match &mut *current {
+                Some(chunk) if chunk.next + src.len() <= chunk.map.len() => chunk,
+                slot => slot.insert(Chunk::new(src.len())?),
+            };
             let offset = chunk.next;
             chunk.next = (offset + src.len()).next_multiple_of(ALIGN);
             (Arc::clone(&chunk.map), offset)
