@@ -8,7 +8,11 @@ gave other guests meanwhile, /proc/stat). Besides the medians it prints the medi
 all repetitions and over those with under 2 % steal on both sides.
 
   scripts/bench-vs-llama-cpp.py [--model GGUF] [--quantize Q4_K_M] [--build] [--threads 2] [--reps 3]
-                                [--strata target/release/strata] [--wait-idle SECS] [--out target/bench/compare.json]
+                                [--kv-dtype f16] [--strata target/release/strata] [--wait-idle SECS]
+                                [--out target/bench/compare.json]
+
+--kv-dtype sets the KV cache type of both engines (strata's --kv-dtype, llama.cpp's -ctk/-ctv); the default, f16, is
+llama.cpp's own default (strata's CPU default is f32, which reads twice the bytes per cached token).
 
 --quantize TYPE makes (once, cached beside the model as NAME.TYPE.gguf) a file of llama.cpp's type TYPE from
 --model with `llama-quantize --allow-requantize` and benchmarks that file instead: both engines run the very
@@ -30,6 +34,7 @@ ap.add_argument("--quantize", metavar="TYPE", help="llama.cpp file type to requa
 ap.add_argument("--build", action="store_true", help="build strata in release first and use that binary")
 ap.add_argument("--threads", type=int, default=2)
 ap.add_argument("--reps", type=int, default=3)
+ap.add_argument("--kv-dtype", default="f16", choices=["f16", "bf16", "f32"], help="KV cache type of both engines")
 ap.add_argument("--strata", default=None, help="strata binary (default: $CARGO_TARGET_DIR/release/strata)")
 ap.add_argument("--wait-idle", type=float, default=0, metavar="SECS")
 ap.add_argument("--out", default="target/bench/compare.json")
@@ -94,7 +99,8 @@ def strata_once():
     wait_idle()
     out = "target/bench/strata-rep.json"
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    subprocess.run([strata, "bench", "--model", model, "--threads", str(a.threads), "--out", out],
+    subprocess.run([strata, "bench", "--model", model, "--threads", str(a.threads), "--kv-dtype", a.kv_dtype,
+                    "--out", out],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     r = json.load(open(out))
     return {"prefill": r["prefill_tokens_per_s"], "decode1": r["decode_tokens_per_s_batch1"],
@@ -105,7 +111,8 @@ def strata_once():
 def llama_once():
     wait_idle()
     p = subprocess.run([llama_bench, "-m", model, "-t", str(a.threads), "-p", "128", "-n", "128", "-r", "1",
-                        "-o", "json"], check=True, capture_output=True, text=True)
+                        "-ctk", a.kv_dtype, "-ctv", a.kv_dtype, "-o", "json"], check=True, capture_output=True,
+                       text=True)
     rows = json.loads(p.stdout)
     res = {}
     for r in rows:
@@ -120,7 +127,8 @@ def llama_once():
 
 def batched_tg(npp, npl):
     p = subprocess.run([batched, "-m", model, "-t", str(a.threads), "-tb", str(a.threads), "-c", "4096",
-                        "-npp", str(npp), "-ntg", "128", "-npl", str(npl), "--output-format", "jsonl"],
+                        "-npp", str(npp), "-ntg", "128", "-npl", str(npl), "-ctk", a.kv_dtype, "-ctv", a.kv_dtype,
+                        "--output-format", "jsonl"],
                        capture_output=True, text=True)
     for line in p.stdout.splitlines():
         if line.startswith("{"):
@@ -165,7 +173,8 @@ def ratio_summary(max_steal=None):
             "median": {k: statistics.median(v) if v else None for k, v in per_key.items()}}
 
 
-report = {"model": model, "quantize": a.quantize, "strata": strata, "threads": a.threads, "reps": a.reps,
+report = {"model": model, "quantize": a.quantize, "strata": strata, "threads": a.threads, "kv_dtype": a.kv_dtype,
+          "reps": a.reps,
           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu": cpu_info(),
           "loadavg_before": load_before, "loadavg": loadavg(), "runs": runs, "idle_waits": waits,
           "median": {e: {k: med(e, k) for k in ("prefill", "decode1", "decode8", "decode1_depth0")} for e in runs},
@@ -174,7 +183,8 @@ report = {"model": model, "quantize": a.quantize, "strata": strata, "threads": a
 os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
 json.dump(report, open(a.out, "w"), indent=2)
 fmt = lambda v: "-" if v is None else f"{v:.1f}"
-print(f"{os.path.basename(model)}, {a.threads} threads, median of {a.reps} interleaved repetitions, {report['time']}")
+print(f"{os.path.basename(model)}, {a.threads} threads, KV {a.kv_dtype} on both, median of {a.reps} interleaved "
+      f"repetitions, {report['time']}")
 print(f"CPU: {report['cpu']['model']} ({report['cpu']['cpus']} CPUs; {' '.join(report['cpu']['simd_flags'])})")
 print()
 print("| metric | strata | llama.cpp | strata / llama.cpp |")

@@ -134,6 +134,10 @@ pub struct ModelConfig {
     pub rope_theta: f64,
     /// Optional llama3 RoPE frequency scaling.
     pub rope_scaling: Option<Llama3RopeScaling>,
+    /// Per-frequency RoPE divisors (`head_dim / 2` of them): inverse frequency `j` is divided by entry `j`. This is
+    /// how llama.cpp's GGUFs carry RoPE scaling (`rope_freqs.weight` for llama3, a constant for linear).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_freq_factors: Option<Vec<f32>>,
     /// Whether `lm_head` reuses the embedding matrix.
     pub tie_word_embeddings: bool,
     /// Whether q/k/v projections carry a bias.
@@ -233,6 +237,7 @@ impl ModelConfig {
             rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
             rope_theta: raw.rope_theta.unwrap_or(10000.0),
             rope_scaling,
+            rope_freq_factors: None,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             // Qwen2 always has q/k/v biases (its config rarely says so); Qwen3 says `attention_bias` when it has them.
             attention_bias: raw.attention_bias.unwrap_or(architecture == Architecture::Qwen2),
@@ -259,6 +264,19 @@ impl ModelConfig {
         if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim {} must be even and positive", self.head_dim));
         }
+        if let Some(f) = &self.rope_freq_factors {
+            if f.len() != self.head_dim / 2 {
+                return bad(format!(
+                    "{} RoPE frequency factors for head_dim {} (expected {})",
+                    f.len(),
+                    self.head_dim,
+                    self.head_dim / 2
+                ));
+            }
+            if let Some(x) = f.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+                return bad(format!("RoPE frequency factor {x} is not a positive finite number"));
+            }
+        }
         // Every matrix widened to f32 must be addressable, so that no size computed from the config overflows.
         let q_dim = self.num_heads.checked_mul(self.head_dim);
         let widest = q_dim.map(|q| q.max(self.vocab_size).max(self.intermediate_size));
@@ -281,7 +299,7 @@ impl ModelConfig {
         self.num_kv_heads * self.head_dim
     }
 
-    /// RoPE inverse frequencies (`head_dim / 2` of them), llama3 scaling applied.
+    /// RoPE inverse frequencies (`head_dim / 2` of them), llama3 scaling and frequency factors applied.
     pub fn rope_inv_freq(&self) -> Vec<f32> {
         let half = self.head_dim / 2;
         (0..half)
@@ -304,6 +322,7 @@ impl ModelConfig {
                         }
                     }
                 };
+                let f = self.rope_freq_factors.as_ref().map_or(f, |ff| f / f64::from(ff[j]));
                 f as f32
             })
             .collect()

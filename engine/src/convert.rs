@@ -22,6 +22,14 @@ pub fn to_hf_dir(files: &ModelFiles, out: &Path, dtype: DType) -> Result<()> {
         return Err(Error::Config(format!("cannot write {dtype} into safetensors; use f32, f16 or bf16")));
     }
     let cfg = files.config();
+    if cfg.rope_freq_factors.is_some() {
+        // config.json has no way to say them: the directory would hold another model.
+        return Err(Error::Config(
+            "a model with RoPE frequency factors (a GGUF's rope_freqs.weight or linear scaling) cannot be written as \
+             a Hugging Face config"
+                .into(),
+        ));
+    }
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     let names: Vec<String> = ModelLayout::new(cfg).tensors().into_iter().map(TensorId::hf_name).collect();
     let mut tensors = Vec::with_capacity(names.len());

@@ -189,6 +189,7 @@ pub fn tiny_config() -> ModelConfig {
         rms_norm_eps: 1e-5,
         rope_theta: 10000.0,
         rope_scaling: None,
+        rope_freq_factors: None,
         tie_word_embeddings: false,
         attention_bias: false,
         max_position_embeddings: 256,

@@ -271,7 +271,7 @@ impl GgufSource {
             };
             tensors.insert(name, TensorInfo { dtype, shape, offset: start, len });
         }
-        let config = config_from_metadata(&metadata, &tensors, path)?;
+        let config = config_from_metadata(&metadata, &tensors, &map, path)?;
         Ok(GgufSource { path: path.to_path_buf(), map, metadata, tensors, config })
     }
 
@@ -347,6 +347,7 @@ fn gguf_name(hf: &str) -> Option<String> {
 fn config_from_metadata(
     md: &HashMap<String, Value>,
     tensors: &HashMap<String, TensorInfo>,
+    data: &[u8],
     path: &Path,
 ) -> Result<ModelConfig> {
     let arch_name = md.get("general.architecture").and_then(Value::as_str).unwrap_or("");
@@ -381,6 +382,7 @@ fn config_from_metadata(
         rms_norm_eps: f("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta: f("rope.freq_base", 10000.0),
         rope_scaling: None,
+        rope_freq_factors: rope_freq_factors(md, tensors, data, architecture.gguf_name(), head_dim, path)?,
         tie_word_embeddings: !tensors.contains_key("output.weight"),
         attention_bias,
         max_position_embeddings: num("context_length").unwrap_or(2048),
@@ -390,6 +392,50 @@ fn config_from_metadata(
     };
     cfg.validate()?;
     Ok(cfg)
+}
+
+/// RoPE scaling as llama.cpp's GGUFs carry it, as per-frequency divisors: the `rope_freqs.weight` tensor (llama3
+/// scaling: `convert_hf_to_gguf.py` writes it for Llama 3.1 and later), times the constant factor of `linear`
+/// scaling. Other scaling types (yarn, longrope) are refused: loading such a file without them would serve another
+/// model.
+fn rope_freq_factors(
+    md: &HashMap<String, Value>,
+    tensors: &HashMap<String, TensorInfo>,
+    data: &[u8],
+    arch: &str,
+    head_dim: usize,
+    path: &Path,
+) -> Result<Option<Vec<f32>>> {
+    let err = |reason: String| Error::Gguf { path: path.to_path_buf(), reason };
+    let half = head_dim / 2;
+    let mut factors = match tensors.get("rope_freqs.weight") {
+        None => None,
+        Some(t) if t.dtype == DType::F32 && t.shape == [half] => {
+            let bytes = &data[t.offset..t.offset + t.len];
+            Some(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect::<Vec<_>>())
+        }
+        Some(t) => {
+            return Err(err(format!("rope_freqs.weight is {} {:?}; expected f32 [{half}]", t.dtype, t.shape)));
+        }
+    };
+    let linear = md.get(&format!("{arch}.rope.scale_linear")).and_then(Value::as_f64);
+    // Older files name linear scaling by its factor alone.
+    let implied = if linear.is_some() { "linear" } else { "none" };
+    match md.get(&format!("{arch}.rope.scaling.type")).and_then(Value::as_str).unwrap_or(implied) {
+        "none" => {}
+        "linear" => {
+            let factor = md.get(&format!("{arch}.rope.scaling.factor")).and_then(Value::as_f64).or(linear);
+            let factor =
+                factor.ok_or_else(|| err(format!("linear RoPE scaling without {arch}.rope.scaling.factor")))?;
+            for f in factors.get_or_insert_with(|| vec![1.0; half]) {
+                *f *= factor as f32;
+            }
+        }
+        other => {
+            return Err(err(format!("RoPE scaling type {other:?} ({arch}.rope.scaling.type) is not supported")));
+        }
+    }
+    Ok(factors)
 }
 
 /// The distinct ids among `ids`, in order.
@@ -406,6 +452,89 @@ fn eos_ids(ids: [Option<u32>; 3]) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Llama3RopeScaling;
+
+    /// A tiny llama GGUF's source with `extra` metadata and, if given, a `rope_freqs.weight` tensor.
+    fn rope_source(dir: &Path, extra: &[(&str, Value)], freqs: Option<&[f32]>) -> Result<GgufSource> {
+        let path = dir.join("rope.gguf");
+        let mut md = crate::convert::gguf_metadata(&crate::testing::tiny_config());
+        md.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+        let entries: Vec<_> = freqs
+            .iter()
+            .map(|f| crate::gguf_writer::TensorEntry::new("rope_freqs.weight", vec![f.len()], DType::F32))
+            .collect();
+        let bytes: Vec<u8> = freqs.unwrap_or(&[]).iter().flat_map(|f| f.to_le_bytes()).collect();
+        crate::gguf_writer::write(&path, &md, &entries, |_| Ok(Bytes::owned(&bytes)))?;
+        GgufSource::open(&path)
+    }
+
+    /// Llama 3.1's scaling reaches a GGUF as `rope_freqs.weight`, the divisors llama.cpp's `convert_hf_to_gguf.py`
+    /// computes from the Hugging Face `rope_scaling`; read back, they give that config's frequencies.
+    #[test]
+    fn llama3_rope_factors_give_the_hugging_face_frequencies() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::io(Path::new("tempdir"), e))?;
+        let base = crate::testing::tiny_config();
+        let s = Llama3RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 64.0,
+        };
+        // The converter's loop, as in llama.cpp's conversion/llama.py.
+        let factors: Vec<f32> = (0..base.head_dim / 2)
+            .map(|j| {
+                let freq = base.rope_theta.powf(-(2.0 * j as f64) / base.head_dim as f64);
+                let wavelen = 2.0 * std::f64::consts::PI / freq;
+                let (low, high) = (
+                    s.original_max_position_embeddings / s.low_freq_factor,
+                    s.original_max_position_embeddings / s.high_freq_factor,
+                );
+                let f = if wavelen < high {
+                    1.0
+                } else if wavelen > low {
+                    s.factor
+                } else {
+                    let smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+                        / (s.high_freq_factor - s.low_freq_factor);
+                    1.0 / ((1.0 - smooth) / s.factor + smooth)
+                };
+                f as f32
+            })
+            .collect();
+        assert!(factors.contains(&1.0) && factors.contains(&8.0), "{factors:?}");
+        let source = rope_source(dir.path(), &[], Some(&factors))?;
+        let got = source.config().rope_inv_freq();
+        let want = ModelConfig { rope_scaling: Some(s), ..base.clone() }.rope_inv_freq();
+        let plain = base.rope_inv_freq();
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-6 * w.abs(), "{got:?} against {want:?}");
+        }
+        assert!(got.iter().zip(&plain).any(|(g, p)| (g - p).abs() > 0.1 * p.abs()), "no frequency was scaled");
+        Ok(())
+    }
+
+    #[test]
+    fn linear_rope_scaling_divides_every_frequency_and_others_are_refused() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::io(Path::new("tempdir"), e))?;
+        let plain = crate::testing::tiny_config().rope_inv_freq();
+        let linear =
+            [("llama.rope.scaling.type", Value::Str("linear".into())), ("llama.rope.scaling.factor", Value::F64(4.0))];
+        for md in [&linear[..], &[("llama.rope.scale_linear", Value::F64(4.0))]] {
+            let got = rope_source(dir.path(), md, None)?.config().rope_inv_freq();
+            assert_eq!(got, plain.iter().map(|p| (f64::from(*p) / 4.0) as f32).collect::<Vec<_>>());
+        }
+        let same = rope_source(dir.path(), &[("llama.rope.scaling.type", Value::Str("none".into()))], None)?;
+        assert_eq!(same.config().rope_inv_freq(), plain);
+        let yarn = rope_source(dir.path(), &[("llama.rope.scaling.type", Value::Str("yarn".into()))], None);
+        let err = yarn.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("RoPE scaling type \"yarn\""), "{err}");
+        let short = rope_source(dir.path(), &[], Some(&[1.0; 3])).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(short.contains("rope_freqs.weight is f32 [3]"), "{short}");
+        let zero = vec![0.0; plain.len()];
+        let err = rope_source(dir.path(), &[], Some(&zero)).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("not a positive finite number"), "{err}");
+        Ok(())
+    }
 
     #[test]
     fn an_unknown_architecture_is_named_with_the_supported_ones() -> Result<()> {
