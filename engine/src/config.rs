@@ -299,33 +299,44 @@ impl ModelConfig {
         self.num_kv_heads * self.head_dim
     }
 
-    /// RoPE inverse frequencies (`head_dim / 2` of them), llama3 scaling and frequency factors applied.
+    /// RoPE inverse frequencies (`head_dim / 2` of them), divided by [`ModelConfig::rope_divisors`].
     pub fn rope_inv_freq(&self) -> Vec<f32> {
-        let half = self.head_dim / 2;
-        (0..half)
-            .map(|j| {
-                let base = self.rope_theta.powf(-(2.0 * j as f64) / self.head_dim as f64);
-                let f = match &self.rope_scaling {
-                    None => base,
-                    Some(s) => {
-                        let low_wavelen = s.original_max_position_embeddings / s.low_freq_factor;
-                        let high_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
-                        let wavelen = 2.0 * std::f64::consts::PI / base;
-                        if wavelen < high_wavelen {
-                            base
-                        } else if wavelen > low_wavelen {
-                            base / s.factor
-                        } else {
-                            let smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor)
-                                / (s.high_freq_factor - s.low_freq_factor);
-                            (1.0 - smooth) * base / s.factor + smooth * base
-                        }
-                    }
-                };
-                let f = self.rope_freq_factors.as_ref().map_or(f, |ff| f / f64::from(ff[j]));
-                f as f32
-            })
+        let divisors = self.rope_divisors();
+        (0..self.head_dim / 2)
+            .map(|j| (self.rope_base_inv_freq(j) / divisors.as_ref().map_or(1.0, |d| d[j])) as f32)
             .collect()
+    }
+
+    /// What each RoPE inverse frequency is divided by: llama3 scaling's factor for it (the values llama.cpp's
+    /// converter writes into a GGUF's `rope_freqs.weight`) times `rope_freq_factors`; None for a model without
+    /// scaling.
+    pub fn rope_divisors(&self) -> Option<Vec<f64>> {
+        if self.rope_scaling.is_none() && self.rope_freq_factors.is_none() {
+            return None;
+        }
+        let divisors = (0..self.head_dim / 2).map(|j| {
+            let llama3 = self.rope_scaling.as_ref().map_or(1.0, |s| {
+                let low_wavelen = s.original_max_position_embeddings / s.low_freq_factor;
+                let high_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
+                let wavelen = 2.0 * std::f64::consts::PI / self.rope_base_inv_freq(j);
+                if wavelen < high_wavelen {
+                    1.0
+                } else if wavelen > low_wavelen {
+                    s.factor
+                } else {
+                    // Between the two, the frequency blends `base / factor` and `base` by `smooth`.
+                    let smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+                        / (s.high_freq_factor - s.low_freq_factor);
+                    1.0 / ((1.0 - smooth) / s.factor + smooth)
+                }
+            });
+            llama3 * self.rope_freq_factors.as_ref().map_or(1.0, |f| f64::from(f[j]))
+        });
+        Some(divisors.collect())
+    }
+
+    fn rope_base_inv_freq(&self, j: usize) -> f64 {
+        self.rope_theta.powf(-(2.0 * j as f64) / self.head_dim as f64)
     }
 
     /// Renders this config as a Hugging Face `config.json` value.

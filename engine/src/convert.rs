@@ -5,12 +5,13 @@
 
 use std::path::Path;
 
-use crate::config::ModelConfig;
+use crate::config::{Architecture, ModelConfig};
 use crate::gguf_writer::{self, TensorEntry};
 use crate::layout::{ModelLayout, TensorId};
 use crate::loader::ModelFiles;
-use crate::loader::gguf::{Value, gguf_row_order};
+use crate::loader::gguf::{ROPE_FREQS, Value, gguf_row_order};
 use crate::quant;
+use crate::tensor::Bytes;
 use crate::tensor::DType;
 use crate::tokenizer::gguf as gguf_tok;
 use crate::{Error, Result};
@@ -136,15 +137,16 @@ pub fn gguf_metadata(c: &ModelConfig) -> Vec<(String, Value)> {
 /// report). Q and K rows are interleaved per head where llama.cpp expects it (`llama` only).
 pub fn to_gguf(files: &ModelFiles, out: &Path, dtype: DType) -> Result<GgufReport> {
     let cfg = files.config();
-    // Strata's GGUF reader knows no RoPE scaling, and takes q/k/v biases from the architecture: a model that
-    // differs would load as a different model.
+    // GGUF readers take q/k/v biases from the architecture, and llama.cpp reads RoPE scaling factors only for
+    // Llama: a model that differs would load as a different model.
     let bias_as_read = cfg.architecture.gguf_attention_bias(cfg.attention_bias);
-    if cfg.attention_bias != bias_as_read || cfg.rope_scaling.is_some() {
+    let rope = rope_freqs_tensor(cfg);
+    if cfg.attention_bias != bias_as_read || (rope.is_some() && cfg.architecture != Architecture::Llama) {
         return Err(Error::Config(format!(
             "a {} model{} cannot be written as a {} GGUF",
             cfg.architecture.hf_name(),
-            if cfg.rope_scaling.is_some() {
-                " with rope_scaling"
+            if rope.is_some() {
+                " with RoPE scaling"
             } else if cfg.attention_bias {
                 " with q/k/v biases"
             } else {
@@ -169,6 +171,10 @@ pub fn to_gguf(files: &ModelFiles, out: &Path, dtype: DType) -> Result<GgufRepor
         };
         entries.push(TensorEntry::new(id.gguf_name(), shape, target));
     }
+    let rope_bytes = rope.map(|(entry, bytes)| {
+        entries.push(entry);
+        bytes
+    });
     let mut md = gguf_metadata(cfg);
     md.push(("general.file_type".into(), Value::U64(file_type(dtype))));
     if dtype.is_quantized() {
@@ -177,6 +183,9 @@ pub fn to_gguf(files: &ModelFiles, out: &Path, dtype: DType) -> Result<GgufRepor
     }
     md.extend(tokenizer_metadata(files)?);
     gguf_writer::write(out, &md, &entries, |i| {
+        if let Some(bytes) = rope_bytes.as_ref().filter(|_| i == ids.len()) {
+            return Ok(Bytes::owned(bytes));
+        }
         let (id, entry) = (ids[i], &entries[i]);
         let name = id.hf_name();
         let t = files.tensor(&name)?;
@@ -193,6 +202,14 @@ pub fn to_gguf(files: &ModelFiles, out: &Path, dtype: DType) -> Result<GgufRepor
         Ok(t.bytes)
     })?;
     Ok(GgufReport { tensors: entries.len(), kept_quantized })
+}
+
+/// The `rope_freqs.weight` entry and bytes of a model with RoPE scaling (its [`ModelConfig::rope_divisors`] as
+/// f32, as llama.cpp's converter writes llama3 scaling), None for one without.
+pub(crate) fn rope_freqs_tensor(cfg: &ModelConfig) -> Option<(TensorEntry, Vec<u8>)> {
+    let divisors = cfg.rope_divisors()?;
+    let bytes = divisors.iter().flat_map(|&d| (d as f32).to_le_bytes()).collect();
+    Some((TensorEntry::new(ROPE_FREQS, vec![divisors.len()], DType::F32), bytes))
 }
 
 /// The tokenizer as GGUF metadata: a GGUF source's `tokenizer.*` keys as they are; a Hugging Face byte-level BPE

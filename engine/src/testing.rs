@@ -14,7 +14,7 @@ use crate::gguf_writer::{self, TensorEntry};
 use crate::layout::{LayerTensor, ModelLayout, TensorId};
 use crate::loader::gguf::{Value, gguf_row_order};
 use crate::quant;
-use crate::tensor::{DType, HostTensor};
+use crate::tensor::{Bytes, DType, HostTensor};
 use crate::{Error, Result};
 
 /// A tiny model's shape and storage.
@@ -146,7 +146,15 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, weights: &Weights, ov: &GgufOver
         ids.push((id, name));
         entries.push(e);
     }
+    // RoPE scaling as llama.cpp's converter writes it for Llama.
+    let rope_bytes = crate::convert::rope_freqs_tensor(c).map(|(entry, bytes)| {
+        entries.push(entry);
+        bytes
+    });
     gguf_writer::write(path, &md, &entries, |i| {
+        if let Some(bytes) = rope_bytes.as_ref().filter(|_| i == ids.len()) {
+            return Ok(Bytes::owned(bytes));
+        }
         let ((id, name), e) = (ids[i], &entries[i]);
         let (shape, v) = &weights[name];
         let t = HostTensor::from_f32(shape.clone(), v);

@@ -14,6 +14,8 @@
 //!   apart. A wrong kernel or block layout moves logits by far more; the bit-exact dequantization above and the
 //!   kernels' own tests against the dequantizer catch the small errors.
 //!
+//! A second test checks Llama 3.1-style RoPE scaling through a GGUF against llama.cpp the same way.
+//!
 //! Needs `llama-quantize` and `llama-completion` (`scripts/llama-cpp-build.sh llama-quantize llama-completion`;
 //! scripts/test builds them) and the test model.
 
@@ -160,6 +162,51 @@ fn k_quant_files_dequantize_and_generate_as_llama_cpp() -> Result<()> {
             "{ftype}: llama.cpp's greedy tokens are strata's top token at {top1} of {positions} positions, \
              at most {worst:.3} below it elsewhere"
         );
+    }
+    Ok(())
+}
+
+/// Llama 3.1's RoPE scaling, written into a GGUF as llama.cpp's converter does (`rope_freqs.weight`), generates as
+/// llama.cpp generates from that file. SmolLM2 with a llama3 `rope_scaling` added to its `config.json` (original
+/// context 64, so the scaling changes what it writes from the first tokens on) goes through `strata convert` to a
+/// GGUF; llama.cpp's greedy continuation of that file must differ from the unscaled model's on at least one
+/// prompt, and be strata's top token, or within [`MAX_GAP`] of it, at every position from both the GGUF and the
+/// Hugging Face directory.
+#[test]
+fn llama3_rope_scaling_generates_as_llama_cpp() -> Result<()> {
+    let source = strata_testkit::smollm2();
+    let dir = tempfile::tempdir()?;
+    let hf = dir.path().join("hf");
+    strata_engine::convert::to_hf_dir(&ModelFiles::open(&source)?, &hf, DType::F16)?;
+    let config_path = hf.join("config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config_path)?)?;
+    config["rope_scaling"] = serde_json::json!({
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    });
+    std::fs::write(&config_path, config.to_string())?;
+    let gguf = dir.path().join("scaled.gguf");
+    strata_engine::convert::to_gguf(&ModelFiles::open(&hf)?, &gguf, DType::F16)?;
+    let prompts = [PROMPTS[0], "The history of the Roman Empire began when"];
+    let scaled: Vec<String> = prompts.iter().map(|p| llama_greedy(&gguf, p)).collect::<Result<_>>()?;
+    let plain: Vec<String> = prompts.iter().map(|p| llama_greedy(&source, p)).collect::<Result<_>>()?;
+    ensure!(scaled != plain, "the scaling changed none of llama.cpp's continuations: {scaled:?}");
+    for path in [&gguf, &hf] {
+        let files = ModelFiles::open(path)?;
+        let n = files.config().num_layers;
+        let model = StageModel::load(&files, 0..n, Arc::new(CpuBackend::new(2)?), &LoadOptions::default())?;
+        let tok = files.tokenizer()?;
+        for (prompt, theirs) in prompts.iter().zip(&scaled) {
+            let (p, all) = (tok.encode(prompt)?, tok.encode(&format!("{prompt}{theirs}"))?);
+            ensure!(all.starts_with(&p), "{prompt:?}: prompt + continuation tokenizes across the join");
+            let g = gaps(&model, &all, p.len())?;
+            let worst = g.iter().fold(0f32, |m, &x| m.max(x));
+            ensure!(
+                worst <= MAX_GAP,
+                "{}: {prompt:?}: llama.cpp's continuation {theirs:?} is {worst:.3} below strata's top logit (gaps {g:.2?})",
+                path.display()
+            );
+        }
     }
     Ok(())
 }

@@ -1,8 +1,9 @@
 //! Running layers `[0,k)` then `[k,n)` gives exactly the logits of `[0,n)`; GGUF and safetensors agree.
 
+use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use strata_engine::KvDtype;
 use strata_engine::backend::cpu::{CpuBackend, CpuTensor};
 use strata_engine::config::{Architecture, Llama3RopeScaling, ModelConfig};
@@ -160,6 +161,36 @@ fn gguf_matches_safetensors() -> Result<()> {
             assert_eq!(deq, weights);
         }
     }
+    Ok(())
+}
+
+/// Llama 3.1's RoPE scaling reaches a GGUF as llama.cpp's converter writes it (`rope_freqs.weight`) and comes back
+/// as the same frequencies: the GGUF gives the safetensors' logits, up to the divisors' rounding to f32; written
+/// without the tensor it would give other ones.
+#[test]
+fn llama3_rope_scaling_survives_gguf() -> Result<()> {
+    let be = Arc::new(CpuBackend::new(2)?);
+    let (_, spec) = specs().into_iter().find(|(name, _)| *name == "llama3-rope").context("the llama3-rope spec")?;
+    let weights = random_weights(&spec);
+    let dir = tempfile::tempdir()?;
+    write_hf(&dir.path().join("hf"), &spec, &weights)?;
+    let hf = run(&load(&ModelFiles::open(&dir.path().join("hf"))?, &[], &be)?)?;
+    let max_diff = |gguf: &Path| -> Result<f32> {
+        let g = run(&load(&ModelFiles::open(gguf)?, &[], &be)?)?;
+        Ok(g.iter()
+            .zip(&hf)
+            .flat_map(|(x, y)| x.data.iter().zip(&y.data).map(|(p, q)| (p - q).abs()))
+            .fold(0.0, f32::max))
+    };
+    let scaled = dir.path().join("scaled.gguf");
+    write_gguf(&scaled, &spec, &weights, &GgufOverrides::default())?;
+    let d = max_diff(&scaled)?;
+    assert!(d <= 1e-4, "the GGUF's logits differ from the safetensors' by {d}");
+    let plain_spec = TinySpec { config: ModelConfig { rope_scaling: None, ..spec.config.clone() }, ..spec.clone() };
+    let plain = dir.path().join("plain.gguf");
+    write_gguf(&plain, &plain_spec, &weights, &GgufOverrides::default())?;
+    let d = max_diff(&plain)?;
+    assert!(d > 1e-3, "without rope_freqs.weight the logits moved by only {d}");
     Ok(())
 }
 

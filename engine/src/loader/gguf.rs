@@ -394,6 +394,9 @@ fn config_from_metadata(
     Ok(cfg)
 }
 
+/// The tensor llama.cpp's GGUFs carry llama3 RoPE scaling in: one divisor per inverse frequency.
+pub const ROPE_FREQS: &str = "rope_freqs.weight";
+
 /// RoPE scaling as llama.cpp's GGUFs carry it, as per-frequency divisors: the `rope_freqs.weight` tensor (llama3
 /// scaling: `convert_hf_to_gguf.py` writes it for Llama 3.1 and later), times the constant factor of `linear`
 /// scaling. Other scaling types (yarn, longrope) are refused: loading such a file without them would serve another
@@ -408,14 +411,14 @@ fn rope_freq_factors(
 ) -> Result<Option<Vec<f32>>> {
     let err = |reason: String| Error::Gguf { path: path.to_path_buf(), reason };
     let half = head_dim / 2;
-    let mut factors = match tensors.get("rope_freqs.weight") {
+    let mut factors = match tensors.get(ROPE_FREQS) {
         None => None,
         Some(t) if t.dtype == DType::F32 && t.shape == [half] => {
             let bytes = &data[t.offset..t.offset + t.len];
             Some(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect::<Vec<_>>())
         }
         Some(t) => {
-            return Err(err(format!("rope_freqs.weight is {} {:?}; expected f32 [{half}]", t.dtype, t.shape)));
+            return Err(err(format!("{ROPE_FREQS} is {} {:?}; expected f32 [{half}]", t.dtype, t.shape)));
         }
     };
     let linear = md.get(&format!("{arch}.rope.scale_linear")).and_then(Value::as_f64);
