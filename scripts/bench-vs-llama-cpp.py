@@ -105,7 +105,8 @@ def strata_once():
     r = json.load(open(out))
     return {"prefill": r["prefill_tokens_per_s"], "decode1": r["decode_tokens_per_s_batch1"],
             "decode8": r["decode_tokens_per_s_batched"], "rss_mib": r["peak_rss_bytes"] / 2**20,
-            "huge_page_mib": r.get("huge_page_bytes", 0) / 2**20}
+            "huge_page_mib": r.get("huge_page_bytes", 0) / 2**20, "memory_read_gb_s": r.get("memory_read_gb_per_s"),
+            "weights_read_gb_s": r.get("decode_batch1_weight_gb_per_s")}
 
 
 def llama_once():
@@ -195,6 +196,8 @@ for key, name in (("prefill", "prefill tok/s (128-token prompt)"), ("decode1", "
     print(f"| {name} | {fmt(s)} | {fmt(l)} | {fmt(s / l if s and l else None)}x |")
 print(f"| llama.cpp decode tok/s from an empty cache (llama-bench -n 128) | - | {fmt(med('llama.cpp', 'decode1_depth0'))} | |")
 print(f"| peak RSS MiB | {fmt(med('strata', 'rss_mib'))} | - | |")
+print(f"| strata's batch-1 decode: weights read GB/s, against this machine's memory read GB/s | "
+      f"{fmt(med('strata', 'weights_read_gb_s'))} of {fmt(med('strata', 'memory_read_gb_s'))} | - | |")
 print()
 for label, summary in (("all repetitions", ratio_summary()),
                        (f"repetitions with < {QUIET_STEAL_PCT:g} % steal on both sides", ratio_summary(QUIET_STEAL_PCT))):

@@ -16,6 +16,7 @@ use strata_engine::model::SeqChunk;
 use strata_engine::sampling::argmax;
 use strata_proto::TlsArgs;
 
+use crate::host::{Host, memory_read_gb_per_s};
 use crate::load::{DeviceArgs, load};
 
 /// Arguments of `strata bench`.
@@ -95,6 +96,13 @@ struct Report {
     peak_rss_bytes: u64,
     /// Anonymous memory in transparent huge pages: the CPU backend's copied weights, where the system grants them.
     huge_page_bytes: u64,
+    /// Weight bytes read per second by batch-1 decode, which reads every weight once per token.
+    decode_batch1_weight_gb_per_s: f64,
+    /// What `threads` threads read from memory per second here (CPU only, measured after the run):
+    /// batch-1 decode cannot stream its weights faster.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    memory_read_gb_per_s: Option<f64>,
+    host: Host,
 }
 
 /// A `key:  N kB` line of a `/proc/self` file, in bytes (0 where absent).
@@ -219,6 +227,8 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         Ok((prefill_s, decode1_s, decode_b_s))
     })?;
 
+    // --threads 0 is one per core.
+    let cpu_threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
     let report = Report {
         engine: "strata",
         model: model.display().to_string(),
@@ -235,6 +245,13 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         decode_tokens_per_s_batched: (a.decode_tokens * a.batch) as f64 / decode_b_s,
         peak_rss_bytes: proc_self_kib("status", "VmHWM:"),
         huge_page_bytes: proc_self_kib("smaps_rollup", "AnonHugePages:"),
+        decode_batch1_weight_gb_per_s: weight_bytes as f64 * a.decode_tokens as f64 / decode1_s / 1e9,
+        // After the peak is read: the probe's buffer, the size of the weights, would count in it.
+        memory_read_gb_per_s: backend
+            .name()
+            .starts_with("cpu")
+            .then(|| memory_read_gb_per_s(weight_bytes, cpu_threads)),
+        host: Host::detect(),
     };
     if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -275,6 +292,11 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
     println!("| peak RSS MiB | {:.1} | - |", report.peak_rss_bytes as f64 / 1048576.0);
     println!("| in huge pages MiB | {:.1} | - |", report.huge_page_bytes as f64 / 1048576.0);
     println!("| load s | {:.2} | - |", report.load_seconds);
+    println!("| weights read by batch-1 decode GB/s | {:.1} | - |", report.decode_batch1_weight_gb_per_s);
+    if let Some(gb) = report.memory_read_gb_per_s {
+        println!("| memory read GB/s ({cpu_threads} threads, this machine) | {gb:.1} | - |");
+    }
+    println!("host: {}", report.host.describe());
     eprintln!("wrote {}", out.display());
     Ok(())
 }

@@ -62,6 +62,27 @@ pub fn wake_up_micros() -> f64 {
     samples.get(samples.len() / 2).copied().unwrap_or(0.0)
 }
 
+/// Gigabytes per second that `threads` threads read from one buffer of `bytes` (at least 64 MiB, so it comes from
+/// memory, not a cache), the best of five passes: the memory bandwidth a decode step, which streams every weight
+/// once per token, is bound by. Each thread sums its own contiguous share.
+pub fn memory_read_gb_per_s(bytes: usize, threads: usize) -> f64 {
+    let words = bytes.max(64 << 20) / 8;
+    let buffer: Vec<u64> = (0..words as u64).collect();
+    let share = words.div_ceil(threads.max(1));
+    let pass = || {
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            for part in buffer.chunks(share) {
+                s.spawn(move || std::hint::black_box(part.iter().fold(0u64, |a, &x| a.wrapping_add(x))));
+            }
+        });
+        t.elapsed().as_secs_f64()
+    };
+    pass();
+    let best = (0..5).map(|_| pass()).fold(f64::INFINITY, f64::min);
+    (words * 8) as f64 / best / 1e9
+}
+
 /// Flags worth printing (the kernels dispatch on these); the rest of /proc/cpuinfo's list is noise here.
 const FLAGS: [&str; 12] = [
     "sse4_2",
@@ -148,6 +169,13 @@ mod tests {
         assert_eq!(model, "AMD EPYC 9654 96-Core Processor");
         assert_eq!(flags, ["sse4_2", "avx", "avx2", "fma", "f16c", "avx512f"]);
         assert_eq!(parse_cpuinfo("").0, "unknown");
+    }
+
+    #[test]
+    fn memory_reads_at_a_finite_positive_rate() {
+        let gb = memory_read_gb_per_s(1 << 20, 2);
+        // Anything from a slow shared VM to many-channel servers; never zero, never infinite.
+        assert!(gb > 0.1 && gb < 10_000.0, "{gb} GB/s");
     }
 
     #[test]

@@ -253,6 +253,10 @@ fn bench_runs_a_synthetic_model_and_writes_json() -> Result<()> {
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out)?)?;
     assert_eq!(report["model"], "random:tiny");
     assert!(report["decode_tokens_per_s_batched"].as_f64().is_some_and(|v| v > 0.0));
+    // The weight stream of batch-1 decode beside what this machine's memory delivers, and the machine itself.
+    assert!(report["decode_batch1_weight_gb_per_s"].as_f64().is_some_and(|v| v > 0.0));
+    assert!(report["memory_read_gb_per_s"].as_f64().is_some_and(|v| v > 0.0));
+    assert!(report["host"]["cpu_model"].as_str().is_some_and(|m| !m.is_empty()), "{report}");
     Ok(())
 }
 
