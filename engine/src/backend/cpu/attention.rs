@@ -1,9 +1,12 @@
-//! Causal grouped-query attention over a paged KV cache. An f32 cache is read in place; any other type is
-//! first converted to f32 one head at a time (see [`HEAD_KV`]), so both run the same f32 kernels.
+//! Causal grouped-query attention over a paged KV cache. An f32 cache is read in place, and so is an f16 one
+//! where the CPU converts it in registers (AVX2 with F16C); any other type is first converted to f32 one head at
+//! a time (see [`HEAD_KV`]). All run the same f32 arithmetic, so a cache's type decides the bits, not the path.
 
 use std::cell::RefCell;
 
 use rayon::prelude::*;
+
+use half::f16;
 
 use super::simd::{self, Isa};
 use super::{CpuKvLayer, CpuTensor};
@@ -18,10 +21,11 @@ thread_local! {
     static HEAD_KV: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// One sequence's keys and values for one KV head as f32, addressed by position through a block table.
-struct KvView<'a> {
-    k: &'a [f32],
-    v: &'a [f32],
+/// One sequence's keys and values for one KV head (f32, or f16 read in place), addressed by position through a
+/// block table.
+struct KvView<'a, T = f32> {
+    k: &'a [T],
+    v: &'a [T],
     blocks: &'a [u32],
     block_size: usize,
     /// Elements from one cached row to the next.
@@ -30,17 +34,21 @@ struct KvView<'a> {
     head: usize,
 }
 
-impl<'a> KvView<'a> {
-    /// The head's rows in an f32 cache.
-    fn paged(cache: &'a CpuKvLayer, k: &'a [f32], v: &'a [f32], blocks: &'a [u32], head: usize) -> Self {
+impl<'a, T> KvView<'a, T> {
+    /// The head's rows in a cache read in place.
+    fn paged(cache: &'a CpuKvLayer, k: &'a [T], v: &'a [T], blocks: &'a [u32], head: usize) -> Self {
         KvView { k, v, blocks, block_size: cache.block_size, stride: cache.kv_dim, head }
     }
+}
 
+impl<'a> KvView<'a> {
     /// Rows of `head_dim` back to back, position `j` at `j × head_dim`: one block as long as any context.
     fn dense(k: &'a [f32], v: &'a [f32], head_dim: usize) -> Self {
         KvView { k, v, blocks: &[0], block_size: usize::MAX, stride: head_dim, head: 0 }
     }
+}
 
+impl<T> KvView<'_, T> {
     /// Index of position `j`'s row for this head in `k`/`v`.
     fn offset(&self, j: usize) -> usize {
         let bs = self.block_size;
@@ -68,10 +76,12 @@ pub fn attend(isa: Isa, q: &CpuTensor, cache: &CpuKvLayer, seqs: &[AttnSeq<'_>],
     let scale = 1.0 / (head_dim as f32).sqrt();
     // One task per (sequence, KV head, run of query rows): the query heads sharing a KV head read its rows while
     // they are in cache. With fewer such tasks than twice the threads (decoding a small batch: SmolLM2 has 3 KV
-    // heads, so 2 threads would split 2 + 1) an f32 cache's query heads get a task each instead; any other cache
-    // type keeps them together, as each task converts its KV head's rows first.
+    // heads, so 2 threads would split 2 + 1) a cache read in place gives its query heads a task each instead; any
+    // other keeps them together, as each task converts its KV head's rows first.
     let runs: usize = seqs.iter().map(|s| s.len.div_ceil(ROWS_PER_TASK)).sum::<usize>() * num_kv_heads;
-    let heads_per_task = if runs < 2 * rayon::current_num_threads() && cache.as_f32().is_some() { 1 } else { group };
+    let in_place_f16 = f16_in_place(isa, head_dim).then(|| cache.as_f16()).flatten();
+    let in_place = cache.as_f32().is_some() || in_place_f16.is_some();
+    let heads_per_task = if runs < 2 * rayon::current_num_threads() && in_place { 1 } else { group };
     let tasks: Vec<AttnTask> = seqs
         .iter()
         .enumerate()
@@ -88,7 +98,7 @@ pub fn attend(isa: Isa, q: &CpuTensor, cache: &CpuKvLayer, seqs: &[AttnSeq<'_>],
         .par_iter()
         .map(|&AttnTask { si, kvh, t0, rows: n, g0 }| {
             let s = &seqs[si];
-            let rows = |kv: &KvView<'_>| {
+            let rows = |kv: Src<'_>| {
                 let mut out = vec![0f32; n * heads_per_task * head_dim];
                 let mut scores = Vec::with_capacity(s.start_pos + s.len);
                 for t in 0..n {
@@ -97,18 +107,27 @@ pub fn attend(isa: Isa, q: &CpuTensor, cache: &CpuKvLayer, seqs: &[AttnSeq<'_>],
                         let h = kvh * group + g0 + g;
                         let qrow = &q.data[(s.row + t0 + t) * q_dim + h * head_dim..][..head_dim];
                         let o = &mut out[(t * heads_per_task + g) * head_dim..][..head_dim];
-                        one_head(isa, qrow, kv, ctx, scale, &mut scores, o);
+                        match &kv {
+                            Src::F32(kv) => one_head(isa, qrow, kv, ctx, scale, &mut scores, o),
+                            #[cfg(target_arch = "x86_64")]
+                            // SAFETY: a view of f16 is only made where `f16_in_place` found AVX2 and F16C.
+                            Src::F16(kv) => unsafe { one_head_f16(qrow, kv, ctx, scale, &mut scores, o) },
+                        }
                     }
                 }
                 out
             };
-            match cache.as_f32() {
-                Some((k, v)) => rows(&KvView::paged(cache, k, v, s.blocks, kvh * head_dim)),
-                None => HEAD_KV.with_borrow_mut(|(k, v)| {
-                    cache.read_head(s.blocks, kvh * head_dim, head_dim, s.start_pos + t0 + n, k, v);
-                    rows(&KvView::dense(k, v, head_dim))
-                }),
+            if let Some((k, v)) = cache.as_f32() {
+                return rows(Src::F32(KvView::paged(cache, k, v, s.blocks, kvh * head_dim)));
             }
+            #[cfg(target_arch = "x86_64")]
+            if let Some((k, v)) = in_place_f16 {
+                return rows(Src::F16(KvView::paged(cache, k, v, s.blocks, kvh * head_dim)));
+            }
+            HEAD_KV.with_borrow_mut(|(k, v)| {
+                cache.read_head(s.blocks, kvh * head_dim, head_dim, s.start_pos + t0 + n, k, v);
+                rows(Src::F32(KvView::dense(k, v, head_dim)))
+            })
         })
         .collect();
     let mut data = vec![0f32; q.rows * q_dim];
@@ -143,15 +162,7 @@ fn one_head(isa: Isa, qrow: &[f32], kv: &KvView<'_>, ctx: usize, scale: f32, sco
             *sc = simd::dot_f32(isa, qrow, &kv.k[kv.offset(j)..][..head_dim]) * scale;
         }
     }
-    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    let mut denom = 0f32;
-    for sc in scores.iter_mut() {
-        *sc = (*sc - max).exp();
-        denom += *sc;
-    }
-    for sc in scores.iter_mut() {
-        *sc /= denom;
-    }
+    softmax(scores);
     if fast {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as for `scores`.
@@ -166,18 +177,90 @@ fn one_head(isa: Isa, qrow: &[f32], kv: &KvView<'_>, ctx: usize, scale: f32, sco
     }
 }
 
+/// Scores into probabilities, in place.
+fn softmax(scores: &mut [f32]) {
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    let mut denom = 0f32;
+    for sc in scores.iter_mut() {
+        *sc = (*sc - max).exp();
+        denom += *sc;
+    }
+    for sc in scores.iter_mut() {
+        *sc /= denom;
+    }
+}
+
+/// [`one_head`]'s fast path over an f16 cache, converting keys and values in registers: the same f32 arithmetic
+/// on the same (exactly converted) values as converting the head first, so the same bits.
+///
+/// # Safety
+/// AVX2, FMA and F16C available; `qrow.len()` a multiple of 8; every position below `ctx` cached.
+#[cfg(target_arch = "x86_64")]
+unsafe fn one_head_f16(
+    qrow: &[f32],
+    kv: &KvView<'_, f16>,
+    ctx: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    o: &mut [f32],
+) {
+    scores.clear();
+    scores.resize(ctx, 0.0);
+    // SAFETY: forwarded from the caller.
+    unsafe { x86::scores(qrow, kv, scale, scores) };
+    softmax(scores);
+    // SAFETY: as above.
+    unsafe { x86::weighted_sum(scores, kv, o) };
+}
+
+/// Whether an f16 cache can be read in place: [`one_head_f16`]'s conditions.
+fn f16_in_place(isa: Isa, head_dim: usize) -> bool {
+    cfg!(target_arch = "x86_64") && isa.avx2() && head_dim.is_multiple_of(8)
+}
+
+/// The cache a task reads: f32 (in place or converted), or f16 in place.
+enum Src<'a> {
+    F32(KvView<'a>),
+    #[cfg(target_arch = "x86_64")]
+    F16(KvView<'a, f16>),
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::KvView;
+    use half::f16;
     use std::arch::x86_64::*;
+
+    /// A cache element type the kernels below read, eight values at a time as f32.
+    pub trait Elem: Copy {
+        /// # Safety
+        /// AVX2 and F16C available; `p` points at eight readable values.
+        unsafe fn load8(p: *const Self) -> __m256;
+    }
+
+    impl Elem for f32 {
+        #[inline(always)]
+        unsafe fn load8(p: *const f32) -> __m256 {
+            // SAFETY: forwarded.
+            unsafe { _mm256_loadu_ps(p) }
+        }
+    }
+
+    impl Elem for f16 {
+        #[inline(always)]
+        unsafe fn load8(p: *const f16) -> __m256 {
+            // SAFETY: forwarded; f16 → f32 is exact, as `half`'s conversion is.
+            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+        }
+    }
 
     /// `scores[j] = (q · k_j) · scale` for every position, eight keys at a time: eight independent FMA chains
     /// instead of one (a 64-wide dot is otherwise one long dependency chain) and one shared reduction.
     ///
     /// # Safety
     /// AVX2/FMA available, `q.len()` a multiple of 8, every position below `scores.len()` cached.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn scores(q: &[f32], kv: &KvView<'_>, scale: f32, scores: &mut [f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn scores<T: Elem>(q: &[f32], kv: &KvView<'_, T>, scale: f32, scores: &mut [f32]) {
         let ctx = scores.len();
         let k = kv.k.as_ptr();
         let sc = _mm256_set1_ps(scale);
@@ -186,12 +269,12 @@ mod x86 {
         unsafe {
             while j < ctx {
                 // Past the end, the last key is reused; those lanes are dropped.
-                let rows: [*const f32; 8] = std::array::from_fn(|i| k.add(kv.offset((j + i).min(ctx - 1))));
+                let rows: [*const T; 8] = std::array::from_fn(|i| k.add(kv.offset((j + i).min(ctx - 1))));
                 let mut acc = [_mm256_setzero_ps(); 8];
                 for c in (0..q.len()).step_by(8) {
                     let qc = _mm256_loadu_ps(q.as_ptr().add(c));
                     for (a, row) in acc.iter_mut().zip(&rows) {
-                        *a = _mm256_fmadd_ps(qc, _mm256_loadu_ps(row.add(c)), *a);
+                        *a = _mm256_fmadd_ps(qc, T::load8(row.add(c)), *a);
                     }
                 }
                 // Horizontal sums of the eight accumulators, lane i = key j + i. Every key goes through the same
@@ -212,21 +295,21 @@ mod x86 {
     ///
     /// # Safety
     /// As for [`scores`], with `o.len()` the head width.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn weighted_sum(p: &[f32], kv: &KvView<'_>, o: &mut [f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn weighted_sum<T: Elem>(p: &[f32], kv: &KvView<'_, T>, o: &mut [f32]) {
         // SAFETY: forwarded; each call covers columns c0..c0 + 8·N < o.len().
         unsafe {
             let mut c0 = 0;
             while c0 < o.len() {
                 match (o.len() - c0) / 8 {
-                    1 => columns::<1>(p, kv, c0, o),
-                    2 => columns::<2>(p, kv, c0, o),
-                    3 => columns::<3>(p, kv, c0, o),
-                    4 => columns::<4>(p, kv, c0, o),
-                    5 => columns::<5>(p, kv, c0, o),
-                    6 => columns::<6>(p, kv, c0, o),
-                    7 => columns::<7>(p, kv, c0, o),
-                    _ => columns::<8>(p, kv, c0, o),
+                    1 => columns::<T, 1>(p, kv, c0, o),
+                    2 => columns::<T, 2>(p, kv, c0, o),
+                    3 => columns::<T, 3>(p, kv, c0, o),
+                    4 => columns::<T, 4>(p, kv, c0, o),
+                    5 => columns::<T, 5>(p, kv, c0, o),
+                    6 => columns::<T, 6>(p, kv, c0, o),
+                    7 => columns::<T, 7>(p, kv, c0, o),
+                    _ => columns::<T, 8>(p, kv, c0, o),
                 }
                 c0 += 64;
             }
@@ -234,8 +317,8 @@ mod x86 {
     }
 
     /// Columns `c0..c0 + 8·N` of [`weighted_sum`]: per column, a sequential FMA chain over the positions.
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn columns<const N: usize>(p: &[f32], kv: &KvView<'_>, c0: usize, o: &mut [f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn columns<T: Elem, const N: usize>(p: &[f32], kv: &KvView<'_, T>, c0: usize, o: &mut [f32]) {
         let v = kv.v.as_ptr();
         let mut acc = [_mm256_setzero_ps(); N];
         // SAFETY: offsets come from the block table; columns stay below the head width.
@@ -244,7 +327,7 @@ mod x86 {
                 let row = v.add(kv.offset(j) + c0);
                 let pv = _mm256_set1_ps(pj);
                 for (c, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(row.add(8 * c)), *a);
+                    *a = _mm256_fmadd_ps(pv, T::load8(row.add(8 * c)), *a);
                 }
             }
             for (c, a) in acc.iter().enumerate() {
@@ -336,6 +419,52 @@ mod tests {
             let alone = attend(isa, &one, &cache, &[AttnSeq { row: 0, len: 1, start_pos: t, blocks: &table }], shape);
             assert!(alone.data == prefill.data[t * width..(t + 1) * width], "row {t} differs");
         }
+    }
+
+    /// An f16 cache read in place gives, bit for bit, what an f32 cache holding the same (f16) values gives: the
+    /// in-register conversion is exact and the arithmetic is the f32 path's. Prefill rows and decode rows, with
+    /// query heads split over threads and kept whole.
+    #[test]
+    fn an_f16_cache_read_in_place_gives_the_bits_of_its_values_in_f32() -> crate::Result<()> {
+        let isa = Isa::detect();
+        if !f16_in_place(isa, 64) {
+            simd::report_not_run(Isa::Avx2, "an_f16_cache_read_in_place_gives_the_bits_of_its_values_in_f32");
+            return Ok(());
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(15);
+        let shape = AttnShape { num_heads: 9, num_kv_heads: 3, head_dim: 64, block_size: 16 };
+        let (kv_dim, positions) = (3 * 64, 6 * 16);
+        let rand = |rng: &mut rand::rngs::StdRng| {
+            let data =
+                (0..positions * kv_dim).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0)).to_f32()).collect();
+            CpuTensor { data, rows: positions, cols: kv_dim }
+        };
+        let (k, v) = (rand(&mut rng), rand(&mut rng));
+        let mut table: Vec<u32> = (0..6).rev().collect();
+        table.swap(0, 3);
+        let all = [AttnSeq { row: 0, len: positions, start_pos: 0, blocks: &table }];
+        let q = queries(&mut rng, 38, shape);
+        let cache = |dtype| -> crate::Result<CpuKvLayer> {
+            let mut cache = CpuKvLayer::new(6, 16, kv_dim, dtype)?;
+            cache.write(&k, &v, &all)?;
+            Ok(cache)
+        };
+        let (half, full) = (cache(KvDtype::F16)?, cache(KvDtype::F32)?);
+        assert!(half.as_f16().is_some());
+        let prefill_and_decode = [
+            AttnSeq { row: 0, len: 37, start_pos: 20, blocks: &table[..4] },
+            AttnSeq { row: 37, len: 1, start_pos: 90, blocks: &table },
+        ];
+        let decode = [AttnSeq { row: 0, len: 1, start_pos: 70, blocks: &table }];
+        for seqs in [&prefill_and_decode[..], &decode[..]] {
+            for threads in [1, 4] {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
+                let (a, b) =
+                    pool.install(|| (attend(isa, &q, &half, seqs, shape), attend(isa, &q, &full, seqs, shape)));
+                assert!(a.data == b.data, "{} rows on {threads} threads: {}", seqs.len(), max_diff(&a, &b));
+            }
+        }
+        Ok(())
     }
 
     /// Largest |a - b| over two outputs.

@@ -141,6 +141,15 @@ impl CpuKvLayer {
         }
     }
 
+    /// The f16 keys and values when the cache stores f16 (attention reads those in place where the CPU converts
+    /// them in registers).
+    pub(super) fn as_f16(&self) -> Option<(&[f16], &[f16])> {
+        match (&self.k, &self.v) {
+            (KvStore::F16(k), KvStore::F16(v)) => Some((k, v)),
+            _ => None,
+        }
+    }
+
     /// Cache slot of position `pos` through a block table.
     fn slot(&self, blocks: &[u32], pos: usize) -> usize {
         blocks[pos / self.block_size] as usize * self.block_size + pos % self.block_size
