@@ -9,11 +9,12 @@ use anyhow::{Context, Result, bail};
 use clap::builder::RangedU64ValueParser;
 use serde::Serialize;
 use strata_coordinator::MAX_MICRO_BATCHES_PER_STAGE;
-use strata_engine::OnBackend;
 use strata_engine::backend::Backend;
+use strata_engine::backend::cpu::threads_or_cores;
 use strata_engine::generate::Engine;
 use strata_engine::model::SeqChunk;
 use strata_engine::sampling::argmax;
+use strata_engine::{Device, OnBackend};
 use strata_proto::TlsArgs;
 
 use crate::host::{Host, memory_read_gb_per_s};
@@ -227,8 +228,7 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         Ok((prefill_s, decode1_s, decode_b_s))
     })?;
 
-    // --threads 0 is one per core.
-    let cpu_threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
+    let cpu_threads = threads_or_cores(threads);
     let report = Report {
         engine: "strata",
         model: model.display().to_string(),
@@ -247,10 +247,7 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         huge_page_bytes: proc_self_kib("smaps_rollup", "AnonHugePages:"),
         decode_batch1_weight_gb_per_s: weight_bytes as f64 * a.decode_tokens as f64 / decode1_s / 1e9,
         // After the peak is read: the probe's buffer, the size of the weights, would count in it.
-        memory_read_gb_per_s: backend
-            .name()
-            .starts_with("cpu")
-            .then(|| memory_read_gb_per_s(weight_bytes, cpu_threads)),
+        memory_read_gb_per_s: (a.device.device == Device::Cpu).then(|| memory_read_gb_per_s(weight_bytes, cpu_threads)),
         host: Host::detect(),
     };
     if let Some(dir) = out.parent() {

@@ -72,8 +72,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
     let host = Host { wake_up_micros: Some(crate::host::wake_up_micros()), ..Host::detect() };
     eprintln!("host: {}", host.describe());
     let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    let threads_total =
-        if b.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { b.threads };
+    let threads_total = strata_engine::backend::cpu::threads_or_cores(b.threads);
     let mut runs = Vec::new();
     let mut baselines = Vec::new();
     let mut plans = Vec::new();

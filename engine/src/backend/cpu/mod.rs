@@ -61,11 +61,15 @@ pub struct CpuBackend {
     arena: Option<arena::WeightArena>,
 }
 
+/// The worker threads a `threads` setting means: itself, or one per core for 0.
+pub fn threads_or_cores(threads: usize) -> usize {
+    if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads }
+}
+
 impl CpuBackend {
     /// A backend using `threads` worker threads (0: one per core).
     pub fn new(threads: usize) -> Result<Self> {
-        let threads =
-            if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
+        let threads = threads_or_cores(threads);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("strata-cpu-{i}"))
