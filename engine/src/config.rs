@@ -474,10 +474,30 @@ mod tests {
         )
         .expect("valid config");
         let scaled = cfg.rope_inv_freq();
+        let s = cfg.rope_scaling.expect("llama3 scaling");
         cfg.rope_scaling = None;
         let plain = cfg.rope_inv_freq();
         assert_eq!(scaled[0], plain[0]);
         let last = plain.len() - 1;
         assert!((scaled[last] - plain[last] / 8.0).abs() <= plain[last] * 1e-6);
+        // Every frequency as Hugging Face's `_compute_llama3_parameters` writes it (a blend of the two in between;
+        // strata divides by llama.cpp's factor instead, the same number by another route).
+        let mut blended = 0;
+        for (j, got) in scaled.iter().enumerate() {
+            let base = cfg.rope_theta.powf(-(2.0 * j as f64) / cfg.head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / base;
+            let want = if wavelen < s.original_max_position_embeddings / s.high_freq_factor {
+                base
+            } else if wavelen > s.original_max_position_embeddings / s.low_freq_factor {
+                base / s.factor
+            } else {
+                blended += 1;
+                let smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+                    / (s.high_freq_factor - s.low_freq_factor);
+                (1.0 - smooth) * base / s.factor + smooth * base
+            };
+            assert!((f64::from(*got) - want).abs() <= want * 1e-6, "frequency {j}: {got} against {want}");
+        }
+        assert!(blended > 0, "no frequency falls between the two wavelengths");
     }
 }

@@ -462,17 +462,15 @@ mod tests {
         let path = dir.join("rope.gguf");
         let mut md = crate::convert::gguf_metadata(&crate::testing::tiny_config());
         md.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
-        let entries: Vec<_> = freqs
-            .iter()
-            .map(|f| crate::gguf_writer::TensorEntry::new("rope_freqs.weight", vec![f.len()], DType::F32))
-            .collect();
+        let entries: Vec<_> =
+            freqs.iter().map(|f| crate::gguf_writer::TensorEntry::new(ROPE_FREQS, vec![f.len()], DType::F32)).collect();
         let bytes: Vec<u8> = freqs.unwrap_or(&[]).iter().flat_map(|f| f.to_le_bytes()).collect();
         crate::gguf_writer::write(&path, &md, &entries, |_| Ok(Bytes::owned(&bytes)))?;
         GgufSource::open(&path)
     }
 
-    /// Llama 3.1's scaling reaches a GGUF as `rope_freqs.weight`, the divisors llama.cpp's `convert_hf_to_gguf.py`
-    /// computes from the Hugging Face `rope_scaling`; read back, they give that config's frequencies.
+    /// Llama 3.1's scaling reaches a GGUF as `rope_freqs.weight`, the divisors a converter computes from the Hugging
+    /// Face `rope_scaling`; read back, they give that config's frequencies.
     #[test]
     fn llama3_rope_factors_give_the_hugging_face_frequencies() -> Result<()> {
         let dir = tempfile::tempdir().map_err(|e| Error::io(Path::new("tempdir"), e))?;
@@ -483,31 +481,14 @@ mod tests {
             high_freq_factor: 4.0,
             original_max_position_embeddings: 64.0,
         };
-        // The converter's loop, as in llama.cpp's conversion/llama.py.
-        let factors: Vec<f32> = (0..base.head_dim / 2)
-            .map(|j| {
-                let freq = base.rope_theta.powf(-(2.0 * j as f64) / base.head_dim as f64);
-                let wavelen = 2.0 * std::f64::consts::PI / freq;
-                let (low, high) = (
-                    s.original_max_position_embeddings / s.low_freq_factor,
-                    s.original_max_position_embeddings / s.high_freq_factor,
-                );
-                let f = if wavelen < high {
-                    1.0
-                } else if wavelen > low {
-                    s.factor
-                } else {
-                    let smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor)
-                        / (s.high_freq_factor - s.low_freq_factor);
-                    1.0 / ((1.0 - smooth) / s.factor + smooth)
-                };
-                f as f32
-            })
-            .collect();
+        // What a converter writes: `strata convert` as llama.cpp's conversion/llama.py does (checked against
+        // llama.cpp itself in engine/tests/gguf_kquants.rs).
+        let scaled = ModelConfig { rope_scaling: Some(s), ..base.clone() };
+        let factors: Vec<f32> = scaled.rope_divisors().unwrap_or_default().iter().map(|&d| d as f32).collect();
         assert!(factors.contains(&1.0) && factors.contains(&8.0), "{factors:?}");
         let source = rope_source(dir.path(), &[], Some(&factors))?;
         let got = source.config().rope_inv_freq();
-        let want = ModelConfig { rope_scaling: Some(s), ..base.clone() }.rope_inv_freq();
+        let want = scaled.rope_inv_freq();
         let plain = base.rope_inv_freq();
         for (g, w) in got.iter().zip(&want) {
             assert!((g - w).abs() <= 1e-6 * w.abs(), "{got:?} against {want:?}");
