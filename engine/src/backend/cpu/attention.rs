@@ -1,13 +1,15 @@
-//! Causal grouped-query attention over a paged KV cache. An f32 cache is read in place, and so is an f16 one
-//! where the CPU converts it in registers (AVX2 with F16C); any other type is first converted to f32 one head at
-//! a time (see [`HEAD_KV`]). All run the same f32 arithmetic, so a cache's type decides the bits, not the path.
+//! Causal grouped-query attention over a paged KV cache. An f32 cache is read in place, and so are f16 and bf16
+//! ones where the CPU converts them in registers (AVX2 with F16C); q8_0 is first converted to f32 one head at a
+//! time (see [`HEAD_KV`]). All run the same f32 arithmetic, so a cache's type decides the bits, not the path.
 
 use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use half::f16;
+#[cfg(target_arch = "x86_64")]
+use half::{bf16, f16};
 
+use super::exp;
 use super::simd::{self, Isa};
 use super::{CpuKvLayer, CpuTensor};
 use crate::backend::{AttnSeq, AttnShape};
@@ -21,8 +23,8 @@ thread_local! {
     static HEAD_KV: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// One sequence's keys and values for one KV head (f32, or f16 read in place), addressed by position through a
-/// block table.
+/// One sequence's keys and values for one KV head (f32, or f16/bf16 read in place), addressed by position
+/// through a block table.
 struct KvView<'a, T = f32> {
     k: &'a [T],
     v: &'a [T],
@@ -79,8 +81,8 @@ pub fn attend(isa: Isa, q: &CpuTensor, cache: &CpuKvLayer, seqs: &[AttnSeq<'_>],
     // heads, so 2 threads would split 2 + 1) a cache read in place gives its query heads a task each instead; any
     // other keeps them together, as each task converts its KV head's rows first.
     let runs: usize = seqs.iter().map(|s| s.len.div_ceil(ROWS_PER_TASK)).sum::<usize>() * num_kv_heads;
-    let in_place_f16 = f16_in_place(isa, head_dim).then(|| cache.as_f16()).flatten();
-    let in_place = cache.as_f32().is_some() || in_place_f16.is_some();
+    let half_in_place = half_in_place(isa, head_dim);
+    let in_place = cache.as_f32().is_some() || half_in_place && (cache.as_f16().is_some() || cache.as_bf16().is_some());
     let heads_per_task = if runs < 2 * rayon::current_num_threads() && in_place { 1 } else { group };
     let tasks: Vec<AttnTask> = seqs
         .iter()
@@ -110,8 +112,11 @@ pub fn attend(isa: Isa, q: &CpuTensor, cache: &CpuKvLayer, seqs: &[AttnSeq<'_>],
                         match &kv {
                             Src::F32(kv) => one_head(isa, qrow, kv, ctx, scale, &mut scores, o),
                             #[cfg(target_arch = "x86_64")]
-                            // SAFETY: a view of f16 is only made where `f16_in_place` found AVX2 and F16C.
-                            Src::F16(kv) => unsafe { one_head_f16(qrow, kv, ctx, scale, &mut scores, o) },
+                            // SAFETY: a view of f16 is only made where `half_in_place` found AVX2 and F16C.
+                            Src::F16(kv) => unsafe { one_head_in_registers(qrow, kv, ctx, scale, &mut scores, o) },
+                            #[cfg(target_arch = "x86_64")]
+                            // SAFETY: as for f16.
+                            Src::Bf16(kv) => unsafe { one_head_in_registers(qrow, kv, ctx, scale, &mut scores, o) },
                         }
                     }
                 }
@@ -121,8 +126,13 @@ pub fn attend(isa: Isa, q: &CpuTensor, cache: &CpuKvLayer, seqs: &[AttnSeq<'_>],
                 return rows(Src::F32(KvView::paged(cache, k, v, s.blocks, kvh * head_dim)));
             }
             #[cfg(target_arch = "x86_64")]
-            if let Some((k, v)) = in_place_f16 {
-                return rows(Src::F16(KvView::paged(cache, k, v, s.blocks, kvh * head_dim)));
+            if half_in_place {
+                if let Some((k, v)) = cache.as_f16() {
+                    return rows(Src::F16(KvView::paged(cache, k, v, s.blocks, kvh * head_dim)));
+                }
+                if let Some((k, v)) = cache.as_bf16() {
+                    return rows(Src::Bf16(KvView::paged(cache, k, v, s.blocks, kvh * head_dim)));
+                }
             }
             HEAD_KV.with_borrow_mut(|(k, v)| {
                 cache.read_head(s.blocks, kvh * head_dim, head_dim, s.start_pos + t0 + n, k, v);
@@ -162,7 +172,7 @@ fn one_head(isa: Isa, qrow: &[f32], kv: &KvView<'_>, ctx: usize, scale: f32, sco
             *sc = simd::dot_f32(isa, qrow, &kv.k[kv.offset(j)..][..head_dim]) * scale;
         }
     }
-    softmax(scores);
+    softmax(isa, scores);
     if fast {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as for `scores`.
@@ -178,11 +188,12 @@ fn one_head(isa: Isa, qrow: &[f32], kv: &KvView<'_>, ctx: usize, scale: f32, sco
 }
 
 /// Scores into probabilities, in place.
-fn softmax(scores: &mut [f32]) {
+fn softmax(isa: Isa, scores: &mut [f32]) {
     let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    scores.iter_mut().for_each(|sc| *sc -= max);
+    exp::exp_in_place(isa, scores);
     let mut denom = 0f32;
-    for sc in scores.iter_mut() {
-        *sc = (*sc - max).exp();
+    for sc in scores.iter() {
         denom += *sc;
     }
     for sc in scores.iter_mut() {
@@ -190,15 +201,15 @@ fn softmax(scores: &mut [f32]) {
     }
 }
 
-/// [`one_head`]'s fast path over an f16 cache, converting keys and values in registers: the same f32 arithmetic
-/// on the same (exactly converted) values as converting the head first, so the same bits.
+/// [`one_head`]'s fast path over an f16 or bf16 cache, converting keys and values in registers: the same f32
+/// arithmetic on the same (exactly converted) values as converting the head first, so the same bits.
 ///
 /// # Safety
 /// AVX2, FMA and F16C available; `qrow.len()` a multiple of 8; every position below `ctx` cached.
 #[cfg(target_arch = "x86_64")]
-unsafe fn one_head_f16(
+unsafe fn one_head_in_registers<T: x86::Elem>(
     qrow: &[f32],
-    kv: &KvView<'_, f16>,
+    kv: &KvView<'_, T>,
     ctx: usize,
     scale: f32,
     scores: &mut Vec<f32>,
@@ -208,27 +219,29 @@ unsafe fn one_head_f16(
     scores.resize(ctx, 0.0);
     // SAFETY: forwarded from the caller.
     unsafe { x86::scores(qrow, kv, scale, scores) };
-    softmax(scores);
+    softmax(Isa::Avx2, scores);
     // SAFETY: as above.
     unsafe { x86::weighted_sum(scores, kv, o) };
 }
 
-/// Whether an f16 cache can be read in place: [`one_head_f16`]'s conditions.
-fn f16_in_place(isa: Isa, head_dim: usize) -> bool {
+/// Whether an f16 or bf16 cache can be read in place: [`one_head_in_registers`]'s conditions.
+fn half_in_place(isa: Isa, head_dim: usize) -> bool {
     cfg!(target_arch = "x86_64") && isa.avx2() && head_dim.is_multiple_of(8)
 }
 
-/// The cache a task reads: f32 (in place or converted), or f16 in place.
+/// The cache a task reads: f32 (in place or converted), or f16/bf16 in place.
 enum Src<'a> {
     F32(KvView<'a>),
     #[cfg(target_arch = "x86_64")]
     F16(KvView<'a, f16>),
+    #[cfg(target_arch = "x86_64")]
+    Bf16(KvView<'a, bf16>),
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::KvView;
-    use half::f16;
+    use half::{bf16, f16};
     use std::arch::x86_64::*;
 
     /// A cache element type the kernels below read, eight values at a time as f32.
@@ -251,6 +264,15 @@ mod x86 {
         unsafe fn load8(p: *const f16) -> __m256 {
             // SAFETY: forwarded; f16 → f32 is exact, as `half`'s conversion is.
             unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+        }
+    }
+
+    impl Elem for bf16 {
+        #[inline(always)]
+        unsafe fn load8(p: *const bf16) -> __m256 {
+            // SAFETY: forwarded. A bf16 is the high half of the f32 with the same bits: widen, shift, reinterpret
+            // (exact, as `half`'s conversion is).
+            unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())))) }
         }
     }
 
@@ -342,6 +364,7 @@ mod tests {
     use super::super::kv::KvStore;
     use super::*;
     use crate::KvDtype;
+    use half::{bf16, f16};
     use rand::{Rng, SeedableRng};
 
     /// A cache of `blocks` blocks of random keys/values and a shuffled block table covering all of them.
@@ -421,47 +444,55 @@ mod tests {
         }
     }
 
-    /// An f16 cache read in place gives, bit for bit, what an f32 cache holding the same (f16) values gives: the
-    /// in-register conversion is exact and the arithmetic is the f32 path's. Prefill rows and decode rows, with
-    /// query heads split over threads and kept whole.
+    /// An f16 or bf16 cache read in place gives, bit for bit, what an f32 cache holding the same (rounded) values
+    /// gives: the in-register conversion is exact and the arithmetic is the f32 path's. Prefill rows and decode
+    /// rows, with query heads split over threads and kept whole.
     #[test]
-    fn an_f16_cache_read_in_place_gives_the_bits_of_its_values_in_f32() -> crate::Result<()> {
+    fn a_half_cache_read_in_place_gives_the_bits_of_its_values_in_f32() -> crate::Result<()> {
         let isa = Isa::detect();
-        if !f16_in_place(isa, 64) {
-            simd::report_not_run(Isa::Avx2, "an_f16_cache_read_in_place_gives_the_bits_of_its_values_in_f32");
+        if !half_in_place(isa, 64) {
+            simd::report_not_run(Isa::Avx2, "a_half_cache_read_in_place_gives_the_bits_of_its_values_in_f32");
             return Ok(());
         }
-        let mut rng = rand::rngs::StdRng::seed_from_u64(15);
         let shape = AttnShape { num_heads: 9, num_kv_heads: 3, head_dim: 64, block_size: 16 };
         let (kv_dim, positions) = (3 * 64, 6 * 16);
-        let rand = |rng: &mut rand::rngs::StdRng| {
-            let data =
-                (0..positions * kv_dim).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0)).to_f32()).collect();
-            CpuTensor { data, rows: positions, cols: kv_dim }
-        };
-        let (k, v) = (rand(&mut rng), rand(&mut rng));
-        let mut table: Vec<u32> = (0..6).rev().collect();
-        table.swap(0, 3);
-        let all = [AttnSeq { row: 0, len: positions, start_pos: 0, blocks: &table }];
-        let q = queries(&mut rng, 38, shape);
-        let cache = |dtype| -> crate::Result<CpuKvLayer> {
-            let mut cache = CpuKvLayer::new(6, 16, kv_dim, dtype)?;
-            cache.write(&k, &v, &all)?;
-            Ok(cache)
-        };
-        let (half, full) = (cache(KvDtype::F16)?, cache(KvDtype::F32)?);
-        assert!(half.as_f16().is_some());
-        let prefill_and_decode = [
-            AttnSeq { row: 0, len: 37, start_pos: 20, blocks: &table[..4] },
-            AttnSeq { row: 37, len: 1, start_pos: 90, blocks: &table },
-        ];
-        let decode = [AttnSeq { row: 0, len: 1, start_pos: 70, blocks: &table }];
-        for seqs in [&prefill_and_decode[..], &decode[..]] {
-            for threads in [1, 4] {
-                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
-                let (a, b) =
-                    pool.install(|| (attend(isa, &q, &half, seqs, shape), attend(isa, &q, &full, seqs, shape)));
-                assert!(a.data == b.data, "{} rows on {threads} threads: {}", seqs.len(), max_diff(&a, &b));
+        let round_f16 = |x: f32| f16::from_f32(x).to_f32();
+        let round_bf16 = |x: f32| bf16::from_f32(x).to_f32();
+        for (dtype, round) in [(KvDtype::F16, &round_f16 as &dyn Fn(f32) -> f32), (KvDtype::Bf16, &round_bf16)] {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(15);
+            let mut rand = || {
+                let data = (0..positions * kv_dim).map(|_| round(rng.random_range(-1.0f32..1.0))).collect();
+                CpuTensor { data, rows: positions, cols: kv_dim }
+            };
+            let (k, v) = (rand(), rand());
+            let mut table: Vec<u32> = (0..6).rev().collect();
+            table.swap(0, 3);
+            let all = [AttnSeq { row: 0, len: positions, start_pos: 0, blocks: &table }];
+            let q = queries(&mut rng, 38, shape);
+            let cache = |dtype| -> crate::Result<CpuKvLayer> {
+                let mut cache = CpuKvLayer::new(6, 16, kv_dim, dtype)?;
+                cache.write(&k, &v, &all)?;
+                Ok(cache)
+            };
+            let (half, full) = (cache(dtype)?, cache(KvDtype::F32)?);
+            assert!(half.as_f16().is_some() || half.as_bf16().is_some());
+            let prefill_and_decode = [
+                AttnSeq { row: 0, len: 37, start_pos: 20, blocks: &table[..4] },
+                AttnSeq { row: 37, len: 1, start_pos: 90, blocks: &table },
+            ];
+            let decode = [AttnSeq { row: 0, len: 1, start_pos: 70, blocks: &table }];
+            for seqs in [&prefill_and_decode[..], &decode[..]] {
+                for threads in [1, 4] {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
+                    let (a, b) =
+                        pool.install(|| (attend(isa, &q, &half, seqs, shape), attend(isa, &q, &full, seqs, shape)));
+                    assert!(
+                        a.data == b.data,
+                        "{dtype}, {} rows on {threads} threads: {}",
+                        seqs.len(),
+                        max_diff(&a, &b)
+                    );
+                }
             }
         }
         Ok(())

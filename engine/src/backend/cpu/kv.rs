@@ -1,6 +1,7 @@
 //! The CPU backend's paged KV storage in each [`KvDtype`]: rows are converted as they are written (f16/bf16
 //! rounded to nearest even, q8_0 quantized per 32-element block by [`quant::Q8_0`]'s reference quantizer) and
-//! read back as f32 one head at a time for attention.
+//! read by attention in place (f32, and f16/bf16 where the CPU converts them in registers) or as f32 one head at
+//! a time (q8_0).
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
@@ -146,6 +147,14 @@ impl CpuKvLayer {
     pub(super) fn as_f16(&self) -> Option<(&[f16], &[f16])> {
         match (&self.k, &self.v) {
             (KvStore::F16(k), KvStore::F16(v)) => Some((k, v)),
+            _ => None,
+        }
+    }
+
+    /// The bf16 keys and values when the cache stores bf16 (read in place as f16 is).
+    pub(super) fn as_bf16(&self) -> Option<(&[bf16], &[bf16])> {
+        match (&self.k, &self.v) {
+            (KvStore::Bf16(k), KvStore::Bf16(v)) => Some((k, v)),
             _ => None,
         }
     }
