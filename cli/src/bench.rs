@@ -13,7 +13,7 @@ use strata_engine::backend::Backend;
 use strata_engine::backend::cpu::threads_or_cores;
 use strata_engine::generate::Engine;
 use strata_engine::model::SeqChunk;
-use strata_engine::sampling::argmax;
+use strata_engine::sampling::{Sampler, SamplingParams, TokenHistory, argmax};
 use strata_engine::{Device, OnBackend};
 use strata_proto::TlsArgs;
 
@@ -97,6 +97,11 @@ struct Report {
     peak_rss_bytes: u64,
     /// Anonymous memory in transparent huge pages: the CPU backend's copied weights, where the system grants them.
     huge_page_bytes: u64,
+    /// Microseconds one token's sampling takes over the model's vocabulary at temperature 1 (OpenAI's default),
+    /// from the last batch-1 decode step's logits; the decode rates above pick greedily.
+    sample_us_temperature: f64,
+    /// The same with top-p 0.9.
+    sample_us_top_p: f64,
     /// Weight bytes read per second by batch-1 decode, which reads every weight once per token.
     decode_batch1_weight_gb_per_s: f64,
     /// What `threads` threads read from memory per second here (CPU only, measured after the run):
@@ -113,6 +118,21 @@ fn proc_self_kib(file: &str, key: &str) -> u64 {
         .and_then(|s| s.lines().find(|l| l.starts_with(key)).map(str::to_string))
         .and_then(|l| l[key.len()..].split_whitespace().next().and_then(|kb| kb.parse::<u64>().ok()))
         .map_or(0, |kb| kb * 1024)
+}
+
+/// Mean microseconds of one seeded draw with `params` from `logits` (the sampler is handed a fresh copy each
+/// time, as serving hands it each step's logits).
+fn sampling_us(logits: &[f32], params: SamplingParams) -> f64 {
+    const DRAWS: usize = 50;
+    let mut sampler = Sampler::new(SamplingParams { seed: Some(1), ..params });
+    let history = TokenHistory::new(0);
+    let mut copy = logits.to_vec();
+    let t = Instant::now();
+    for _ in 0..DRAWS {
+        copy.copy_from_slice(logits);
+        std::hint::black_box(sampler.sample(&mut copy, &history));
+    }
+    t.elapsed().as_secs_f64() * 1e6 / DRAWS as f64
 }
 
 /// Prompt length of each sequence in the batched decode measurement.
@@ -189,7 +209,7 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
 
     // Every step in the backend's context, as a stage's executor runs its batches.
     let (decode_tokens, batch, prompt_tokens) = (a.decode_tokens, a.batch, a.prompt_tokens);
-    let (prefill_s, decode1_s, decode_b_s) = engine.scoped(|e| -> Result<_> {
+    let (prefill_s, decode1_s, decode_b_s, last_logits) = engine.scoped(|e| -> Result<_> {
         // Warm up caches and page in the weights.
         let warm = synthetic_prompt(8, vocab, 99);
         e.step(&[SeqChunk { seq_id: 999, start_pos: 0, len: warm.len() }], &warm)?;
@@ -201,10 +221,11 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         let logits = e.step(&[SeqChunk { seq_id: 0, start_pos: 0, len: prompt.len() }], &prompt)?;
         let prefill_s = t.elapsed().as_secs_f64();
         let mut next = argmax(&logits[0]);
+        let mut last = logits;
         let t = Instant::now();
         for i in 0..decode_tokens {
-            let l = e.step(&[SeqChunk { seq_id: 0, start_pos: prompt.len() + i, len: 1 }], &[next])?;
-            next = argmax(&l[0]);
+            last = e.step(&[SeqChunk { seq_id: 0, start_pos: prompt.len() + i, len: 1 }], &[next])?;
+            next = argmax(&last[0]);
         }
         let decode1_s = t.elapsed().as_secs_f64();
         e.release(0);
@@ -225,8 +246,10 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
             nexts = l.iter().map(|r| argmax(r)).collect();
         }
         let decode_b_s = t.elapsed().as_secs_f64();
-        Ok((prefill_s, decode1_s, decode_b_s))
+        Ok((prefill_s, decode1_s, decode_b_s, last.swap_remove(0)))
     })?;
+    let [sample_us_temperature, sample_us_top_p] = [1.0, 0.9]
+        .map(|top_p| sampling_us(&last_logits, SamplingParams { temperature: 1.0, top_p, ..Default::default() }));
 
     let cpu_threads = threads_or_cores(threads);
     let report = Report {
@@ -245,6 +268,8 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         decode_tokens_per_s_batched: (a.decode_tokens * a.batch) as f64 / decode_b_s,
         peak_rss_bytes: proc_self_kib("status", "VmHWM:"),
         huge_page_bytes: proc_self_kib("smaps_rollup", "AnonHugePages:"),
+        sample_us_temperature,
+        sample_us_top_p,
         decode_batch1_weight_gb_per_s: weight_bytes as f64 * a.decode_tokens as f64 / decode1_s / 1e9,
         // After the peak is read: the probe's buffer, the size of the weights, would count in it.
         memory_read_gb_per_s: (a.device.device == Device::Cpu).then(|| memory_read_gb_per_s(weight_bytes, cpu_threads)),
@@ -286,6 +311,8 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         report.decode_tokens_per_s_batched,
         base("decode_tokens_per_s_batch8")
     );
+    println!("| sampling µs/token (temperature 1) | {:.1} | - |", report.sample_us_temperature);
+    println!("| sampling µs/token (temperature 1, top-p 0.9) | {:.1} | - |", report.sample_us_top_p);
     println!("| peak RSS MiB | {:.1} | - |", report.peak_rss_bytes as f64 / 1048576.0);
     println!("| in huge pages MiB | {:.1} | - |", report.huge_page_bytes as f64 / 1048576.0);
     println!("| load s | {:.2} | - |", report.load_seconds);

@@ -6,6 +6,8 @@ use std::collections::{HashMap, HashSet};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
+use crate::backend::cpu::exp::exp_in_place;
+use crate::backend::cpu::simd::Isa;
 use crate::{Error, Result};
 
 /// How to pick tokens.
@@ -148,31 +150,8 @@ impl Sampler {
         if p.temperature == 0.0 {
             return argmax(logits);
         }
-        let mut cand: Vec<(u32, f32)> =
-            logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)).collect();
-        cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if p.top_k > 0 {
-            cand.truncate(p.top_k);
-        }
-        let max = cand[0].1;
-        let mut total = 0f32;
-        for c in cand.iter_mut() {
-            c.1 = (c.1 - max).exp();
-            total += c.1;
-        }
-        if p.top_p < 1.0 {
-            let mut acc = 0f32;
-            let mut keep = cand.len();
-            for (i, c) in cand.iter().enumerate() {
-                acc += c.1 / total;
-                if acc >= p.top_p {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            cand.truncate(keep);
-            total = cand.iter().map(|c| c.1).sum();
-        }
+        let cand = candidates(logits, p);
+        let total: f32 = cand.iter().map(|c| c.1).sum();
         let draw = match p.seed {
             Some(seed) => position_rng(seed, history.len).random::<f32>(),
             None => self.rng.get_or_insert_with(StdRng::from_os_rng).random::<f32>(),
@@ -184,7 +163,54 @@ impl Sampler {
             }
             r -= w;
         }
-        cand[cand.len() - 1].0
+        cand.last().map_or(0, |c| c.0)
+    }
+}
+
+/// The tokens a temperature draw chooses among, with weights `e^((l − max)/T)`: every token in vocabulary order
+/// without top-k and top-p, else the kept ones in descending order of logit (ties by id). Only what top-k keeps,
+/// or the head that reaches top-p, is ever sorted: sorting the whole vocabulary (49,152 SmolLM2 tokens, 150k for
+/// Qwen) for every sampled token cost more than a decode step of a small model.
+fn candidates(logits: &[f32], p: &SamplingParams) -> Vec<(u32, f32)> {
+    let n = logits.len();
+    let mut w: Vec<f32> = logits.iter().map(|&l| l / p.temperature).collect();
+    let max = w.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    w.iter_mut().for_each(|x| *x -= max);
+    exp_in_place(Isa::detect(), &mut w);
+    let top_k = if p.top_k > 0 && p.top_k < n { p.top_k } else { n };
+    if top_k == n && p.top_p >= 1.0 {
+        return w.into_iter().enumerate().map(|(i, w)| (i as u32, w)).collect();
+    }
+    let order = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    let mut ids: Vec<u32> = (0..n as u32).collect();
+    if top_k < n {
+        ids.select_nth_unstable_by(top_k - 1, order);
+        ids.truncate(top_k);
+    }
+    let weighted = |ids: &[u32]| ids.iter().map(|&i| (i, w[i as usize])).collect::<Vec<_>>();
+    if p.top_p >= 1.0 {
+        ids.sort_unstable_by(order);
+        return weighted(&ids);
+    }
+    // The smallest head holding top_p of the mass: sort a head, and select and sort more only while it falls short.
+    let total: f32 = ids.iter().map(|&i| w[i as usize]).sum();
+    let (mut sorted, mut upto, mut acc) = (0, 64.min(ids.len()), 0f32);
+    loop {
+        if upto < ids.len() {
+            ids[sorted..].select_nth_unstable_by(upto - sorted - 1, order);
+        }
+        ids[sorted..upto].sort_unstable_by(order);
+        for i in sorted..upto {
+            acc += w[ids[i] as usize] / total;
+            if acc >= p.top_p {
+                return weighted(&ids[..=i]);
+            }
+        }
+        if upto == ids.len() {
+            // Rounding kept the sum below top_p: every token stays.
+            return weighted(&ids);
+        }
+        (sorted, upto) = (upto, (upto * 8).min(ids.len()));
     }
 }
 
@@ -313,6 +339,57 @@ mod tests {
         let mut other = tokens[..3].to_vec();
         run(&mut Sampler::new(SamplingParams { seed: Some(12), ..params }), &mut other);
         assert_ne!(other, tokens);
+    }
+
+    /// What sampling kept before heads were selected instead of sorted: the whole vocabulary sorted by logit,
+    /// cut by top-k and top-p, weighted by libm's `exp`.
+    fn sorted_reference(logits: &[f32], p: &SamplingParams) -> Vec<(u32, f32)> {
+        let mut cand: Vec<(u32, f32)> =
+            logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)).collect();
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if p.top_k > 0 {
+            cand.truncate(p.top_k);
+        }
+        let max = cand[0].1;
+        cand.iter_mut().for_each(|c| c.1 = (c.1 - max).exp());
+        let total: f32 = cand.iter().map(|c| c.1).sum();
+        let mut acc = 0f32;
+        if let Some(i) = cand.iter().position(|c| {
+            acc += c.1 / total;
+            acc >= p.top_p
+        }) {
+            cand.truncate(i + 1);
+        }
+        cand
+    }
+
+    /// The selected heads are the sorted vocabulary's, token for token, with the same weights (to the vector
+    /// `exp`'s rounding); without a cut every token is kept with its weight. Peaked and flat logits, so top-p's
+    /// head ends inside the first 64 tokens, past them, and past 512.
+    #[test]
+    fn candidates_are_those_of_the_sorted_vocabulary() {
+        use rand::Rng;
+        let mut rng = StdRng::seed_from_u64(5);
+        for spread in [20.0f32, 2.0, 0.05] {
+            // Some repeated values, so ties are broken by id as the sort breaks them.
+            let logits: Vec<f32> =
+                (0..5000).map(|_| (rng.random_range(-1.0f32..1.0) * spread * 64.0).round() / 64.0).collect();
+            for (temperature, top_k, top_p) in
+                [(1.0, 0, 1.0), (0.7, 40, 1.0), (1.0, 0, 0.9), (1.3, 0, 0.995), (0.8, 300, 0.5), (1.0, 9999, 0.97)]
+            {
+                let p = SamplingParams { temperature, top_k, top_p, ..Default::default() };
+                let got = candidates(&logits, &p);
+                let mut want = sorted_reference(&logits, &p);
+                if top_p >= 1.0 && (top_k == 0 || top_k >= logits.len()) {
+                    want.sort_by_key(|c| c.0);
+                }
+                let ids = |c: &[(u32, f32)]| c.iter().map(|c| c.0).collect::<Vec<_>>();
+                assert_eq!(ids(&got), ids(&want), "spread {spread}, {p:?}");
+                for (g, w) in got.iter().zip(&want) {
+                    assert!((g.1 - w.1).abs() <= 4e-7 * w.1 + 1e-37, "token {}: {} vs {}", g.0, g.1, w.1);
+                }
+            }
+        }
     }
 
     #[test]
