@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
-use crate::backend::cpu::exp::exp_in_place;
+use crate::backend::cpu::exp::exp_from_max;
 use crate::backend::cpu::simd::Isa;
 use crate::{Error, Result};
 
@@ -174,9 +174,7 @@ impl Sampler {
 fn candidates(logits: &[f32], p: &SamplingParams) -> Vec<(u32, f32)> {
     let n = logits.len();
     let mut w: Vec<f32> = logits.iter().map(|&l| l / p.temperature).collect();
-    let max = w.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-    w.iter_mut().for_each(|x| *x -= max);
-    exp_in_place(Isa::detect(), &mut w);
+    exp_from_max(Isa::detect(), &mut w);
     let top_k = if p.top_k > 0 && p.top_k < n { p.top_k } else { n };
     if top_k == n && p.top_p >= 1.0 {
         return w.into_iter().enumerate().map(|(i, w)| (i as u32, w)).collect();

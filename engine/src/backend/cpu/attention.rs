@@ -189,9 +189,7 @@ fn one_head(isa: Isa, qrow: &[f32], kv: &KvView<'_>, ctx: usize, scale: f32, sco
 
 /// Scores into probabilities, in place.
 fn softmax(isa: Isa, scores: &mut [f32]) {
-    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    scores.iter_mut().for_each(|sc| *sc -= max);
-    exp::exp_in_place(isa, scores);
+    exp::exp_from_max(isa, scores);
     let mut denom = 0f32;
     for sc in scores.iter() {
         denom += *sc;

@@ -43,8 +43,16 @@ fn exp1(x: f32) -> f32 {
     }
 }
 
+/// `x ← e^(x − max)` for every element, `max` the slice's largest: softmax's numerators (attention's, and
+/// sampling's weights), each in [0, 1].
+pub fn exp_from_max(isa: Isa, xs: &mut [f32]) {
+    let max = xs.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    xs.iter_mut().for_each(|x| *x -= max);
+    exp_in_place(isa, xs);
+}
+
 /// `x ← eˣ` for every element.
-pub fn exp_in_place(isa: Isa, xs: &mut [f32]) {
+fn exp_in_place(isa: Isa, xs: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if isa.avx2() {
         // SAFETY: AVX2 and FMA were detected (every x86 level has them).
