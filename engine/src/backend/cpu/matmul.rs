@@ -3,6 +3,7 @@
 
 use rayon::prelude::*;
 
+use super::half_dot::{self, Half};
 #[cfg(target_arch = "x86_64")]
 use super::qgemm::{self, PackedActs};
 use super::simd::{self, Isa, Q8Block, quantize_row};
@@ -81,17 +82,19 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
             unsafe { qgemm::rows_by_tokens(isa, w.dtype, rows, row_bytes, acts, dst.ptr.add(first_row), dst.n) };
             return;
         }
+        if let Some(kind) = half_kind(w.dtype) {
+            half_dot::rows_by_tokens(isa, kind, bytemuck::cast_slice(rows), &x.data, k, |r, t, v| {
+                // SAFETY: (t, first_row + r) is inside the m×n buffer and owned by this task alone.
+                unsafe { *dst.ptr.add(t * dst.n + first_row + r) = v }
+            });
+            return;
+        }
         let mut col = vec![0f32; m];
         for (i, wr) in rows.chunks_exact(row_bytes).enumerate() {
             match w.dtype {
-                DType::F32 | DType::F16 | DType::BF16 => {
+                DType::F32 => {
                     for (t, o) in col.iter_mut().enumerate() {
-                        let xr = &x.data[t * k..(t + 1) * k];
-                        *o = match w.dtype {
-                            DType::F32 => simd::dot_f32(isa, xr, bytemuck::cast_slice(wr)),
-                            DType::F16 => simd::dot_f16(isa, xr, bytemuck::cast_slice(wr)),
-                            _ => simd::dot_bf16(isa, xr, bytemuck::cast_slice(wr)),
-                        };
+                        *o = simd::dot_f32(isa, &x.data[t * k..(t + 1) * k], bytemuck::cast_slice(wr));
                     }
                 }
                 q => simd::dot_quant(isa, q, wr, &xq, blocks, &mut col),
@@ -112,6 +115,15 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
             CpuTensor { data: out, rows: m, cols: w.rows }
         })
         .collect())
+}
+
+/// The 16-bit float formats [`half_dot`] computes with.
+fn half_kind(dtype: DType) -> Option<Half> {
+    match dtype {
+        DType::F16 => Some(Half::F16),
+        DType::BF16 => Some(Half::Bf16),
+        _ => None,
+    }
 }
 
 /// One job's `[m, n]` output buffer, shared by the tasks of a product; each writes only its own rows' columns.

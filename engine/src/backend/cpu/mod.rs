@@ -5,6 +5,7 @@
 mod arena;
 mod attention;
 pub(crate) mod exp;
+mod half_dot;
 mod isa;
 pub mod kernel_bench;
 mod kernels;

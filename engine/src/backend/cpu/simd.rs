@@ -62,28 +62,6 @@ pub fn axpy(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// Σ x·w with `w` as f16 bits.
-pub fn dot_f16(isa: Isa, x: &[f32], w: &[u16]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if isa.avx2() {
-        // SAFETY: see dot_f32.
-        return unsafe { x86::dot_f16(x, w) };
-    }
-    let _ = isa;
-    x.iter().zip(w).map(|(a, &b)| a * half::f16::from_bits(b).to_f32()).sum()
-}
-
-/// Σ x·w with `w` as bf16 bits.
-pub fn dot_bf16(isa: Isa, x: &[f32], w: &[u16]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if isa.avx2() {
-        // SAFETY: see dot_f32.
-        return unsafe { x86::dot_bf16(x, w) };
-    }
-    let _ = isa;
-    x.iter().zip(w).map(|(a, &b)| a * f32::from_bits((b as u32) << 16)).sum()
-}
-
 /// Dot products of one quantized weight row (raw GGML blocks of `dtype`) with `out.len()` activation rows, one
 /// at a time. `xq` holds the rows' blocks back to back, `blocks` per row. The reference arithmetic of the AVX2
 /// kernels: `dot_quant_rows` (one token) and `qgemm` (several) reproduce it bit for bit.
@@ -224,51 +202,6 @@ pub(super) mod x86 {
         for k in i..n {
             y[k] += a * x[k];
         }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_f16(x: &[f32], w: &[u16]) -> f32 {
-        let n = x.len().min(w.len());
-        let mut acc = [_mm256_setzero_ps(); 2];
-        let mut i = 0;
-        // SAFETY: every load reads within 0..n of both slices.
-        unsafe {
-            while i + 16 <= n {
-                for (j, acc) in acc.iter_mut().enumerate() {
-                    let wv = _mm256_cvtph_ps(_mm_loadu_si128(w.as_ptr().add(i + 8 * j) as *const __m128i));
-                    *acc = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i + 8 * j)), wv, *acc);
-                }
-                i += 16;
-            }
-        }
-        let mut s = hsum(_mm256_add_ps(acc[0], acc[1]));
-        for k in i..n {
-            s += x[k] * half::f16::from_bits(w[k]).to_f32();
-        }
-        s
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_bf16(x: &[f32], w: &[u16]) -> f32 {
-        let n = x.len().min(w.len());
-        let mut acc = [_mm256_setzero_ps(); 2];
-        let mut i = 0;
-        // SAFETY: every load reads within 0..n of both slices.
-        unsafe {
-            while i + 16 <= n {
-                for (j, acc) in acc.iter_mut().enumerate() {
-                    let raw = _mm_loadu_si128(w.as_ptr().add(i + 8 * j) as *const __m128i);
-                    let wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-                    *acc = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i + 8 * j)), wv, *acc);
-                }
-                i += 16;
-            }
-        }
-        let mut s = hsum(_mm256_add_ps(acc[0], acc[1]));
-        for k in i..n {
-            s += x[k] * f32::from_bits((w[k] as u32) << 16);
-        }
-        s
     }
 
     /// The x86 instruction-set levels the quantized kernels are instantiated for, a const parameter of the
@@ -483,12 +416,8 @@ mod tests {
         let isa = Isa::detect();
         for n in [1, 7, 8, 33, 100, 576] {
             let (a, b) = (rand_vec(&mut rng, n), rand_vec(&mut rng, n));
-            let h: Vec<u16> = b.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect();
-            let bf: Vec<u16> = b.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
             let tol = 1e-4 * n as f32;
             assert!((dot_f32(isa, &a, &b) - dot_f32(Isa::Scalar, &a, &b)).abs() < tol);
-            assert!((dot_f16(isa, &a, &h) - dot_f16(Isa::Scalar, &a, &h)).abs() < tol);
-            assert!((dot_bf16(isa, &a, &bf) - dot_bf16(Isa::Scalar, &a, &bf)).abs() < tol);
         }
     }
 
