@@ -166,7 +166,11 @@ pub async fn serve_slot(
         None => None,
     };
     let (health_reporter, health) = health_service();
-    let health_task = tokio::spawn(report_health(slot, health_reporter, shutdown.clone()));
+    let (reported, first_report) = tokio::sync::oneshot::channel();
+    let health_task = tokio::spawn(report_health(slot, health_reporter, shutdown.clone(), reported));
+    // Serve once the status exists: a health check that came before the task's first report was answered
+    // NOT_FOUND ("service not registered").
+    let _ = first_report.await;
     let stage = StageServer::new(service)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
@@ -200,12 +204,22 @@ pub async fn serve_slot(
 /// Keeps the Stage service's health in line with the served stage: NOT_SERVING while its executor is dead (a
 /// load balancer or the coordinator stops sending), SERVING otherwise (with no stage, batches are refused but the
 /// worker is healthy, waiting for a plan); NOT_SERVING on shutdown. The only writer of that health status.
-async fn report_health(slot: StageSlot, reporter: HealthReporter, shutdown: CancellationToken) {
+/// `reported` is sent once the first status is set.
+async fn report_health(
+    slot: StageSlot,
+    reporter: HealthReporter,
+    shutdown: CancellationToken,
+    reported: tokio::sync::oneshot::Sender<()>,
+) {
     let mut stages = slot.subscribe();
+    let mut reported = Some(reported);
     loop {
         let death = stages.borrow_and_update().as_ref().map(|s| s.executor.death());
         let alive = death.as_ref().is_none_or(|d| !d.is_cancelled());
         set_serving(&reporter, STAGE_SERVICE, alive).await;
+        if let Some(first) = reported.take() {
+            let _ = first.send(());
+        }
         let died = async {
             match &death {
                 Some(d) if alive => d.cancelled().await,
