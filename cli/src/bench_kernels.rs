@@ -23,7 +23,7 @@ pub struct KernelArgs {
     /// Block formats for --kernels (e.g. `q4_0,q4_k`; default: all).
     #[arg(long, value_delimiter = ',', value_parser = parse_format, env = "STRATA_BENCH_KERNEL_FORMATS")]
     kernel_formats: Vec<DType>,
-    /// The weight matrix of --kernels, ROWSxCOLS: rows a multiple of 8, columns of 256 for the K-quants.
+    /// The weight matrix of --kernels, ROWSxCOLS: columns a multiple of 32, of 256 for the K-quants.
     #[arg(long, default_value = "576x1536", value_parser = parse_shape, env = "STRATA_BENCH_KERNEL_SHAPE")]
     kernel_shape: (usize, usize),
     /// Timings per format and path for --kernels (of ~2 ms each); the fastest is reported.
@@ -78,11 +78,15 @@ pub fn run(a: &KernelArgs, out: &Path) -> Result<()> {
 /// time on each of the format's rows), then the reasons of the paths that did not run.
 fn table(b: &KernelBench) -> String {
     let mut s = format!(
-        "CPU kernels (dispatch: {}), {} x {} weights, one thread, best of {} timings; ns per (row, 32-element block[, token])\n\n",
-        b.isa, b.rows, b.cols, b.samples
+        "CPU kernels (dispatch: {}), {} x {} weights, one thread, best of {} timings; ns per (row, 32-element block[, token]); streamed: {} MiB of copies of the weights, read from memory\n\n",
+        b.isa,
+        b.rows,
+        b.cols,
+        b.samples,
+        b.streamed_bytes >> 20
     );
-    s.push_str("| format | isa | decode (dot_quant_rows) ns/block | widest rows kernel | 4-row | one-row | tile 8 tokens ns/block·token | scalar ns/block | GB/s decode |\n");
-    s.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    s.push_str("| format | isa | decode in cache ns/block | decode streamed ns/block | GB/s streamed | tile 8 tokens ns/block·token | scalar ns/block |\n");
+    s.push_str("|---|---|---:|---:|---:|---:|---:|\n");
     let mut reasons: Vec<String> = Vec::new();
     let mut rows: Vec<(&str, &str)> =
         b.timings.iter().filter(|t| t.path != KernelPath::Scalar).map(|t| (t.format, t.isa)).collect();
@@ -93,12 +97,9 @@ fn table(b: &KernelBench) -> String {
                 .iter()
                 .find(|t| t.format == format && t.path == path && (t.isa == isa || path == KernelPath::Scalar))
         };
-        let mut cell = |path: KernelPath| match of(path).map(|t| (&t.outcome, t.rows_per_call)) {
-            Some((Outcome::Ran { ns_per_block, .. }, rows)) if path == KernelPath::Rows => {
-                format!("{ns_per_block:.2} ({rows} rows)")
-            }
-            Some((Outcome::Ran { ns_per_block, .. }, _)) => format!("{ns_per_block:.2}"),
-            Some((Outcome::NotRun { reason }, _)) => {
+        let mut cell = |path: KernelPath| match of(path).map(|t| &t.outcome) {
+            Some(Outcome::Ran { ns_per_block, .. }) => format!("{ns_per_block:.2}"),
+            Some(Outcome::NotRun { reason }) => {
                 if !reasons.contains(reason) {
                     reasons.push(reason.clone());
                 }
@@ -106,23 +107,23 @@ fn table(b: &KernelBench) -> String {
             }
             None => "-".into(),
         };
+        let gb = match of(KernelPath::Streamed).map(|t| &t.outcome) {
+            Some(Outcome::Ran { weight_gb_per_s, .. }) => format!("{weight_gb_per_s:.1}"),
+            Some(Outcome::NotRun { .. }) => "not run".into(),
+            None => "-".into(),
+        };
         let cells = [
             cell(KernelPath::Decode),
-            cell(KernelPath::Rows),
-            cell(KernelPath::Rows4),
-            cell(KernelPath::One),
+            cell(KernelPath::Streamed),
+            gb,
             cell(KernelPath::Tile),
             cell(KernelPath::Scalar),
         ];
-        let gb = match of(KernelPath::Decode).map(|t| &t.outcome) {
-            Some(Outcome::Ran { weight_gb_per_s, .. }) => format!("{weight_gb_per_s:.1}"),
-            _ => "-".into(),
-        };
         // A level this CPU lacks has no row, only its reason below.
         if cells[..cells.len() - 1].iter().all(|c| c == "not run") {
             continue;
         }
-        let _ = writeln!(s, "| {format} | {isa} | {} | {gb} |", cells.join(" | "));
+        let _ = writeln!(s, "| {format} | {isa} | {} |", cells.join(" | "));
     }
     for reason in reasons {
         let _ = writeln!(s, "\nnot run: {reason}");
@@ -166,8 +167,7 @@ mod tests {
 
     #[test]
     fn table_has_a_row_per_format_and_level_run_and_says_why_a_level_did_not_run() {
-        let timing =
-            |format, isa, path, outcome| KernelTiming { format, isa, path, rows_per_call: 8, tokens: 1, outcome };
+        let timing = |format, isa, path, outcome| KernelTiming { format, isa, path, tokens: 1, outcome };
         let ran = Outcome::Ran { ns_per_block: 1.234, weight_gb_per_s: 27.5 };
         let not_run = Outcome::NotRun { reason: "avx512-vnni: this CPU lacks AVX-512".into() };
         let simd = &kernel_bench::PATHS[..kernel_bench::PATHS.len() - 1];
@@ -178,8 +178,17 @@ mod tests {
             timings.push(timing(format, "scalar", KernelPath::Scalar, ran.clone()));
         }
         let attention = vec![AttentionTiming { context: 256, isa: "avx2", ns_per_position: 0.456 }];
-        let t = table(&KernelBench { isa: "avx2", rows: 8, cols: 256, samples: 1, timings, attention });
-        assert!(t.contains("| q8_0 | avx2 | 1.23 | 1.23 (8 rows) | 1.23 | 1.23 | 1.23 | 1.23 | 27.5 |"), "{t}");
+        let t = table(&KernelBench {
+            isa: "avx2",
+            rows: 8,
+            cols: 256,
+            samples: 1,
+            streamed_bytes: 64 << 20,
+            timings,
+            attention,
+        });
+        assert!(t.contains("streamed: 64 MiB of copies"), "{t}");
+        assert!(t.contains("| q8_0 | avx2 | 1.23 | 1.23 | 27.5 | 1.23 | 1.23 |"), "{t}");
         assert!(!t.contains("| avx512-vnni |") && t.matches("| q4_k |").count() == 1, "{t}");
         assert!(t.contains("\nnot run: avx512-vnni: this CPU lacks AVX-512\n"), "{t}");
         assert!(t.ends_with("|---:|---|---:|\n| 256 | avx2 | 0.46 |\n"), "{t}");

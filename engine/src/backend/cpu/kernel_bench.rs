@@ -1,8 +1,8 @@
 //! Single-threaded timings of the quantized dot-product kernels (`strata bench --kernels`): every block format on
-//! every path (one-token decode as the matmul runs it, its multi-row and one-row instances, the 8-token tile of
-//! batched decode and prefill) at every x86 instruction-set level this CPU has (the others reported as not run),
-//! and the scalar oracle, over one random matrix; and one decode step's attention at a short and a long context.
-//! docs/performance.md's kernel numbers.
+//! every path (one-token decode as the matmul runs it, with the weights in cache and streamed from memory as in a
+//! real decode step; the 8-token tile of batched decode and prefill) at every x86 instruction-set level this CPU
+//! has (the others reported as not run), and the scalar oracle, over one random matrix; and one decode step's
+//! attention at a short and a long context. docs/performance.md's kernel numbers.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
+use super::arena::WeightArena;
 use super::attention::attend;
 use super::kernels::kernels;
 use super::qgemm::{GROUP, PackedActs};
@@ -17,7 +18,7 @@ use super::simd::{self, Isa, Q8Block, quantize_row};
 use super::{CpuKvLayer, CpuTensor};
 use crate::backend::{AttnSeq, AttnShape};
 use crate::quant::{self, BlockFormat, QK};
-use crate::tensor::DType;
+use crate::tensor::{Bytes, DType};
 use crate::{Error, KvDtype, Result};
 
 /// What to measure.
@@ -25,7 +26,7 @@ use crate::{Error, KvDtype, Result};
 pub struct Config {
     /// Formats to time, in this order; empty: all of [`quant::FORMATS`].
     pub formats: Vec<DType>,
-    /// Weight rows: a positive multiple of 8 (the widest multi-row kernel).
+    /// Weight rows.
     pub rows: usize,
     /// Weight columns: whole blocks of every timed format (a multiple of 256 for the K-quants).
     pub cols: usize,
@@ -33,12 +34,22 @@ pub struct Config {
     pub samples: usize,
     /// About how long one timing lasts: its count of whole-matrix passes is sized to it.
     pub sample_time: Duration,
+    /// Bytes of weights the streamed decode path reads per pass (copies of the matrix, in huge pages where the
+    /// system has them): far more than a last-level cache holds, so each pass reads them from memory.
+    pub streamed_bytes: usize,
 }
 
 impl Default for Config {
-    /// SmolLM2-135M's down projection (576 × 1536), best of 15 timings of ~2 ms.
+    /// SmolLM2-135M's down projection (576 × 1536), best of 15 timings of ~2 ms; 256 MiB streamed.
     fn default() -> Self {
-        Self { formats: Vec::new(), rows: 576, cols: 1536, samples: 15, sample_time: Duration::from_millis(2) }
+        Self {
+            formats: Vec::new(),
+            rows: 576,
+            cols: 1536,
+            samples: 15,
+            sample_time: Duration::from_millis(2),
+            streamed_bytes: 256 << 20,
+        }
     }
 }
 
@@ -46,15 +57,12 @@ impl Default for Config {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KernelPath {
-    /// `simd::dot_quant_rows` over the matrix, as one-token decode runs it (the widest multi-row instance, then
-    /// the 4-row and one-row ones for what is left).
+    /// `simd::dot_quant_rows` over the matrix, as one-token decode runs it, the matrix in cache after the
+    /// first pass.
     Decode,
-    /// The widest multi-row instance alone: 8 rows, or 4 for the 32-element nibble formats.
-    Rows,
-    /// The 4-row instance alone.
-    Rows4,
-    /// The one-row kernel alone.
-    One,
+    /// The same over [`Config::streamed_bytes`] of copies of the matrix: weights read from memory, as every
+    /// decode step of a model larger than the cache reads them.
+    Streamed,
     /// `qgemm::rows_by_tokens` with 8 tokens: batched decode and prefill.
     Tile,
     /// The portable scalar reference the other kernels are tested against.
@@ -62,8 +70,7 @@ pub enum KernelPath {
 }
 
 /// Every path, in the order a run reports them.
-pub const PATHS: [KernelPath; 6] =
-    [KernelPath::Decode, KernelPath::Rows, KernelPath::Rows4, KernelPath::One, KernelPath::Tile, KernelPath::Scalar];
+pub const PATHS: [KernelPath; 4] = [KernelPath::Decode, KernelPath::Streamed, KernelPath::Tile, KernelPath::Scalar];
 
 /// One format on one path at one instruction-set level.
 #[derive(Debug, Clone, Serialize)]
@@ -74,8 +81,6 @@ pub struct KernelTiming {
     pub isa: &'static str,
     /// The path timed.
     pub path: KernelPath,
-    /// Weight rows one kernel call takes (for `decode`, the widest instance it uses with AVX2).
-    pub rows_per_call: usize,
     /// Tokens each weight row meets per pass: 8 for `tile`, else 1.
     pub tokens: usize,
     /// The time, or why there is none.
@@ -112,6 +117,8 @@ pub struct KernelBench {
     pub cols: usize,
     /// Timings per format and path (the best is kept).
     pub samples: usize,
+    /// Bytes the streamed path reads per pass ([`Config::streamed_bytes`]).
+    pub streamed_bytes: usize,
     /// Every selected format, format by format: the SIMD paths of [`PATHS`] at each level of [`Isa::X86`], level by
     /// level, then the scalar path.
     pub timings: Vec<KernelTiming>,
@@ -149,34 +156,49 @@ pub fn run(cfg: &Config) -> Result<KernelBench> {
     let (one, packed) = (&xq[..blocks], PackedActs::pack(&xq, GROUP, blocks));
     let mut out = vec![0f32; GROUP * rows];
     let mut timings = Vec::new();
+    let arena = WeightArena::if_supported();
     for f in formats {
         let w = quant::random_blocks(f.dtype, rows * cols / f.block_elems, &mut rng);
-        let m = Operands { dtype: f.dtype, w: &w, row_bytes: w.len() / rows, rows, one, packed: &packed };
-        #[cfg(target_arch = "x86_64")]
-        let widest = kernels(f.dtype).rows;
-        #[cfg(not(target_arch = "x86_64"))]
-        let widest = 8;
+        let copies = w.repeat(cfg.streamed_bytes.div_ceil(w.len()));
+        let streamed = match &arena {
+            Some(arena) => arena.copy(&copies)?,
+            None => Bytes::owned(&copies),
+        };
+        drop(copies);
+        let m = Operands {
+            dtype: f.dtype,
+            w: &w,
+            streamed: streamed.as_slice(),
+            row_bytes: w.len() / rows,
+            rows,
+            one,
+            packed: &packed,
+        };
         let scalar = [(Isa::Scalar, KernelPath::Scalar)];
         let simd = Isa::X86.into_iter().flat_map(|isa| PATHS[..PATHS.len() - 1].iter().map(move |&p| (isa, p)));
         for (isa, path) in simd.chain(scalar) {
             let tokens = if path == KernelPath::Tile { GROUP } else { 1 };
+            let bytes = if path == KernelPath::Streamed { m.streamed.len() } else { w.len() };
             let outcome = match pass_seconds(cfg, isa, path, &m, &mut out) {
                 Ok(s) => Outcome::Ran {
-                    ns_per_block: s * 1e9 / (rows * blocks * tokens) as f64,
-                    weight_gb_per_s: w.len() as f64 / s / 1e9,
+                    ns_per_block: s * 1e9 / (bytes / m.row_bytes * blocks * tokens) as f64,
+                    weight_gb_per_s: bytes as f64 / s / 1e9,
                 },
                 Err(reason) => Outcome::NotRun { reason },
             };
-            let rows_per_call = match path {
-                KernelPath::Decode | KernelPath::Rows => widest,
-                KernelPath::Rows4 => 4,
-                _ => 1,
-            };
-            timings.push(KernelTiming { format: f.name, isa: isa.name(), path, rows_per_call, tokens, outcome });
+            timings.push(KernelTiming { format: f.name, isa: isa.name(), path, tokens, outcome });
         }
     }
     let attention = attention(cfg)?;
-    Ok(KernelBench { isa: Isa::detect().name(), rows, cols, samples: cfg.samples, timings, attention })
+    Ok(KernelBench {
+        isa: Isa::detect().name(),
+        rows,
+        cols,
+        samples: cfg.samples,
+        streamed_bytes: cfg.streamed_bytes,
+        timings,
+        attention,
+    })
 }
 
 /// One query row of SmolLM2's attention (9 heads sharing 3 KV heads of 64) against each of [`ATTENTION_CONTEXTS`]
@@ -209,8 +231,8 @@ fn attention(cfg: &Config) -> Result<Vec<AttentionTiming>> {
 /// The formats `cfg` names, once its shape is checked against each.
 fn selected(cfg: &Config) -> Result<Vec<&'static BlockFormat>> {
     let bad = |reason: String| Error::Shape { op: "kernel benchmark", reason };
-    if cfg.rows == 0 || !cfg.rows.is_multiple_of(8) {
-        return Err(bad(format!("{} rows: not a positive multiple of 8 (the widest kernel's rows)", cfg.rows)));
+    if cfg.rows == 0 {
+        return Err(bad("0 rows: at least one is needed".into()));
     }
     if cfg.samples == 0 {
         return Err(bad("0 samples: at least one timing is needed".into()));
@@ -231,6 +253,8 @@ fn selected(cfg: &Config) -> Result<Vec<&'static BlockFormat>> {
 struct Operands<'a> {
     dtype: DType,
     w: &'a [u8],
+    /// Copies of `w`, back to back.
+    streamed: &'a [u8],
     row_bytes: usize,
     rows: usize,
     /// One token's blocks, and [`GROUP`] tokens' regrouped for the tile.
@@ -238,9 +262,9 @@ struct Operands<'a> {
     packed: &'a PackedActs,
 }
 
-/// Seconds per whole-matrix pass of `path` with `isa`'s kernels (best of `cfg.samples` timings), or why it cannot
-/// run here. `out` holds [`GROUP`] × rows floats; `rows` is a multiple of every multi-row instance's width (see
-/// `selected`).
+/// Seconds per pass of `path` with `isa`'s kernels over the matrix (over all its copies for
+/// [`KernelPath::Streamed`]), best of `cfg.samples` timings, or why it cannot run here. `out` holds [`GROUP`] ×
+/// rows floats.
 fn pass_seconds(cfg: &Config, isa: Isa, path: KernelPath, m: &Operands<'_>, out: &mut [f32]) -> Result<f64, String> {
     let (w, rb, blocks) = (m.w, m.row_bytes, m.one.len());
     let k = kernels(m.dtype);
@@ -256,31 +280,18 @@ fn pass_seconds(cfg: &Config, isa: Isa, path: KernelPath, m: &Operands<'_>, out:
         }));
     }
     #[cfg(target_arch = "x86_64")]
-    let Some(x) = k.x86(isa) else { return Err(format!("{} has no {path:?} kernel", isa.name())) };
-    #[cfg(target_arch = "x86_64")]
-    let mut rows_of = |kernel: super::kernels::RowsKernel, n: usize| {
-        best_time(cfg, || {
-            for r in (0..m.rows).step_by(n) {
-                // SAFETY: `isa`'s features were detected; rows r..r + n lie in `w`, `m.one` has `blocks` blocks.
-                unsafe { kernel(&black_box(w)[r * rb..], rb, m.one, blocks, &mut out[r..r + n]) };
-            }
-            black_box(&mut *out);
-        })
-    };
+    if k.x86(isa).is_none() {
+        return Err(format!("{} has no {path:?} kernel", isa.name()));
+    }
     Ok(match path {
         KernelPath::Decode => best_time(cfg, || {
             simd::dot_quant_rows(isa, m.dtype, black_box(w), rb, m.one, blocks, &mut out[..m.rows]);
             black_box(&mut *out);
         }),
-        #[cfg(target_arch = "x86_64")]
-        KernelPath::Rows => rows_of(x.dot_rows, k.rows),
-        #[cfg(target_arch = "x86_64")]
-        KernelPath::Rows4 => rows_of(x.dot_rows4, 4),
-        #[cfg(target_arch = "x86_64")]
-        KernelPath::One => best_time(cfg, || {
-            for (r, o) in out[..m.rows].iter_mut().enumerate() {
-                // SAFETY: `isa`'s features were detected; the row lies in `w`, `m.one` holds `blocks` blocks.
-                *o = unsafe { (x.dot_one)(&black_box(w)[r * rb..(r + 1) * rb], m.one, blocks) };
+        // Each copy's rows into the same outputs: a pass reads every byte once, as a decode step does.
+        KernelPath::Streamed => best_time(cfg, || {
+            for copy in black_box(m.streamed).chunks_exact(w.len()) {
+                simd::dot_quant_rows(isa, m.dtype, copy, rb, m.one, blocks, &mut out[..m.rows]);
             }
             black_box(&mut *out);
         }),
@@ -318,15 +329,15 @@ mod tests {
     use super::*;
 
     fn quick(rows: usize, cols: usize, formats: Vec<DType>) -> Config {
-        Config { formats, rows, cols, samples: 1, sample_time: Duration::from_micros(20) }
+        Config { formats, rows, cols, samples: 1, sample_time: Duration::from_micros(20), streamed_bytes: 1 << 16 }
     }
 
     #[test]
     fn every_format_and_path_is_timed_or_says_why_not() -> Result<()> {
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
-        let (rows, cols) = (8 * rng.random_range(1..=3), quant::QK_K * rng.random_range(1..=2));
+        let (rows, cols) = (rng.random_range(1..=24), quant::QK_K * rng.random_range(1..=2));
         let bench = run(&quick(rows, cols, Vec::new()))?;
-        // Per format: 5 SIMD paths at each of the 3 x86 levels, then the scalar one.
+        // Per format: 3 SIMD paths at each of the 3 x86 levels, then the scalar one.
         let per_format = 3 * (PATHS.len() - 1) + 1;
         assert_eq!((bench.rows, bench.cols, bench.timings.len()), (rows, cols, quant::FORMATS.len() * per_format));
         assert_eq!(bench.isa, Isa::detect().name());
@@ -358,7 +369,7 @@ mod tests {
 
     #[test]
     fn shapes_the_kernels_cannot_take_are_refused() -> Result<()> {
-        assert!(run(&quick(12, 256, Vec::new())).is_err(), "rows not a multiple of 8");
+        assert!(run(&quick(0, 256, Vec::new())).is_err(), "no rows");
         assert!(run(&quick(8, 32, vec![DType::Q4_K])).is_err(), "a K-quant row of 32");
         assert!(run(&quick(8, 32, vec![DType::F16])).is_err(), "a float type");
         assert!(run(&Config { samples: 0, ..quick(8, 32, vec![DType::Q4_0]) }).is_err(), "no samples");

@@ -1,6 +1,6 @@
 //! The CPU kernels of each block-quantized format ([`crate::quant`]), selected by format here and nowhere
 //! else: the scalar reference dot (one weight row against 8-bit activation blocks of 32, several per K-quant
-//! block) and, on x86-64, the instances of the one-row, multi-row and token-tile kernels specialized to the
+//! block) and, on x86-64, the instances of the one-row and token-tile kernels specialized to the
 //! format's block layout (`unpack` decodes a sub-block for them) at each instruction-set level of [`Isa::X86`].
 //! A new format adds one [`QuantKernels`] here and its `unpack` arm; `simd` and `qgemm` call through the table
 //! and need no edit.
@@ -19,11 +19,6 @@ use crate::tensor::{DType, f16_at};
 pub(super) struct QuantKernels {
     /// Scalar reference: one weight row (whole blocks) against its activation blocks (one per 32 elements).
     pub scalar_dot: fn(w: &[u8], a: &[Q8Block]) -> f32,
-    /// Rows the widest multi-row instance ([`X86Kernels::dot_rows`]) takes: 8, or 4 for the 32-element nibble
-    /// formats, whose 8-row instance runs out of vector registers (measured ~15 % slower per block than 4 rows on
-    /// Q5_0 with AVX2).
-    #[cfg(target_arch = "x86_64")]
-    pub rows: usize,
     /// The x86 instances, one per level of [`Isa::X86`] (AVX2, AVX-VNNI, AVX512-VNNI), all giving the same bits.
     #[cfg(target_arch = "x86_64")]
     pub x86: [X86Kernels; 3],
@@ -42,10 +37,6 @@ impl QuantKernels {
 pub(super) struct X86Kernels {
     /// `simd::x86` `dot_one` for this layout.
     pub dot_one: unsafe fn(w: &[u8], a: &[Q8Block], blocks: usize) -> f32,
-    /// `simd::x86` `dot_rows` for [`QuantKernels::rows`] rows.
-    pub dot_rows: RowsKernel,
-    /// `simd::x86` `dot_rows` for 4 rows.
-    pub dot_rows4: RowsKernel,
     /// `qgemm::x86` `dispatch`: one weight row against up to 8 tokens.
     pub tile: unsafe fn(
         tokens: usize,
@@ -57,10 +48,6 @@ pub(super) struct X86Kernels {
         stride: usize,
     ),
 }
-
-/// Consecutive weight rows against one activation row.
-#[cfg(target_arch = "x86_64")]
-pub(super) type RowsKernel = unsafe fn(w: &[u8], row_bytes: usize, a: &[Q8Block], blocks: usize, out: &mut [f32]);
 
 /// The kernels of `dtype`.
 ///
@@ -114,19 +101,10 @@ fn nibble_dot(qs: &[u8], a: &[i8; QK]) -> i32 {
 /// The kernels of layout tag `$tag`: the scalar reference and the x86 instances at every level.
 macro_rules! kernels_of {
     ($scalar:expr, $tag:path) => {
-        kernels_of!($scalar, $tag, 8)
-    };
-    ($scalar:expr, $tag:path, $rows:literal) => {
         QuantKernels {
             scalar_dot: $scalar,
             #[cfg(target_arch = "x86_64")]
-            rows: $rows,
-            #[cfg(target_arch = "x86_64")]
-            x86: [
-                instances!(avx2, $tag, $rows),
-                instances!(avx_vnni, $tag, $rows),
-                instances!(avx512_vnni, $tag, $rows),
-            ],
+            x86: [instances!(avx2, $tag), instances!(avx_vnni, $tag), instances!(avx512_vnni, $tag)],
         }
     };
 }
@@ -135,13 +113,8 @@ macro_rules! kernels_of {
 /// `qgemm::x86`.
 #[cfg(target_arch = "x86_64")]
 macro_rules! instances {
-    ($level:ident, $tag:path, $rows:literal) => {
-        X86Kernels {
-            dot_one: simd::x86::$level::dot_one::<{ $tag }>,
-            dot_rows: simd::x86::$level::dot_rows::<$rows, { $tag }>,
-            dot_rows4: simd::x86::$level::dot_rows::<4, { $tag }>,
-            tile: qgemm::x86::$level::dispatch::<{ $tag }>,
-        }
+    ($level:ident, $tag:path) => {
+        X86Kernels { dot_one: simd::x86::$level::dot_one::<{ $tag }>, tile: qgemm::x86::$level::dispatch::<{ $tag }> }
     };
 }
 
@@ -160,8 +133,7 @@ static Q4_0: QuantKernels = kernels_of!(
             f16_at(blk, 0) * (ab.d * nibble_dot(&blk[2..18], &ab.qs) as f32 - 8.0 * ab.s)
         })
     },
-    unpack::Q4_0,
-    4
+    unpack::Q4_0
 );
 
 static Q4_1: QuantKernels = kernels_of!(
@@ -170,8 +142,7 @@ static Q4_1: QuantKernels = kernels_of!(
             f16_at(blk, 0) * ab.d * nibble_dot(&blk[4..20], &ab.qs) as f32 + f16_at(blk, 2) * ab.s
         })
     },
-    unpack::Q4_1,
-    4
+    unpack::Q4_1
 );
 
 static Q5_0: QuantKernels = kernels_of!(
@@ -181,8 +152,7 @@ static Q5_0: QuantKernels = kernels_of!(
             f16_at(blk, 0) * (ab.d * isum as f32 - 16.0 * ab.s)
         })
     },
-    unpack::Q5_0,
-    4
+    unpack::Q5_0
 );
 
 static Q5_1: QuantKernels = kernels_of!(
@@ -192,8 +162,7 @@ static Q5_1: QuantKernels = kernels_of!(
             f16_at(blk, 0) * ab.d * isum as f32 + f16_at(blk, 2) * ab.s
         })
     },
-    unpack::Q5_1,
-    4
+    unpack::Q5_1
 );
 
 static Q8_K: QuantKernels = kernels_of!(

@@ -81,9 +81,13 @@ pub fn dot_quant(isa: Isa, dtype: DType, w: &[u8], xq: &[Q8Block], blocks: usize
     }
 }
 
-/// Dot products of `out.len()` consecutive quantized weight rows (`row_bytes` apart) with ONE activation row.
-/// The decode path: the activation block is loaded once for several rows, and each row's result is computed
-/// exactly as [`dot_quant`] computes it.
+/// Dot products of `out.len()` consecutive quantized weight rows (`row_bytes` apart) with ONE activation row,
+/// each computed exactly as [`dot_quant`] computes it: the decode path.
+///
+/// Row after row, each by the one-row kernel, which prefetches [`x86::PREFETCH_BYTES`] ahead: decode streams
+/// every weight from memory once per step, and one ordered stream is what the prefetchers follow best. Kernels
+/// that took 4 or 8 rows at a time (loading each activation block once for all of them) were faster with the
+/// weights in cache but 1.2× slower in SmolLM2's batch-1 decode (docs/performance.md, 2026-12-03).
 pub fn dot_quant_rows(
     isa: Isa,
     dtype: DType,
@@ -93,36 +97,17 @@ pub fn dot_quant_rows(
     blocks: usize,
     out: &mut [f32],
 ) {
+    let rows = w.chunks_exact(row_bytes).zip(out.iter_mut());
     #[cfg(target_arch = "x86_64")]
-    let format = kernels(dtype);
-    #[cfg(target_arch = "x86_64")]
-    if let Some(k) = format.x86(isa) {
-        let widest = format.rows;
-        let mut r = 0;
-        while r < out.len() {
-            let n = if out.len() - r >= widest {
-                widest
-            } else if out.len() - r >= 4 {
-                4
-            } else {
-                1
-            };
-            let rows = &w[r * row_bytes..(r + n) * row_bytes];
-            let o = &mut out[r..r + n];
-            // SAFETY: `isa` was detected (see dot_quant); `rows` holds `n` rows of `blocks` blocks.
-            unsafe {
-                match n {
-                    1 => o[0] = (k.dot_one)(rows, xq, blocks),
-                    4 => (k.dot_rows4)(rows, row_bytes, xq, blocks, o),
-                    _ => (k.dot_rows)(rows, row_bytes, xq, blocks, o),
-                }
-            }
-            r += n;
+    if let Some(x) = kernels(dtype).x86(isa) {
+        for (row, o) in rows {
+            // SAFETY: as in `dot_quant`: the level was detected; each row holds `blocks` blocks of `dtype`.
+            *o = unsafe { (x.dot_one)(row, xq, blocks) };
         }
         return;
     }
-    for (r, o) in out.iter_mut().enumerate() {
-        dot_quant(isa, dtype, &w[r * row_bytes..(r + 1) * row_bytes], xq, blocks, std::slice::from_mut(o));
+    for (row, o) in rows {
+        dot_quant(isa, dtype, row, xq, blocks, std::slice::from_mut(o));
     }
 }
 
@@ -210,6 +195,10 @@ pub(super) mod x86 {
     pub(in crate::backend::cpu) const AVX_VNNI: u8 = 1;
     pub(in crate::backend::cpu) const AVX512_VNNI: u8 = 2;
 
+    /// How far ahead of the sub-block it reads the one-row kernel prefetches (into the next rows: prefetches
+    /// never fault, even past the matrix).
+    pub(in crate::backend::cpu) const PREFETCH_BYTES: usize = 4096;
+
     /// `Σ w·a` over each group of 4 bytes (unsigned `w`, signed `a`) as eight i32 lanes: the same integers on every
     /// level, since `maddubs`' 16-bit pairs cannot saturate with the kernels' operands (|w| ≤ 128, |a| ≤ 127).
     ///
@@ -288,13 +277,14 @@ pub(super) mod x86 {
     unsafe fn dot_quant_one<const V: u8, const Q: u8>(w: &[u8], a: &[Q8Block], blocks: usize) -> f32 {
         assert!(w.len() >= blocks / subs::<Q>() * block_bytes::<Q>() && a.len() >= blocks);
         // SAFETY (whole body): level V's features are present; the assert above keeps every sub-block `b`, and
-        // so its block, inside `w`.
+        // so its block, inside `w` (prefetches may point past it: they never fault).
         unsafe {
             let mut acc = _mm256_setzero_ps();
             let mut offset = 0f32;
             let mask = _mm256_set1_epi8(0x0f);
             let mut ks = ([0f32; 8], [0f32; 8]);
             for (b, ab) in a.iter().take(blocks).enumerate() {
+                _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().wrapping_add(sub_offset::<Q>(b) + PREFETCH_BYTES) as *const i8);
                 let j = b % subs::<Q>();
                 let sub = if subs::<Q>() > 1 {
                     if j == 0 {
@@ -307,58 +297,6 @@ pub(super) mod x86 {
                 offset += block_dot::<V, Q>(sub, ab, &mut acc);
             }
             hsum(acc) + offset
-        }
-    }
-
-    /// `R` consecutive weight rows against one activation row; per row the arithmetic is that of
-    /// [`dot_quant_one`], so results are identical.
-    ///
-    /// # Safety
-    /// As for [`dot4`].
-    #[inline(always)]
-    unsafe fn dot_rows_n<const V: u8, const R: usize, const Q: u8>(
-        w: &[u8],
-        row_bytes: usize,
-        a: &[Q8Block],
-        blocks: usize,
-        out: &mut [f32],
-    ) {
-        assert!(
-            w.len() >= R * row_bytes
-                && row_bytes >= blocks / subs::<Q>() * block_bytes::<Q>()
-                && a.len() >= blocks
-                && out.len() >= R
-        );
-        // SAFETY (whole body): level V's features are present; the assert above keeps sub-block `b` of every
-        // row `r` inside `w` (prefetches may point past it: they never fault).
-        unsafe {
-            let mut acc = [_mm256_setzero_ps(); R];
-            let mut offset = [0f32; R];
-            let mask = _mm256_set1_epi8(0x0f);
-            // K-quants: each row's sub-block scales, decoded once per block.
-            let mut ks = [([0f32; 8], [0f32; 8]); R];
-            for (b, ab) in a.iter().take(blocks).enumerate() {
-                let j = b % subs::<Q>();
-                if subs::<Q>() > 1 && j == 0 {
-                    for (r, ks) in ks.iter_mut().enumerate() {
-                        *ks = block_scales::<Q>(w.as_ptr().wrapping_add(r * row_bytes), b / subs::<Q>());
-                    }
-                }
-                for r in 0..R {
-                    let row = w.as_ptr().wrapping_add(r * row_bytes);
-                    // Rows are contiguous: fetch the same sub-block of the next group of R rows.
-                    _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(R * row_bytes + sub_offset::<Q>(b)) as *const i8);
-                    let sub = if subs::<Q>() > 1 {
-                        unpack_with::<Q>(row, b, mask, ks[r].0[j], ks[r].1[j])
-                    } else {
-                        unpack::<Q>(row, b, mask)
-                    };
-                    offset[r] += block_dot::<V, Q>(sub, ab, &mut acc[r]);
-                }
-            }
-            for r in 0..R {
-                out[r] = hsum(acc[r]) + offset[r];
-            }
         }
     }
 
@@ -378,22 +316,6 @@ pub(super) mod x86 {
                 pub unsafe fn dot_one<const Q: u8>(w: &[u8], a: &[Q8Block], blocks: usize) -> f32 {
                     // SAFETY: this function's features are the level's.
                     unsafe { dot_quant_one::<{ $level }, Q>(w, a, blocks) }
-                }
-
-                /// [`dot_rows_n`](super) at this level.
-                ///
-                /// # Safety
-                /// As for [`dot_one`].
-                #[target_feature(enable = $features)]
-                pub unsafe fn dot_rows<const R: usize, const Q: u8>(
-                    w: &[u8],
-                    row_bytes: usize,
-                    a: &[Q8Block],
-                    blocks: usize,
-                    out: &mut [f32],
-                ) {
-                    // SAFETY: as above.
-                    unsafe { dot_rows_n::<{ $level }, R, Q>(w, row_bytes, a, blocks, out) }
                 }
             }
         };
@@ -426,26 +348,6 @@ mod tests {
         let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; 32] }; blocks];
         quantize_row(&rand_vec(rng, blocks * 32), &mut xq);
         xq
-    }
-
-    #[test]
-    fn multi_row_decode_kernel_equals_single_row_kernel() {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
-        let isa = Isa::detect();
-        // Two K-quant super-blocks; 13 rows take the widest (8 or 4), 4- and 1-row kernels.
-        let (blocks, rows) = (16, 13);
-        let xq = acts(&mut rng, blocks);
-        for f in crate::quant::FORMATS {
-            let w = crate::quant::random_blocks(f.dtype, rows * blocks * 32 / f.block_elems, &mut rng);
-            let row_bytes = w.len() / rows;
-            let mut many = vec![0f32; rows];
-            dot_quant_rows(isa, f.dtype, &w, row_bytes, &xq, blocks, &mut many);
-            for r in 0..rows {
-                let mut one = [0f32];
-                dot_quant(isa, f.dtype, &w[r * row_bytes..(r + 1) * row_bytes], &xq, blocks, &mut one);
-                assert_eq!(one[0].to_bits(), many[r].to_bits(), "{} row {r}", f.name);
-            }
-        }
     }
 
     /// Every x86 level this CPU has gives the AVX2 kernels' bits on every format, one row and many (VNNI's
