@@ -169,11 +169,8 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::{Rng, SeedableRng};
-
-    fn rand_vec(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<f32> {
-        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-    }
+    use crate::backend::cpu::simd::tests::rand_vec;
+    use rand::SeedableRng;
 
     fn bits(kind: Half, v: &[f32]) -> Vec<u16> {
         v.iter()

@@ -157,9 +157,11 @@ pub fn run(cfg: &Config) -> Result<KernelBench> {
     let mut out = vec![0f32; GROUP * rows];
     let mut timings = Vec::new();
     let arena = WeightArena::if_supported();
+    // The streamed path runs only at an x86 level: without one, no copies (each format's would be discarded).
+    let streams = Isa::X86.into_iter().any(Isa::supported);
     for f in formats {
         let w = quant::random_blocks(f.dtype, rows * cols / f.block_elems, &mut rng);
-        let copies = w.repeat(cfg.streamed_bytes.div_ceil(w.len()));
+        let copies = if streams { w.repeat(cfg.streamed_bytes.div_ceil(w.len())) } else { Vec::new() };
         let streamed = match &arena {
             Some(arena) => arena.copy(&copies)?,
             None => Bytes::owned(&copies),

@@ -324,11 +324,12 @@ pub(super) mod x86 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
-    fn rand_vec(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<f32> {
+    /// `n` values uniform in [-1, 1).
+    pub(in crate::backend::cpu) fn rand_vec(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<f32> {
         (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
     }
 
