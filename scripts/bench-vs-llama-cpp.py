@@ -8,8 +8,8 @@ gave other guests meanwhile, /proc/stat). Besides the medians it prints the medi
 all repetitions and over those with under 2 % steal on both sides.
 
   scripts/bench-vs-llama-cpp.py [--model GGUF] [--quantize Q4_K_M] [--build] [--threads 2] [--reps 3]
-                                [--kv-dtype f16] [--strata target/release/strata] [--wait-idle SECS]
-                                [--out target/bench/compare.json]
+                                [--kv-dtype f16] [--isa native|avx2] [--strata target/release/strata]
+                                [--wait-idle SECS] [--out target/bench/compare.json]
 
 --kv-dtype sets the KV cache type of both engines (strata's --kv-dtype, llama.cpp's -ctk/-ctv); the default, f16, is
 llama.cpp's own default (strata's CPU default is f32, which reads twice the bytes per cached token).
@@ -19,6 +19,11 @@ llama.cpp's own default (strata's CPU default is f32, which reads twice the byte
 same bytes. --build runs `cargo build --release -p strata-cli` first (into $CARGO_TARGET_DIR, default target/)
 and benchmarks that binary. --wait-idle SECS waits, before each engine's turn, up to SECS for the CPUs to be >= 90 %
 idle over 3 s (llama.cpp's spinning thread pool collapses when other work shares the cores; each wait is recorded).
+
+--isa avx2 runs both engines at the AVX2 level whatever this CPU has beyond it: strata with `--cpu-isa avx2`, and
+the llama.cpp tools `LLAMA_CPP_ISA=avx2 scripts/llama-cpp-build.sh ...` built without AVX-512 or VNNI. That
+compares the code an AVX2-only CPU runs, on this machine's cores and memory. The default, native, runs each
+engine's best (strata's --cpu-isa auto, llama.cpp built -DGGML_NATIVE=ON).
 
 llama.cpp's tools must have been built by scripts/llama-cpp-baseline.sh or scripts/llama-cpp-build.sh
 (llama-bench, llama-batched-bench, and llama-quantize for --quantize; cached under $STRATA_CACHE).
@@ -38,11 +43,17 @@ ap.add_argument("--kv-dtype", default="f16", choices=["f16", "bf16", "f32"], hel
 ap.add_argument("--strata", default=None, help="strata binary (default: $CARGO_TARGET_DIR/release/strata)")
 ap.add_argument("--wait-idle", type=float, default=0, metavar="SECS")
 ap.add_argument("--out", default="target/bench/compare.json")
+ap.add_argument("--isa", default="native", choices=["native", "avx2"],
+                help="instruction set of both engines: each one's best, or AVX2 only")
 a = ap.parse_args()
 
-bins = sorted(glob.glob(f"{cache}/llama.cpp/build/*/bin/llama-bench"))
+# llama-cpp-build.sh puts an avx2 build in a tree named with the suffix -avx2, a native one without.
+bins = sorted(b for b in glob.glob(f"{cache}/llama.cpp/build/*/bin/llama-bench")
+              if b.split(os.sep)[-3].endswith("-avx2") == (a.isa == "avx2"))
 if not bins:
-    sys.exit("llama-bench not found: run scripts/llama-cpp-baseline.sh first")
+    hint = "LLAMA_CPP_ISA=avx2 scripts/llama-cpp-build.sh llama-bench llama-batched-bench" if a.isa == "avx2" \
+        else "scripts/llama-cpp-baseline.sh"
+    sys.exit(f"llama-bench ({a.isa}) not found: run {hint} first")
 llama_dir = os.path.dirname(bins[-1])
 llama_bench, batched = os.path.join(llama_dir, "llama-bench"), os.path.join(llama_dir, "llama-batched-bench")
 
@@ -99,8 +110,9 @@ def strata_once():
     wait_idle()
     out = "target/bench/strata-rep.json"
     os.makedirs(os.path.dirname(out), exist_ok=True)
+    cpu_isa = "auto" if a.isa == "native" else a.isa
     subprocess.run([strata, "bench", "--model", model, "--threads", str(a.threads), "--kv-dtype", a.kv_dtype,
-                    "--out", out],
+                    "--cpu-isa", cpu_isa, "--out", out],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     r = json.load(open(out))
     return {"prefill": r["prefill_tokens_per_s"], "decode1": r["decode_tokens_per_s_batch1"],
@@ -175,7 +187,7 @@ def ratio_summary(max_steal=None):
 
 
 report = {"model": model, "quantize": a.quantize, "strata": strata, "threads": a.threads, "kv_dtype": a.kv_dtype,
-          "reps": a.reps,
+          "isa": a.isa, "llama_cpp_bin": llama_dir, "reps": a.reps,
           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu": cpu_info(),
           "loadavg_before": load_before, "loadavg": loadavg(), "runs": runs, "idle_waits": waits,
           "median": {e: {k: med(e, k) for k in ("prefill", "decode1", "decode8", "decode1_depth0")} for e in runs},
@@ -184,8 +196,9 @@ report = {"model": model, "quantize": a.quantize, "strata": strata, "threads": a
 os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
 json.dump(report, open(a.out, "w"), indent=2)
 fmt = lambda v: "-" if v is None else f"{v:.1f}"
-print(f"{os.path.basename(model)}, {a.threads} threads, KV {a.kv_dtype} on both, median of {a.reps} interleaved "
-      f"repetitions, {report['time']}")
+isa_note = "each engine's best instruction set" if a.isa == "native" else "both at the AVX2 level"
+print(f"{os.path.basename(model)}, {a.threads} threads, KV {a.kv_dtype} on both, {isa_note}, median of {a.reps} "
+      f"interleaved repetitions, {report['time']}")
 print(f"CPU: {report['cpu']['model']} ({report['cpu']['cpus']} CPUs; {' '.join(report['cpu']['simd_flags'])})")
 print()
 print("| metric | strata | llama.cpp | strata / llama.cpp |")

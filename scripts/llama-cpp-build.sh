@@ -13,13 +13,15 @@
 #   STRATA_CACHE               cache root (default /var/cache/strata)
 #   LLAMA_CPP_PYTHON_VERSION   llama-cpp-python sdist to take llama.cpp from
 #                              (default 0.3.36 -> ggml-org/llama.cpp@0c1e57098)
+#   LLAMA_CPP_ISA              native (default: every instruction set this CPU has) or avx2 (AVX2, FMA, F16C
+#                              and no AVX-512 or VNNI, as on an AVX2-only CPU; its own build tree, -avx2)
 #   BUILD_JOBS                 parallel compile jobs (default 2, capped at 2)
 #   NICE                       nice level for the compile (default 19)
 set -euo pipefail
 
 # One brace group, so editing this file while a (long) build runs cannot derail that run.
 {
-[ $# -gt 0 ] || { sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 TARGETS=("$@")
 CACHE_ROOT="${STRATA_CACHE:-/var/cache/strata}"
 LC_DIR="${CACHE_ROOT}/llama.cpp"
@@ -27,6 +29,16 @@ LCP_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 BUILD_JOBS="${BUILD_JOBS:-2}"
 if [ "${BUILD_JOBS}" -gt 2 ] 2>/dev/null; then BUILD_JOBS=2; fi
 NICE_LEVEL="${NICE:-19}"
+LLAMA_ISA="${LLAMA_CPP_ISA:-native}"
+case "${LLAMA_ISA}" in
+    native) ISA_ARGS=(-DGGML_NATIVE=ON); ISA_SUFFIX="" ;;
+    # The AVX2 level of strata's kernels (--cpu-isa avx2), for comparing like with like on a newer CPU.
+    avx2) ISA_ARGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                    -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
+                    -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+          ISA_SUFFIX="-avx2" ;;
+    *) echo "llama-cpp-build: LLAMA_CPP_ISA must be native or avx2, not '${LLAMA_ISA}'" >&2; exit 2 ;;
+esac
 
 log() { printf '[llama-cpp-build] %s\n' "$*" >&2; }
 need() { command -v "$1" >/dev/null 2>&1 || { echo "llama-cpp-build: '$1' is required but not installed${2:+ ($2)}" >&2; exit 1; }; }
@@ -110,11 +122,11 @@ fi
 log "llama.cpp source: llama-cpp-python ${LCP_VERSION} sdist, ggml-org/llama.cpp@${LLAMA_COMMIT}${LLAMA_COMMIT_DATE:+ (${LLAMA_COMMIT_DATE})}"
 
 # ---------------------------------------------------------------- 2. build
-BUILD_DIR="${LC_DIR}/build/llama-cpp-python-${LCP_VERSION}"
+BUILD_DIR="${LC_DIR}/build/llama-cpp-python-${LCP_VERSION}${ISA_SUFFIX}"
 CMAKE_ARGS=(
     -DCMAKE_BUILD_TYPE=Release
     -DBUILD_SHARED_LIBS=OFF
-    -DGGML_NATIVE=ON
+    "${ISA_ARGS[@]}"
     -DGGML_CUDA=OFF
     -DGGML_METAL=OFF
     -DGGML_VULKAN=OFF

@@ -175,6 +175,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             micro_batches_per_stage: a.micro_batches_per_stage,
             max_tokens: a.decode_tokens,
             threads: a.device.threads,
+            cpu_isa: a.device.cpu_isa,
             out: a.out.unwrap_or_else(|| PathBuf::from("target/bench/cluster.json")),
         });
     }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use strata_coordinator::CoordinatorConfig;
-use strata_engine::{Device, FloatDtype, QuantDtype};
+use strata_engine::{CpuIsa, Device, FloatDtype, QuantDtype};
 use strata_membership::{EmbeddedRegistry, NodeState, Registry};
 use strata_proto::{NodeId, TlsArgs, pb, shutdown_signal};
 use strata_stage_worker::{RegistrationOptions, Worker, WorkerConfig};
@@ -56,6 +56,10 @@ pub(crate) struct StageDevice {
     /// Quantize each worker's float weight matrices to q8_0, q4_0 or q4_1 as its layers load.
     #[arg(long, env = "STRATA_QUANTIZE")]
     quantize: Option<QuantDtype>,
+    /// Instruction set of every worker's CPU kernels: auto (the best this CPU has), scalar, avx2, avx-vnni or
+    /// avx512-vnni (the CPU must have it).
+    #[arg(long, env = "STRATA_CPU_ISA", default_value = "auto")]
+    cpu_isa: CpuIsa,
 }
 
 /// A whole cluster in this process: stage workers registered in an embedded registry and a coordinator, all
@@ -67,16 +71,16 @@ pub(crate) struct LocalCluster {
 }
 
 impl LocalCluster {
-    /// Starts `stages` CPU workers of `coordinator.model` (each with `threads` threads and `kv_blocks` KV blocks)
-    /// and the coordinator, which serves the APIs `coordinator` names.
+    /// Starts `stages` CPU workers of `coordinator.model` (each with `threads` threads of kernels at `cpu_isa` and
+    /// `kv_blocks` KV blocks) and the coordinator, which serves the APIs `coordinator` names.
     pub(crate) async fn start(
         coordinator: CoordinatorConfig,
         stages: usize,
         threads: usize,
         kv_blocks: usize,
-        quantize: Option<QuantDtype>,
+        cpu_isa: CpuIsa,
     ) -> Result<Self> {
-        let device = StageDevice { quantize, ..StageDevice::default() };
+        let device = StageDevice { cpu_isa, ..StageDevice::default() };
         Self::start_on(coordinator, stages, threads, kv_blocks, device).await
     }
 
@@ -97,6 +101,7 @@ impl LocalCluster {
         for i in 0..stages {
             let mut cfg = WorkerConfig::new(format!("local-{i}"), &model, None);
             cfg.threads = threads;
+            cfg.cpu_isa = device.cpu_isa;
             cfg.kv_blocks = Some(kv_blocks);
             cfg.quantize = device.quantize;
             cfg.device = device.device;

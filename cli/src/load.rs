@@ -9,7 +9,7 @@ use strata_engine::backend::Backend;
 use strata_engine::loader::ModelFiles;
 use strata_engine::model::{LoadOptions, StageModel};
 use strata_engine::tokenizer::Tokenizer;
-use strata_engine::{Device, DeviceSpec, FloatDtype, KvDtype, OnBackend, QuantDtype, on_device};
+use strata_engine::{CpuIsa, Device, DeviceSpec, FloatDtype, KvDtype, OnBackend, QuantDtype, on_device};
 
 /// Where `generate` and `bench` run, shared by both.
 #[derive(clap::Args, Debug, Clone)]
@@ -27,6 +27,10 @@ pub struct DeviceArgs {
     /// CPU threads (0: one per core).
     #[arg(long, default_value_t = 0, env = "STRATA_THREADS")]
     pub threads: usize,
+    /// Instruction set of the CPU kernels: auto (the best this CPU has), scalar, avx2, avx-vnni or avx512-vnni
+    /// (the CPU must have it).
+    #[arg(long, env = "STRATA_CPU_ISA", default_value = "auto")]
+    pub cpu_isa: CpuIsa,
     /// KV cache type of the engine in this process: f32, f16, bf16 or q8_0 (default: f32 on the CPU, the
     /// activation type on a GPU).
     #[arg(long, env = "STRATA_KV_DTYPE")]
@@ -36,7 +40,13 @@ pub struct DeviceArgs {
 impl DeviceArgs {
     /// Opens the device and runs `work` on it.
     pub fn run<W: OnBackend<Out = (), Error = anyhow::Error>>(&self, work: W) -> Result<()> {
-        let spec = DeviceSpec { device: self.device, threads: self.threads, dtype: self.dtype, gpu_memory_limit: None };
+        let spec = DeviceSpec {
+            device: self.device,
+            threads: self.threads,
+            cpu_isa: self.cpu_isa,
+            dtype: self.dtype,
+            gpu_memory_limit: None,
+        };
         on_device(&spec, work)
     }
 

@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use anyhow::{Context, Result};
+use strata_engine::backend::cpu::simd::Isa;
 use strata_engine::tensor::DType;
 use strata_engine::testing::{GgufOverrides, TinySpec, random_weights, tiny_config, write_gguf, write_hf};
 use strata_testkit::smollm2;
@@ -257,6 +258,26 @@ fn bench_runs_a_synthetic_model_and_writes_json() -> Result<()> {
     assert!(report["decode_batch1_weight_gb_per_s"].as_f64().is_some_and(|v| v > 0.0));
     assert!(report["memory_read_gb_per_s"].as_f64().is_some_and(|v| v > 0.0));
     assert!(report["host"]["cpu_model"].as_str().is_some_and(|m| !m.is_empty()), "{report}");
+    Ok(())
+}
+
+#[test]
+fn cpu_isa_picks_the_kernels_and_refuses_a_level_this_cpu_lacks() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let out = dir.path().join("bench.json");
+    let path = out.to_str().unwrap_or_default();
+    let args = ["--model", "random:tiny", "--prompt-tokens", "8", "--decode-tokens", "2", "--batch", "2"];
+    let run = strata(&[&["bench"][..], &args, &["--threads", "1", "--cpu-isa", "scalar", "--out", path]].concat());
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out)?)?;
+    assert_eq!(report["backend"], "cpu (1 threads, scalar)");
+    for isa in Isa::X86 {
+        let run = strata(&["generate", "--model", "random:tiny", "--prompt-ids", "1,2", "--cpu-isa", isa.name()]);
+        let err = String::from_utf8_lossy(&run.stderr);
+        // A level this CPU has runs; one it lacks stops before loading, naming what is missing.
+        assert_eq!(run.status.success(), isa.supported(), "{}: {err}", isa.name());
+        assert!(isa.supported() || err.contains(isa.needs()), "{err}");
+    }
     Ok(())
 }
 

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::Error;
 use crate::backend::Backend;
-use crate::backend::cpu::CpuBackend;
+use crate::backend::cpu::{CpuBackend, CpuIsa};
 use crate::dtype::FloatDtype;
 
 /// The compute device, written `cpu` or `cuda:N` (`cuda` alone is `cuda:0`).
@@ -81,6 +81,8 @@ pub struct DeviceSpec {
     pub device: Device,
     /// CPU threads (0: one per core); CPU only.
     pub threads: usize,
+    /// The CPU kernels' instruction set; CPU only.
+    pub cpu_isa: CpuIsa,
     /// Float weight type; on a GPU also the activation type (default bf16, f16 before sm_80).
     pub dtype: Option<FloatDtype>,
     /// Device memory limit in bytes; GPU only.
@@ -101,7 +103,7 @@ pub trait OnBackend {
 /// feature is an error, as is a machine without an NVIDIA driver.
 pub fn on_device<W: OnBackend>(spec: &DeviceSpec, work: W) -> Result<W::Out, W::Error> {
     match spec.device {
-        Device::Cpu => work.run(Arc::new(CpuBackend::new(spec.threads)?)),
+        Device::Cpu => work.run(Arc::new(CpuBackend::with_isa(spec.threads, spec.cpu_isa)?)),
         Device::Cuda(n) => run_cuda(spec, n, work),
     }
 }

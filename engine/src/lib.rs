@@ -25,6 +25,7 @@ pub mod tensor;
 pub mod testing;
 pub mod tokenizer;
 
+pub use backend::cpu::CpuIsa;
 pub use device::{Device, DeviceSpec, OnBackend, on_device, parse_bytes};
 pub use dtype::{FloatDtype, HiddenDtype, KvDtype};
 pub use error::{Error, Result};

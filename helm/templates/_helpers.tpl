@@ -325,4 +325,7 @@ The coordinator only reads config and tokenizer files, so in initCopy mode it mo
 {{- if and (not .Values.stageWorker.gpu.enabled) (hasPrefix "cuda" .Values.stageWorker.device) -}}
 {{- fail "stageWorker.device=cuda:N needs stageWorker.gpu.enabled=true" -}}
 {{- end -}}
+{{- if and (hasPrefix "cuda" .Values.stageWorker.device) (ne .Values.stageWorker.cpuIsa "auto") -}}
+{{- fail "stageWorker.cpuIsa applies to the cpu device; leave it auto with stageWorker.device=cuda:N" -}}
+{{- end -}}
 {{- end -}}

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use strata_engine::{Device, FloatDtype, HiddenDtype, KvDtype, LayerRange, QuantDtype, parse_bytes};
+use strata_engine::{CpuIsa, Device, FloatDtype, HiddenDtype, KvDtype, LayerRange, QuantDtype, parse_bytes};
 use strata_membership::{EtcdArgs, EtcdOptions, check_cluster_name};
 use strata_proto::{Keepalive, LogArgs, TlsArgs};
 use strata_stage_worker::{DEFAULT_MEMORY_FRACTION, RegistrationOptions, WorkerConfig};
@@ -39,6 +39,10 @@ pub struct Args {
     /// Compute threads (0: one per core).
     #[arg(long, env = "STRATA_THREADS", default_value_t = 0)]
     threads: usize,
+    /// Instruction set of the CPU kernels: auto (the best this CPU has), scalar, avx2, avx-vnni or avx512-vnni
+    /// (the CPU must have it).
+    #[arg(long, env = "STRATA_CPU_ISA", default_value = "auto")]
+    cpu_isa: CpuIsa,
     /// KV cache capacity in blocks (default: whatever the memory budget leaves after the weights and a
     /// profiling batch).
     #[arg(long, env = "STRATA_KV_BLOCKS")]
@@ -171,6 +175,7 @@ impl Args {
             stage_index: self.stage_index,
             plan_epoch: self.plan_epoch,
             threads: self.threads,
+            cpu_isa: self.cpu_isa,
             kv_blocks: self.kv_blocks,
             memory_limit,
             memory_fraction: self.memory_fraction,
@@ -253,6 +258,9 @@ mod tests {
         assert_eq!(launch.config.kv_dtype, None);
         let launch = args(&["--layers", "0..4", "--kv-dtype", "q8_0"]).into_config()?;
         assert_eq!(launch.config.kv_dtype, Some(KvDtype::Q8_0));
+        assert_eq!(launch.config.cpu_isa, CpuIsa::Auto);
+        let launch = args(&["--layers", "0..4", "--cpu-isa", "scalar"]).into_config()?;
+        assert_eq!(launch.config.cpu_isa, "scalar".parse()?);
         if cfg!(feature = "cuda") {
             let launch =
                 args(&["--layers", "0..4", "--device", "cuda:1", "--gpu-memory-limit", "40Gi"]).into_config()?;
@@ -309,6 +317,8 @@ mod tests {
         assert!(args(&["--layers", "0..4", "--device", "cuda:0", "--gpu-memory-limit", "0"]).into_config().is_err());
         let bad_dtype = ["stage-worker", "--node-id", "n", "--model", "/m", "--layers", "0..4", "--dtype", "f64"];
         assert!(Args::try_parse_from(bad_dtype).is_err());
+        let bad_isa = ["stage-worker", "--node-id", "n", "--model", "/m", "--layers", "0..4", "--cpu-isa", "sse4"];
+        assert!(Args::try_parse_from(bad_isa).is_err());
         assert!(Args::try_parse_from(["stage-worker", "--node-id", "n", "--model", "/m", "--layers", "4..2"]).is_err());
         assert_eq!(parse_bytes("2Gi").ok(), Some(2 << 30));
         assert!(args(&["--layers", "0..4", "--keepalive-timeout-ms", "0"]).into_config().is_err());

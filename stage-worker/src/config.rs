@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-use strata_engine::{Device, FloatDtype, HiddenDtype, KvDtype, LayerRange, QuantDtype};
+use strata_engine::{CpuIsa, Device, FloatDtype, HiddenDtype, KvDtype, LayerRange, QuantDtype};
 use strata_proto::{Keepalive, Tls, TlsFiles};
 
 use crate::error::{Error, Result};
@@ -53,6 +53,9 @@ pub struct WorkerConfig {
     /// CPU threads for compute (0: one per core).
     #[serde(default)]
     pub threads: usize,
+    /// Instruction set of the CPU kernels (`auto`: the best this CPU has).
+    #[serde(default)]
+    pub cpu_isa: CpuIsa,
     /// KV cache capacity in blocks; `None`: whatever the memory budget leaves after the weights and a profiling
     /// batch (see [`crate::memory`]).
     #[serde(default)]
@@ -130,6 +133,7 @@ impl WorkerConfig {
             stage_index: None,
             plan_epoch: None,
             threads: 0,
+            cpu_isa: CpuIsa::Auto,
             kv_blocks: None,
             memory_limit: None,
             memory_fraction: default_memory_fraction(),
@@ -178,6 +182,14 @@ impl WorkerConfig {
                 return Err(Error::Config("gpu_memory_limit applies to a cuda:N device, not cpu".into()));
             }
             _ => {}
+        }
+        match (self.cpu_isa, self.device) {
+            (CpuIsa::Auto, _) => {}
+            // A level this CPU lacks is refused here, before anything is loaded.
+            (isa, Device::Cpu) => _ = isa.resolve()?,
+            (_, Device::Cuda(_)) => {
+                return Err(Error::Config("cpu_isa applies to the cpu device, not cuda:N".into()));
+            }
         }
         if self.kv_blocks == Some(0) {
             return Err(Error::Config("kv_blocks must be at least 1".into()));
@@ -255,7 +267,10 @@ mod tests {
         assert_eq!((cfg.block_size, cfg.hidden_dtype, cfg.device), (16, HiddenDtype::Bf16, Device::Cpu));
         assert_eq!((cfg.dtype, cfg.gpu_memory_limit, cfg.quantize, cfg.kv_dtype), (None, None, None, None));
         assert_eq!(cfg.keepalive().ok(), Some(Keepalive::DEFAULT));
-        assert_eq!(cfg.fault_panic_after_batches, None);
+        assert_eq!((cfg.fault_panic_after_batches, cfg.cpu_isa), (None, CpuIsa::Auto));
+        let scalar: WorkerConfig = serde_json::from_str(r#"{"node_id":"a","model":"/m","cpu_isa":"scalar"}"#)?;
+        assert_eq!(scalar.cpu_isa.to_string(), "scalar");
+        assert!(serde_json::from_str::<WorkerConfig>(r#"{"node_id":"a","model":"/m","cpu_isa":"sse4"}"#).is_err());
         let gpu: WorkerConfig = serde_json::from_str(
             r#"{"node_id":"a","model":"/m","device":"cuda:1","dtype":"f16","gpu_memory_limit":1000,"quantize":"q8_0",
                 "kv_dtype":"f16"}"#,
@@ -279,6 +294,15 @@ mod tests {
         }
         assert!(WorkerConfig { gpu_memory_limit: Some(1 << 30), ..ok.clone() }.validate().is_err(), "cpu");
         assert!(WorkerConfig { gpu_memory_limit: Some(0), ..gpu.clone() }.validate().is_err());
+        let scalar = "scalar".parse().ok().unwrap_or_default();
+        assert!(WorkerConfig { cpu_isa: scalar, ..ok.clone() }.validate().is_ok());
+        assert!(WorkerConfig { cpu_isa: scalar, ..gpu.clone() }.validate().is_err(), "a cuda device");
+        // A level this CPU lacks is refused before loading; one it has is accepted.
+        for level in ["avx2", "avx-vnni", "avx512-vnni"] {
+            let isa: CpuIsa = level.parse().ok().unwrap_or_default();
+            let has = isa.resolve().is_ok();
+            assert_eq!(WorkerConfig { cpu_isa: isa, ..ok.clone() }.validate().is_ok(), has, "{level}");
+        }
         assert!(matches!(WorkerConfig { layers: None, ..ok.clone() }.validate(), Err(Error::NoLayers)));
         assert!(WorkerConfig { node_id: " ".into(), ..ok.clone() }.validate().is_err());
         assert!(WorkerConfig { kv_blocks: Some(0), ..ok.clone() }.validate().is_err());

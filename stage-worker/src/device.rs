@@ -26,7 +26,13 @@ pub const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
 impl From<&WorkerConfig> for DeviceSpec {
     fn from(c: &WorkerConfig) -> Self {
-        DeviceSpec { device: c.device, threads: c.threads, dtype: c.dtype, gpu_memory_limit: c.gpu_memory_limit }
+        DeviceSpec {
+            device: c.device,
+            threads: c.threads,
+            cpu_isa: c.cpu_isa,
+            dtype: c.dtype,
+            gpu_memory_limit: c.gpu_memory_limit,
+        }
     }
 }
 

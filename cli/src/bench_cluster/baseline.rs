@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
+use strata_engine::CpuIsa;
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::generate::{BLOCK_SIZE, Engine};
 use strata_engine::model::SeqChunk;
@@ -33,13 +34,20 @@ pub(super) struct EngineRate {
 
 impl EngineBaseline {
     /// Loads `model` with `threads` threads and KV room for `sequences` sequences of `tokens_per_seq` tokens.
-    pub fn load(model: &Path, threads: usize, sequences: usize, tokens_per_seq: usize) -> Result<Self> {
-        let backend = Arc::new(CpuBackend::new(threads)?);
+    pub fn load(
+        model: &Path,
+        threads: usize,
+        cpu_isa: CpuIsa,
+        sequences: usize,
+        tokens_per_seq: usize,
+    ) -> Result<Self> {
+        let backend = Arc::new(CpuBackend::with_isa(threads, cpu_isa)?);
         let device = crate::load::DeviceArgs {
             device: strata_engine::Device::Cpu,
             dtype: None,
             quantize: None,
             threads,
+            cpu_isa,
             kv_dtype: None,
         };
         let loaded = crate::load::load(model, &device, backend, false)?;
@@ -122,7 +130,7 @@ mod tests {
 
     #[test]
     fn the_workload_counts_every_generated_token_and_frees_its_sequences() -> Result<()> {
-        let mut engine = EngineBaseline::load(Path::new("random:tiny"), 1, 3, 8 + 5)?;
+        let mut engine = EngineBaseline::load(Path::new("random:tiny"), 1, CpuIsa::Auto, 3, 8 + 5)?;
         // Two rounds of 3 prompts: 3 x 5 tokens each, 4 of them decoded per sequence.
         let rounds: Vec<Vec<Vec<u32>>> = (0..2).map(|r| (0..3).map(|s| vec![1 + r + s; 8]).collect()).collect();
         let rate = engine.workload(&rounds, 5)?;

@@ -15,6 +15,7 @@ use strata_proto::{TlsArgs, pb};
 use tonic::transport::Endpoint;
 
 use strata_coordinator::{CoordinatorConfig, PrefixCaching};
+use strata_engine::CpuIsa;
 
 use self::baseline::{EngineBaseline, EngineRate};
 use self::report::{Report, Run, SingleProcess, print_run, write_outputs};
@@ -51,6 +52,8 @@ pub struct ClusterBench {
     pub max_tokens: usize,
     /// CPU threads in total, split evenly over a local cluster's stages.
     pub threads: usize,
+    /// Instruction set of the CPU kernels (local clusters and the single-process baseline).
+    pub cpu_isa: CpuIsa,
     /// JSON report path; the SVG goes beside it.
     pub out: PathBuf,
 }
@@ -98,7 +101,8 @@ pub fn run(b: ClusterBench) -> Result<()> {
             let kv_blocks = (max_c * (b.prompt_tokens + b.max_tokens)).div_ceil(16) + 64;
             // The yardstick for every level: the engine with all the threads, run just before the cluster serves
             // the same level (interleaved, so both see the same machine; it idles while the cluster serves).
-            let mut engine = EngineBaseline::load(&model, threads_total, max_c, b.prompt_tokens + b.max_tokens)?;
+            let mut engine =
+                EngineBaseline::load(&model, threads_total, b.cpu_isa, max_c, b.prompt_tokens + b.max_tokens)?;
             // Batch-1 latency with each stage's thread count: that engine's for a 1-stage cluster, else one loaded
             // for the purpose and dropped before any cluster starts.
             for &stages in &b.local {
@@ -110,7 +114,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
                 let latency = if per_stage == threads_total {
                     engine.decode_latency(&prompt, b.max_tokens)?
                 } else {
-                    EngineBaseline::load(&model, per_stage, 1, b.prompt_tokens + b.max_tokens)?
+                    EngineBaseline::load(&model, per_stage, b.cpu_isa, 1, b.prompt_tokens + b.max_tokens)?
                         .decode_latency(&prompt, b.max_tokens)?
                 };
                 baselines.push(latency);
@@ -126,7 +130,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
                         micro_batches_per_stage: micro_batches,
                         ..CoordinatorConfig::new(&model, grpc, http)
                     };
-                    let cluster = LocalCluster::start(config, stages, per_stage, kv_blocks, None).await?;
+                    let cluster = LocalCluster::start(config, stages, per_stage, kv_blocks, b.cpu_isa).await?;
                     let bench = async {
                         let url = format!("http://{grpc}");
                         let endpoint = strata_proto::endpoint(&url, None)?;
@@ -166,6 +170,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
         shared_prefix_tokens: b.shared_prefix_tokens,
         max_tokens: b.max_tokens,
         threads_total,
+        cpu_isa: b.coordinator.is_none().then(|| b.cpu_isa.resolve().map(|isa| isa.name().to_owned())).transpose()?,
         single_process: baselines,
         plans,
         runs,

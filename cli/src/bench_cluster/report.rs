@@ -79,6 +79,9 @@ pub(super) struct Report {
     pub shared_prefix_tokens: usize,
     pub max_tokens: usize,
     pub threads_total: usize,
+    /// The CPU kernels' instruction set in local clusters and the single-process baseline (`None` for a
+    /// `--coordinator`'s, which this process does not see).
+    pub cpu_isa: Option<String>,
     /// The whole model in this process, batch-1 decode, per thread count of the local clusters' stages.
     pub single_process: Vec<SingleProcess>,
     /// Each cluster's layer split and the speed its nodes measured at registration, one line per cluster.
@@ -284,8 +287,12 @@ pub(super) fn write_outputs(report: &Report, out: &Path) -> Result<()> {
     std::fs::write(&svg_path, svg(report)).with_context(|| format!("writing {}", svg_path.display()))?;
     println!("host: {}", report.host.describe());
     println!(
-        "model: {}  prompt {} + {} generated tokens per request, {} threads in total",
-        report.model, report.prompt_tokens, report.max_tokens, report.threads_total
+        "model: {}  prompt {} + {} generated tokens per request, {} threads in total{}",
+        report.model,
+        report.prompt_tokens,
+        report.max_tokens,
+        report.threads_total,
+        report.cpu_isa.as_ref().map(|isa| format!(", CPU kernels {isa}")).unwrap_or_default()
     );
     for d in &report.single_process {
         println!(
@@ -311,6 +318,7 @@ mod tests {
             shared_prefix_tokens: 0,
             max_tokens: 8,
             threads_total: 2,
+            cpu_isa: None,
             single_process: vec![],
             plans,
             runs,

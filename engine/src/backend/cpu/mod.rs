@@ -16,6 +16,7 @@ pub mod simd;
 #[cfg(target_arch = "x86_64")]
 mod unpack;
 
+pub use self::isa::CpuIsa;
 pub use self::kv::CpuKvLayer;
 use super::{AttnSeq, AttnShape, Backend};
 use crate::tensor::{Bytes, DType, HostTensor, Paging};
@@ -69,20 +70,27 @@ pub fn threads_or_cores(threads: usize) -> usize {
 }
 
 impl CpuBackend {
-    /// A backend using `threads` worker threads (0: one per core).
+    /// A backend using `threads` worker threads (0: one per core) and the best instruction set this CPU has.
     pub fn new(threads: usize) -> Result<Self> {
+        Self::with_isa(threads, CpuIsa::Auto)
+    }
+
+    /// A backend using `threads` worker threads (0: one per core) and the instruction set `isa` names, which this
+    /// CPU must have.
+    pub fn with_isa(threads: usize, isa: CpuIsa) -> Result<Self> {
+        let isa = isa.resolve()?;
         let threads = threads_or_cores(threads);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("strata-cpu-{i}"))
             .build()
             .map_err(|e| Error::Device(format!("cannot start CPU thread pool: {e}")))?;
-        Ok(CpuBackend { pool, threads, isa: Isa::detect(), arena: arena::WeightArena::if_supported() })
+        Ok(CpuBackend { pool, threads, isa, arena: arena::WeightArena::if_supported() })
     }
 
     /// The same backend restricted to portable scalar kernels (for testing the SIMD ones).
     pub fn scalar(threads: usize) -> Result<Self> {
-        Ok(CpuBackend { isa: Isa::Scalar, ..Self::new(threads)? })
+        Self::with_isa(threads, CpuIsa::Level(Isa::Scalar))
     }
 
     /// Worker threads.
@@ -128,7 +136,7 @@ impl Backend for CpuBackend {
     type KvLayer = CpuKvLayer;
 
     fn name(&self) -> String {
-        format!("cpu ({} threads, {:?})", self.threads, self.isa)
+        format!("cpu ({} threads, {})", self.threads, self.isa.name())
     }
 
     fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
