@@ -14,7 +14,7 @@ use strata_engine::backend::cpu::threads_or_cores;
 use strata_engine::generate::Engine;
 use strata_engine::model::SeqChunk;
 use strata_engine::sampling::{Sampler, SamplingParams, TokenHistory, argmax};
-use strata_engine::{Device, OnBackend};
+use strata_engine::{CpuIsa, Device, OnBackend};
 use strata_proto::TlsArgs;
 
 use crate::host::{Host, memory_read_gb_per_s};
@@ -160,6 +160,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.coordinator.is_some() || !a.local.is_empty() {
         if a.device.quantize.is_some() {
             bail!("--quantize applies to the in-process benchmark; a cluster's workers take their own --quantize");
+        }
+        if a.coordinator.is_some() && a.device.cpu_isa != CpuIsa::Auto {
+            bail!(
+                "--cpu-isa applies to this process's engine and --local clusters; a --coordinator's workers take their own"
+            );
         }
         return crate::bench_cluster::run(crate::bench_cluster::ClusterBench {
             coordinator: a.coordinator,
