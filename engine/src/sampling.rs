@@ -151,19 +151,47 @@ impl Sampler {
             return argmax(logits);
         }
         let cand = candidates(logits, p);
-        let total: f32 = cand.iter().map(|c| c.1).sum();
         let draw = match p.seed {
             Some(seed) => position_rng(seed, history.len).random::<f32>(),
             None => self.rng.get_or_insert_with(StdRng::from_os_rng).random::<f32>(),
         };
-        let mut r = draw * total;
-        for &(id, w) in &cand {
-            if r < w {
-                return id;
-            }
-            r -= w;
+        match cand {
+            Candidates::All(w) => pick(w.iter().enumerate().map(|(i, &w)| (i as u32, w)), draw),
+            Candidates::Kept(kept) => pick(kept.iter().copied(), draw),
         }
-        cand.last().map_or(0, |c| c.0)
+    }
+}
+
+/// The token at `draw` (in [0, 1)) of the way through the candidates' summed weight, walking them in order.
+fn pick(cand: impl Iterator<Item = (u32, f32)> + Clone, draw: f32) -> u32 {
+    let total: f32 = cand.clone().map(|c| c.1).sum();
+    let (mut r, mut last) = (draw * total, 0);
+    for (id, w) in cand {
+        if r < w {
+            return id;
+        }
+        r -= w;
+        last = id;
+    }
+    last
+}
+
+/// What a temperature draw chooses among (see [`candidates`]).
+enum Candidates {
+    /// Every token, in vocabulary order: its weight at its id (no (id, weight) pairs built for a whole vocabulary).
+    All(Vec<f32>),
+    /// The kept tokens with their weights, in descending order of logit.
+    Kept(Vec<(u32, f32)>),
+}
+
+#[cfg(test)]
+impl Candidates {
+    /// (id, weight) pairs in the order a draw walks them.
+    fn pairs(self) -> Vec<(u32, f32)> {
+        match self {
+            Candidates::All(w) => w.into_iter().enumerate().map(|(i, w)| (i as u32, w)).collect(),
+            Candidates::Kept(kept) => kept,
+        }
     }
 }
 
@@ -171,45 +199,55 @@ impl Sampler {
 /// without top-k and top-p, else the kept ones in descending order of logit (ties by id). Only what top-k keeps,
 /// or the head that reaches top-p, is ever sorted: sorting the whole vocabulary (49,152 SmolLM2 tokens, 150k for
 /// Qwen) for every sampled token cost more than a decode step of a small model.
-fn candidates(logits: &[f32], p: &SamplingParams) -> Vec<(u32, f32)> {
+fn candidates(logits: &[f32], p: &SamplingParams) -> Candidates {
     let n = logits.len();
     let mut w: Vec<f32> = logits.iter().map(|&l| l / p.temperature).collect();
     exp_from_max(Isa::detect(), &mut w);
     let top_k = if p.top_k > 0 && p.top_k < n { p.top_k } else { n };
     if top_k == n && p.top_p >= 1.0 {
-        return w.into_iter().enumerate().map(|(i, w)| (i as u32, w)).collect();
+        return Candidates::All(w);
     }
-    let order = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
-    let mut ids: Vec<u32> = (0..n as u32).collect();
+    // Keys sort in draw order, so selecting and sorting compare plain integers, not logits looked up by id.
+    let mut keys: Vec<u64> = logits.iter().enumerate().map(|(i, &l)| draw_order_key(l, i as u32)).collect();
+    let id = |k: u64| k as u32;
     if top_k < n {
-        ids.select_nth_unstable_by(top_k - 1, order);
-        ids.truncate(top_k);
+        keys.select_nth_unstable(top_k - 1);
+        keys.truncate(top_k);
     }
-    let weighted = |ids: &[u32]| ids.iter().map(|&i| (i, w[i as usize])).collect::<Vec<_>>();
+    let weighted = |keys: &[u64]| Candidates::Kept(keys.iter().map(|&k| (id(k), w[id(k) as usize])).collect());
     if p.top_p >= 1.0 {
-        ids.sort_unstable_by(order);
-        return weighted(&ids);
+        keys.sort_unstable();
+        return weighted(&keys);
     }
     // The smallest head holding top_p of the mass: sort a head, and select and sort more only while it falls short.
-    let total: f32 = ids.iter().map(|&i| w[i as usize]).sum();
-    let (mut sorted, mut upto, mut acc) = (0, 64.min(ids.len()), 0f32);
+    let total: f32 = keys.iter().map(|&k| w[id(k) as usize]).sum();
+    let (mut sorted, mut upto, mut acc) = (0, 64.min(keys.len()), 0f32);
     loop {
-        if upto < ids.len() {
-            ids[sorted..].select_nth_unstable_by(upto - sorted - 1, order);
+        if upto < keys.len() {
+            keys[sorted..].select_nth_unstable(upto - sorted - 1);
         }
-        ids[sorted..upto].sort_unstable_by(order);
+        keys[sorted..upto].sort_unstable();
         for i in sorted..upto {
-            acc += w[ids[i] as usize] / total;
+            acc += w[id(keys[i]) as usize] / total;
             if acc >= p.top_p {
-                return weighted(&ids[..=i]);
+                return weighted(&keys[..=i]);
             }
         }
-        if upto == ids.len() {
+        if upto == keys.len() {
             // Rounding kept the sum below top_p: every token stays.
-            return weighted(&ids);
+            return weighted(&keys);
         }
-        (sorted, upto) = (upto, (upto * 8).min(ids.len()));
+        (sorted, upto) = (upto, (upto * 8).min(keys.len()));
     }
+}
+
+/// A key that sorts ascending in a draw's order: descending logit (`f32::total_cmp`'s order), ties by ascending id,
+/// with the id in the low 32 bits.
+fn draw_order_key(logit: f32, id: u32) -> u64 {
+    let bits = logit.to_bits();
+    // total_cmp's order as an unsigned integer: negatives with every bit flipped, the rest with the sign bit set.
+    let ascending = if bits >> 31 == 1 { !bits } else { bits | 0x8000_0000 };
+    (u64::from(!ascending) << 32) | u64::from(id)
 }
 
 /// The tokens a sequence holds, as the penalties read them: the distinct ids of the prompt and output (the
@@ -376,7 +414,7 @@ mod tests {
                 [(1.0, 0, 1.0), (0.7, 40, 1.0), (1.0, 0, 0.9), (1.3, 0, 0.995), (0.8, 300, 0.5), (1.0, 9999, 0.97)]
             {
                 let p = SamplingParams { temperature, top_k, top_p, ..Default::default() };
-                let got = candidates(&logits, &p);
+                let got = candidates(&logits, &p).pairs();
                 let mut want = sorted_reference(&logits, &p);
                 if top_p >= 1.0 && (top_k == 0 || top_k >= logits.len()) {
                     want.sort_by_key(|c| c.0);
@@ -388,6 +426,17 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn draw_order_keys_sort_as_descending_logits_then_ids() {
+        let logits = [1.0, f32::NAN, -0.0, 0.0, f32::INFINITY, f32::NEG_INFINITY, -3.5, 1.0, -f32::NAN, 2e-38, -1e-40];
+        let mut by_key: Vec<u32> = (0..logits.len() as u32).collect();
+        by_key.sort_by_key(|&i| draw_order_key(logits[i as usize], i));
+        let mut by_logit = by_key.clone();
+        by_logit.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+        assert_eq!(by_key, by_logit);
+        assert_eq!(by_key[..3], [1, 4, 0], "NaN, +inf, then the first of the two 1.0s");
     }
 
     #[test]
