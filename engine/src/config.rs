@@ -142,7 +142,8 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// Whether q/k/v projections carry a bias.
     pub attention_bias: bool,
-    /// Longest context the model supports.
+    /// Longest context the model supports. For a model whose attention looks back over a sliding window, at most
+    /// the window: strata attends to every earlier position, which is the same as the window only inside it.
     pub max_position_embeddings: usize,
     /// Beginning-of-sequence token, when the model has one.
     pub bos_token_id: Option<u32>,
@@ -167,9 +168,18 @@ struct HfConfig {
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
     max_position_embeddings: Option<usize>,
+    /// Absent and `null` differ: absent takes transformers' default window, `null` is full attention.
+    #[serde(default, deserialize_with = "present")]
+    sliding_window: Option<serde_json::Value>,
+    use_sliding_window: Option<bool>,
     bos_token_id: Option<serde_json::Value>,
     eos_token_id: Option<serde_json::Value>,
     hidden_act: Option<String>,
+}
+
+/// A key that is present, `null` included (a plain `Option` reads `null` as absent).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option<serde_json::Value>, D::Error> {
+    serde_json::Value::deserialize(d).map(Some)
 }
 
 fn ids(v: &Option<serde_json::Value>) -> Vec<u32> {
@@ -177,6 +187,27 @@ fn ids(v: &Option<serde_json::Value>) -> Vec<u32> {
         Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
         Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
         _ => Vec::new(),
+    }
+}
+
+/// How many positions a query of this model attends to (`usize::MAX`: all earlier ones), as transformers reads the
+/// config: Mistral looks back over `sliding_window` positions (4,096 when the key is absent, every position when it is
+/// `null`); Qwen2 and Qwen3 only with `use_sliding_window` (there on the upper layers, which does not matter here:
+/// inside the window every layer attends to everything). Llama has no window.
+fn sliding_window(raw: &HfConfig, architecture: Architecture) -> Result<usize> {
+    const TRANSFORMERS_DEFAULT: usize = 4096;
+    let applies = match architecture {
+        Architecture::Mistral => true,
+        Architecture::Qwen2 | Architecture::Qwen3 => raw.use_sliding_window == Some(true),
+        Architecture::Llama => false,
+    };
+    match (&raw.sliding_window, applies) {
+        (_, false) | (Some(serde_json::Value::Null), true) => Ok(usize::MAX),
+        (None, true) => Ok(TRANSFORMERS_DEFAULT),
+        (Some(v), true) => match v.as_u64() {
+            Some(w) if w > 0 => Ok(usize::try_from(w).unwrap_or(usize::MAX)),
+            _ => Err(Error::Config(format!("sliding_window {v} is not a positive integer or null"))),
+        },
     }
 }
 
@@ -241,7 +272,10 @@ impl ModelConfig {
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             // Qwen2 always has q/k/v biases (its config rarely says so); Qwen3 says `attention_bias` when it has them.
             attention_bias: raw.attention_bias.unwrap_or(architecture == Architecture::Qwen2),
-            max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
+            max_position_embeddings: raw
+                .max_position_embeddings
+                .unwrap_or(4096)
+                .min(sliding_window(&raw, architecture)?),
             bos_token_id: ids(&raw.bos_token_id).first().copied(),
             eos_token_ids: ids(&raw.eos_token_id),
         };
@@ -356,6 +390,8 @@ impl ModelConfig {
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
             "max_position_embeddings": self.max_position_embeddings,
+            // Any window is already in `max_position_embeddings`; absent, transformers would assume one for Mistral.
+            "sliding_window": null,
             "hidden_act": "silu",
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_ids,
@@ -431,6 +467,40 @@ mod tests {
         assert!(!cfg.attention_bias, "Qwen3 has no q/k/v bias unless its config says so");
         let with_bias = text.replace("\"head_dim\"", "\"attention_bias\":true,\"head_dim\"");
         assert!(ModelConfig::from_hf_json(&with_bias).expect("valid config").attention_bias);
+        let back = ModelConfig::from_hf_json(&cfg.to_hf_json().to_string()).expect("round trip");
+        assert_eq!(back, cfg);
+    }
+
+    #[test]
+    fn a_sliding_window_caps_the_context_where_transformers_applies_it() {
+        let context = |arch: &str, extra: &str| {
+            let text = format!(
+                r#"{{"architectures":["{arch}"],"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
+                "num_attention_heads":4,"vocab_size":100,"max_position_embeddings":32768{extra}}}"#
+            );
+            ModelConfig::from_hf_json(&text).map(|c| c.max_position_embeddings)
+        };
+        // Mistral 7B v0.1 looks back 4,096 positions; v0.2 and later say null.
+        assert_eq!(context("MistralForCausalLM", r#","sliding_window":4096"#).ok(), Some(4096));
+        assert_eq!(context("MistralForCausalLM", r#","sliding_window":null"#).ok(), Some(32768));
+        assert_eq!(context("MistralForCausalLM", "").ok(), Some(4096), "transformers' default window");
+        // Qwen configs name a window and switch it off.
+        assert_eq!(
+            context("Qwen2ForCausalLM", r#","sliding_window":131072,"use_sliding_window":false"#).ok(),
+            Some(32768)
+        );
+        assert_eq!(context("Qwen3ForCausalLM", r#","sliding_window":1024,"use_sliding_window":true"#).ok(), Some(1024));
+        assert_eq!(context("LlamaForCausalLM", r#","sliding_window":1024"#).ok(), Some(32768), "Llama has no window");
+        for bad in [r#","sliding_window":0"#, r#","sliding_window":"4k""#, r#","sliding_window":-1"#] {
+            let msg = context("MistralForCausalLM", bad).expect_err(bad).to_string();
+            assert!(msg.contains("sliding_window"), "{msg}");
+        }
+        // A converted config keeps its (capped) context and reads back the same.
+        let cfg = ModelConfig::from_hf_json(
+            r#"{"architectures":["MistralForCausalLM"],"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
+            "num_attention_heads":4,"vocab_size":100,"max_position_embeddings":32768,"sliding_window":null}"#,
+        )
+        .expect("valid config");
         let back = ModelConfig::from_hf_json(&cfg.to_hf_json().to_string()).expect("round trip");
         assert_eq!(back, cfg);
     }
