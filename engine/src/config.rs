@@ -60,13 +60,12 @@ impl Architecture {
     }
 
     /// Whether a GGUF file of this architecture is read with q/k/v biases, given whether it holds them:
-    /// llama.cpp's qwen2 always has them (its loader requires them), a qwen3 file when its model does, and strata
-    /// reads none from `llama` (llama.cpp's converter would have permuted them with the rows).
+    /// llama.cpp's qwen2 always has them (its loader requires them); `llama` and qwen3 files when their model does
+    /// (llama.cpp loads them if present; a `llama` file's q and k biases are interleaved per head like the rows).
     pub fn gguf_attention_bias(self, file_has_bias: bool) -> bool {
         match self {
-            Architecture::Llama | Architecture::Mistral => false,
             Architecture::Qwen2 => true,
-            Architecture::Qwen3 => file_has_bias,
+            Architecture::Llama | Architecture::Mistral | Architecture::Qwen3 => file_has_bias,
         }
     }
 

@@ -252,7 +252,8 @@ impl<'a> ModelLayout<'a> {
     }
 
     /// Rows of a GGUF tensor that llama.cpp interleaved per head for its RoPE: the head count for the query and
-    /// key projections of an architecture whose converter permutes them (see [`Architecture::gguf_permutes_qk`]).
+    /// key projections, and their biases' elements, of an architecture whose converter permutes them (see
+    /// [`Architecture::gguf_permutes_qk`]).
     ///
     /// [`Architecture::gguf_permutes_qk`]: crate::config::Architecture::gguf_permutes_qk
     pub fn gguf_permuted_heads(&self, id: TensorId) -> Option<usize> {
@@ -260,8 +261,8 @@ impl<'a> ModelLayout<'a> {
             return None;
         }
         match id {
-            TensorId::Layer(_, LayerTensor::Q) => Some(self.cfg.num_heads),
-            TensorId::Layer(_, LayerTensor::K) => Some(self.cfg.num_kv_heads),
+            TensorId::Layer(_, LayerTensor::Q | LayerTensor::QBias) => Some(self.cfg.num_heads),
+            TensorId::Layer(_, LayerTensor::K | LayerTensor::KBias) => Some(self.cfg.num_kv_heads),
             _ => None,
         }
     }

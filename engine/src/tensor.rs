@@ -314,7 +314,7 @@ impl HostTensor {
         HostTensor { dtype: to, shape: self.shape.clone(), bytes }
     }
 
-    /// Reorders the rows of a 2-D tensor: output row `i` is input row `src[i]`.
+    /// Reorders the rows of a 2-D tensor (the elements of a 1-D one): output row `i` is input row `src[i]`.
     pub fn permute_rows(&self, src: &[usize]) -> Self {
         let b = self.bytes.as_slice();
         let row_bytes = b.len() / self.shape[0].max(1);

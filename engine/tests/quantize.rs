@@ -104,14 +104,14 @@ fn float_gguf_round_trips_and_unsupported_models_are_refused() -> Result<()> {
     let err = logits(&odd, &[], &opts).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(err.contains("down_proj") && err.contains("multiple of 32"), "{err}");
     assert!(convert::to_gguf(&odd, &dir.path().join("odd.gguf"), DType::Q4_1).is_err());
-    // A llama GGUF has no biases strata reads: refused rather than written as a different model.
+    // q/k/v biases travel in a llama GGUF as llama.cpp's converter writes them (q and k interleaved per head).
     let biased = TinySpec { config: ModelConfig { attention_bias: true, ..spec.config.clone() }, ..spec.clone() };
     write_hf(&dir.path().join("biased"), &biased, &random_weights(&biased))?;
-    let err = convert::to_gguf(&ModelFiles::open(&dir.path().join("biased"))?, &dir.path().join("b.gguf"), DType::F32)
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default();
-    assert!(err.contains("with q/k/v biases cannot be written as a llama GGUF"), "{err}");
+    let hf = ModelFiles::open(&dir.path().join("biased"))?;
+    convert::to_gguf(&hf, &dir.path().join("b.gguf"), DType::F32)?;
+    let gguf = ModelFiles::open(&dir.path().join("b.gguf"))?;
+    assert!(gguf.config().attention_bias);
+    assert_eq!(logits(&gguf, &[], &LoadOptions::default())?, logits(&hf, &[], &LoadOptions::default())?);
     Ok(())
 }
 

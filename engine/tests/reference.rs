@@ -1,6 +1,6 @@
 //! Logits of the tiny fixture models against the numpy reference in `tests/reference/make_fixtures.py`, loaded
-//! from their safetensors and, for the qwen ones, from the GGUF copies `tests/reference/make_gguf_fixtures.py`
-//! writes with llama.cpp's `gguf` package.
+//! from their safetensors and, for the qwen ones and a llama with q/k/v biases, from the GGUF copies
+//! `tests/reference/make_gguf_fixtures.py` writes with llama.cpp's `gguf` package.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -96,6 +96,7 @@ fn fixtures_match_numpy_reference() -> Result<()> {
         "tiny-llama-bf16",
         "tiny-llama-f16",
         "tiny-qwen3",
+        "tiny-llama-bias",
     ];
     let simd = Arc::new(CpuBackend::new(2)?);
     let scalar = Arc::new(CpuBackend::scalar(2)?);
@@ -109,7 +110,7 @@ fn fixtures_match_numpy_reference() -> Result<()> {
 
 /// The GGUF copies written by llama.cpp's own `gguf` package: strata must read their architecture, names and
 /// (unpermuted) row order as llama.cpp's converter wrote them, and give the numpy logits.
-const GGUF_FIXTURES: [&str; 2] = ["tiny-qwen2-bias", "tiny-qwen3"];
+const GGUF_FIXTURES: [&str; 3] = ["tiny-qwen2-bias", "tiny-qwen3", "tiny-llama-bias"];
 
 fn gguf_fixture(name: &str) -> PathBuf {
     fixtures().join("gguf").join(format!("{name}.gguf"))

@@ -79,6 +79,13 @@ MODELS = [
         eps=1e-6, theta=1000000.0, rope_scaling=None, tied=False, dtype="F32",
         bias=False, qk_norm=True, sharded=False, prompt_len=7,
     ),
+    # Llama with q/k/v biases (`attention_bias`): in a GGUF, llama.cpp interleaves the q and k biases per head.
+    dict(
+        name="tiny-llama-bias", seed=1009, arch="LlamaForCausalLM", model_type="llama",
+        hidden=32, inter=64, layers=2, heads=4, kv_heads=2, head_dim=None, vocab=104,
+        eps=1e-5, theta=10000.0, rope_scaling=None, tied=True, dtype="F32",
+        bias=True, sharded=False, prompt_len=6,
+    ),
 ]
 
 TORCH_DTYPE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -399,7 +406,7 @@ def config_for(spec):
         "use_cache": True,
     })
     if spec["model_type"] == "llama":
-        c["attention_bias"] = False
+        c["attention_bias"] = spec["bias"]
         c["mlp_bias"] = False
         c["pretraining_tp"] = 1
     elif spec["model_type"] == "qwen2":

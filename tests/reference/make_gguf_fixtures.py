@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Write GGUF copies of the qwen fixtures with the `gguf` package, as llama.cpp's converter would.
+"""Write GGUF copies of the qwen fixtures and of a llama one with q/k/v biases with the `gguf` package, as
+llama.cpp's converter would.
 
 Usage:  python3 tests/reference/make_gguf_fixtures.py [--fixtures DIR]
 
@@ -16,9 +17,13 @@ it (see tests/reference/README.md):
   when config.json has `head_dim`; file_type; the vocabulary as
   tokenizer.ggml.* (here placeholder tokens: the logits do not depend on them).
 * tensor names: gguf's TensorNameMap for the architecture.
-* tensor data: unchanged.  Qwen2Model/Qwen3Model do not override
-  modify_tensors with LlamaModel's Q/K permutation: llama.cpp runs NEOX-style
-  RoPE for qwen2/qwen3, which rotates halves as Hugging Face does.
+* tensor data: unchanged for qwen2/qwen3.  Qwen2Model/Qwen3Model do not
+  override modify_tensors with LlamaModel's Q/K permutation: llama.cpp runs
+  NEOX-style RoPE for qwen2/qwen3, which rotates halves as Hugging Face does.
+  For llama, LlamaModel.modify_tensors interleaves each head's rows of
+  q_proj/k_proj, weights and biases alike (`permute` below, written from its
+  description: reshape to (heads, 2, rows/heads/2, ...), swap the middle two
+  axes, reshape back; k_proj with the KV head count).
 * a tied head has no output.weight (the HF files have no lm_head.weight).
 """
 
@@ -44,7 +49,23 @@ from make_fixtures import read_safetensors  # noqa: E402  (the fixtures' own ind
 FIXTURES = {
     "tiny-qwen2-bias": gguf.MODEL_ARCH.QWEN2,
     "tiny-qwen3": gguf.MODEL_ARCH.QWEN3,
+    "tiny-llama-bias": gguf.MODEL_ARCH.LLAMA,
 }
+
+
+def permute(data, heads):
+    """llama.cpp's row order for one q or k projection (matrix rows, or a bias's elements) of `heads` heads."""
+    return data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+
+
+def stored(name, value, arch, hp):
+    """A HF tensor as the GGUF stores it."""
+    if arch == gguf.MODEL_ARCH.LLAMA:
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            return permute(value, hp["num_attention_heads"])
+        if name.endswith(("k_proj.weight", "k_proj.bias")):
+            return permute(value, hp["num_key_value_heads"])
+    return value
 
 
 def write_gguf(src, out, arch):
@@ -78,7 +99,7 @@ def write_gguf(src, out, arch):
         new = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if new is None:
             raise ValueError(f"{name}: no {gguf.MODEL_ARCH_NAMES[arch]} name")
-        value = weights[name]
+        value = stored(name, weights[name], arch, hp)
         # The fixtures store f32; the reader widened to f64 exactly, so this narrowing is exact too.
         data = value.astype(np.float32)
         assert np.array_equal(data.astype(np.float64), value), name
@@ -91,8 +112,10 @@ def write_gguf(src, out, arch):
 
 
 def check(path, src, arch):
-    """Read the file back with gguf's own reader: every HF tensor is there under its GGUF name, unchanged."""
+    """Read the file back with gguf's own reader: every HF tensor is there under its GGUF name, as stored."""
     weights = read_safetensors(os.path.join(src, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f:
+        hp = json.load(f)
     r = gguf.GGUFReader(path)
     arch_field = r.fields["general.architecture"]
     assert bytes(arch_field.parts[arch_field.data[0]]).decode() == gguf.MODEL_ARCH_NAMES[arch]
@@ -103,7 +126,7 @@ def check(path, src, arch):
         t = tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))]
         assert t.tensor_type == gguf.GGMLQuantizationType.F32
         got = np.asarray(t.data, dtype=np.float64).reshape(value.shape)
-        assert np.array_equal(got, value), name
+        assert np.array_equal(got, stored(name, value, arch, hp)), name
 
 
 def main():

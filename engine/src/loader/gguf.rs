@@ -302,14 +302,17 @@ impl GgufSource {
         let Some(heads) = ModelLayout::new(&self.config).gguf_permuted_heads(id) else {
             return Ok(t);
         };
-        // Empty rows would let a crafted file claim any number of them for no bytes, and the permutation is as
-        // long as the rows.
-        if t.shape.len() != 2 || t.shape[1] == 0 || t.shape[0] % heads != 0 || (t.shape[0] / heads) % 2 != 0 {
-            return Err(Error::ShapeMismatch {
-                name: hf_name.into(),
-                actual: t.shape.clone(),
-                expected: vec![heads * self.config.head_dim, self.config.hidden_size],
-            });
+        // A matrix's rows or a bias's elements. Empty rows would let a crafted file claim any number of them for no
+        // bytes, and the permutation is as long as the rows.
+        let rows = match t.shape[..] {
+            [rows] => rows,
+            [rows, cols] if cols > 0 => rows,
+            _ => 0,
+        };
+        if rows == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 {
+            let mut expected = vec![heads * self.config.head_dim, self.config.hidden_size];
+            expected.truncate(t.shape.len().clamp(1, 2));
+            return Err(Error::ShapeMismatch { name: hf_name.into(), actual: t.shape.clone(), expected });
         }
         Ok(t.permute_rows(&unpermute_rows(t.shape[0], heads)))
     }
