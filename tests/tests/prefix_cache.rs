@@ -1,7 +1,8 @@
 //! Prefix caching through a real 3-stage loopback cluster on the real SmolLM2 file: prompts that share a system
 //! prompt start on its cached blocks on every stage, and every stream's greedy tokens equal what its prompt
 //! produces alone in a single process with nothing cached, also when the KV cache is too small for all of them
-//! and sequences are preempted and recomputed, and across plan changes, which empty the cache. Idle, every block
+//! and sequences are preempted and recomputed, and across plan changes, which empty the cache. A chat's next turn
+//! (the prompt, the answer, a new question) starts after the blocks the answer filled as well. Idle, every block
 //! counts as free again while the cache keeps the shared prompt, the same on each stage as the coordinator counts.
 
 use std::time::Duration;
@@ -60,6 +61,14 @@ async fn prompts_sharing_a_system_prompt_reuse_its_blocks_and_generate_the_same_
     // 13 streams; every one after the first finds at least the 40 tokens of the 10 shared blocks.
     ensure!(hits >= 12 * 40 && hits < queried, "{hits} of {queried} prompt tokens found cached");
     ensure!(cluster.pipeline.preemptions() == 0);
+
+    // The next turn of stream 0's chat: its 44-token prompt and 6-token answer fill 12 blocks (the answer's last
+    // token was never fed back, so 49 positions), all cached.
+    let turn: Vec<u32> = prompts[0].iter().chain(&alone[0]).copied().chain([30_500, 30_501]).collect();
+    let expected = reference(&model, 1, &turn, MAX_TOKENS as usize)?;
+    run_and_check(&cluster, std::slice::from_ref(&turn), &[expected]).await?;
+    let found = metrics.prefix_cache_hits.get() - hits;
+    ensure!(found == 12 * 4, "the next turn found {found} tokens cached, not the 48 of its prompt and answer");
 
     // Idle: every block is free or cached unused, and every stage caches the same blocks.
     eventually(Duration::from_secs(10), || cluster.kv_all_free()).await.context("KV blocks were not all returned")?;
@@ -127,7 +136,8 @@ async fn a_plan_change_empties_the_cache_and_the_stages_hold_what_the_coordinato
     eventually(Duration::from_secs(10), || a.kv_all_free()).await?;
     let cached = cached_per_stage(&a).await?;
     let counted = u64::try_from(metrics.kv_blocks_cached.get()).unwrap_or(0);
-    ensure!(counted == 11 && cached.iter().all(|&c| c == counted), "stages {cached:?}, coordinator {counted}");
+    // The first prompt's 44 tokens and the 5 of its answer fed back fill 12 blocks.
+    ensure!(counted == 12 && cached.iter().all(|&c| c == counted), "stages {cached:?}, coordinator {counted}");
     b.stop().await?;
     a.stop().await
 }

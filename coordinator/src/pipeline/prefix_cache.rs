@@ -2,7 +2,9 @@
 //! which sequences use them, and which to evict. Pure state, like the scheduler that drives it:
 //! - a sequence about to prefill is matched against the cache ([`PrefixCache::lookup`]) and starts after the
 //!   blocks it shares with earlier prompts;
-//! - the chunk that fills a block of its prompt publishes that block under its key ([`PrefixCache::publish`]);
+//! - the chunk that fills a block publishes that block under its key ([`PrefixCache::publish`]): blocks of the
+//!   prompt, and blocks of the output as decoding fills them ([`PrefixCache::extend`]), so a chat's next turn,
+//!   whose prompt repeats this one's prompt and answer, starts after both;
 //! - when a sequence's `Release` has returned from every stage its blocks lose a reference
 //!   ([`PrefixCache::unref`]); a block no sequence uses stays cached until the budget needs the room, and then
 //!   goes least recently used first, the end of a chain before its start ([`PrefixCache::evict_one`]).
@@ -32,7 +34,7 @@ struct Entry {
 /// A sequence's part in the cache, kept by the scheduler with the sequence.
 #[derive(Debug, Default)]
 pub(super) struct SeqPrefix {
-    /// Keys of the full blocks of the tokens it prefills, and those tokens.
+    /// Its tokens so far (the ones it prefills, then each one it decodes), and the keys of their full blocks.
     keys: Vec<u64>,
     tokens: Vec<u32>,
     /// Blocks of `keys` already matched or published (or skipped: cached by another sequence meanwhile).
@@ -150,14 +152,31 @@ impl PrefixCache {
             attach: keys[..hits].to_vec(),
             attach_tokens: tokens[..hits * bs].to_vec(),
             done: hits,
-            tokens: tokens[..full * bs].to_vec(),
+            tokens: tokens.to_vec(),
             keys,
             looked_up: true,
         };
         hits * bs
     }
 
-    /// The chunk of `seq` ending at position `end` was built: every block of its prefill that is full by then
+    /// A chunk of `seq` carries `tokens` from position `start`: those past what the sequence knew (the tokens it
+    /// decodes) join its tokens, and every block they fill gets its key, to be published like a prompt's.
+    pub(super) fn extend(&self, seq: &mut SeqPrefix, start: usize, tokens: &[u32]) {
+        let known = seq.tokens.len();
+        // Chunks follow each other: a gap would be a scheduler bug, and caching after it would be wrong.
+        if !seq.looked_up || start > known || start + tokens.len() <= known {
+            return;
+        }
+        seq.tokens.extend_from_slice(&tokens[known - start..]);
+        let bs = self.block_size;
+        for i in seq.keys.len()..seq.tokens.len() / bs {
+            let parent = if i == 0 { 0 } else { seq.keys[i - 1] };
+            let key = self.key(parent, &seq.tokens[i * bs..(i + 1) * bs]);
+            seq.keys.push(key);
+        }
+    }
+
+    /// The chunk of `seq` ending at position `end` was built: every block of its tokens that is full by then
     /// and not cached yet becomes cached, owned by the cache and used by `seq`. Returns (block index, key) of
     /// each, for the chunk to carry.
     pub(super) fn publish(&mut self, seq: &mut SeqPrefix, end: usize) -> Vec<(usize, u64)> {
@@ -281,6 +300,32 @@ mod tests {
         // A prompt whose chain start was evicted matches nothing.
         let mut d = SeqPrefix::default();
         assert_eq!(c.lookup(&mut d, &toks(7), &mut stats), 0);
+    }
+
+    #[test]
+    fn decoded_tokens_give_their_blocks_the_keys_a_prompt_of_them_gets() {
+        let mut c = PrefixCache::new(4, 1);
+        let mut stats = PrefixStats::default();
+        let mut decoded = SeqPrefix::default();
+        c.lookup(&mut decoded, &toks(6), &mut stats);
+        // Prefill chunks add nothing; decode steps (one token each) do; a gap or a repeat is ignored.
+        c.extend(&mut decoded, 0, &toks(6));
+        assert_eq!(decoded.tokens.len(), 6);
+        c.extend(&mut decoded, 6, &[7]);
+        c.extend(&mut decoded, 8, &[9]);
+        c.extend(&mut decoded, 6, &[7]);
+        c.extend(&mut decoded, 7, &[8]);
+        assert_eq!(decoded.tokens[6..], [7, 8]);
+        let mut whole = SeqPrefix::default();
+        let mut prompt = toks(6);
+        prompt.extend([7, 8]);
+        c.lookup(&mut whole, &prompt, &mut stats);
+        assert_eq!(decoded.keys, whole.keys);
+        assert_eq!(decoded.keys.len(), 2);
+        // A sequence never matched against the cache (caching was off when it started) keeps no tokens.
+        let mut off = SeqPrefix::default();
+        c.extend(&mut off, 0, &toks(8));
+        assert!(off.tokens.is_empty() && off.keys.is_empty());
     }
 
     #[test]

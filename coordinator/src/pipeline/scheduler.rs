@@ -15,8 +15,8 @@
 //!   sequence not in flight is sent back to the queue (first) and recomputed under a new sequence id; the oldest
 //!   is never preempted.
 //! - **Prefix caching** (policy in `prefix_cache.rs`): a sequence about to prefill starts after the cached blocks
-//!   its tokens begin with; the chunk that fills a block of its prefill publishes it; cached blocks no sequence
-//!   uses count as free and are evicted (least recently used first) before anyone is preempted.
+//!   its tokens begin with; the chunk that fills a block (of its prompt or its output) publishes it; cached blocks
+//!   no sequence uses count as free and are evicted (least recently used first) before anyone is preempted.
 //!
 //! What the stages say is bookkeeping, not policy: a stage that refuses a batch for want of KV gets it requeued
 //! (at most [`MAX_STAGE_REFUSALS`] times per sequence); a batch the stages failed to run through no fault of its
@@ -403,11 +403,15 @@ impl Scheduler {
         let mut token_ids = Vec::new();
         for &(id, len) in group {
             let Some(seq) = self.seqs.get_mut(&id) else { continue };
+            let first = token_ids.len();
             token_ids.extend(seq.input.drain(..len));
             let (cached_blocks, cached_token_ids) = seq.prefix.take_attach();
             let end = seq.pos as usize + len;
             let publish = match &mut self.prefix {
-                Some(prefix) => prefix.publish(&mut seq.prefix, end),
+                Some(prefix) => {
+                    prefix.extend(&mut seq.prefix, seq.pos as usize, &token_ids[first..]);
+                    prefix.publish(&mut seq.prefix, end)
+                }
                 None => Vec::new(),
             };
             // Published blocks pass from the sequence to the cache; the budget counts them as before.

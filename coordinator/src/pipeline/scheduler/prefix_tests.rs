@@ -24,11 +24,7 @@ fn run_alone(s: &mut Scheduler, prompt: &[u32]) -> Result<pb::ForwardRequest, Se
     let batch = only_batch(&s.schedule(now));
     assert_eq!(tokens(&s.apply_response(answer(&batch), now)).len(), 1);
     s.finish(id);
-    for effect in s.reap() {
-        if let Effect::Release { blocks, cached, generation, .. } = effect {
-            s.released(generation, blocks, &cached);
-        }
-    }
+    release_all(s);
     Ok(batch)
 }
 
@@ -60,6 +56,51 @@ fn a_prompt_starts_after_the_blocks_an_earlier_prompt_published() -> Result<(), 
     let c = run_alone(&mut s, &first[..8])?;
     assert_eq!((c.chunks[0].start_pos, c.chunks[0].len, c.chunks[0].cached_blocks.len()), (4, 4, 1));
     assert_eq!(s.gauges().prefix, PrefixStats { queried_tokens: 29, hit_tokens: 12 });
+    Ok(())
+}
+
+/// Lets every release the scheduler has to send return from the stages.
+fn release_all(s: &mut Scheduler) {
+    for effect in s.reap() {
+        if let Effect::Release { blocks, cached, generation, .. } = effect {
+            s.released(generation, blocks, &cached);
+        }
+    }
+}
+
+#[test]
+fn blocks_its_output_fills_are_published_and_a_next_turn_starts_after_them() -> Result<(), ServiceError> {
+    let now = Instant::now();
+    let mut s = caching(10);
+    let prompt: Vec<u32> = (1..=6).collect();
+    let id = s.admit(&request(&prompt, 5))?;
+    let (mut published, mut output) = (Vec::new(), Vec::new());
+    while output.len() < 5 {
+        let batch = only_batch(&s.schedule(now));
+        let c = &batch.chunks[0];
+        published.extend(c.publish.iter().map(|p| (c.start_pos + c.len, p.index, p.key)));
+        output.extend(tokens(&s.apply_response(answer(&batch), now)).into_iter().map(|t| t.1));
+    }
+    s.finish(id);
+    release_all(&mut s);
+    // Block 0 with the prefill; block 1 (prompt tokens 5 and 6, outputs 1 and 2) with the decode step that fills
+    // it, at position 7. Outputs 3 and 4 were fed at positions 8 and 9: block 2 is not full.
+    assert_eq!(published.iter().map(|p| (p.0, p.1)).collect::<Vec<_>>(), [(6, 0), (8, 1)]);
+    assert_eq!(s.gauges().kv_cached, 2);
+
+    // The next turn repeats the prompt and the answer: it starts after both blocks.
+    let mut turn: Vec<u32> = prompt.iter().chain(&output[..2]).copied().collect();
+    turn.extend([70, 71, 72]);
+    let b = run_alone(&mut s, &turn)?;
+    let chunk = &b.chunks[0];
+    assert_eq!((chunk.start_pos, chunk.len), (8, 3));
+    assert_eq!(chunk.cached_blocks, published.iter().map(|p| p.2).collect::<Vec<_>>());
+    assert_eq!(chunk.cached_token_ids, turn[..8]);
+    // An answer that differs in its second token shares only the prompt's block.
+    let mut other: Vec<u32> = prompt.iter().chain([&output[0], &99]).copied().collect();
+    other.extend([70, 71, 72]);
+    let c = run_alone(&mut s, &other)?;
+    assert_eq!((c.chunks[0].start_pos, c.chunks[0].cached_blocks.len()), (4, 1));
     Ok(())
 }
 
