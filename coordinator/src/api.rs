@@ -230,6 +230,7 @@ async fn forward_events(
                     pipeline_micros: timing.pipeline_micros,
                     stage_queue_micros: timing.queue_micros,
                     stage_handoff_micros: timing.handoff_micros,
+                    cached_prompt_tokens: timing.cached_tokens,
                     ..usage(completion_tokens)
                 }),
                 ..Default::default()

@@ -3,9 +3,10 @@
     python check.py --base-url http://127.0.0.1:8080/v1 [--wait 120]
 
 Waits for GET /health to answer 200, then checks: the model list, a completion, a chat completion, the same chat
-streamed (role first, text equal to the whole response, usage chunk), a streamed completion, and that errors come
-back as the client's typed exceptions (BadRequestError, NotFoundError). Exits non-zero on the first failure. Run by
-cli/tests/openai_client.rs against a real `strata local` process; needs the venv of scripts/python-env.sh.
+streamed (role first, text equal to the whole response, usage chunk with the prompt tokens the prefix cache held),
+a streamed completion, and that errors come back as the client's typed exceptions (BadRequestError,
+NotFoundError). Exits non-zero on the first failure. Run by cli/tests/openai_client.rs against a real `strata local`
+process; needs the venv of scripts/python-env.sh.
 """
 
 import argparse
@@ -99,6 +100,9 @@ def main() -> None:
     check("".join(deltas) == answer, f"streamed chat {''.join(deltas)!r} != {answer!r}")
     check(finishes[-1] == r.choices[0].finish_reason and all(f is None for f in finishes[:-1]), f"{finishes}")
     check(usage is not None and usage.completion_tokens == r.usage.completion_tokens, f"stream usage {usage}")
+    # The same messages again: the prefix cache held the first request's prompt blocks, and usage says so.
+    details = usage.prompt_tokens_details
+    check(details is not None and 0 < details.cached_tokens < usage.prompt_tokens, f"cached prompt tokens {usage}")
 
     e = expect_error(openai.BadRequestError, "max_tokens beyond the context",
                      lambda: client.completions.create(model=model, prompt=PROMPT, max_tokens=1_000_000))

@@ -74,7 +74,10 @@ async fn tiny_model_completions_match_grpc_whole_and_streamed() -> Result<()> {
         assert!(whole["id"].as_str().is_some_and(|id| id.starts_with("cmpl-")), "{whole}");
         assert_eq!(whole["model"], name.as_str());
         assert_eq!(whole["choices"][0]["finish_reason"], "length");
-        assert_eq!(whole["usage"], json!({"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}));
+        // f32 weights: `auto` prefix caching is off, so nothing is cached.
+        let usage = json!({"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17,
+                           "prompt_tokens_details": {"cached_tokens": 0}});
+        assert_eq!(whole["usage"], usage);
         assert_eq!(logprobs_of(&whole["choices"][0]), grpc_logprobs, "HTTP and gRPC sample the same tokens");
     }
 
@@ -83,7 +86,9 @@ async fn tiny_model_completions_match_grpc_whole_and_streamed() -> Result<()> {
     let chunks = sse_chunks(http_client::post_stream(http, "/v1/completions", &body).await?).await?;
     let (usage, choices) = chunks.split_last().context("no chunks")?;
     assert_eq!(usage["choices"], json!([]), "the usage chunk has no choices");
-    assert_eq!(usage["usage"], json!({"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}));
+    let expected = json!({"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17,
+                          "prompt_tokens_details": {"cached_tokens": 0}});
+    assert_eq!(usage["usage"], expected);
     let streamed: Vec<f64> = choices.iter().flat_map(|c| logprobs_of(&c["choices"][0])).collect();
     assert_eq!(streamed, grpc_logprobs);
     let finishes: Vec<&Value> = choices.iter().map(|c| &c["choices"][0]["finish_reason"]).collect();
@@ -296,10 +301,11 @@ async fn smollm2_completions_and_chat_match_grpc_whole_and_streamed() -> Result<
         ..Default::default()
     };
 
-    // Completions: whole = streamed = gRPC.
+    // Completions: whole = streamed = gRPC. The prompt is shorter than a KV block: nothing to cache.
     let grpc = generate(&mut client, text_req(false)).await?;
     let usage = json!({"prompt_tokens": grpc.prompt_ids.len(), "completion_tokens": grpc.token_ids.len(),
-                       "total_tokens": grpc.prompt_ids.len() + grpc.token_ids.len()});
+                       "total_tokens": grpc.prompt_ids.len() + grpc.token_ids.len(),
+                       "prompt_tokens_details": {"cached_tokens": 0}});
     let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
     let whole = http_client::post(http, "/v1/completions", &body).await?.json()?;
     assert_eq!(whole["choices"][0]["text"], grpc.text.as_str(), "{whole}");
@@ -311,10 +317,18 @@ async fn smollm2_completions_and_chat_match_grpc_whole_and_streamed() -> Result<
     let text: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
     assert_eq!(text, grpc.text);
 
-    // Chat: the same template as gRPC's `chat`; whole = streamed = gRPC.
+    // Chat: the same template as gRPC's `chat`; whole = streamed = gRPC. The gRPC request cached the full
+    // 16-token blocks of the templated prompt (SmolLM2's system prompt makes it longer than one): the HTTP ones
+    // find them, and say so in their usage.
     let grpc = generate(&mut client, text_req(true)).await?;
+    let cached = (grpc.prompt_ids.len() - 1) / 16 * 16;
+    ensure!(cached > 0, "a chat prompt of {} tokens fills no KV block", grpc.prompt_ids.len());
+    let again = generate(&mut client, text_req(true)).await?;
+    assert_eq!(again.usage.map(|u| u.cached_prompt_tokens), Some(u32::try_from(cached)?));
+    assert_eq!(grpc.usage.map(|u| u.cached_prompt_tokens), Some(0), "the first one found nothing cached");
     let usage = json!({"prompt_tokens": grpc.prompt_ids.len(), "completion_tokens": grpc.token_ids.len(),
-                       "total_tokens": grpc.prompt_ids.len() + grpc.token_ids.len()});
+                       "total_tokens": grpc.prompt_ids.len() + grpc.token_ids.len(),
+                       "prompt_tokens_details": {"cached_tokens": cached}});
     let body = json!({"model": cluster.pipeline.model().name, "messages": [{"role": "user", "content": prompt}],
                       "max_completion_tokens": 8, "temperature": 0, "logprobs": true});
     let whole = http_client::post(http, "/v1/chat/completions", &body).await?.json()?;

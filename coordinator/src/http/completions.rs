@@ -203,14 +203,14 @@ async fn collect(mut events: mpsc::Receiver<SeqEvent>, shaper: &Shaper) -> Resul
                 text.push_str(&delta);
                 tokens.extend(shaper.sampled(id, logprob));
             }
-            Some(SeqEvent::Done { finish, text: rest, completion_tokens, .. }) => {
+            Some(SeqEvent::Done { finish, text: rest, completion_tokens, timing }) => {
                 text.push_str(&rest);
                 tracing::debug!(?finish, completion_tokens, "completed");
                 let piece = Piece {
                     text: Some(text),
                     tokens,
                     finish: Some(finish),
-                    usage: Some(shaper.usage(completion_tokens)),
+                    usage: Some(shaper.usage(completion_tokens).with_cached(timing.cached_tokens as usize)),
                     whole: true,
                     ..Piece::default()
                 };
@@ -277,7 +277,7 @@ async fn next_events(state: Option<StreamState>) -> Option<(Vec<Event>, Option<S
             }
             return Some((out, Some(st)));
         }
-        Some(SeqEvent::Done { finish, text, completion_tokens, .. }) => {
+        Some(SeqEvent::Done { finish, text, completion_tokens, timing }) => {
             tracing::debug!(?finish, completion_tokens, "stream completed");
             if !text.is_empty() {
                 out.push(data(&st.shaper.render(Piece { text: Some(text), ..Piece::default() })));
@@ -286,7 +286,7 @@ async fn next_events(state: Option<StreamState>) -> Option<(Vec<Event>, Option<S
             let text = (st.shaper.endpoint == Endpoint::Completions).then(String::new);
             out.push(data(&st.shaper.render(Piece { text, finish: Some(finish), ..Piece::default() })));
             if st.include_usage {
-                let usage = Some(st.shaper.usage(completion_tokens));
+                let usage = Some(st.shaper.usage(completion_tokens).with_cached(timing.cached_tokens as usize));
                 out.push(data(&st.shaper.render(Piece { usage, usage_only: true, ..Piece::default() })));
             }
         }

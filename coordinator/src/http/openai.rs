@@ -388,12 +388,32 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Their sum.
     pub total_tokens: usize,
+    /// Of the prompt's tokens, those found in the prefix cache; absent when generation failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+/// OpenAI's breakdown of the prompt's tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PromptTokensDetails {
+    /// Tokens found in the prefix cache, not computed again.
+    pub cached_tokens: usize,
 }
 
 impl Usage {
     /// Usage of a prompt of `prompt` tokens that generated `completion`.
     pub fn new(prompt: usize, completion: usize) -> Self {
-        Usage { prompt_tokens: prompt, completion_tokens: completion, total_tokens: prompt + completion }
+        Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt + completion,
+            prompt_tokens_details: None,
+        }
+    }
+
+    /// The same, saying that `cached` of the prompt's tokens came from the prefix cache.
+    pub fn with_cached(self, cached: usize) -> Self {
+        Usage { prompt_tokens_details: Some(PromptTokensDetails { cached_tokens: cached }), ..self }
     }
 }
 

@@ -146,7 +146,8 @@ pub struct PipelineOptions {
     pub suspects: Option<mpsc::Sender<Suspect>>,
 }
 
-/// Where the time of a sequence's steps went, summed over the micro-batches that carried it.
+/// Where the time of a sequence's steps went, summed over the micro-batches that carried it, and how much of its
+/// prompt the prefix cache held.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepTiming {
     /// Micro-batches that carried the sequence (prefill chunks and decode steps).
@@ -159,6 +160,9 @@ pub struct StepTiming {
     pub queue_micros: u64,
     /// Of that, time from the end of a stage's compute to the hand-off of its output, summed over stages.
     pub handoff_micros: u64,
+    /// Prompt tokens found in the prefix cache when the sequence started, so not computed (OpenAI's
+    /// `cached_tokens`); a recompute after preemption, which finds its own blocks, does not count.
+    pub cached_tokens: u32,
 }
 
 /// What the coordinator knows about the served model: enough to tokenize, validate and detect EOS.

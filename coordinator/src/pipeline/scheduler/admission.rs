@@ -23,6 +23,9 @@ impl Scheduler {
             if let Some(prefix) = self.prefix.as_mut().filter(|_| seq.pos == 0 && !seq.prefix.looked_up()) {
                 // It keeps the blocks found while it waits at the front of the queue.
                 let hit = prefix.lookup(&mut seq.prefix, &seq.input, &mut self.prefix_stats);
+                if seq.output.is_empty() {
+                    seq.timing.cached_tokens = u32::try_from(hit).unwrap_or(u32::MAX);
+                }
                 seq.input.drain(..hit);
                 seq.pos = u32::try_from(hit).unwrap_or(u32::MAX);
             }

@@ -19,13 +19,23 @@ fn caching(blocks: usize) -> Scheduler {
 /// Runs `req` alone to its end (`max_tokens` 1: prefill only), lets its release return, and returns its first
 /// batch.
 fn run_alone(s: &mut Scheduler, prompt: &[u32]) -> Result<pb::ForwardRequest, ServiceError> {
+    Ok(run_alone_timed(s, prompt)?.0)
+}
+
+/// [`run_alone`], with the timing its token came with.
+fn run_alone_timed(s: &mut Scheduler, prompt: &[u32]) -> Result<(pb::ForwardRequest, StepTiming), ServiceError> {
     let now = Instant::now();
     let id = s.admit(&request(prompt, 1))?;
     let batch = only_batch(&s.schedule(now));
-    assert_eq!(tokens(&s.apply_response(answer(&batch), now)).len(), 1);
+    let effects = s.apply_response(answer(&batch), now);
+    assert_eq!(tokens(&effects).len(), 1);
+    let timing = effects.iter().find_map(|e| match e {
+        Effect::Token { timing, .. } => Some(*timing),
+        _ => None,
+    });
     s.finish(id);
     release_all(s);
-    Ok(batch)
+    Ok((batch, timing.unwrap_or_default()))
 }
 
 #[test]
@@ -91,9 +101,10 @@ fn blocks_its_output_fills_are_published_and_a_next_turn_starts_after_them() -> 
     // The next turn repeats the prompt and the answer: it starts after both blocks.
     let mut turn: Vec<u32> = prompt.iter().chain(&output[..2]).copied().collect();
     turn.extend([70, 71, 72]);
-    let b = run_alone(&mut s, &turn)?;
+    let (b, timing) = run_alone_timed(&mut s, &turn)?;
     let chunk = &b.chunks[0];
     assert_eq!((chunk.start_pos, chunk.len), (8, 3));
+    assert_eq!(timing.cached_tokens, 8, "its usage says how many prompt tokens were cached");
     assert_eq!(chunk.cached_blocks, published.iter().map(|p| p.2).collect::<Vec<_>>());
     assert_eq!(chunk.cached_token_ids, turn[..8]);
     // An answer that differs in its second token shares only the prompt's block.

@@ -220,8 +220,14 @@ fn long_prompts_go_in_chunks_of_max_batch_tokens_and_only_the_last_is_sampled() 
         "one step of a sequence is in flight at a time"
     );
     let timing = s.seqs.get(&a).map(|seq| seq.timing);
-    let expected =
-        StepTiming { steps: 4, compute_micros: 200, pipeline_micros: 0, queue_micros: 28, handoff_micros: 12 };
+    let expected = StepTiming {
+        steps: 4,
+        compute_micros: 200,
+        pipeline_micros: 0,
+        queue_micros: 28,
+        handoff_micros: 12,
+        cached_tokens: 0,
+    };
     assert_eq!(timing, Some(expected), "every stage's queue and hand-off times are summed per step");
 
     // Sequences share a batch's token budget: 4 running, 2 per batch, 4 tokens each.
@@ -431,7 +437,14 @@ fn blocks_of_an_ended_sequence_stay_held_until_its_release_returns() -> Result<(
     let a = s.admit(&request(&[1; 8], 4))?;
     let batch = only_batch(&s.schedule(now));
     let fx = s.apply_response(answer(&batch), now);
-    let timing = StepTiming { steps: 1, compute_micros: 50, pipeline_micros: 0, queue_micros: 7, handoff_micros: 3 };
+    let timing = StepTiming {
+        steps: 1,
+        compute_micros: 50,
+        pipeline_micros: 0,
+        queue_micros: 7,
+        handoff_micros: 3,
+        cached_tokens: 0,
+    };
     let token = pb::SampledToken { seq_id: 1, token_id: 1001, logprob: None };
     assert_eq!(fx[1..], [Effect::Token { req: a, token, timing }]);
     // The output ended it: no more steps.
