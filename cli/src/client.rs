@@ -48,6 +48,7 @@ fn sampling(p: &PromptArgs) -> pb::SamplingParams {
         repetition_penalty: p.repetition_penalty,
         presence_penalty: p.presence_penalty,
         frequency_penalty: p.frequency_penalty,
+        min_p: p.min_p,
     }
 }
 

@@ -46,6 +46,9 @@ pub struct PromptArgs {
     /// Frequency penalty, OpenAI's: subtracted once per occurrence in the output (-2..2; 0: off).
     #[arg(long, env = "STRATA_FREQUENCY_PENALTY", default_value_t = 0.0)]
     pub frequency_penalty: f32,
+    /// Min-p: keep only tokens at least this likely relative to the most likely one (0..1; 0: off).
+    #[arg(long, env = "STRATA_MIN_P", default_value_t = 0.0)]
+    pub min_p: f32,
     /// Stop when the output contains this text (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
@@ -77,6 +80,7 @@ impl PromptArgs {
             repetition_penalty: self.repetition_penalty,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
+            min_p: self.min_p,
         }
     }
 

@@ -82,7 +82,8 @@ pub fn prepare(model: &ModelInfo, params: GenerateParams) -> Result<SeqRequest> 
         prompt_ids,
         max_tokens,
         sampling: SamplingParams::with_zeros_off(s.temperature, s.top_k, s.top_p, s.seed, s.repetition_penalty)
-            .with_penalties(s.presence_penalty, s.frequency_penalty),
+            .with_penalties(s.presence_penalty, s.frequency_penalty)
+            .with_min_p(s.min_p),
         stop: params.stop.clone(),
     };
     validate_request(&engine_req, model.vocab_size, model.context)

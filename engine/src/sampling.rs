@@ -1,5 +1,5 @@
-//! Choosing the next token from logits: greedy, temperature, top-k, top-p, the repetition, presence and frequency
-//! penalties, seeded.
+//! Choosing the next token from logits: greedy, temperature, top-k, top-p, min-p, the repetition, presence and
+//! frequency penalties, seeded.
 
 use std::collections::{HashMap, HashSet};
 
@@ -29,6 +29,10 @@ pub struct SamplingParams {
     /// Subtracted from a token's logit once per time the output holds it (OpenAI's; 0: off).
     #[serde(default)]
     pub frequency_penalty: f32,
+    /// Keep only tokens at least this likely relative to the most likely one, after the temperature (vLLM's and
+    /// llama.cpp's min-p; 0: off).
+    #[serde(default)]
+    pub min_p: f32,
 }
 
 impl Default for SamplingParams {
@@ -41,6 +45,7 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            min_p: 0.0,
         }
     }
 }
@@ -66,6 +71,7 @@ impl SamplingParams {
             repetition_penalty: if repetition_penalty == 0.0 { 1.0 } else { repetition_penalty },
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            min_p: 0.0,
         }
     }
 
@@ -74,10 +80,18 @@ impl SamplingParams {
         SamplingParams { presence_penalty, frequency_penalty, ..self }
     }
 
+    /// These settings with a min-p threshold (0: off).
+    pub fn with_min_p(self, min_p: f32) -> Self {
+        SamplingParams { min_p, ..self }
+    }
+
     /// Rejects values that make no sense.
     pub fn validate(&self) -> Result<()> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
             return Err(Error::InvalidRequest(format!("temperature must be >= 0, got {}", self.temperature)));
+        }
+        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
+            return Err(Error::InvalidRequest(format!("min_p must be in [0, 1], got {}", self.min_p)));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(Error::InvalidRequest(format!("top_p must be in (0, 1], got {}", self.top_p)));
@@ -171,7 +185,10 @@ fn pick(cand: impl Iterator<Item = (u32, f32)> + Clone, draw: f32) -> u32 {
             return id;
         }
         r -= w;
-        last = id;
+        // Rounding can leave `r` past the end: the last token that had weight (min-p zeroes some).
+        if w > 0.0 {
+            last = id;
+        }
     }
     last
 }
@@ -198,8 +215,28 @@ impl Candidates {
 /// The tokens a temperature draw chooses among, with weights `e^((l − max)/T)`: every token in vocabulary order
 /// without top-k and top-p, else the kept ones in descending order of logit (ties by id). Only what top-k keeps,
 /// or the head that reaches top-p, is ever sorted: sorting the whole vocabulary (49,152 SmolLM2 tokens, 150k for
-/// Qwen) for every sampled token cost more than a decode step of a small model.
+/// Qwen) for every sampled token cost more than a decode step of a small model. Min-p then drops the tokens whose
+/// weight (their probability over the most likely one's) is under `min_p`, as vLLM applies it after top-k and
+/// top-p: in vocabulary order their weight becomes 0.
 fn candidates(logits: &[f32], p: &SamplingParams) -> Candidates {
+    match candidates_k_p(logits, p) {
+        cand if p.min_p <= 0.0 => cand,
+        Candidates::All(mut w) => {
+            let cut = p.min_p * w.iter().fold(0f32, |m, &x| m.max(x));
+            w.iter_mut().filter(|w| **w < cut).for_each(|w| *w = 0.0);
+            Candidates::All(w)
+        }
+        // Descending order: the kept tokens are a head, the most likely first.
+        Candidates::Kept(mut kept) => {
+            let cut = p.min_p * kept.first().map_or(0.0, |c| c.1);
+            kept.truncate(kept.partition_point(|c| c.1 >= cut).max(1));
+            Candidates::Kept(kept)
+        }
+    }
+}
+
+/// [`candidates`] before min-p.
+fn candidates_k_p(logits: &[f32], p: &SamplingParams) -> Candidates {
     let n = logits.len();
     let mut w: Vec<f32> = logits.iter().map(|&l| l / p.temperature).collect();
     exp_from_max(Isa::detect(), &mut w);
@@ -437,6 +474,36 @@ mod tests {
         by_logit.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
         assert_eq!(by_key, by_logit);
         assert_eq!(by_key[..3], [1, 4, 0], "NaN, +inf, then the first of the two 1.0s");
+    }
+
+    #[test]
+    fn min_p_keeps_the_tokens_at_least_that_likely_relative_to_the_best() {
+        // Probabilities relative to the best: 1, 0.5, 0.25, 0.1, then a tail far below.
+        let mut logits: Vec<f32> = [1.0f32, 0.5, 0.25, 0.1].iter().map(|r| r.ln()).collect();
+        logits.extend((0..60).map(|i| -10.0 - i as f32));
+        logits.swap(0, 7); // the best is not the first id
+        let kept = |p: SamplingParams| -> Vec<u32> {
+            candidates(&logits, &p).pairs().into_iter().filter(|c| c.1 > 0.0).map(|c| c.0).collect()
+        };
+        let p = |min_p, top_k, top_p| SamplingParams { temperature: 1.0, min_p, top_k, top_p, ..Default::default() };
+        // In vocabulary order without top-k/top-p, in draw order with them.
+        assert_eq!(kept(p(0.3, 0, 1.0)), [1, 7]);
+        assert_eq!(kept(p(0.2, 0, 1.0)), [1, 2, 7]);
+        assert_eq!(kept(p(0.2, 3, 1.0)), [7, 1, 2]);
+        assert_eq!(kept(p(0.2, 2, 1.0)), [7, 1], "top-k cuts first");
+        assert_eq!(kept(p(0.05, 0, 0.99)), [7, 1, 2, 3]);
+        assert_eq!(kept(p(0.0, 0, 1.0)).len(), logits.len(), "0 is off");
+        // A higher temperature flattens the distribution: at T = 2 the 0.25 token is at 0.5 of the best.
+        let hot = SamplingParams { temperature: 2.0, ..p(0.4, 0, 1.0) };
+        assert_eq!(kept(hot), [1, 2, 7]);
+        // min_p = 1 keeps only the best: every seeded draw is greedy.
+        let mut s = Sampler::new(SamplingParams { seed: Some(3), ..p(1.0, 0, 1.0) });
+        for pos in 0..50 {
+            let history = TokenHistory::new(pos);
+            assert_eq!(s.sample(&mut logits.clone(), &history), 7);
+        }
+        assert!(SamplingParams { min_p: 1.5, ..Default::default() }.validate().is_err());
+        assert!(SamplingParams { min_p: -0.1, ..Default::default() }.validate().is_err());
     }
 
     #[test]

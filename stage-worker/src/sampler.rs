@@ -11,7 +11,8 @@ use strata_proto::pb;
 pub fn engine_params(p: Option<&pb::SamplingParams>) -> Result<SamplingParams, ServiceError> {
     let Some(p) = p else { return Ok(SamplingParams::default()) };
     let params = SamplingParams::with_zeros_off(p.temperature, p.top_k, p.top_p, p.seed, p.repetition_penalty)
-        .with_penalties(p.presence_penalty, p.frequency_penalty);
+        .with_penalties(p.presence_penalty, p.frequency_penalty)
+        .with_min_p(p.min_p);
     params.validate().map_err(|e| ServiceError::invalid_argument(e.to_string()))?;
     Ok(params)
 }

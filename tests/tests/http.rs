@@ -123,6 +123,7 @@ async fn bad_requests_get_openai_errors_and_the_service_keeps_serving() -> Resul
         ("n = 2", with(json!({"n": 2})), 400, json!("n"), Value::Null),
         ("token outside the vocabulary", with(json!({"prompt": [1, 300]})), 400, Value::Null, Value::Null),
         ("negative temperature", with(json!({"temperature": -1})), 400, Value::Null, Value::Null),
+        ("min_p above 1", with(json!({"min_p": 1.5})), 400, json!("min_p"), Value::Null),
         ("max_tokens of the wrong type", with(json!({"max_tokens": "2"})), 400, json!("max_tokens"), Value::Null),
         ("stop of the wrong type", with(json!({"stop": 5})), 400, json!("stop"), Value::Null),
         ("a text prompt without a tokenizer", with(json!({"prompt": "hi"})), 400, json!("prompt"), Value::Null),
@@ -316,6 +317,13 @@ async fn smollm2_completions_and_chat_match_grpc_whole_and_streamed() -> Result<
     let chunks = sse_chunks(http_client::post_stream(http, "/v1/completions", &streamed).await?).await?;
     let text: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
     assert_eq!(text, grpc.text);
+    // min_p 1 keeps only the most likely token: a draw at temperature 1 gives the greedy text. (Without it, the
+    // same seed's text differs: the check can fail.)
+    let drawn = |min_p: f64| json!({"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 11, "min_p": min_p});
+    let reply = http_client::post(http, "/v1/completions", &drawn(1.0)).await?.json()?;
+    assert_eq!(reply["choices"][0]["text"], grpc.text.as_str(), "{reply}");
+    let reply = http_client::post(http, "/v1/completions", &drawn(0.0)).await?.json()?;
+    assert_ne!(reply["choices"][0]["text"], grpc.text.as_str(), "{reply}");
 
     // Chat: the same template as gRPC's `chat`; whole = streamed = gRPC. The gRPC request cached the full
     // 16-token blocks of the templated prompt (SmolLM2's system prompt makes it longer than one): the HTTP ones

@@ -48,7 +48,7 @@ impl<T: DeserializeOwned> Body<T> {
 
 /// Fields of OpenAI's (and vLLM's) requests that ask for what strata does not do, with the values that ask for
 /// nothing (also accepted, as clients send defaults explicitly). `null` is always accepted.
-pub const UNSUPPORTED: [(&str, &[&str]); 19] = [
+pub const UNSUPPORTED: [(&str, &[&str]); 18] = [
     ("tools", &["[]"]),
     ("tool_choice", &["\"none\""]),
     ("parallel_tool_calls", &["false", "true"]),
@@ -62,7 +62,6 @@ pub const UNSUPPORTED: [(&str, &[&str]); 19] = [
     ("audio", &[]),
     ("modalities", &["[\"text\"]"]),
     ("prediction", &[]),
-    ("min_p", &["0", "0.0"]),
     ("min_tokens", &["0"]),
     ("use_beam_search", &["false"]),
     ("prompt_logprobs", &[]),
@@ -141,6 +140,9 @@ pub struct CommonFields {
     /// Subtract this once per occurrence in the output (OpenAI's; -2..2, 0 = off).
     #[serde(default)]
     pub frequency_penalty: Option<f32>,
+    /// Keep only tokens at least this likely relative to the most likely one (vLLM's extension; 0 = off).
+    #[serde(default)]
+    pub min_p: Option<f32>,
     /// Seed of the sampler's random stream.
     #[serde(default)]
     pub seed: Option<u64>,
@@ -196,6 +198,12 @@ impl CommonFields {
             },
             presence_penalty: penalty("presence_penalty", self.presence_penalty)?,
             frequency_penalty: penalty("frequency_penalty", self.frequency_penalty)?,
+            min_p: match self.min_p {
+                Some(p) if !(0.0..=1.0).contains(&p) => {
+                    return Err(ApiError::invalid(format!("min_p must be in [0, 1], got {p}"), Some("min_p")));
+                }
+                p => p.unwrap_or(0.0),
+            },
         };
         let stop = match self.stop.clone() {
             None => Vec::new(),
