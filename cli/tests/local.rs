@@ -72,7 +72,9 @@ fn cluster_bench_reports_every_level_and_writes_a_plot() -> Result<()> {
     let m = model.to_str().unwrap_or_default();
     let o = out.to_str().unwrap_or_default();
     let args = ["bench", "--model", m, "--local", "2", "--concurrency", "1,3", "--requests-per-client", "1"];
-    let sizes = ["--prompt-tokens", "4", "--decode-tokens", "5", "--threads", "2", "--out", o];
+    // 36-token prompts sharing their first 32: after the unmeasured first request, each finds 2 blocks of 16 cached.
+    let sizes = ["--prompt-tokens", "36", "--shared-prefix-tokens", "32", "--decode-tokens", "5", "--threads", "2"];
+    let sizes = [&sizes[..], &["--out", o]].concat();
     // One cluster per setting of micro-batches per stage.
     let table = text(&[&args[..], &sizes[..], &["--micro-batches-per-stage", "1,2"]].concat())?;
     assert!(table.contains("| 2 | on | 1 | 1 | 3 |") && table.contains("| 2 | on | 2 | 1 | 3 |"), "{table}");
@@ -87,6 +89,7 @@ fn cluster_bench_reports_every_level_and_writes_a_plot() -> Result<()> {
         assert_eq!(run["completion_tokens"], 5 * streams, "{run}");
         assert!(run["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0), "{run}");
         assert!(run["overhead_us_per_hop"].as_f64().is_some_and(|t| t > 0.0), "{run}");
+        assert_eq!(run["cached_prompt_tokens_per_request"], 32.0, "{run}");
     }
     let svg = std::fs::read_to_string(out.with_extension("svg"))?;
     assert!(svg.contains(">2 stages, 1 mb/stage<") && svg.contains(">2 stages, 2 mb/stage<"), "{svg}");

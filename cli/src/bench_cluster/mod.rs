@@ -315,6 +315,7 @@ async fn measure(client: &Client, b: &ClusterBench, stages: usize, concurrency: 
     let compute: u64 = samples.iter().map(|s| s.usage.stage_compute_micros).sum();
     let queue: u64 = samples.iter().map(|s| s.usage.stage_queue_micros).sum();
     let handoff: u64 = samples.iter().map(|s| s.usage.stage_handoff_micros).sum();
+    let cached: u64 = samples.iter().map(|s| u64::from(s.usage.cached_prompt_tokens)).sum();
     let per_step = |micros: u64| if steps == 0 { 0.0 } else { micros as f64 / steps as f64 };
     let overhead_us_per_step = per_step(overhead);
     let (stages_f, hops) = (stages.max(1) as f64, (2 * stages.max(1)) as f64);
@@ -327,6 +328,7 @@ async fn measure(client: &Client, b: &ClusterBench, stages: usize, concurrency: 
         tokens_per_s: tokens as f64 / seconds,
         ttft_ms_p50: percentile(&mut ttft, 0.50),
         ttft_ms_p99: percentile(&mut ttft, 0.99),
+        cached_prompt_tokens_per_request: cached as f64 / samples.len().max(1) as f64,
         itl_ms_p50: percentile(&mut itl, 0.50),
         itl_ms_p99: percentile(&mut itl, 0.99),
         itl_ms_first_tenth: tenth_ms(&samples, Tenth::First),

@@ -25,6 +25,9 @@ pub(super) struct Run {
     pub tokens_per_s: f64,
     pub ttft_ms_p50: f64,
     pub ttft_ms_p99: f64,
+    /// Prompt tokens per request the prefix cache held (from each response's usage): how much of the prompts
+    /// the cluster did not compute.
+    pub cached_prompt_tokens_per_request: f64,
     pub itl_ms_p50: f64,
     pub itl_ms_p99: f64,
     /// Mean inter-token latency over the first and the last tenth of each request's tokens (median over requests),
@@ -92,14 +95,15 @@ pub(super) struct Report {
 pub(super) fn print_run(run: Option<&Run>) {
     if let Some(r) = run {
         eprintln!(
-            "stages {} prefix caching {} mb/stage {} concurrency {:>3}: {:>7.1} tok/s, TTFT p50 {:.1} ms, ITL p50 \
-             {:.2} ms p99 {:.2} ms, first/last tenth {:.2}/{:.2} ms",
+            "stages {} prefix caching {} mb/stage {} concurrency {:>3}: {:>7.1} tok/s, TTFT p50 {:.1} ms ({:.0} prompt \
+             tokens cached per request), ITL p50 {:.2} ms p99 {:.2} ms, first/last tenth {:.2}/{:.2} ms",
             r.stages,
             on_off(r.prefix_caching),
             as_set(r.micro_batches_per_stage),
             r.concurrency,
             r.tokens_per_s,
             r.ttft_ms_p50,
+            r.cached_prompt_tokens_per_request,
             r.itl_ms_p50,
             r.itl_ms_p99,
             r.itl_ms_first_tenth,
