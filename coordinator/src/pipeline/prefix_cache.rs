@@ -122,13 +122,8 @@ impl PrefixCache {
     /// the positions found.
     pub(super) fn lookup(&mut self, seq: &mut SeqPrefix, tokens: &[u32], stats: &mut PrefixStats) -> usize {
         let bs = self.block_size;
-        let full = tokens.len() / bs;
-        let mut keys = Vec::with_capacity(full);
-        let mut parent = 0;
-        for block in tokens.chunks_exact(bs) {
-            parent = self.key(parent, block);
-            keys.push(parent);
-        }
+        let mut keys = Vec::with_capacity(tokens.len() / bs);
+        self.key_full_blocks(&mut keys, tokens);
         let reusable = tokens.len().saturating_sub(1) / bs;
         let mut hits = 0;
         while hits < reusable {
@@ -168,11 +163,15 @@ impl PrefixCache {
             return;
         }
         seq.tokens.extend_from_slice(&tokens[known - start..]);
-        let bs = self.block_size;
-        for i in seq.keys.len()..seq.tokens.len() / bs {
-            let parent = if i == 0 { 0 } else { seq.keys[i - 1] };
-            let key = self.key(parent, &seq.tokens[i * bs..(i + 1) * bs]);
-            seq.keys.push(key);
+        self.key_full_blocks(&mut seq.keys, &seq.tokens);
+    }
+
+    /// Appends to `keys` (the chain of `tokens`' first blocks) the keys of the full blocks of `tokens` after them.
+    fn key_full_blocks(&self, keys: &mut Vec<u64>, tokens: &[u32]) {
+        let mut parent = keys.last().copied().unwrap_or(0);
+        for block in tokens.chunks_exact(self.block_size).skip(keys.len()) {
+            parent = self.key(parent, block);
+            keys.push(parent);
         }
     }
 
