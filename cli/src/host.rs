@@ -25,6 +25,52 @@ pub struct Host {
     /// benchmarks that count hand-offs between threads measure it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub wake_up_micros: Option<f64>,
+    /// What one small message over loopback TCP costs, hot and after a compute step ([`loopback_micros`]);
+    /// measured beside `wake_up_micros`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loopback: Option<Loopback>,
+}
+
+/// Median microseconds to send one 40-byte message over a loopback TCP connection and read it on the other end,
+/// from one thread: back to back (`hot_micros`), and each after 5 ms spent in user space (`after_compute_micros`),
+/// as a stage's I/O follows a decode step. On the development VMs the second is ~10x the first: every system call
+/// after a few milliseconds in user space starts cold, and a pipeline hop needs at least a send and a receive.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Loopback {
+    /// Back to back.
+    pub hot_micros: f64,
+    /// Each after 5 ms of user-space work.
+    pub after_compute_micros: f64,
+}
+
+/// Measures [`Loopback`]; an error if this machine cannot open a loopback connection.
+pub fn loopback_micros() -> std::io::Result<Loopback> {
+    use std::io::{Read, Write};
+    const ROUNDS: usize = 101;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let mut client = std::net::TcpStream::connect(listener.local_addr()?)?;
+    let (mut server, _) = listener.accept()?;
+    client.set_nodelay(true)?;
+    let message = [7u8; 40];
+    let mut received = [0u8; 40];
+    let mut round = |work: Duration| -> std::io::Result<f64> {
+        let busy = Instant::now();
+        while busy.elapsed() < work {
+            std::hint::spin_loop();
+        }
+        let start = Instant::now();
+        client.write_all(&message)?;
+        server.read_exact(&mut received)?;
+        Ok(start.elapsed().as_secs_f64() * 1e6)
+    };
+    let mut median = |work: Duration| -> std::io::Result<f64> {
+        let mut samples = (0..ROUNDS).map(|_| round(work)).collect::<std::io::Result<Vec<f64>>>()?;
+        samples.sort_by(f64::total_cmp);
+        Ok(samples[ROUNDS / 2])
+    };
+    let hot_micros = median(Duration::ZERO)?;
+    let after_compute_micros = median(Duration::from_millis(5))?;
+    Ok(Loopback { hot_micros, after_compute_micros })
 }
 
 /// Median microseconds a thread blocked on a channel takes to run once another thread sends to it, each time after
@@ -140,14 +186,24 @@ impl Host {
                 .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
                 .unwrap_or_default(),
             wake_up_micros: None,
+            loopback: None,
         }
     }
 
     /// One line for a report's header: CPU, flags, load, commit, date and, when measured, the wake-up time.
     pub fn describe(&self) -> String {
         let wake = self.wake_up_micros.map(|us| format!(", thread wake-up {us:.0} µs (p50)")).unwrap_or_default();
+        let loopback = self
+            .loopback
+            .map(|l| {
+                format!(
+                    ", loopback message {:.0} µs hot, {:.0} µs after 5 ms of compute (p50)",
+                    l.hot_micros, l.after_compute_micros
+                )
+            })
+            .unwrap_or_default();
         format!(
-            "{} ({} CPUs; {}), load average {}, commit {}, {}{wake}",
+            "{} ({} CPUs; {}), load average {}, commit {}, {}{wake}{loopback}",
             self.cpu_model,
             self.cpus,
             self.cpu_flags.join(" "),
@@ -185,5 +241,20 @@ mod tests {
         assert!(us > 0.0 && us < 100_000.0, "{us} µs");
         let host = Host { wake_up_micros: Some(us), ..Host::default() };
         assert!(host.describe().ends_with(&format!("thread wake-up {us:.0} µs (p50)")), "{}", host.describe());
+    }
+
+    #[test]
+    fn a_loopback_message_takes_some_time_and_is_reported() -> std::io::Result<()> {
+        let l = loopback_micros()?;
+        for us in [l.hot_micros, l.after_compute_micros] {
+            assert!(us > 0.0 && us < 100_000.0, "{us} µs");
+        }
+        let host = Host { loopback: Some(l), ..Host::default() };
+        let expected = format!(
+            "loopback message {:.0} µs hot, {:.0} µs after 5 ms of compute (p50)",
+            l.hot_micros, l.after_compute_micros
+        );
+        assert!(host.describe().ends_with(&expected), "{}", host.describe());
+        Ok(())
     }
 }

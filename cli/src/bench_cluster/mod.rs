@@ -72,7 +72,10 @@ pub fn run(b: ClusterBench) -> Result<()> {
         bail!("--concurrency needs positive levels");
     }
     // A hop's overhead is mostly hand-offs between threads: their cost on this machine goes beside it.
-    let host = Host { wake_up_micros: Some(crate::host::wake_up_micros()), ..Host::detect() };
+    let loopback = crate::host::loopback_micros()
+        .inspect_err(|e| tracing::warn!(error = %e, "cannot measure a loopback message"))
+        .ok();
+    let host = Host { wake_up_micros: Some(crate::host::wake_up_micros()), loopback, ..Host::detect() };
     eprintln!("host: {}", host.describe());
     let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let threads_total = strata_engine::backend::cpu::threads_or_cores(b.threads);
