@@ -6,7 +6,7 @@
 //! and need no edit.
 
 #[cfg(target_arch = "x86_64")]
-use super::qgemm::{self, Q8x8};
+use super::qgemm::{self, GroupPtr};
 use super::simd::{Isa, Q8Block};
 #[cfg(target_arch = "x86_64")]
 use super::{simd, unpack};
@@ -41,7 +41,7 @@ pub(super) struct X86Kernels {
     pub tile: unsafe fn(
         tokens: usize,
         w: *const u8,
-        a: *const Q8x8,
+        group: GroupPtr,
         blocks: usize,
         scales: *mut f32,
         out: *mut f32,

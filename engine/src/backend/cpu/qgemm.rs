@@ -20,10 +20,27 @@ pub struct Q8x8 {
     qs: [[i8; QK]; GROUP],
 }
 
+/// For the same tokens and block as a [`Q8x8`]: `-128 ·` the sum of each 4-byte group of a token's block, lane by
+/// lane as `vpdpbusd` sums them. Lets the AVX-512 tile take signed weights as unsigned (`w + 128`) and start each
+/// lane from this offset, instead of moving every weight's sign onto the activations: the same integers, one
+/// instruction less per pair of tokens and block (see `x86::pairs`).
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+pub struct LaneSums([[i32; GROUP]; GROUP]);
+
+/// Where the tile reads one token group: its [`Q8x8`]s and [`LaneSums`] from the same block on.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupPtr {
+    q: *const Q8x8,
+    sums: *const LaneSums,
+}
+
 /// Quantized activations of `tokens` rows, regrouped as `[group][block]` for [`rows_by_tokens`].
 #[derive(Debug)]
 pub struct PackedActs {
     groups: Vec<Q8x8>,
+    /// Beside `groups`, one for one.
+    sums: Vec<LaneSums>,
     blocks: usize,
     tokens: usize,
 }
@@ -33,6 +50,7 @@ impl PackedActs {
     pub fn pack(xq: &[Q8Block], tokens: usize, blocks: usize) -> Self {
         let zero = Q8x8 { d: [0.0; GROUP], s: [0.0; GROUP], qs: [[0; QK]; GROUP] };
         let mut groups = vec![zero; tokens.div_ceil(GROUP) * blocks];
+        let mut sums = vec![LaneSums([[0; GROUP]; GROUP]); groups.len()];
         for (t, row) in xq.chunks_exact(blocks).take(tokens).enumerate() {
             let (g, slot) = (t / GROUP, t % GROUP);
             for (b, blk) in row.iter().enumerate() {
@@ -40,9 +58,12 @@ impl PackedActs {
                 dst.d[slot] = blk.d;
                 dst.s[slot] = blk.s;
                 dst.qs[slot] = blk.qs;
+                for (lane, four) in sums[g * blocks + b].0[slot].iter_mut().zip(blk.qs.chunks_exact(4)) {
+                    *lane = -128 * four.iter().map(|&q| i32::from(q)).sum::<i32>();
+                }
             }
         }
-        Self { groups, blocks, tokens }
+        Self { groups, sums, blocks, tokens }
     }
 }
 
@@ -68,6 +89,7 @@ pub unsafe fn rows_by_tokens(
     assert!(
         dtype.bytes_for(blocks * QK).is_some_and(|b| row_bytes >= b)
             && acts.groups.len() == m.div_ceil(GROUP) * blocks
+            && acts.sums.len() == acts.groups.len()
             && isa.supported(),
         "qgemm operands do not match"
     );
@@ -80,17 +102,20 @@ pub unsafe fn rows_by_tokens(
     // Token groups are visited in runs that fit in L1 (with room for the weight rows), all rows per run: with
     // long prompts every row would otherwise stream all activations from L2.
     let groups = m.div_ceil(GROUP);
-    let run = (L1_ACT_BYTES / (blocks * std::mem::size_of::<Q8x8>()).max(1)).clamp(1, groups);
+    // Only the AVX-512 tile of the signed 8-bit formats reads the lane sums (see `x86::pairs`).
+    let sums = isa == Isa::Avx512Vnni && matches!(dtype, DType::Q8_0 | DType::Q8_K);
+    let group_bytes = std::mem::size_of::<Q8x8>() + if sums { std::mem::size_of::<LaneSums>() } else { 0 };
+    let run = (L1_ACT_BYTES / (blocks * group_bytes).max(1)).clamp(1, groups);
     for g0 in (0..groups).step_by(run) {
         for r in 0..n {
             let wp = w[r * row_bytes..].as_ptr();
             for g in g0..(g0 + run).min(groups) {
                 let tokens = (m - g * GROUP).min(GROUP);
-                let ap = acts.groups[g * blocks..].as_ptr();
+                let ap = GroupPtr { q: acts.groups[g * blocks..].as_ptr(), sums: acts.sums[g * blocks..].as_ptr() };
                 let op = out.wrapping_add(g * GROUP * token_stride + r);
-                // SAFETY: `isa`'s features were detected; row r lies in `w`, the group's blocks in `acts`, `scales`
-                // holds `2 · blocks` aligned groups of floats (asserted above), and the caller vouches for outputs
-                // (g·8 + t, r) for t < tokens.
+                // SAFETY: `isa`'s features were detected; row r lies in `w`, the group's blocks in `acts` (groups
+                // and sums), `scales` holds `2 · blocks` aligned groups of floats (asserted above), and the caller
+                // vouches for outputs (g·8 + t, r) for t < tokens.
                 unsafe { (k.tile)(tokens, wp, ap, blocks, sc, op, token_stride) }
             }
         }
@@ -107,7 +132,7 @@ struct Align32([f32; GROUP]);
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
-    use super::{GROUP, Q8x8};
+    use super::{GROUP, GroupPtr, LaneSums, Q8x8};
     use crate::backend::cpu::simd::x86::{AVX_VNNI, AVX2, AVX512_VNNI, accumulate, hsum};
     use crate::backend::cpu::unpack::{
         Q4_0, Q4_1, Q5_0, Q5_1, Sub, block_scales, half_mins, has_offset, signed, sub_offset, subs, unit_mul,
@@ -131,23 +156,24 @@ pub(super) mod x86 {
                 pub unsafe fn dispatch<const Q: u8>(
                     tokens: usize,
                     w: *const u8,
-                    a: *const Q8x8,
+                    group: GroupPtr,
                     blocks: usize,
                     sc: *mut f32,
                     out: *mut f32,
                     stride: usize,
                 ) {
+                    let (a, sums) = (group.q, group.sums);
                     // SAFETY: forwarded from the caller.
                     unsafe {
                         match tokens {
-                            8 => entry::<8, Q>(w, a, blocks, sc, out, stride),
-                            7 => entry::<7, Q>(w, a, blocks, sc, out, stride),
-                            6 => entry::<6, Q>(w, a, blocks, sc, out, stride),
-                            5 => entry::<5, Q>(w, a, blocks, sc, out, stride),
-                            4 => entry::<4, Q>(w, a, blocks, sc, out, stride),
-                            3 => entry::<3, Q>(w, a, blocks, sc, out, stride),
-                            2 => entry::<2, Q>(w, a, blocks, sc, out, stride),
-                            _ => entry::<1, Q>(w, a, blocks, sc, out, stride),
+                            8 => entry::<8, Q>(w, a, sums, blocks, sc, out, stride),
+                            7 => entry::<7, Q>(w, a, sums, blocks, sc, out, stride),
+                            6 => entry::<6, Q>(w, a, sums, blocks, sc, out, stride),
+                            5 => entry::<5, Q>(w, a, sums, blocks, sc, out, stride),
+                            4 => entry::<4, Q>(w, a, sums, blocks, sc, out, stride),
+                            3 => entry::<3, Q>(w, a, sums, blocks, sc, out, stride),
+                            2 => entry::<2, Q>(w, a, sums, blocks, sc, out, stride),
+                            _ => entry::<1, Q>(w, a, sums, blocks, sc, out, stride),
                         }
                     }
                 }
@@ -157,13 +183,14 @@ pub(super) mod x86 {
                 unsafe fn entry<const T: usize, const Q: u8>(
                     w: *const u8,
                     a: *const Q8x8,
+                    sums: *const LaneSums,
                     blocks: usize,
                     sc: *mut f32,
                     out: *mut f32,
                     stride: usize,
                 ) {
                     // SAFETY: forwarded; this function's features are the level's.
-                    unsafe { tile::<{ $level }, T, Q>(w, a, blocks, sc, out, stride) }
+                    unsafe { tile::<{ $level }, T, Q>(w, a, sums, blocks, sc, out, stride) }
                 }
             }
         };
@@ -185,12 +212,13 @@ pub(super) mod x86 {
     ///
     /// # Safety
     /// Level `V`'s features available; `w` points at one row of at least `blocks` sub-blocks of layout `Q`; `a`
-    /// at `blocks` groups; `sc` at `2 · blocks · GROUP` writable floats, 32-byte aligned; `out + t·stride`
+    /// and `sums` at `blocks` groups; `sc` at `2 · blocks · GROUP` writable floats, 32-byte aligned; `out + t·stride`
     /// writable for `t < T`.
     #[inline(always)]
     unsafe fn tile<const V: u8, const T: usize, const Q: u8>(
         w: *const u8,
         a: *const Q8x8,
+        sums: *const LaneSums,
         blocks: usize,
         sc: *mut f32,
         out: *mut f32,
@@ -233,7 +261,7 @@ pub(super) mod x86 {
             }
             let mut acc = [_mm256_setzero_ps(); T];
             if V == AVX512_VNNI && T >= 2 {
-                pairs::<T, Q>(w, a, blocks, sc, &mut acc);
+                pairs::<T, Q>(w, a, sums, blocks, sc, &mut acc);
             } else {
                 let mask = _mm256_set1_epi8(0x0f);
                 for b in 0..blocks {
@@ -289,6 +317,7 @@ pub(super) mod x86 {
     unsafe fn pairs<const T: usize, const Q: u8>(
         w: *const u8,
         a: *const Q8x8,
+        sums: *const LaneSums,
         blocks: usize,
         sc: *const f32,
         acc: &mut [__m256; T],
@@ -309,15 +338,26 @@ pub(super) mod x86 {
                 _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(sub_offset::<Q>(b) + PREFETCH_BYTES) as *const i8);
                 let sub = unpack_with::<Q>(w, b, mask, 0.0, 0.0);
                 let ab = &*a.add(b);
-                let wabs = _mm512_broadcast_i64x4(sub.wabs);
+                // Signed weights with plain 4-byte sums (Q8_0, Q8_K) go in as `w + 128`, each lane starting from
+                // `-128 · Σa` (`sums`): Σ (w + 128)·a - 128·Σa = Σ w·a, the same integers as below.
+                let biased = signed::<Q>() && unit_mul::<Q>();
+                let wabs = if biased {
+                    _mm512_xor_si512(_mm512_broadcast_i64x4(sub.wq), _mm512_set1_epi8(i8::MIN))
+                } else {
+                    _mm512_broadcast_i64x4(sub.wabs)
+                };
                 // `sign_epi8` has no 512-bit form: negate the activations under the negative weights' mask (where
                 // a weight is 0 its magnitude is 0 too, so leaving that activation as it is changes no sum).
-                let negative = if signed::<Q>() { _mm512_movepi8_mask(_mm512_broadcast_i64x4(sub.wq)) } else { 0 };
+                let negative =
+                    if signed::<Q>() && !biased { _mm512_movepi8_mask(_mm512_broadcast_i64x4(sub.wq)) } else { 0 };
                 let scales = _mm512_castps256_ps512(_mm256_load_ps(sc.add(b * GROUP)));
                 for p in 0..T / 2 {
                     let av = _mm512_loadu_si512(ab.qs[2 * p].as_ptr() as *const __m512i);
-                    let av = if signed::<Q>() { _mm512_mask_sub_epi8(av, negative, zero, av) } else { av };
-                    let p32 = if unit_mul::<Q>() {
+                    let av = if signed::<Q>() && !biased { _mm512_mask_sub_epi8(av, negative, zero, av) } else { av };
+                    let p32 = if biased {
+                        let from = _mm512_load_si512((*sums.add(b)).0[2 * p].as_ptr() as *const __m512i);
+                        _mm512_dpbusd_epi32(from, wabs, av)
+                    } else if unit_mul::<Q>() {
                         _mm512_dpbusd_epi32(zero, wabs, av)
                     } else {
                         _mm512_madd_epi16(_mm512_maddubs_epi16(wabs, av), _mm512_broadcast_i64x4(sub.mul))
