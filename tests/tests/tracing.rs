@@ -104,7 +104,9 @@ async fn one_request_through_three_stages_is_one_trace() -> Result<()> {
     for id in ["w0", "w1", "w2"] {
         cluster.add_worker(id)?;
     }
-    cluster.add_coordinator(&["--min-stages=3"])?;
+    // On although this f32 model's results depend on batching (caching is then off by default): only the spans'
+    // count of cached tokens is checked, not the tokens.
+    cluster.add_coordinator(&["--min-stages=3", "--enable-prefix-caching"])?;
     let status = cluster.wait_for_stages(3).await.with_context(|| cluster.logs())?;
     ensure!(status.stages.len() == 3, "{:?}", status.stages);
 
@@ -142,6 +144,33 @@ async fn one_request_through_three_stages_is_one_trace() -> Result<()> {
     ensure!(attr("gen_ai.usage.input_tokens") == Some("5"), "{:?}", request.attributes);
     ensure!(attr("gen_ai.usage.output_tokens") == Some("4"), "{:?}", request.attributes);
     ensure!(attr("gen_ai.server.time_to_first_token").is_some(), "{:?}", request.attributes);
+    ensure!(attr("gen_ai.usage.cache_read.input_tokens") == Some("0"), "{:?}", request.attributes);
+
+    // The same longer prompt twice: the second request's span says how many of its prompt tokens the prefix cache
+    // served, as its usage does.
+    let prompt: Vec<u32> = (1..=40).collect();
+    generate(&mut client, ids_request(&prompt, 2)).await?;
+    let second = generate(&mut client, ids_request(&prompt, 2)).await?;
+    let cached = second.usage.map(|u| u.cached_prompt_tokens).unwrap_or_default();
+    ensure!(cached > 0, "the second request found nothing cached: {second:?}");
+    let want = cached.to_string();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let spans = sink.0.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.clone();
+        let found = spans.iter().any(|s| {
+            s.name == "generate"
+                && s.attributes.get("gen_ai.usage.input_tokens").map(String::as_str) == Some("40")
+                && s.attributes.get("gen_ai.usage.cache_read.input_tokens") == Some(&want)
+        });
+        if found {
+            break;
+        }
+        if Instant::now() >= deadline {
+            let generate: Vec<_> = spans.iter().filter(|s| s.name == "generate").map(|s| &s.attributes).collect();
+            bail!("no request span with {cached} cached prompt tokens within 30 s: {generate:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     receiver.abort();
     Ok(())
 }

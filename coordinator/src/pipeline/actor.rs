@@ -62,6 +62,8 @@ impl Caller {
     fn finish(&mut self, finish: Finish, timing: StepTiming) {
         self.ended = Some(finish.as_str());
         self.span.set_attribute("gen_ai.response.finish_reasons", finish.as_str());
+        // OpenTelemetry's name for prompt tokens served from a cache (counted in `gen_ai.usage.input_tokens` too).
+        self.span.set_attribute("gen_ai.usage.cache_read.input_tokens", i64::from(timing.cached_tokens));
         self.record_usage();
         let _ = self.tx.try_send(self.output.done(finish, timing));
     }
