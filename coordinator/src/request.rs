@@ -86,8 +86,10 @@ pub fn prepare(model: &ModelInfo, params: GenerateParams) -> Result<SeqRequest> 
             .with_min_p(s.min_p),
         stop: params.stop.clone(),
     };
-    validate_request(&engine_req, model.vocab_size, model.context)
-        .map_err(|e| Error::InvalidRequest { param: None, message: e.to_string() })?;
+    validate_request(&engine_req, model.vocab_size, model.context).map_err(|e| match e {
+        strata_engine::Error::InvalidParam { param, message } => Error::InvalidRequest { param: Some(param), message },
+        e => Error::InvalidRequest { param: None, message: e.to_string() },
+    })?;
     Ok(SeqRequest {
         prompt_ids: engine_req.prompt_ids,
         max_tokens,
@@ -216,7 +218,19 @@ mod tests {
         assert_eq!(param_of(prepare(&model(), ids(&[], None))), Some("prompt"));
         assert_eq!(param_of(prepare(&model(), ids(&[1; 8], None))), Some("prompt"), "no room to generate");
         assert_eq!(param_of(prepare(&model(), ids(&[1], Some(8)))), None, "max_tokens beyond the context");
-        assert_eq!(param_of(prepare(&model(), ids(&[1], Some(0)))), None);
+        assert_eq!(param_of(prepare(&model(), ids(&[1], Some(0)))), Some("max_tokens"));
+        // Sampling parameters out of range, named by the engine's check (the HTTP API's `param`).
+        let sampling = |s: pb::SamplingParams| GenerateParams { sampling: s, ..ids(&[1], None) };
+        for (field, s) in [
+            ("temperature", pb::SamplingParams { temperature: -1.0, ..Default::default() }),
+            ("top_p", pb::SamplingParams { top_p: 1.5, ..Default::default() }),
+            ("min_p", pb::SamplingParams { min_p: 2.0, ..Default::default() }),
+            ("repetition_penalty", pb::SamplingParams { repetition_penalty: -1.0, ..Default::default() }),
+            ("presence_penalty", pb::SamplingParams { presence_penalty: 3.0, ..Default::default() }),
+            ("frequency_penalty", pb::SamplingParams { frequency_penalty: -3.0, ..Default::default() }),
+        ] {
+            assert_eq!(param_of(prepare(&model(), sampling(s))), Some(field), "{field}");
+        }
         assert_eq!(param_of(prepare(&model(), ids(&[10], None))), None, "outside the vocabulary");
         let empty_text = GenerateParams { prompt: Prompt::Text(String::new()), ..ids(&[], None) };
         assert_eq!(param_of(prepare(&model(), empty_text)), Some("prompt"));

@@ -78,6 +78,14 @@ pub enum Error {
     /// A request that cannot be served as given (empty prompt, id outside the vocab, ...).
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// A request parameter out of its range (a sampling parameter, `max_tokens`): named so an API can point at it.
+    #[error("invalid request: {message}")]
+    InvalidParam {
+        /// The parameter, by its API name (`min_p`, `top_p`, ...).
+        param: &'static str,
+        /// What is wrong with it.
+        message: String,
+    },
     /// The KV cache has no free block left.
     #[error("KV cache exhausted: need {needed} blocks, {free} free")]
     KvExhausted {

@@ -60,7 +60,7 @@ pub fn validate_request(req: &GenerateRequest, vocab_size: usize, context: usize
         )));
     }
     if req.max_tokens == 0 {
-        return Err(Error::InvalidRequest("max_tokens must be at least 1".into()));
+        return Err(Error::InvalidParam { param: "max_tokens", message: "max_tokens must be at least 1".into() });
     }
     if req.prompt_ids.len() + req.max_tokens > context {
         return Err(Error::InvalidRequest(format!(

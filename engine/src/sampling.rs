@@ -87,26 +87,27 @@ impl SamplingParams {
 
     /// Rejects values that make no sense.
     pub fn validate(&self) -> Result<()> {
+        let invalid = |param: &'static str, message: String| Err(Error::InvalidParam { param, message });
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(Error::InvalidRequest(format!("temperature must be >= 0, got {}", self.temperature)));
+            return invalid("temperature", format!("temperature must be >= 0, got {}", self.temperature));
         }
         if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
-            return Err(Error::InvalidRequest(format!("min_p must be in [0, 1], got {}", self.min_p)));
+            return invalid("min_p", format!("min_p must be in [0, 1], got {}", self.min_p));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(Error::InvalidRequest(format!("top_p must be in (0, 1], got {}", self.top_p)));
+            return invalid("top_p", format!("top_p must be in (0, 1], got {}", self.top_p));
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return Err(Error::InvalidRequest(format!(
-                "repetition_penalty must be > 0, got {}",
-                self.repetition_penalty
-            )));
+            return invalid(
+                "repetition_penalty",
+                format!("repetition_penalty must be > 0, got {}", self.repetition_penalty),
+            );
         }
         for (name, value) in
             [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)]
         {
             if !(-2.0..=2.0).contains(&value) {
-                return Err(Error::InvalidRequest(format!("{name} must be in [-2, 2], got {value}")));
+                return invalid(name, format!("{name} must be in [-2, 2], got {value}"));
             }
         }
         Ok(())

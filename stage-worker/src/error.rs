@@ -43,7 +43,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub fn engine_to_service(err: &strata_engine::Error) -> ServiceError {
     use strata_engine::Error as E;
     let code = match err {
-        E::InvalidRequest(_) | E::Shape { .. } | E::LayerRange { .. } => ErrorCode::InvalidArgument,
+        E::InvalidRequest(_) | E::InvalidParam { .. } | E::Shape { .. } | E::LayerRange { .. } => {
+            ErrorCode::InvalidArgument
+        }
         E::KvExhausted { .. } => ErrorCode::ResourceExhausted,
         // The coordinator resets the cache and recomputes, as after any stage fault.
         E::PrefixCache(_) => ErrorCode::FailedPrecondition,

@@ -182,28 +182,14 @@ impl CommonFields {
         };
         let sampling = pb::SamplingParams {
             temperature: self.temperature.unwrap_or(1.0),
-            top_p: self.top_p.unwrap_or(1.0),
+            top_p: nonzero("top_p", self.top_p, 1.0, "in (0, 1]")?,
             top_k,
             seed: self.seed,
-            // The wire's 0 means off, so 0 is not a penalty that could be sent: the engine refuses it (<= 0).
-            repetition_penalty: match self.repetition_penalty {
-                Some(p) if p <= 0.0 || !p.is_finite() => {
-                    return Err(ApiError::invalid(
-                        format!("repetition_penalty must be > 0, got {p}"),
-                        Some("repetition_penalty"),
-                    ));
-                }
-                Some(p) => p,
-                None => 1.0,
-            },
-            presence_penalty: penalty("presence_penalty", self.presence_penalty)?,
-            frequency_penalty: penalty("frequency_penalty", self.frequency_penalty)?,
-            min_p: match self.min_p {
-                Some(p) if !(0.0..=1.0).contains(&p) => {
-                    return Err(ApiError::invalid(format!("min_p must be in [0, 1], got {p}"), Some("min_p")));
-                }
-                p => p.unwrap_or(0.0),
-            },
+            repetition_penalty: nonzero("repetition_penalty", self.repetition_penalty, 1.0, "> 0")?,
+            // Ranges are checked by the engine's validation (`request::prepare`), which names the parameter.
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            min_p: self.min_p.unwrap_or(0.0),
         };
         let stop = match self.stop.clone() {
             None => Vec::new(),
@@ -268,12 +254,14 @@ impl GenerationRequest for CompletionRequest {
 }
 
 /// An OpenAI presence or frequency penalty: in [-2, 2], absent = 0.
-fn penalty(field: &str, value: Option<f32>) -> Result<f32, ApiError> {
+/// `value`, or `default` when absent; 0 and below refused with the parameter's range (`range`). The wire's 0 means
+/// "off" for these two, so a 0 would reach the engine as the default and never meet its check.
+fn nonzero(field: &str, value: Option<f32>, default: f32, range: &str) -> Result<f32, ApiError> {
     match value {
-        Some(p) if !(-2.0..=2.0).contains(&p) => {
-            Err(ApiError::invalid(format!("{field} must be in [-2, 2], got {p}"), Some(field)))
+        Some(v) if v <= 0.0 || !v.is_finite() => {
+            Err(ApiError::invalid(format!("{field} must be {range}, got {v}"), Some(field)))
         }
-        p => Ok(p.unwrap_or(0.0)),
+        v => Ok(v.unwrap_or(default)),
     }
 }
 
