@@ -135,7 +135,13 @@ impl EtcdServer {
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(15);
         while Instant::now() < deadline {
-            if self.healthy() {
+            // An etcd that could not bind a port exits; another test's etcd may hold that port and answer
+            // `/health` on it (CI once saw a "healthy" etcd whose client port refused every connection): healthy
+            // means this child still runs and its client port takes connections too.
+            if self.exited() {
+                break;
+            }
+            if self.healthy() && TcpStream::connect((self.host.as_str(), self.port)).is_ok() && !self.exited() {
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -144,7 +150,7 @@ impl EtcdServer {
         let tail: Vec<&str> = log.lines().rev().take(5).collect();
         let exited = self.exited();
         bail!(
-            "etcd on port {} did not become healthy within 15 s (exited: {exited}); its log ends:\n{}",
+            "etcd on port {} did not become healthy within 15 s or exited (exited: {exited}); its log ends:\n{}",
             self.port,
             tail.into_iter().rev().collect::<Vec<_>>().join("\n")
         )
