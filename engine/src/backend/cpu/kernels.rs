@@ -47,6 +47,8 @@ pub(super) struct X86Kernels {
         out: *mut f32,
         stride: usize,
     ),
+    /// Whether `tile` reads the activations' lane sums (`qgemm::LaneSums`), which take L1 room beside them.
+    pub lane_sums: bool,
 }
 
 /// The kernels of `dtype`.
@@ -114,7 +116,11 @@ macro_rules! kernels_of {
 #[cfg(target_arch = "x86_64")]
 macro_rules! instances {
     ($level:ident, $tag:path) => {
-        X86Kernels { dot_one: simd::x86::$level::dot_one::<{ $tag }>, tile: qgemm::x86::$level::dispatch::<{ $tag }> }
+        X86Kernels {
+            dot_one: simd::x86::$level::dot_one::<{ $tag }>,
+            tile: qgemm::x86::$level::dispatch::<{ $tag }>,
+            lane_sums: qgemm::x86::$level::reads_lane_sums::<{ $tag }>(),
+        }
     };
 }
 

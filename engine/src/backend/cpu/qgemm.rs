@@ -102,9 +102,7 @@ pub unsafe fn rows_by_tokens(
     // Token groups are visited in runs that fit in L1 (with room for the weight rows), all rows per run: with
     // long prompts every row would otherwise stream all activations from L2.
     let groups = m.div_ceil(GROUP);
-    // Only the AVX-512 tile of the signed 8-bit formats reads the lane sums (see `x86::pairs`).
-    let sums = isa == Isa::Avx512Vnni && matches!(dtype, DType::Q8_0 | DType::Q8_K);
-    let group_bytes = std::mem::size_of::<Q8x8>() + if sums { std::mem::size_of::<LaneSums>() } else { 0 };
+    let group_bytes = std::mem::size_of::<Q8x8>() + if k.lane_sums { std::mem::size_of::<LaneSums>() } else { 0 };
     let run = (L1_ACT_BYTES / (blocks * group_bytes).max(1)).clamp(1, groups);
     for g0 in (0..groups).step_by(run) {
         for r in 0..n {
@@ -135,7 +133,7 @@ pub(super) mod x86 {
     use super::{GROUP, GroupPtr, LaneSums, Q8x8};
     use crate::backend::cpu::simd::x86::{AVX_VNNI, AVX2, AVX512_VNNI, accumulate, hsum};
     use crate::backend::cpu::unpack::{
-        Q4_0, Q4_1, Q5_0, Q5_1, Sub, block_scales, half_mins, has_offset, signed, sub_offset, subs, unit_mul,
+        Q4_0, Q4_1, Q5_0, Q5_1, Sub, biased, block_scales, half_mins, has_offset, signed, sub_offset, subs, unit_mul,
         unpack_with,
     };
     use std::arch::x86_64::*;
@@ -148,6 +146,11 @@ pub(super) mod x86 {
         ($module:ident, $level:expr, $features:literal) => {
             pub mod $module {
                 use super::*;
+
+                /// Whether this level's tile reads the activations' [`LaneSums`] for layout `Q` (see `pairs`).
+                pub const fn reads_lane_sums<const Q: u8>() -> bool {
+                    $level == AVX512_VNNI && biased::<Q>()
+                }
 
                 /// Picks the tile instance for `tokens` (1..=8).
                 ///
@@ -340,7 +343,7 @@ pub(super) mod x86 {
                 let ab = &*a.add(b);
                 // Signed weights with plain 4-byte sums (Q8_0, Q8_K) go in as `w + 128`, each lane starting from
                 // `-128 · Σa` (`sums`): Σ (w + 128)·a - 128·Σa = Σ w·a, the same integers as below.
-                let biased = signed::<Q>() && unit_mul::<Q>();
+                let biased = biased::<Q>();
                 let wabs = if biased {
                     _mm512_xor_si512(_mm512_broadcast_i64x4(sub.wq), _mm512_set1_epi8(i8::MIN))
                 } else {

@@ -67,6 +67,13 @@ pub(super) const fn unit_mul<const Q: u8>() -> bool {
     !matches!(Q, Q6_K | Q2_K | Q3_K)
 }
 
+/// Whether the AVX-512 token tile takes this layout's weights as `w + 128`, each lane starting from the
+/// activations' lane sums (`qgemm::LaneSums`): signed weights whose sub-block dot is a plain sum of 4-byte groups
+/// (Q8_0, Q8_K). The others' `maddubs` sums would overflow 16 bits with `w + 128`.
+pub(super) const fn biased<const Q: u8>() -> bool {
+    signed::<Q>() && unit_mul::<Q>()
+}
+
 /// Byte offset of sub-block `b` in a row, for prefetching.
 pub(super) const fn sub_offset<const Q: u8>(b: usize) -> usize {
     b * block_bytes::<Q>() / subs::<Q>()
