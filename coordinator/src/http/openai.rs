@@ -253,14 +253,12 @@ impl GenerationRequest for CompletionRequest {
     }
 }
 
-/// An OpenAI presence or frequency penalty: in [-2, 2], absent = 0.
-/// `value`, or `default` when absent; 0 and below refused with the parameter's range (`range`). The wire's 0 means
-/// "off" for these two, so a 0 would reach the engine as the default and never meet its check.
+/// `value`, or `default` when absent; 0 refused with the parameter's range (`range`). The wire's 0 means "off" for
+/// these two, so a 0 would reach the engine as the default and never meet its range check, which takes every other
+/// value (negative, not finite) with the same message.
 fn nonzero(field: &str, value: Option<f32>, default: f32, range: &str) -> Result<f32, ApiError> {
     match value {
-        Some(v) if v <= 0.0 || !v.is_finite() => {
-            Err(ApiError::invalid(format!("{field} must be {range}, got {v}"), Some(field)))
-        }
+        Some(v) if v == 0.0 => Err(ApiError::invalid(format!("{field} must be {range}, got {v}"), Some(field))),
         v => Ok(v.unwrap_or(default)),
     }
 }
