@@ -65,8 +65,7 @@ pub fn loopback_micros() -> std::io::Result<Loopback> {
     };
     let mut median = |work: Duration| -> std::io::Result<f64> {
         let mut samples = (0..ROUNDS).map(|_| round(work)).collect::<std::io::Result<Vec<f64>>>()?;
-        samples.sort_by(f64::total_cmp);
-        Ok(samples[ROUNDS / 2])
+        Ok(crate::stats::percentile(&mut samples, 0.5).unwrap_or(0.0))
     };
     let hot_micros = median(Duration::ZERO)?;
     let after_compute_micros = median(Duration::from_millis(5))?;
@@ -104,8 +103,7 @@ pub fn wake_up_micros() -> f64 {
     }
     drop(to_echo);
     let _ = echo.join();
-    samples.sort_by(f64::total_cmp);
-    samples.get(samples.len() / 2).copied().unwrap_or(0.0)
+    crate::stats::percentile(&mut samples, 0.5).unwrap_or(0.0)
 }
 
 /// Gigabytes per second that `threads` threads read from one buffer of `bytes` (at least 64 MiB, so it comes from

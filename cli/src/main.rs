@@ -14,6 +14,7 @@ mod host;
 mod load;
 mod plan;
 mod retry;
+mod stats;
 
 use clap::{Parser, Subcommand};
 use strata_proto::LogArgs;

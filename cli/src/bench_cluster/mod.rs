@@ -376,14 +376,9 @@ fn tenth_mean(gaps: &[f64], which: Tenth) -> Option<f64> {
     Some(part.iter().sum::<f64>() / n as f64)
 }
 
-/// Nearest-rank percentile (`q` in 0..=1); 0 for no samples.
+/// [`crate::stats::percentile`], 0 for no samples (the report's columns are numbers).
 fn percentile(v: &mut [f64], q: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    v[rank - 1]
+    crate::stats::percentile(v, q).unwrap_or(0.0)
 }
 
 /// The number of stages served and the plan as `node layers a..b (x ms/layer)` per stage, printed and kept in the

@@ -142,22 +142,12 @@ pub fn timing(run: &[StreamRecord], fault_at_s: f64) -> FaultTiming {
     let rate = |n: usize, secs: f64| if secs > 0.0 { n as f64 / secs } else { 0.0 };
     FaultTiming {
         fault_at_s,
-        next_token_ms_p50: percentile(&mut gaps.clone(), 0.5),
+        next_token_ms_p50: crate::stats::percentile(&mut gaps.clone(), 0.5),
         next_token_ms_max: gaps.iter().copied().reduce(f64::max),
         no_token_after_fault: silent,
         tokens_per_s_before: rate(before, window),
         tokens_per_s_after: rate(after, end - fault_at_s),
     }
-}
-
-/// Nearest-rank percentile; `None` without samples.
-fn percentile(v: &mut [f64], q: f64) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    Some(v[rank - 1])
 }
 
 /// Everything one scenario measured.
