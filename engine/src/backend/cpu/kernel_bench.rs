@@ -153,7 +153,8 @@ pub fn run(cfg: &Config) -> Result<KernelBench> {
     for dst in xq.chunks_exact_mut(blocks) {
         quantize_row(&(0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>(), dst);
     }
-    let (one, packed) = (&xq[..blocks], PackedActs::pack(&xq, GROUP, blocks));
+    // With the lane sums: one packing serves every format's tile (Q8_0's and Q8_K's AVX-512 tile reads them).
+    let (one, packed) = (&xq[..blocks], PackedActs::pack(&xq, GROUP, blocks, true));
     let mut out = vec![0f32; GROUP * rows];
     let mut timings = Vec::new();
     let arena = WeightArena::if_supported();

@@ -52,7 +52,10 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
     };
     // Several tokens: the register-tiled kernel, on activations regrouped once for every job.
     #[cfg(target_arch = "x86_64")]
-    let packed = (isa.avx2() && m >= 2 && !xq.is_empty()).then(|| PackedActs::pack(&xq, m, blocks));
+    let packed = (isa.avx2() && m >= 2 && !xq.is_empty()).then(|| {
+        let lane_sums = jobs.iter().any(|(w, _)| qgemm::reads_lane_sums(isa, w.dtype));
+        PackedActs::pack(&xq, m, blocks, lane_sums)
+    });
     // Final [m, n] outputs, written in place by tasks that each own a disjoint range of rows (output columns).
     let mut outs: Vec<Vec<f32>> = jobs.iter().map(|(w, _)| vec![0f32; m * w.rows]).collect();
     let total_rows: usize = jobs.iter().map(|(w, _)| w.rows).sum();

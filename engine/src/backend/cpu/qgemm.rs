@@ -46,11 +46,12 @@ pub struct PackedActs {
 }
 
 impl PackedActs {
-    /// Regroups `xq` (`tokens` rows of `blocks` blocks, back to back).
-    pub fn pack(xq: &[Q8Block], tokens: usize, blocks: usize) -> Self {
+    /// Regroups `xq` (`tokens` rows of `blocks` blocks, back to back), with their [`LaneSums`] if `lane_sums`
+    /// (some weight they meet is read by a tile that needs them: [`reads_lane_sums`]).
+    pub fn pack(xq: &[Q8Block], tokens: usize, blocks: usize, lane_sums: bool) -> Self {
         let zero = Q8x8 { d: [0.0; GROUP], s: [0.0; GROUP], qs: [[0; QK]; GROUP] };
         let mut groups = vec![zero; tokens.div_ceil(GROUP) * blocks];
-        let mut sums = vec![LaneSums([[0; GROUP]; GROUP]); groups.len()];
+        let mut sums = vec![LaneSums([[0; GROUP]; GROUP]); if lane_sums { groups.len() } else { 0 }];
         for (t, row) in xq.chunks_exact(blocks).take(tokens).enumerate() {
             let (g, slot) = (t / GROUP, t % GROUP);
             for (b, blk) in row.iter().enumerate() {
@@ -58,13 +59,21 @@ impl PackedActs {
                 dst.d[slot] = blk.d;
                 dst.s[slot] = blk.s;
                 dst.qs[slot] = blk.qs;
-                for (lane, four) in sums[g * blocks + b].0[slot].iter_mut().zip(blk.qs.chunks_exact(4)) {
-                    *lane = -128 * four.iter().map(|&q| i32::from(q)).sum::<i32>();
+                if let Some(sum) = sums.get_mut(g * blocks + b) {
+                    for (lane, four) in sum.0[slot].iter_mut().zip(blk.qs.chunks_exact(4)) {
+                        *lane = -128 * four.iter().map(|&q| i32::from(q)).sum::<i32>();
+                    }
                 }
             }
         }
         Self { groups, sums, blocks, tokens }
     }
+}
+
+/// Whether [`rows_by_tokens`] needs the activations' [`LaneSums`] for weights of `dtype` at level `isa`.
+#[cfg(target_arch = "x86_64")]
+pub fn reads_lane_sums(isa: Isa, dtype: DType) -> bool {
+    dtype.is_quantized() && super::kernels::kernels(dtype).x86(isa).is_some_and(|k| k.lane_sums)
 }
 
 /// `out[t · token_stride + r] = w_r · x_t` for every row `r` of `w` (raw GGML blocks of `dtype`, `row_bytes`
@@ -86,15 +95,15 @@ pub unsafe fn rows_by_tokens(
     let (m, blocks) = (acts.tokens, acts.blocks);
     let n = w.len() / row_bytes.max(1);
     // These bounds are what every raw-pointer access below relies on.
+    let k = dtype.is_quantized().then(|| super::kernels::kernels(dtype).x86(isa)).flatten();
+    let Some(k) = k else { panic!("qgemm has no {} kernels for {dtype}", isa.name()) };
     assert!(
         dtype.bytes_for(blocks * QK).is_some_and(|b| row_bytes >= b)
             && acts.groups.len() == m.div_ceil(GROUP) * blocks
-            && acts.sums.len() == acts.groups.len()
+            && (!k.lane_sums || acts.sums.len() == acts.groups.len())
             && isa.supported(),
         "qgemm operands do not match"
     );
-    let k = dtype.is_quantized().then(|| super::kernels::kernels(dtype).x86(isa)).flatten();
-    let Some(k) = k else { panic!("qgemm has no {} kernels for {dtype}", isa.name()) };
     // Per-block scales of one row × one group, rewritten by every tile (aligned for 256-bit stores): `d_w·d_a`,
     // then, for formats whose halves have their own minimums (Q2_K), `min_w·d_a`.
     let mut scales = vec![Align32([0f32; GROUP]); 2 * blocks];
@@ -109,7 +118,11 @@ pub unsafe fn rows_by_tokens(
             let wp = w[r * row_bytes..].as_ptr();
             for g in g0..(g0 + run).min(groups) {
                 let tokens = (m - g * GROUP).min(GROUP);
-                let ap = GroupPtr { q: acts.groups[g * blocks..].as_ptr(), sums: acts.sums[g * blocks..].as_ptr() };
+                // The sums pointer is only read by tiles that need them, and then `sums` is full (asserted above).
+                let ap = GroupPtr {
+                    q: acts.groups[g * blocks..].as_ptr(),
+                    sums: acts.sums.as_ptr().wrapping_add(g * blocks),
+                };
                 let op = out.wrapping_add(g * GROUP * token_stride + r);
                 // SAFETY: `isa`'s features were detected; row r lies in `w`, the group's blocks in `acts` (groups
                 // and sums), `scales` holds `2 · blocks` aligned groups of floats (asserted above), and the caller
@@ -422,7 +435,7 @@ mod tests {
                     for (src, dst) in x.chunks(k).zip(xq.chunks_mut(blocks)) {
                         quantize_row(src, dst);
                     }
-                    let acts = PackedActs::pack(&xq, tokens, blocks);
+                    let acts = PackedActs::pack(&xq, tokens, blocks, reads_lane_sums(isa, dtype));
                     let mut out = vec![0f32; tokens * rows];
                     // SAFETY: tokens × rows outputs, stride rows.
                     unsafe { rows_by_tokens(isa, dtype, &w, row_bytes, &acts, out.as_mut_ptr(), rows) };
