@@ -14,6 +14,7 @@ use strata_engine::backend::cpu::threads_or_cores;
 use strata_engine::generate::Engine;
 use strata_engine::model::SeqChunk;
 use strata_engine::sampling::{Sampler, SamplingParams, TokenHistory, argmax};
+use strata_engine::stage_memory::ProcessMemory;
 use strata_engine::{CpuIsa, Device, OnBackend};
 use strata_proto::TlsArgs;
 
@@ -272,7 +273,7 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         prefill_tokens_per_s: a.prompt_tokens as f64 / prefill_s,
         decode_tokens_per_s_batch1: a.decode_tokens as f64 / decode1_s,
         decode_tokens_per_s_batched: (a.decode_tokens * a.batch) as f64 / decode_b_s,
-        peak_rss_bytes: proc_self_kib("status", "VmHWM:"),
+        peak_rss_bytes: ProcessMemory::of_self().map_or(0, |m| m.peak),
         huge_page_bytes: proc_self_kib("smaps_rollup", "AnonHugePages:"),
         sample_us_temperature,
         sample_us_top_p,

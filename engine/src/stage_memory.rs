@@ -1,5 +1,6 @@
 //! What a stage holds besides its weights, KV cache and measured peak, counted the same way by the stage worker
-//! (which measures the rest after loading) and by placement (which estimates it before).
+//! (which measures the rest after loading) and by placement (which estimates it before); and the process's resident
+//! memory that peak is read from.
 
 use crate::config::ModelConfig;
 
@@ -36,6 +37,40 @@ pub fn logits_bytes(cfg: &ModelConfig, batch_tokens: usize) -> u64 {
     (batch_tokens as u64).saturating_mul(cfg.vocab_size as u64 * 4)
 }
 
+/// A process's resident memory, from `/proc/<pid>/status`: what the stage worker measures its peak with, the
+/// benchmarks report and the memory tests check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessMemory {
+    /// Resident bytes now (`VmRSS`), mapped file pages included.
+    pub resident: u64,
+    /// Peak resident bytes (`VmHWM`) since the start or the last reset (`5` written to `/proc/self/clear_refs`).
+    pub peak: u64,
+}
+
+impl ProcessMemory {
+    /// This process's; `None` where `/proc` is not available.
+    pub fn of_self() -> Option<Self> {
+        Self::read("/proc/self/status")
+    }
+
+    /// Process `pid`'s; `None` where it has gone or `/proc` is not available.
+    pub fn of(pid: u32) -> Option<Self> {
+        Self::read(&format!("/proc/{pid}/status"))
+    }
+
+    fn read(path: &str) -> Option<Self> {
+        Self::parse(&std::fs::read_to_string(path).ok()?)
+    }
+
+    fn parse(text: &str) -> Option<Self> {
+        let kib = |key: &str| -> Option<u64> {
+            let line = text.lines().find(|l| l.starts_with(key))?;
+            line[key.len()..].split_whitespace().next()?.parse::<u64>().ok()?.checked_mul(1024)
+        };
+        Some(ProcessMemory { resident: kib("VmRSS:")?, peak: kib("VmHWM:")? })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -44,5 +79,16 @@ mod tests {
     fn transit_is_four_batches_of_f32_hidden_states() {
         assert_eq!(transit_bytes(512, 1024), 4 * 512 * 1024 * 4);
         assert_eq!(transit_bytes(usize::MAX, usize::MAX), u64::MAX);
+    }
+
+    #[test]
+    fn status_fields_are_read_in_bytes() {
+        let text = "Name:\tstage-worker\nVmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\n";
+        assert_eq!(ProcessMemory::parse(text), Some(ProcessMemory { resident: 1 << 20, peak: 2 << 20 }));
+        assert_eq!(ProcessMemory::parse("VmRSS: 1 kB\n"), None);
+        let now = ProcessMemory::of_self().expect("/proc/self/status");
+        assert!(now.resident > 0 && now.peak >= now.resident, "{now:?}");
+        assert_eq!(ProcessMemory::of(std::process::id()).map(|m| m.resident > 0), Some(true));
+        assert_eq!(ProcessMemory::of(u32::MAX), None);
     }
 }

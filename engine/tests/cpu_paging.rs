@@ -10,13 +10,12 @@ use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::config::ModelConfig;
 use strata_engine::loader::ModelFiles;
 use strata_engine::model::{LoadOptions, LogitRows, SeqChunk, StageInput, StageModel};
+use strata_engine::stage_memory::ProcessMemory;
 use strata_engine::tensor::DType;
 use strata_engine::testing::{TinySpec, random_weights, tiny_config, write_hf};
 
 fn rss() -> Result<u64> {
-    let text = std::fs::read_to_string("/proc/self/status")?;
-    let kib = text.lines().find_map(|l| l.strip_prefix("VmRSS:")).context("no VmRSS")?;
-    Ok(kib.trim().trim_end_matches("kB").trim().parse::<u64>()? * 1024)
+    Ok(ProcessMemory::of_self().context("no /proc/self/status")?.resident)
 }
 
 fn run(model: &StageModel<CpuBackend>) -> Result<Vec<f32>> {

@@ -12,7 +12,7 @@ use std::path::Path;
 use strata_engine::KvDtype;
 use strata_engine::backend::Backend;
 use strata_engine::model::{LogitRows, SeqChunk, StageInput, StageModel};
-use strata_engine::stage_memory::{MARGIN_BYTES, transit_bytes};
+use strata_engine::stage_memory::{MARGIN_BYTES, ProcessMemory, transit_bytes};
 
 use crate::config::WorkerConfig;
 use crate::device::{CUBLAS_WORKSPACE_BYTES, GPU_WORKSPACE_BYTES};
@@ -24,29 +24,6 @@ pub const DEFAULT_MEMORY_FRACTION: f64 = 0.9;
 /// Tokens of the profiling batch when the plan does not say how large batches get (the coordinator's default
 /// `--max-batch-tokens`).
 pub const DEFAULT_PROFILE_TOKENS: usize = 512;
-
-/// This process's resident memory, from `/proc/self/status`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ProcessMemory {
-    /// Resident bytes now (`VmRSS`), mapped file pages included.
-    pub resident: u64,
-    /// Peak resident bytes (`VmHWM`) since the start or the last [`reset_peak`].
-    pub peak: u64,
-}
-
-/// Reads this process's resident memory; `None` where `/proc` is not available.
-pub fn process_memory() -> Option<ProcessMemory> {
-    let text = std::fs::read_to_string("/proc/self/status").ok()?;
-    parse_status(&text)
-}
-
-fn parse_status(text: &str) -> Option<ProcessMemory> {
-    let kib = |key: &str| -> Option<u64> {
-        let line = text.lines().find(|l| l.starts_with(key))?;
-        line[key.len()..].split_whitespace().next()?.parse::<u64>().ok()?.checked_mul(1024)
-    };
-    Some(ProcessMemory { resident: kib("VmRSS:")?, peak: kib("VmHWM:")? })
-}
 
 /// Restarts the peak (`VmHWM`) at the current resident size; false where the kernel does not allow it.
 pub fn reset_peak() -> bool {
@@ -183,7 +160,7 @@ fn profile_peak<B: Backend>(model: &StageModel<B>, tokens: usize, kv_dtype: KvDt
     // Without a reset the peak since the start counts (a reload's old stage too): safe, if wasteful.
     let reset = reset_peak();
     run_profile(model, tokens, kv_dtype)?;
-    let memory = process_memory()
+    let memory = ProcessMemory::of_self()
         .ok_or_else(|| Error::Config("cannot read /proc/self/status to measure memory; pass --kv-blocks".into()))?;
     tracing::debug!(tokens, reset, peak = memory.peak, resident = memory.resident, "profiled a batch");
     Ok(memory.peak)
@@ -222,15 +199,6 @@ pub fn mib(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn status_fields_are_read_in_bytes() {
-        let text = "Name:\tstage-worker\nVmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\n";
-        assert_eq!(parse_status(text), Some(ProcessMemory { resident: 1 << 20, peak: 2 << 20 }));
-        assert_eq!(parse_status("VmRSS: 1 kB\n"), None);
-        let now = process_memory().expect("/proc/self/status");
-        assert!(now.resident > 0 && now.peak >= now.resident, "{now:?}");
-    }
 
     #[test]
     fn the_budget_is_the_limit_or_a_fraction_of_the_capacity() {

@@ -19,11 +19,11 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use strata_engine::stage_memory::ProcessMemory;
 use strata_proto::ErrorCode;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::memory::process_memory;
 use crate::slot::StageSlot;
 
 /// The `Content-Type` of the rendered metrics.
@@ -142,7 +142,7 @@ impl StageMetrics {
         let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         self.queue_depth.set(i64::from(inflight));
         self.term.set(gauge(slot.term().current()));
-        self.resident_bytes.set(process_memory().map_or(0, |m| gauge(m.resident)));
+        self.resident_bytes.set(ProcessMemory::of_self().map_or(0, |m| gauge(m.resident)));
         match slot.current() {
             Some(stage) => {
                 let facts = stage.executor.facts();

@@ -12,6 +12,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, ensure};
 use strata_engine::config::ModelConfig;
+use strata_engine::stage_memory::ProcessMemory;
 use strata_engine::tensor::DType;
 use strata_engine::testing::{TinySpec, random_weights, tiny_config, write_hf};
 use strata_proto::pb;
@@ -41,9 +42,7 @@ fn llama_300mb() -> ModelConfig {
 
 /// Peak resident bytes (`VmHWM`) of process `pid`.
 fn peak_rss(pid: u32) -> Result<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib = text.lines().find_map(|l| l.strip_prefix("VmHWM:")).context("no VmHWM")?;
-    Ok(kib.trim().trim_end_matches("kB").trim().parse::<u64>()? * 1024)
+    Ok(ProcessMemory::of(pid).with_context(|| format!("no memory figures for process {pid}"))?.peak)
 }
 
 /// Checks every worker's peak resident memory against its limit of `limit_mib` MiB, and prints the peaks.
