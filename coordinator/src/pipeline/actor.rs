@@ -52,20 +52,22 @@ struct Caller {
 }
 
 impl Caller {
-    fn fail(&mut self, error: ServiceError) {
+    /// The request's error event, to deliver.
+    fn fail(&mut self, error: ServiceError) -> SeqEvent {
         self.ended = Some("error");
         self.span.set_attribute("error.type", error.code.as_str().to_owned());
         self.record_usage();
-        let _ = self.tx.try_send(self.output.failed(error));
+        self.output.failed(error)
     }
 
-    fn finish(&mut self, finish: Finish, timing: StepTiming) {
+    /// The request's last event, to deliver.
+    fn finish(&mut self, finish: Finish, timing: StepTiming) -> SeqEvent {
         self.ended = Some(finish.as_str());
         self.span.set_attribute("gen_ai.response.finish_reasons", finish.as_str());
         // OpenTelemetry's name for prompt tokens served from a cache (counted in `gen_ai.usage.input_tokens` too).
         self.span.set_attribute("gen_ai.usage.cache_read.input_tokens", i64::from(timing.cached_tokens));
         self.record_usage();
-        let _ = self.tx.try_send(self.output.done(finish, timing));
+        self.output.done(finish, timing)
     }
 
     /// OpenTelemetry GenAI attributes of the finished request on its span (exported with it, if traced).
@@ -83,6 +85,13 @@ struct PendingSubmit {
 
 /// The result of one connection attempt, tagged with the attempt it answers.
 type Attempt = (u64, Result<Connected, Failed>);
+
+/// An event for a caller, held until the next batch has gone out (see [`Actor::deliver`]).
+struct Outgoing {
+    req: RequestId,
+    tx: mpsc::Sender<SeqEvent>,
+    event: SeqEvent,
+}
 
 pub(super) struct Actor {
     model: Arc<ModelInfo>,
@@ -114,6 +123,10 @@ pub(super) struct Actor {
     /// Finished releases: (budget generation, blocks, cached blocks used).
     released_tx: mpsc::Sender<(u64, usize, Vec<u64>)>,
     released_rx: mpsc::Receiver<(u64, usize, Vec<u64>)>,
+    /// Callers' events of this round, in order, delivered once its batches are on their way ([`Actor::deliver`]).
+    outbox: Vec<Outgoing>,
+    /// Whether this round sent a batch.
+    sent: bool,
     metrics: Arc<Metrics>,
 }
 
@@ -146,6 +159,8 @@ impl Actor {
             deposed: None,
             released_tx,
             released_rx,
+            outbox: Vec::new(),
+            sent: false,
             metrics,
         }
     }
@@ -163,6 +178,7 @@ impl Actor {
                 let effects = self.scheduler.schedule(now);
                 self.apply(effects);
             }
+            self.deliver().await;
             self.notify_quiesced();
             self.publish_gauges();
             let waiting = self.scheduler.batches_in_flight() > 0;
@@ -182,6 +198,33 @@ impl Actor {
             }
         }
         self.fail_everything(ServiceError::unavailable("the coordinator is shutting down"));
+        self.deliver().await;
+    }
+
+    /// Hands this round's events to their callers. When the round sent a batch, the task first yields once so the
+    /// batch is written to stage 0 before anything else runs: waking the callers' tasks first would put their
+    /// wake-ups (and on a busy runtime a system call to rouse another worker) ahead of the batch, in every step's
+    /// round trip. A caller that is gone or hopelessly behind is cancelled.
+    async fn deliver(&mut self) {
+        let sent = std::mem::take(&mut self.sent);
+        if self.outbox.is_empty() {
+            return;
+        }
+        if sent {
+            tokio::task::yield_now().await;
+        }
+        for Outgoing { req, tx, event } in std::mem::take(&mut self.outbox) {
+            if tx.try_send(event).is_err() {
+                self.scheduler.finish(req);
+            }
+        }
+    }
+
+    /// Queues `event` for `req`'s caller ([`Actor::deliver`] sends it).
+    fn post(&mut self, req: RequestId, event: SeqEvent) {
+        if let Some(caller) = self.callers.get(&req) {
+            self.outbox.push(Outgoing { req, tx: caller.tx.clone(), event });
+        }
     }
 
     fn command(&mut self, cmd: Command) {
@@ -460,6 +503,7 @@ impl Actor {
                         continue;
                     }
                     self.metrics.batch_tokens.observe(tokens as f64);
+                    self.sent = true;
                 }
                 Effect::Release { seq_ids, blocks, cached, generation } => {
                     self.release(seq_ids, blocks, cached, generation);
@@ -467,7 +511,8 @@ impl Actor {
                 Effect::Token { req, token, timing } => self.on_token(req, &token, timing),
                 Effect::Fail { req, error } => {
                     if let Some(caller) = self.callers.get_mut(&req) {
-                        caller.fail(error);
+                        let event = caller.fail(error);
+                        self.post(req, event);
                     }
                 }
                 Effect::Requeued { why, .. } => match why {
@@ -515,10 +560,7 @@ impl Actor {
         }
         let (event, verdict) = caller.output.push(&self.model, token);
         if let Some(event) = event {
-            if caller.tx.try_send(event).is_err() {
-                // Caller gone (or hopelessly behind): cancel.
-                return self.scheduler.finish(req);
-            }
+            self.outbox.push(Outgoing { req, tx: caller.tx.clone(), event });
             let now = Instant::now();
             match caller.last_token.replace(now) {
                 None => {
@@ -530,11 +572,12 @@ impl Actor {
             }
             self.metrics.generation_tokens.inc();
         }
-        match verdict {
+        let last = match verdict {
             Verdict::Continue => return,
             Verdict::Finish(finish) => caller.finish(finish, timing),
             Verdict::Fail(error) => caller.fail(error),
-        }
+        };
+        self.outbox.push(Outgoing { req, tx: caller.tx.clone(), event: last });
         self.scheduler.finish(req);
     }
 
