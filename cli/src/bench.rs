@@ -101,6 +101,8 @@ struct Report {
     /// Microseconds one token's sampling takes over the model's vocabulary at temperature 1 (OpenAI's default),
     /// from the last batch-1 decode step's logits; the decode rates above pick greedily.
     sample_us_temperature: f64,
+    /// The same, greedy (temperature 0: the largest logit).
+    sample_us_greedy: f64,
     /// The same with top-p 0.9.
     sample_us_top_p: f64,
     /// Weight bytes read per second by batch-1 decode, which reads every weight once per token.
@@ -257,6 +259,7 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
     })?;
     let [sample_us_temperature, sample_us_top_p] = [1.0, 0.9]
         .map(|top_p| sampling_us(&last_logits, SamplingParams { temperature: 1.0, top_p, ..Default::default() }));
+    let sample_us_greedy = sampling_us(&last_logits, SamplingParams { temperature: 0.0, ..Default::default() });
 
     let cpu_threads = threads_or_cores(threads);
     let report = Report {
@@ -276,6 +279,7 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         peak_rss_bytes: ProcessMemory::of_self().map_or(0, |m| m.peak),
         huge_page_bytes: proc_self_kib("smaps_rollup", "AnonHugePages:"),
         sample_us_temperature,
+        sample_us_greedy,
         sample_us_top_p,
         decode_batch1_weight_gb_per_s: weight_bytes as f64 * a.decode_tokens as f64 / decode1_s / 1e9,
         // After the peak is read: the probe's buffer, the size of the weights, would count in it.
@@ -318,6 +322,7 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         report.decode_tokens_per_s_batched,
         base("decode_tokens_per_s_batch8")
     );
+    println!("| sampling µs/token (greedy) | {:.1} | - |", report.sample_us_greedy);
     println!("| sampling µs/token (temperature 1) | {:.1} | - |", report.sample_us_temperature);
     println!("| sampling µs/token (temperature 1, top-p 0.9) | {:.1} | - |", report.sample_us_top_p);
     println!("| peak RSS MiB | {:.1} | - |", report.peak_rss_bytes as f64 / 1048576.0);
