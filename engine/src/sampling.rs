@@ -152,6 +152,11 @@ impl Sampler {
         Sampler { params, rng: None }
     }
 
+    /// Whether it picks the largest logit (temperature 0): a pass over the logits, no draw.
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature == 0.0
+    }
+
     /// Picks a token. `history` holds the prompt and generated ids, which the penalties read, and its length is
     /// the position the seeded draw depends on. Penalties apply in vLLM's order: repetition (prompt and output),
     /// then frequency and presence (output only).

@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::WorkerConfig;
 use crate::error::{Error, Result, engine_to_service};
-use crate::sampler::{SeqSamplers, engine_params};
+use crate::sampler::{Draw, SeqSamplers, engine_params};
 use crate::term::TermFence;
 
 /// Commands queued before the executor blocks the sender (backpressure on the `Forward` readers).
@@ -549,20 +549,24 @@ impl<B: Backend> Executor<B> {
         mut logits: Vec<f32>,
         vocab: usize,
     ) -> Result<Vec<pb::SampledToken>, ServiceError> {
-        let mut tokens = Vec::new();
+        let mut draws = Vec::with_capacity(batch.chunks.len());
         let mut offset = 0;
         for ((chunk, params), row) in batch.chunks.iter().zip(params).zip(logits.chunks_exact_mut(vocab)) {
             let len = chunk.len as usize;
             let ids = batch.token_ids.get(offset..offset + len).unwrap_or_default();
             offset += len;
             self.samplers.observe(chunk, ids, params);
-            if chunk.skip_sampling {
-                continue;
+            if !chunk.skip_sampling {
+                draws.push(Draw { seq_id: chunk.seq_id, logits: row, want_logprob: chunk.want_logprobs });
             }
-            let (token_id, logprob) = self.samplers.sample(chunk.seq_id, row, chunk.want_logprobs)?;
-            tokens.push(pb::SampledToken { seq_id: chunk.seq_id, token_id, logprob });
         }
-        Ok(tokens)
+        let picks = self.samplers.sample_all(&mut draws)?;
+        let tokens = draws.iter().zip(picks).map(|(d, (token_id, logprob))| pb::SampledToken {
+            seq_id: d.seq_id,
+            token_id,
+            logprob,
+        });
+        Ok(tokens.collect())
     }
 }
 
