@@ -197,6 +197,21 @@ impl PrefixCache {
         published
     }
 
+    /// Of `keys` (published by a batch that failed), those `seq` published and no other sequence uses leave the
+    /// cache, evicted by the next batch; returns how many, which go back to the sequence's own blocks.
+    pub(super) fn unpublish(&mut self, seq: &mut SeqPrefix, keys: &[u64]) -> usize {
+        let before = seq.refs.len();
+        seq.refs.retain(|key| {
+            let mine = keys.contains(key) && self.entries.get(key).is_some_and(|e| e.refs == 1);
+            if mine {
+                self.entries.remove(key);
+                self.evicted.push(*key);
+            }
+            !mine
+        });
+        before - seq.refs.len()
+    }
+
     /// A sequence that used `keys` is released on every stage: each block loses a reference, and one that no
     /// sequence uses becomes evictable.
     pub(super) fn unref(&mut self, keys: &[u64]) {

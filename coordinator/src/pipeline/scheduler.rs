@@ -104,6 +104,8 @@ impl Seq {
 struct InFlight {
     reqs: Vec<RequestId>,
     sent: Instant,
+    /// Keys of the blocks its chunks publish: taken back if it fails ([`PrefixCache::unpublish`]).
+    published: Vec<u64>,
 }
 
 /// The scheduler's state. See the module documentation for the policy.
@@ -334,7 +336,8 @@ impl Scheduler {
             let batch = self.build_batch(&group);
             tracing::trace!(batch_id = batch.batch_id, seqs = group.len(), "batch built");
             let reqs = group.iter().map(|(id, _)| *id).collect();
-            self.batches.insert(batch.batch_id, InFlight { reqs, sent: now });
+            let published = batch.chunks.iter().flat_map(|c| c.publish.iter().map(|p| p.key)).collect();
+            self.batches.insert(batch.batch_id, InFlight { reqs, sent: now, published });
             effects.push(Effect::Send(batch));
             slots_left -= 1;
         }

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use strata_proto::{ErrorCode, ServiceError, pb, wire_micros};
 
-use super::{Effect, PrefixCache, RequestId, Requeue, Scheduler, fail, is_stage_fault};
+use super::{Effect, InFlight, PrefixCache, RequestId, Requeue, Scheduler, fail, is_stage_fault};
 
 impl Scheduler {
     /// The batch of `group`'s sequences, `len` tokens each: their chunks with the prefix cache's attachments and
@@ -88,6 +88,11 @@ impl Scheduler {
         }
         if let Some(err) = resp.error {
             let err = ServiceError::from(err);
+            if !is_stage_fault(err.code) {
+                // The stages before the one that refused it may have published its blocks, the rest have not: the
+                // cache forgets them, and the next batch tells every stage to (a stall clears every cache anyway).
+                self.unpublish(&batch);
+            }
             if err.code == ErrorCode::ResourceExhausted {
                 // A stage ran out of KV blocks (e.g. its cache is smaller than it reported): recompute later.
                 tracing::info!(batch_id = resp.batch_id, error = %err, "batch out of KV cache: preempting it");
@@ -120,5 +125,21 @@ impl Scheduler {
             effects.push(Effect::Token { req, token, timing: seq.timing });
         }
         effects
+    }
+
+    /// Takes back from the cache the blocks a failed batch published and only its own sequence uses: each goes
+    /// back to that sequence's blocks (freed with it) and is evicted on every stage that holds it. A block another
+    /// sequence attached meanwhile stays (a stage without it refuses that sequence's batch, and a stall clears every
+    /// cache).
+    fn unpublish(&mut self, batch: &InFlight) {
+        let Some(prefix) = self.prefix.as_mut() else { return };
+        if batch.published.is_empty() {
+            return;
+        }
+        for id in &batch.reqs {
+            if let Some(seq) = self.seqs.get_mut(id) {
+                seq.blocks += prefix.unpublish(&mut seq.prefix, &batch.published);
+            }
+        }
     }
 }

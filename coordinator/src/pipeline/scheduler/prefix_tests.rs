@@ -188,3 +188,44 @@ fn off_or_auto_with_a_stage_whose_results_depend_on_batching_it_sends_no_cache_o
     }
     Ok(())
 }
+
+#[test]
+fn blocks_a_refused_batch_published_leave_the_cache_and_the_stages_are_told() -> Result<(), ServiceError> {
+    let now = Instant::now();
+    let mut s = caching(10);
+    let prompt: Vec<u32> = (1..=9).collect();
+    let id = s.admit(&request(&prompt, 1))?;
+    let batch = only_batch(&s.schedule(now));
+    let keys: Vec<u64> = batch.chunks[0].publish.iter().map(|p| p.key).collect();
+    assert_eq!(keys.len(), 2);
+    // A stage after the first ones (which published both blocks) has no room for them.
+    let refused = pb::ForwardResponse {
+        batch_id: batch.batch_id,
+        error: Some(ServiceError::resource_exhausted("no free KV blocks").into()),
+        ..Default::default()
+    };
+    let fx = s.apply_response(refused, now);
+    let released: Vec<_> = fx
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Release { blocks, cached, generation, .. } => Some((*blocks, cached.clone(), *generation)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(released.iter().map(|r| (r.0, r.1.len())).collect::<Vec<_>>(), [(3, 0)], "all 3 blocks its own again");
+    assert_eq!(s.gauges().kv_cached, 0, "the cache forgot them");
+    for (blocks, cached, generation) in released {
+        s.released(generation, blocks, &cached);
+    }
+    // The recompute starts from scratch, the same batch evicts the keys on every stage, and publishes them anew.
+    let again = only_batch(&s.schedule(now));
+    assert_eq!(again.evict_blocks, keys);
+    assert_eq!((again.chunks[0].start_pos, again.chunks[0].cached_blocks.len()), (0, 0));
+    assert_eq!(again.chunks[0].publish.iter().map(|p| p.key).collect::<Vec<_>>(), keys);
+    s.apply_response(answer(&again), now);
+    s.finish(id);
+    release_all(&mut s);
+    let g = s.gauges();
+    assert_eq!((g.kv_cached, g.kv_free), (2, 10), "idle and whole again");
+    Ok(())
+}
