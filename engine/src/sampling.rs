@@ -203,6 +203,18 @@ fn pick(cand: impl Iterator<Item = (u32, f32)> + Clone, draw: f32) -> u32 {
 /// Weights per block of [`pick_in_blocks`].
 const PICK_BLOCK: usize = 64;
 
+/// The log-probability of `token` under `logits` (their log-softmax), from a copy of the logits taken before any
+/// penalty or temperature: consumed as scratch space for a vectorized `exp`. `None` for a token outside them.
+pub fn log_softmax_at(mut logits: Vec<f32>, token: u32) -> Option<f32> {
+    let raw = *logits.get(token as usize)?;
+    let max = max_of(&logits);
+    if !max.is_finite() {
+        return Some(raw - max);
+    }
+    exp_from_max(Isa::detect(), &mut logits);
+    Some(raw - max - lane_sum(&logits).ln())
+}
+
 /// [`pick`] over every token in vocabulary order, `w` holding each one's weight, without walking the whole
 /// vocabulary one dependent addition at a time: the blocks' sums (each summed in independent lanes, which the
 /// compiler vectorizes) are walked first, then the block the draw falls in. Over SmolLM2's 49,152 tokens the one
@@ -654,6 +666,21 @@ mod tests {
             assert_eq!(pick_in_blocks(&w, 0.0), first);
             assert_eq!(pick_in_blocks(&w, 1.0 - f32::EPSILON / 2.0), last);
         }
+    }
+
+    #[test]
+    fn log_softmax_at_matches_a_double_precision_reference() {
+        let logits: Vec<f32> = (0..49_152u64).map(|i| ((i * 104_729) % 4001) as f32 / 211.0 - 9.0).collect();
+        let max = logits.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(f64::from(x)));
+        let lse = max + logits.iter().map(|&x| (f64::from(x) - max).exp()).sum::<f64>().ln();
+        for token in [0u32, 1, 777, 49_151] {
+            let want = f64::from(logits[token as usize]) - lse;
+            let got = log_softmax_at(logits.clone(), token).map(f64::from);
+            assert!(got.is_some_and(|g| (g - want).abs() < 2e-5), "token {token}: {got:?} vs {want}");
+        }
+        assert_eq!(log_softmax_at(logits, 49_152), None);
+        assert_eq!(log_softmax_at(vec![f32::NEG_INFINITY, 0.0, f32::NEG_INFINITY], 1), Some(0.0));
+        assert_eq!(log_softmax_at(vec![f32::NEG_INFINITY, 0.0], 0), Some(f32::NEG_INFINITY));
     }
 
     #[test]

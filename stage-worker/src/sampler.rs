@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use strata_engine::sampling::{Sampler, SamplingParams, TokenHistory};
+use strata_engine::sampling::{Sampler, SamplingParams, TokenHistory, log_softmax_at};
 use strata_proto::ServiceError;
 use strata_proto::pb;
 
@@ -24,15 +24,9 @@ struct SeqState {
 
 impl SeqState {
     fn draw(&mut self, d: &mut Draw<'_>) -> (u32, Option<f32>) {
-        let logits = &mut *d.logits;
-        let lse = d.want_logprob.then(|| log_sum_exp(logits));
-        let raw = d.want_logprob.then(|| logits.to_vec());
-        let token = self.sampler.sample(logits, &self.history);
-        let logprob = match (lse, raw) {
-            (Some(lse), Some(raw)) => raw.get(token as usize).map(|l| l - lse),
-            _ => None,
-        };
-        (token, logprob)
+        let raw = d.want_logprob.then(|| d.logits.to_vec());
+        let token = self.sampler.sample(d.logits, &self.history);
+        (token, raw.and_then(|raw| log_softmax_at(raw, token)))
     }
 }
 
@@ -116,14 +110,6 @@ impl SeqSamplers {
     pub fn release(&mut self, seq_id: u64) {
         self.seqs.remove(&seq_id);
     }
-}
-
-fn log_sum_exp(xs: &[f32]) -> f32 {
-    let max = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if !max.is_finite() {
-        return max;
-    }
-    max + xs.iter().map(|x| (x - max).exp()).sum::<f32>().ln()
 }
 
 #[cfg(test)]

@@ -37,10 +37,12 @@ fn expect_error(reply: &http_client::Reply, status: u16, what: &str) -> Result<V
     Ok(error.clone())
 }
 
-fn logprobs_of(choice: &Value) -> Vec<f64> {
+/// The f32 log-probabilities the wire carries (serde_json's default parser may land a 17-digit number an f64 ulp
+/// away, never an f32 one).
+fn logprobs_of(choice: &Value) -> Vec<f32> {
     choice["logprobs"]["token_logprobs"]
         .as_array()
-        .map_or_else(Vec::new, |a| a.iter().filter_map(Value::as_f64).collect())
+        .map_or_else(Vec::new, |a| a.iter().filter_map(Value::as_f64).map(|l| l as f32).collect())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -54,7 +56,7 @@ async fn tiny_model_completions_match_grpc_whole_and_streamed() -> Result<()> {
         client.generate(pb::GenerateRequest { logprobs: true, ..ids_request(&PROMPT, 12) }).await?.into_inner();
     let mut grpc_logprobs = Vec::new();
     while let Some(msg) = stream.message().await? {
-        grpc_logprobs.extend(msg.logprobs.iter().map(|&l| f64::from(l)));
+        grpc_logprobs.extend(msg.logprobs.iter().copied());
     }
     ensure!(grpc_logprobs.len() == 12);
 
@@ -89,7 +91,7 @@ async fn tiny_model_completions_match_grpc_whole_and_streamed() -> Result<()> {
     let expected = json!({"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17,
                           "prompt_tokens_details": {"cached_tokens": 0}});
     assert_eq!(usage["usage"], expected);
-    let streamed: Vec<f64> = choices.iter().flat_map(|c| logprobs_of(&c["choices"][0])).collect();
+    let streamed: Vec<f32> = choices.iter().flat_map(|c| logprobs_of(&c["choices"][0])).collect();
     assert_eq!(streamed, grpc_logprobs);
     let finishes: Vec<&Value> = choices.iter().map(|c| &c["choices"][0]["finish_reason"]).collect();
     assert_eq!(finishes.last(), Some(&&json!("length")), "the last chunk says why it ended");
