@@ -66,6 +66,13 @@ pub struct BenchArgs {
     /// Tokens decoded per sequence.
     #[arg(long, default_value_t = 128)]
     decode_tokens: usize,
+    /// Sampling temperature of the --coordinator/--local requests, and of the engine they are compared with (0:
+    /// greedy). Each request is seeded by its place in the run, so every run draws the same tokens.
+    #[arg(long, default_value_t = 0.0, env = "STRATA_BENCH_TEMPERATURE")]
+    temperature: f32,
+    /// Top-p of the --coordinator/--local requests, and of the engine they are compared with (1: off).
+    #[arg(long, default_value_t = 1.0, env = "STRATA_BENCH_TOP_P")]
+    top_p: f32,
     /// Sequences decoded together in the batched measurement.
     #[arg(long, default_value_t = 8)]
     batch: usize,
@@ -169,6 +176,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 "--cpu-isa applies to this process's engine and --local clusters; a --coordinator's workers take their own"
             );
         }
+        let sampling = SamplingParams { temperature: a.temperature, top_p: a.top_p, ..SamplingParams::default() };
+        sampling.validate()?;
         return crate::bench_cluster::run(crate::bench_cluster::ClusterBench {
             coordinator: a.coordinator,
             tls: a.tls,
@@ -182,6 +191,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             prefix_caching: a.prefix_caching,
             micro_batches_per_stage: a.micro_batches_per_stage,
             max_tokens: a.decode_tokens,
+            sampling,
             threads: a.device.threads,
             cpu_isa: a.device.cpu_isa,
             out: a.out.unwrap_or_else(|| PathBuf::from("target/bench/cluster.json")),

@@ -7,11 +7,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
+use rayon::prelude::*;
 use strata_engine::CpuIsa;
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::generate::{BLOCK_SIZE, Engine};
 use strata_engine::model::SeqChunk;
-use strata_engine::sampling::argmax;
+use strata_engine::sampling::{Sampler, SamplingParams, TokenHistory, argmax};
 
 use super::report::SingleProcess;
 use super::{Tenth, percentile, tenth_mean};
@@ -57,18 +58,25 @@ impl EngineBaseline {
         Ok(Self { engine: Engine::new(loaded.model, None, kv_tokens)?, vocab, threads })
     }
 
-    /// Batch-1 decode latency per token after `prompt`: p50, and the means over the first and last tenth.
-    pub fn decode_latency(&mut self, prompt: &[u32], max_tokens: usize) -> Result<SingleProcess> {
+    /// Batch-1 decode latency per token after `prompt`, picking tokens as `sampling` says (seed 0): p50, and the
+    /// means over the first and last tenth.
+    pub fn decode_latency(
+        &mut self,
+        prompt: &[u32],
+        max_tokens: usize,
+        sampling: &SamplingParams,
+    ) -> Result<SingleProcess> {
         let prompt: Vec<u32> = prompt.iter().map(|&id| id % self.vocab).collect();
+        let mut picker = Picker::new(sampling, [(0, prompt.as_slice())]);
         // In the backend's context, as a stage's executor runs its batches.
         let mut times = self.engine.scoped(|engine| -> Result<Vec<f64>> {
             let logits = engine.step(&[SeqChunk { seq_id: 0, start_pos: 0, len: prompt.len() }], &prompt)?;
-            let mut next = argmax(&logits[0]);
+            let mut next = picker.pick(logits);
             let mut times = Vec::with_capacity(max_tokens);
             for i in 0..max_tokens {
                 let t = Instant::now();
-                let l = engine.step(&[SeqChunk { seq_id: 0, start_pos: prompt.len() + i, len: 1 }], &[next])?;
-                next = argmax(&l[0]);
+                let l = engine.step(&[SeqChunk { seq_id: 0, start_pos: prompt.len() + i, len: 1 }], &next)?;
+                next = picker.pick(l);
                 times.push(t.elapsed().as_secs_f64() * 1e3);
             }
             Ok(times)
@@ -82,10 +90,15 @@ impl EngineBaseline {
         })
     }
 
-    /// Runs `rounds` (each a set of prompts that start together) with no scheduler or transport: all of
-    /// a round's prompts in one step, then `max_tokens - 1` greedy decode steps of the whole round (the first
-    /// token comes from the prompt's step, as in serving).
-    pub fn workload(&mut self, rounds: &[Vec<Vec<u32>>], max_tokens: usize) -> Result<EngineRate> {
+    /// Runs `rounds` (each a set of (seed, prompt) that start together) with no scheduler or transport: all of
+    /// a round's prompts in one step, then `max_tokens - 1` decode steps of the whole round (the first token comes
+    /// from the prompt's step, as in serving), picking tokens as `sampling` says.
+    pub fn workload(
+        &mut self,
+        rounds: &[Vec<(u64, Vec<u32>)>],
+        max_tokens: usize,
+        sampling: &SamplingParams,
+    ) -> Result<EngineRate> {
         let vocab = self.vocab;
         // In the backend's context, as a stage's executor runs its batches.
         let (total, decode_s, tokens, decode_tokens) = self.engine.scoped(|engine| -> Result<_> {
@@ -93,13 +106,17 @@ impl EngineBaseline {
             for round in rounds {
                 let mut chunks = Vec::with_capacity(round.len());
                 let mut ids = Vec::new();
-                for (seq, prompt) in round.iter().enumerate() {
+                for (seq, (_, prompt)) in round.iter().enumerate() {
                     chunks.push(SeqChunk { seq_id: seq as u64, start_pos: 0, len: prompt.len() });
                     ids.extend(prompt.iter().map(|&id| id % vocab));
                 }
+                let prompts: Vec<Vec<u32>> =
+                    round.iter().map(|(_, p)| p.iter().map(|&id| id % vocab).collect()).collect();
+                let mut picker =
+                    Picker::new(sampling, round.iter().zip(&prompts).map(|((seed, _), p)| (*seed, p.as_slice())));
                 let start = Instant::now();
                 let logits = engine.step(&chunks, &ids)?;
-                let mut next: Vec<u32> = logits.iter().map(|l| argmax(l)).collect();
+                let mut next = picker.pick(logits);
                 let decode_start = Instant::now();
                 for _ in 1..max_tokens {
                     for c in &mut chunks {
@@ -107,7 +124,7 @@ impl EngineBaseline {
                         c.len = 1;
                     }
                     let logits = engine.step(&chunks, &next)?;
-                    next = logits.iter().map(|l| argmax(l)).collect();
+                    next = picker.pick(logits);
                 }
                 decode_s += decode_start.elapsed().as_secs_f64();
                 total += start.elapsed().as_secs_f64();
@@ -124,6 +141,48 @@ impl EngineBaseline {
     }
 }
 
+/// How the engine picks its sequences' next tokens, as the last stage does: greedily, or each sequence with its own
+/// seeded sampler over its prompt and output, several in parallel on the engine's threads.
+enum Picker {
+    Greedy,
+    Sampled(Vec<(Sampler, TokenHistory)>),
+}
+
+impl Picker {
+    /// A picker for sequences given as (seed, prompt), in batch order.
+    fn new<'a>(sampling: &SamplingParams, seqs: impl IntoIterator<Item = (u64, &'a [u32])>) -> Self {
+        if sampling.temperature == 0.0 {
+            return Picker::Greedy;
+        }
+        Picker::Sampled(
+            seqs.into_iter()
+                .map(|(seed, prompt)| {
+                    (
+                        Sampler::new(SamplingParams { seed: Some(seed), ..sampling.clone() }),
+                        TokenHistory::from_prompt(prompt),
+                    )
+                })
+                .collect(),
+        )
+    }
+
+    /// The next token of each sequence from its row of `logits`.
+    fn pick(&mut self, logits: Vec<Vec<f32>>) -> Vec<u32> {
+        match self {
+            Picker::Greedy => logits.iter().map(|l| argmax(l)).collect(),
+            Picker::Sampled(seqs) => seqs
+                .par_iter_mut()
+                .zip(logits)
+                .map(|((sampler, history), mut row)| {
+                    let token = sampler.sample(&mut row, history);
+                    history.push(token);
+                    token
+                })
+                .collect(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -132,13 +191,38 @@ mod tests {
     fn the_workload_counts_every_generated_token_and_frees_its_sequences() -> Result<()> {
         let mut engine = EngineBaseline::load(Path::new("random:tiny"), 1, CpuIsa::Auto, 3, 8 + 5)?;
         // Two rounds of 3 prompts: 3 x 5 tokens each, 4 of them decoded per sequence.
-        let rounds: Vec<Vec<Vec<u32>>> = (0..2).map(|r| (0..3).map(|s| vec![1 + r + s; 8]).collect()).collect();
-        let rate = engine.workload(&rounds, 5)?;
-        assert!(rate.tokens_per_s > 0.0 && rate.decode_tokens_per_s > 0.0, "{rate:?}");
-        // The KV cache holds exactly 3 sequences: a second round only fits if the first one's were freed.
-        assert_eq!(engine.engine.kv().free_blocks(), engine.engine.kv().num_blocks());
-        let latency = engine.decode_latency(&[1, 2, 3], 4)?;
-        assert!(latency.threads == 1 && latency.itl_ms_p50 > 0.0, "{latency:?}");
+        let rounds: Vec<Vec<(u64, Vec<u32>)>> =
+            (0..2).map(|r| (0..3).map(|s| (s as u64, vec![1 + r + s; 8])).collect()).collect();
+        let sampled = SamplingParams { temperature: 1.0, top_p: 0.9, ..SamplingParams::default() };
+        for sampling in [SamplingParams::default(), sampled] {
+            let rate = engine.workload(&rounds, 5, &sampling)?;
+            assert!(rate.tokens_per_s > 0.0 && rate.decode_tokens_per_s > 0.0, "{rate:?}");
+            // The KV cache holds exactly 3 sequences: a second round only fits if the first one's were freed.
+            assert_eq!(engine.engine.kv().free_blocks(), engine.engine.kv().num_blocks());
+            let latency = engine.decode_latency(&[1, 2, 3], 4, &sampling)?;
+            assert!(latency.threads == 1 && latency.itl_ms_p50 > 0.0, "{latency:?}");
+        }
+        Ok(())
+    }
+
+    /// Seeded pickers draw the same tokens however the pool splits them, each sequence its own; greedy takes the
+    /// largest logit.
+    #[test]
+    fn each_sequence_draws_from_its_own_seed() -> Result<()> {
+        let logits: Vec<Vec<f32>> =
+            (0..6).map(|_| (0..500).map(|i| ((i * 37) % 101) as f32 / 10.0).collect()).collect();
+        let prompt = [1u32, 2, 3];
+        let sampling = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
+        let picker = |seeds: &[u64]| Picker::new(&sampling, seeds.iter().map(|&s| (s, prompt.as_slice())));
+        let seeds = [0, 1, 2, 3, 4, 5];
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build()?;
+        let a = pool.install(|| picker(&seeds).pick(logits.clone()));
+        let b = picker(&seeds).pick(logits.clone());
+        assert_eq!(a, b);
+        assert!(a.iter().any(|&t| t != a[0]), "different seeds draw differently here: {a:?}");
+        let greedy = Picker::new(&SamplingParams::default(), seeds.iter().map(|&s| (s, prompt.as_slice())));
+        let mut greedy = greedy;
+        assert_eq!(greedy.pick(logits.clone()), vec![argmax(&logits[0]); 6]);
         Ok(())
     }
 }

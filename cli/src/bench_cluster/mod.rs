@@ -16,6 +16,7 @@ use tonic::transport::Endpoint;
 
 use strata_coordinator::{CoordinatorConfig, PrefixCaching};
 use strata_engine::CpuIsa;
+use strata_engine::sampling::SamplingParams;
 
 use self::baseline::{EngineBaseline, EngineRate};
 use self::report::{Report, Run, SingleProcess, print_run, write_outputs};
@@ -50,6 +51,8 @@ pub struct ClusterBench {
     pub micro_batches_per_stage: Vec<usize>,
     /// Tokens generated per request (EOS is ignored).
     pub max_tokens: usize,
+    /// How requests and the engine baseline pick tokens (each request seeded by [`seed`]).
+    pub sampling: SamplingParams,
     /// CPU threads in total, split evenly over a local cluster's stages.
     pub threads: usize,
     /// Instruction set of the CPU kernels (local clusters and the single-process baseline).
@@ -115,10 +118,10 @@ pub fn run(b: ClusterBench) -> Result<()> {
                 }
                 let prompt = prompt_ids(0, 0, &b);
                 let latency = if per_stage == threads_total {
-                    engine.decode_latency(&prompt, b.max_tokens)?
+                    engine.decode_latency(&prompt, b.max_tokens, &b.sampling)?
                 } else {
                     EngineBaseline::load(&model, per_stage, b.cpu_isa, 1, b.prompt_tokens + b.max_tokens)?
-                        .decode_latency(&prompt, b.max_tokens)?
+                        .decode_latency(&prompt, b.max_tokens, &b.sampling)?
                 };
                 baselines.push(latency);
             }
@@ -174,6 +177,8 @@ pub fn run(b: ClusterBench) -> Result<()> {
         max_tokens: b.max_tokens,
         threads_total,
         cpu_isa: b.coordinator.is_none().then(|| b.cpu_isa.resolve().map(|isa| isa.name().to_owned())).transpose()?,
+        temperature: b.sampling.temperature,
+        top_p: b.sampling.top_p,
         single_process: baselines,
         plans,
         runs,
@@ -205,9 +210,10 @@ fn engine_rate(
     concurrency: usize,
     b: &ClusterBench,
 ) -> Result<EngineRate> {
-    let rounds: Vec<Vec<Vec<u32>>> =
-        (0..b.requests_per_client).map(|i| (0..concurrency).map(|client| prompt_ids(client, i, b)).collect()).collect();
-    let rate = engine.workload(&rounds, b.max_tokens)?;
+    let rounds: Vec<Vec<(u64, Vec<u32>)>> = (0..b.requests_per_client)
+        .map(|i| (0..concurrency).map(|client| (seed(client, i), prompt_ids(client, i, b))).collect())
+        .collect();
+    let rate = engine.workload(&rounds, b.max_tokens, &b.sampling)?;
     eprintln!(
         "engine in this process, {threads} thread(s), {concurrency} sequences: {:.1} tok/s on the same requests, \
          decode {:.1} tok/s",
@@ -226,11 +232,23 @@ fn prompt_ids(client: usize, index: usize, b: &ClusterBench) -> Vec<u32> {
         .collect()
 }
 
+/// The seed of a client stream's `index`th request, in the cluster and in the engine baseline alike.
+fn seed(client: usize, index: usize) -> u64 {
+    ((index as u64) << 32) | client as u64
+}
+
 fn request(client: usize, index: usize, b: &ClusterBench) -> pb::GenerateRequest {
+    let greedy = b.sampling.temperature == 0.0;
     pb::GenerateRequest {
         prompt: Some(pb::generate_request::Prompt::Ids(pb::TokenIds { ids: prompt_ids(client, index, b) })),
         max_tokens: u32::try_from(b.max_tokens).unwrap_or(u32::MAX),
         ignore_eos: true,
+        sampling: (!greedy).then(|| pb::SamplingParams {
+            temperature: b.sampling.temperature,
+            top_p: b.sampling.top_p,
+            seed: Some(seed(client, index)),
+            ..Default::default()
+        }),
         ..Default::default()
     }
 }

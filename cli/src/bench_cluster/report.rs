@@ -85,6 +85,9 @@ pub(super) struct Report {
     /// The CPU kernels' instruction set in local clusters and the single-process baseline (`None` for a
     /// `--coordinator`'s, which this process does not see).
     pub cpu_isa: Option<String>,
+    /// How tokens were picked (temperature 0: greedily), by the requests and the engine baseline alike.
+    pub temperature: f32,
+    pub top_p: f32,
     /// The whole model in this process, batch-1 decode, per thread count of the local clusters' stages.
     pub single_process: Vec<SingleProcess>,
     /// Each cluster's layer split and the speed its nodes measured at registration, one line per cluster.
@@ -291,10 +294,15 @@ pub(super) fn write_outputs(report: &Report, out: &Path) -> Result<()> {
     std::fs::write(&svg_path, svg(report)).with_context(|| format!("writing {}", svg_path.display()))?;
     println!("host: {}", report.host.describe());
     println!(
-        "model: {}  prompt {} + {} generated tokens per request, {} threads in total{}",
+        "model: {}  prompt {} + {} generated tokens per request ({}), {} threads in total{}",
         report.model,
         report.prompt_tokens,
         report.max_tokens,
+        if report.temperature == 0.0 {
+            "greedy".to_owned()
+        } else {
+            format!("temperature {}, top-p {}, seeded", report.temperature, report.top_p)
+        },
         report.threads_total,
         report.cpu_isa.as_ref().map(|isa| format!(", CPU kernels {isa}")).unwrap_or_default()
     );
@@ -323,6 +331,8 @@ mod tests {
             max_tokens: 8,
             threads_total: 2,
             cpu_isa: None,
+            temperature: 0.0,
+            top_p: 1.0,
             single_process: vec![],
             plans,
             runs,
