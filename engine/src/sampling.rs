@@ -85,6 +85,11 @@ impl SamplingParams {
         SamplingParams { min_p, ..self }
     }
 
+    /// Whether they pick the largest logit (temperature 0): a pass over the logits, no draw.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
     /// Rejects values that make no sense.
     pub fn validate(&self) -> Result<()> {
         let invalid = |param: &'static str, message: String| Err(Error::InvalidParam { param, message });
@@ -144,9 +149,9 @@ impl Sampler {
         Sampler { params, rng: None }
     }
 
-    /// Whether it picks the largest logit (temperature 0): a pass over the logits, no draw.
+    /// Whether it picks the largest logit ([`SamplingParams::is_greedy`]).
     pub fn is_greedy(&self) -> bool {
-        self.params.temperature == 0.0
+        self.params.is_greedy()
     }
 
     /// Picks a token. `history` holds the prompt and generated ids, which the penalties read, and its length is
@@ -168,7 +173,7 @@ impl Sampler {
                 }
             }
         }
-        if p.temperature == 0.0 {
+        if p.is_greedy() {
             return argmax(logits);
         }
         let cand = candidates(logits, p);

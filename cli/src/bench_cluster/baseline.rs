@@ -104,14 +104,12 @@ impl EngineBaseline {
         let (total, decode_s, tokens, decode_tokens) = self.engine.scoped(|engine| -> Result<_> {
             let (mut total, mut decode_s, mut tokens, mut decode_tokens) = (0.0, 0.0, 0usize, 0usize);
             for round in rounds {
-                let mut chunks = Vec::with_capacity(round.len());
-                let mut ids = Vec::new();
-                for (seq, (_, prompt)) in round.iter().enumerate() {
-                    chunks.push(SeqChunk { seq_id: seq as u64, start_pos: 0, len: prompt.len() });
-                    ids.extend(prompt.iter().map(|&id| id % vocab));
-                }
                 let prompts: Vec<Vec<u32>> =
                     round.iter().map(|(_, p)| p.iter().map(|&id| id % vocab).collect()).collect();
+                let mut chunks: Vec<SeqChunk> = (prompts.iter().enumerate())
+                    .map(|(seq, p)| SeqChunk { seq_id: seq as u64, start_pos: 0, len: p.len() })
+                    .collect();
+                let ids = prompts.concat();
                 let mut picker =
                     Picker::new(sampling, round.iter().zip(&prompts).map(|((seed, _), p)| (*seed, p.as_slice())));
                 let start = Instant::now();
@@ -151,7 +149,7 @@ enum Picker {
 impl Picker {
     /// A picker for sequences given as (seed, prompt), in batch order.
     fn new<'a>(sampling: &SamplingParams, seqs: impl IntoIterator<Item = (u64, &'a [u32])>) -> Self {
-        if sampling.temperature == 0.0 {
+        if sampling.is_greedy() {
             return Picker::Greedy;
         }
         Picker::Sampled(
@@ -220,8 +218,7 @@ mod tests {
         let b = picker(&seeds).pick(logits.clone());
         assert_eq!(a, b);
         assert!(a.iter().any(|&t| t != a[0]), "different seeds draw differently here: {a:?}");
-        let greedy = Picker::new(&SamplingParams::default(), seeds.iter().map(|&s| (s, prompt.as_slice())));
-        let mut greedy = greedy;
+        let mut greedy = Picker::new(&SamplingParams::default(), seeds.iter().map(|&s| (s, prompt.as_slice())));
         assert_eq!(greedy.pick(logits.clone()), vec![argmax(&logits[0]); 6]);
         Ok(())
     }

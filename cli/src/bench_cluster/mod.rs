@@ -238,7 +238,7 @@ fn seed(client: usize, index: usize) -> u64 {
 }
 
 fn request(client: usize, index: usize, b: &ClusterBench) -> pb::GenerateRequest {
-    let greedy = b.sampling.temperature == 0.0;
+    let greedy = b.sampling.is_greedy();
     pb::GenerateRequest {
         prompt: Some(pb::generate_request::Prompt::Ids(pb::TokenIds { ids: prompt_ids(client, index, b) })),
         max_tokens: u32::try_from(b.max_tokens).unwrap_or(u32::MAX),
