@@ -10,6 +10,10 @@ use crate::backend::cpu::exp::{exp_from_max, max_of};
 use crate::backend::cpu::simd::Isa;
 use crate::{Error, Result};
 
+mod sequences;
+
+pub use sequences::{Draw, SequenceSampler, draw_all};
+
 /// How to pick tokens.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SamplingParams {

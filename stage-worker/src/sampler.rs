@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use strata_engine::sampling::{Sampler, SamplingParams, TokenHistory, log_softmax_at};
+use strata_engine::sampling::{self, SamplingParams, SequenceSampler, TokenHistory};
 use strata_proto::ServiceError;
 use strata_proto::pb;
 
@@ -17,19 +17,6 @@ pub fn engine_params(p: Option<&pb::SamplingParams>) -> Result<SamplingParams, S
     Ok(params)
 }
 
-struct SeqState {
-    sampler: Sampler,
-    history: TokenHistory,
-}
-
-impl SeqState {
-    fn draw(&mut self, d: &mut Draw<'_>) -> (u32, Option<f32>) {
-        let raw = d.want_logprob.then(|| d.logits.to_vec());
-        let token = self.sampler.sample(d.logits, &self.history);
-        (token, raw.and_then(|raw| log_softmax_at(raw, token)))
-    }
-}
-
 /// One sequence's next token to sample: its id, its row of logits (changed by the penalties and temperature), and
 /// whether the token's log-probability is wanted.
 pub struct Draw<'a> {
@@ -41,7 +28,7 @@ pub struct Draw<'a> {
 /// The sampling state of every sequence this stage has seen and not released.
 #[derive(Default)]
 pub struct SeqSamplers {
-    seqs: HashMap<u64, SeqState>,
+    seqs: HashMap<u64, SequenceSampler>,
 }
 
 impl SeqSamplers {
@@ -56,9 +43,9 @@ impl SeqSamplers {
         let state = self.seqs.entry(chunk.seq_id).or_insert_with(|| {
             let mut history = TokenHistory::new(chunk.prompt_len as usize);
             history.extend(cached);
-            SeqState { sampler: Sampler::new(params.clone()), history }
+            SequenceSampler::new(params.clone(), history)
         });
-        state.history.extend(tokens);
+        state.extend(tokens);
     }
 
     /// Samples the next token of `seq_id` from its logits; with `want_logprob`, also the chosen token's
@@ -75,10 +62,7 @@ impl SeqSamplers {
     }
 
     /// Samples the next token of every draw's sequence (distinct sequences), as [`SeqSamplers::sample`] would one
-    /// by one. Sequences that draw at a temperature (or want a log-probability) are sampled in parallel on the
-    /// current thread pool when there are several: each costs ~90-180 µs over a 49k vocabulary, and a batch of 64
-    /// in turn would hold the last stage's step for ~10 ms while its other threads wait. Greedy picks stay on this
-    /// thread (~6 µs each, less than waking another).
+    /// by one, several in parallel where that pays ([`sampling::draw_all`]).
     pub fn sample_all(&mut self, draws: &mut [Draw<'_>]) -> Result<Vec<(u32, Option<f32>)>, ServiceError> {
         let mut states = Vec::with_capacity(draws.len());
         for d in draws.iter() {
@@ -93,13 +77,13 @@ impl SeqSamplers {
                 }
             }
         }
-        let heavy = states.iter().zip(draws.iter()).filter(|(s, d)| !s.sampler.is_greedy() || d.want_logprob).count();
-        let picks = if heavy >= 2 {
-            use rayon::prelude::*;
-            states.par_iter_mut().zip(draws.par_iter_mut()).map(|(s, d)| s.draw(d)).collect()
-        } else {
-            states.iter_mut().zip(draws.iter_mut()).map(|(s, d)| s.draw(d)).collect()
-        };
+        let mut batch: Vec<sampling::Draw<'_>> = states
+            .iter_mut()
+            .zip(draws.iter_mut())
+            .map(|(sequence, d)| sampling::Draw { sequence, logits: &mut *d.logits, want_logprob: d.want_logprob })
+            .collect();
+        let picks = sampling::draw_all(&mut batch);
+        drop(batch);
         for (d, state) in draws.iter().zip(states) {
             self.seqs.insert(d.seq_id, state);
         }

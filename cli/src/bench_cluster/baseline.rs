@@ -7,12 +7,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
-use rayon::prelude::*;
 use strata_engine::CpuIsa;
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::generate::{BLOCK_SIZE, Engine};
 use strata_engine::model::SeqChunk;
-use strata_engine::sampling::{Sampler, SamplingParams, TokenHistory, argmax};
+use strata_engine::sampling::{Draw, SamplingParams, SequenceSampler, TokenHistory, argmax, draw_all};
 
 use super::report::SingleProcess;
 use super::{Tenth, percentile, tenth_mean};
@@ -140,10 +139,11 @@ impl EngineBaseline {
 }
 
 /// How the engine picks its sequences' next tokens, as the last stage does: greedily, or each sequence with its own
-/// seeded sampler over its prompt and output, several in parallel on the engine's threads.
+/// seeded sampler over its prompt and output, drawn together as the last stage draws them
+/// ([`strata_engine::sampling::draw_all`]).
 enum Picker {
     Greedy,
-    Sampled(Vec<(Sampler, TokenHistory)>),
+    Sampled(Vec<SequenceSampler>),
 }
 
 impl Picker {
@@ -155,28 +155,30 @@ impl Picker {
         Picker::Sampled(
             seqs.into_iter()
                 .map(|(seed, prompt)| {
-                    (
-                        Sampler::new(SamplingParams { seed: Some(seed), ..sampling.clone() }),
-                        TokenHistory::from_prompt(prompt),
-                    )
+                    let params = SamplingParams { seed: Some(seed), ..sampling.clone() };
+                    SequenceSampler::new(params, TokenHistory::from_prompt(prompt))
                 })
                 .collect(),
         )
     }
 
     /// The next token of each sequence from its row of `logits`.
-    fn pick(&mut self, logits: Vec<Vec<f32>>) -> Vec<u32> {
+    fn pick(&mut self, mut logits: Vec<Vec<f32>>) -> Vec<u32> {
         match self {
             Picker::Greedy => logits.iter().map(|l| argmax(l)).collect(),
-            Picker::Sampled(seqs) => seqs
-                .par_iter_mut()
-                .zip(logits)
-                .map(|((sampler, history), mut row)| {
-                    let token = sampler.sample(&mut row, history);
-                    history.push(token);
-                    token
-                })
-                .collect(),
+            Picker::Sampled(seqs) => {
+                let mut draws: Vec<Draw<'_>> = seqs
+                    .iter_mut()
+                    .zip(logits.iter_mut())
+                    .map(|(sequence, row)| Draw { sequence, logits: row, want_logprob: false })
+                    .collect();
+                let tokens: Vec<u32> = draw_all(&mut draws).into_iter().map(|(token, _)| token).collect();
+                drop(draws);
+                for (seq, &token) in seqs.iter_mut().zip(&tokens) {
+                    seq.extend(&[token]);
+                }
+                tokens
+            }
         }
     }
 }
