@@ -164,6 +164,14 @@ fn parse_on_off(s: &str) -> Result<bool, String> {
 /// Runs `strata bench`.
 pub fn run(a: BenchArgs) -> Result<()> {
     if a.kernels.kernels {
+        let unused = a.unused_by_kernels();
+        if !unused.is_empty() {
+            // Not an error: these may come from the environment (STRATA_MODEL, STRATA_THREADS) for other commands.
+            eprintln!(
+                "note: --kernels times random weights on one thread at every level this CPU has; not used: {}",
+                unused.join(", ")
+            );
+        }
         let out = a.out.unwrap_or_else(|| PathBuf::from("target/bench/kernels.json"));
         return crate::bench_kernels::run(&a.kernels, &out);
     }
@@ -198,6 +206,23 @@ pub fn run(a: BenchArgs) -> Result<()> {
         });
     }
     a.device.clone().run(a)
+}
+
+impl BenchArgs {
+    /// The flags set to something other than their defaults that `--kernels` does not read.
+    fn unused_by_kernels(&self) -> Vec<&'static str> {
+        let d = &self.device;
+        let set = [
+            ("--model", self.model.is_some()),
+            ("--device", d.device != strata_engine::Device::Cpu),
+            ("--dtype", d.dtype.is_some()),
+            ("--quantize", d.quantize.is_some()),
+            ("--threads", d.threads != 0),
+            ("--cpu-isa", d.cpu_isa != CpuIsa::Auto),
+            ("--kv-dtype", d.kv_dtype.is_some()),
+        ];
+        set.into_iter().filter(|(_, on)| *on).map(|(name, _)| name).collect()
+    }
 }
 
 impl OnBackend for BenchArgs {
@@ -380,6 +405,9 @@ mod tests {
         assert!(Cli::try_parse_from(["bench", "--kernels"])?.bench.kernels.kernels);
         assert!(Cli::try_parse_from(["bench", "--kernels", "--local", "1"]).is_err());
         assert!(Cli::try_parse_from(["bench", "--kernels", "--coordinator", "http://127.0.0.1:1"]).is_err());
+        assert!(Cli::try_parse_from(["bench", "--kernels"])?.bench.unused_by_kernels().is_empty());
+        let unused = Cli::try_parse_from(["bench", "--kernels", "--threads", "2", "--cpu-isa", "avx2"])?;
+        assert_eq!(unused.bench.unused_by_kernels(), ["--threads", "--cpu-isa"]);
         Ok(())
     }
 }
