@@ -11,7 +11,7 @@ use strata_engine::CpuIsa;
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::generate::{BLOCK_SIZE, Engine};
 use strata_engine::model::SeqChunk;
-use strata_engine::sampling::{Draw, SamplingParams, SequenceSampler, TokenHistory, argmax, draw_all};
+use strata_engine::sampling::{Draw, SamplingParams, SequenceSampler, TokenHistory, draw_all};
 
 use super::report::SingleProcess;
 use super::{Tenth, percentile, tenth_mean};
@@ -138,21 +138,15 @@ impl EngineBaseline {
     }
 }
 
-/// How the engine picks its sequences' next tokens, as the last stage does: greedily, or each sequence with its own
-/// seeded sampler over its prompt and output, drawn together as the last stage draws them
-/// ([`strata_engine::sampling::draw_all`]).
-enum Picker {
-    Greedy,
-    Sampled(Vec<SequenceSampler>),
-}
+/// How the engine picks its sequences' next tokens, as the last stage does: each sequence with its own sampler
+/// (seeded) over its prompt and output, drawn together as the last stage draws them
+/// ([`strata_engine::sampling::draw_all`]; greedy picks stay on the calling thread).
+struct Picker(Vec<SequenceSampler>);
 
 impl Picker {
     /// A picker for sequences given as (seed, prompt), in batch order.
     fn new<'a>(sampling: &SamplingParams, seqs: impl IntoIterator<Item = (u64, &'a [u32])>) -> Self {
-        if sampling.is_greedy() {
-            return Picker::Greedy;
-        }
-        Picker::Sampled(
+        Picker(
             seqs.into_iter()
                 .map(|(seed, prompt)| {
                     let params = SamplingParams { seed: Some(seed), ..sampling.clone() };
@@ -164,28 +158,22 @@ impl Picker {
 
     /// The next token of each sequence from its row of `logits`.
     fn pick(&mut self, mut logits: Vec<Vec<f32>>) -> Vec<u32> {
-        match self {
-            Picker::Greedy => logits.iter().map(|l| argmax(l)).collect(),
-            Picker::Sampled(seqs) => {
-                let mut draws: Vec<Draw<'_>> = seqs
-                    .iter_mut()
-                    .zip(logits.iter_mut())
-                    .map(|(sequence, row)| Draw { sequence, logits: row, want_logprob: false })
-                    .collect();
-                let tokens: Vec<u32> = draw_all(&mut draws).into_iter().map(|(token, _)| token).collect();
-                drop(draws);
-                for (seq, &token) in seqs.iter_mut().zip(&tokens) {
-                    seq.extend(&[token]);
-                }
-                tokens
-            }
+        let mut draws: Vec<Draw<'_>> = (self.0.iter_mut().zip(logits.iter_mut()))
+            .map(|(sequence, row)| Draw { sequence, logits: row, want_logprob: false })
+            .collect();
+        let tokens: Vec<u32> = draw_all(&mut draws).into_iter().map(|(token, _)| token).collect();
+        drop(draws);
+        for (seq, &token) in self.0.iter_mut().zip(&tokens) {
+            seq.extend(&[token]);
         }
+        tokens
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use strata_engine::sampling::argmax;
 
     #[test]
     fn the_workload_counts_every_generated_token_and_frees_its_sequences() -> Result<()> {
