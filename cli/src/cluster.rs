@@ -65,6 +65,10 @@ pub(crate) struct StageDevice {
 /// A whole cluster in this process: stage workers registered in an embedded registry and a coordinator, all
 /// talking real gRPC on loopback.
 pub(crate) struct LocalCluster {
+    /// Where the coordinator serves its gRPC API (its port, when 0 was asked for, is the one bound).
+    pub(crate) grpc: SocketAddr,
+    /// Where it serves its HTTP API.
+    pub(crate) http: SocketAddr,
     workers: Vec<Worker>,
     coordinator: tokio::task::JoinHandle<strata_coordinator::Result<()>>,
     shutdown: CancellationToken,
@@ -72,7 +76,8 @@ pub(crate) struct LocalCluster {
 
 impl LocalCluster {
     /// Starts `stages` CPU workers of `coordinator.model` (each with `threads` threads of kernels at `cpu_isa` and
-    /// `kv_blocks` KV blocks) and the coordinator, which serves the APIs `coordinator` names.
+    /// `kv_blocks` KV blocks) and the coordinator, which serves the APIs `coordinator` names. Both API addresses
+    /// are bound first, so a taken one fails at once, before any worker loads.
     pub(crate) async fn start(
         coordinator: CoordinatorConfig,
         stages: usize,
@@ -96,6 +101,11 @@ impl LocalCluster {
         if stages == 0 {
             bail!("--stages must be at least 1");
         }
+        let bind = |api: &'static str, addr: SocketAddr| async move {
+            tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot bind the {api} API on {addr}"))
+        };
+        let grpc = bind("gRPC", coordinator.grpc_addr).await?;
+        let http = bind("HTTP", coordinator.http_addr).await?;
         let registry = EmbeddedRegistry::new("local");
         let mut workers = Vec::with_capacity(stages);
         for i in 0..stages {
@@ -125,26 +135,41 @@ impl LocalCluster {
             ..coordinator
         };
         let shutdown = CancellationToken::new();
-        let coordinator = tokio::spawn(strata_coordinator::run_with_registry(config, registry, shutdown.clone()));
-        Ok(Self { workers, coordinator, shutdown })
+        let (grpc_addr, http_addr) = (grpc.local_addr()?, http.local_addr()?);
+        let coordinator =
+            tokio::spawn(strata_coordinator::serve_with_registry(config, registry, grpc, http, shutdown.clone()));
+        Ok(Self { grpc: grpc_addr, http: http_addr, workers, coordinator, shutdown })
     }
 
     /// Runs until `stop` fires or the coordinator fails, then shuts everything down.
-    pub(crate) async fn run_until(mut self, stop: impl std::future::Future<Output = ()>) -> Result<()> {
+    pub(crate) async fn run_until(self, stop: impl std::future::Future<Output = ()>) -> Result<()> {
+        self.run_while(async {
+            stop.await;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Runs `work` against the cluster, then shuts everything down; returns what `work` returned, or, should the
+    /// coordinator end first (it does only on an error), the coordinator's error at once.
+    pub(crate) async fn run_while<T>(mut self, work: impl std::future::Future<Output = Result<T>>) -> Result<T> {
         let finished = tokio::select! {
-            () = stop => None,
-            r = &mut self.coordinator => Some(r),
+            r = work => Ok(r),
+            r = &mut self.coordinator => Err(r),
         };
         self.shutdown.cancel();
-        let joined = match finished {
-            Some(r) => r,
-            None => self.coordinator.await,
+        let (output, joined) = match finished {
+            Ok(output) => (Some(output), self.coordinator.await),
+            Err(joined) => (None, joined),
         };
-        let result = joined.context("coordinator task").and_then(|r| r.context("coordinator"));
+        let coordinator = joined.context("coordinator task").and_then(|r| r.context("coordinator"));
         for w in self.workers {
             let _ = w.shutdown().await;
         }
-        result
+        match output {
+            Some(output) => coordinator.and(output),
+            None => Err(coordinator.err().unwrap_or_else(|| anyhow::anyhow!("the coordinator stopped"))),
+        }
     }
 }
 
@@ -171,7 +196,7 @@ pub fn local(a: LocalArgs) -> Result<()> {
     rt.block_on(async move {
         let coordinator = CoordinatorConfig::new(&a.model, a.grpc, a.http);
         let cluster = LocalCluster::start_on(coordinator, a.stages, a.threads, a.kv_blocks, a.device).await?;
-        eprintln!("coordinator gRPC API on {}, OpenAI-compatible HTTP API on http://{}/v1", a.grpc, a.http);
+        eprintln!("coordinator gRPC API on {}, OpenAI-compatible HTTP API on http://{}/v1", cluster.grpc, cluster.http);
         eprintln!("{} stages; requests are served once every stage is ready (GET /health); Ctrl-C to stop", a.stages);
         cluster.run_until(shutdown_signal()).await
     })

@@ -65,6 +65,25 @@ fn local_cluster_matches_single_process_on_smollm2() -> Result<()> {
 }
 
 #[test]
+fn a_taken_api_address_fails_at_once_before_any_worker_loads() -> Result<()> {
+    let model = smollm2();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let http = taken.local_addr()?.to_string();
+    let grpc = format!("127.0.0.1:{}", free_port()?);
+    let started = std::time::Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["local", "--stages", "2", "--grpc", &grpc, "--http", &http, "--model"])
+        .arg(&model)
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains(&format!("cannot bind the HTTP API on {http}")), "{stderr}");
+    assert!(!stderr.contains("stage worker local-0 listening"), "a worker started first: {stderr}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(30), "took {:?}", started.elapsed());
+    Ok(())
+}
+
+#[test]
 fn cluster_bench_reports_every_level_and_writes_a_plot() -> Result<()> {
     let model = smollm2();
     let dir = tempfile::tempdir()?;

@@ -165,6 +165,21 @@ pub async fn run_with_registry<R: Registry>(
     shutdown: CancellationToken,
 ) -> Result<()> {
     config.validate()?;
+    let grpc = bind("gRPC", config.grpc_addr).await?;
+    let http = bind("HTTP", config.http_addr).await?;
+    serve_with_registry(config, registry, grpc, http, shutdown).await
+}
+
+/// Like [`run_with_registry`], serving the gRPC and HTTP APIs on listeners the caller has bound (to port 0, say:
+/// nothing can take the port between choosing it and serving on it); `grpc_addr` and `http_addr` are not read.
+pub async fn serve_with_registry<R: Registry>(
+    config: CoordinatorConfig,
+    registry: R,
+    grpc: tokio::net::TcpListener,
+    http: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    config.validate()?;
     let model = ModelInfo::open(&config.model)?;
     let (context, min_kv_tokens) = config.context(model.context)?;
     let shape = ModelShape::from_model_path(&config.model, &config.size_options(min_kv_tokens))?;
@@ -179,8 +194,6 @@ pub async fn run_with_registry<R: Registry>(
     );
     let model = ModelInfo { name: model_name.clone(), context, ..model };
     let tls = config.tls()?;
-    let grpc = bind("gRPC", config.grpc_addr).await?;
-    let http = bind("HTTP", config.http_addr).await?;
     let options = config.pipeline_options(tls.clone());
     let grace = config.shutdown_grace();
     let listeners = Listeners { grpc, http, tls, keys: Arc::new(config.keys()), max_body_bytes: config.max_body_bytes };

@@ -129,14 +129,15 @@ pub fn run(b: ClusterBench) -> Result<()> {
                 let per_stage = (threads_total / stages).max(1);
                 let single = baselines.iter().find(|d| d.threads == per_stage).cloned().unwrap_or_default();
                 rt.block_on(async {
-                    let grpc = free_addr()?;
-                    let http = free_addr()?;
+                    // Port 0: the cluster binds both APIs itself, so no other process can take a port first.
+                    let any = SocketAddr::from(([127, 0, 0, 1], 0));
                     let config = CoordinatorConfig {
                         enable_prefix_caching: if caching { PrefixCaching::On } else { PrefixCaching::Off },
                         micro_batches_per_stage: micro_batches,
-                        ..CoordinatorConfig::new(&model, grpc, http)
+                        ..CoordinatorConfig::new(&model, any, any)
                     };
                     let cluster = LocalCluster::start(config, stages, per_stage, kv_blocks, b.cpu_isa).await?;
+                    let grpc = cluster.grpc;
                     let bench = async {
                         let url = format!("http://{grpc}");
                         let endpoint = strata_proto::endpoint(&url, None)?;
@@ -162,9 +163,8 @@ pub fn run(b: ClusterBench) -> Result<()> {
                         }
                         Ok::<_, anyhow::Error>(())
                     };
-                    let result = bench.await;
-                    cluster.run_until(std::future::ready(())).await?;
-                    result
+                    // The coordinator's failure (at start, say) ends the run at once, not after the client's wait.
+                    cluster.run_while(bench).await
                 })?;
             }
         }
@@ -196,10 +196,6 @@ fn clusters(stages: &[usize], caching: &[bool], micro_batches: &[usize]) -> Vec<
         }
     }
     clusters
-}
-
-fn free_addr() -> Result<SocketAddr> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
 }
 
 /// The engine's rate on the benchmark's workload at `concurrency` streams: the same requests, each round's prompts in

@@ -9,14 +9,44 @@ pub mod pki;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 pub use etcd::{EtcdPki, EtcdSecurity, EtcdServer};
 
-/// A port nothing listens on right now (the OS picks it; a race with other processes is possible but rare).
+/// A port for a test's server (a child process, or a listener bound later) that nothing listens on right now.
+///
+/// The kernel's `bind(0)` would pick from its ephemeral range, where every outgoing connection also takes its
+/// local port: the tests open thousands, and one of them could take the port between this call and the server's
+/// bind ("Address already in use"). So the port comes from below that range (or above it), where nothing takes a
+/// port unasked, and this process hands each port out once, starting from an offset of its own so that two test
+/// processes rarely walk the same ports.
 pub fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    static NEXT: AtomicUsize = AtomicUsize::new(usize::MAX);
+    let (low, high) =
+        unassigned_ports(&std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default());
+    let len = usize::from(high - low) + 1;
+    let start = (std::process::id() as usize).wrapping_mul(7919) % len;
+    let _ = NEXT.compare_exchange(usize::MAX, start, Ordering::Relaxed, Ordering::Relaxed);
+    for _ in 0..len {
+        let port = low + (NEXT.fetch_add(1, Ordering::Relaxed) % len) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    bail!("no free port in {low}..={high}")
+}
+
+/// The ports outside the kernel's ephemeral range (`ip_local_port_range`'s "low high"): those below it from 10000,
+/// else those above it; the Linux default range 32768–60999 gives 10000–32767.
+fn unassigned_ports(ip_local_port_range: &str) -> (u16, u16) {
+    let mut bounds = ip_local_port_range.split_whitespace().map(str::parse::<u16>);
+    match (bounds.next(), bounds.next()) {
+        (Some(Ok(low)), Some(Ok(_))) if low >= 12_000 => (10_000, low - 1),
+        (Some(Ok(_)), Some(Ok(high))) if high <= 63_000 => (high + 1, 65_535),
+        _ => (10_000, 32_767),
+    }
 }
 
 /// The SmolLM2 GGUF test model: `STRATA_TEST_MODEL`, else the cache path `scripts/fetch-model.sh` writes.
@@ -135,5 +165,32 @@ impl Process {
 impl Drop for Process {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ports_come_from_outside_the_ephemeral_range() {
+        assert_eq!(unassigned_ports("32768\t60999\n"), (10_000, 32_767));
+        assert_eq!(unassigned_ports("1024 50000"), (50_001, 65_535));
+        assert_eq!(unassigned_ports("1024 65535"), (10_000, 32_767));
+        assert_eq!(unassigned_ports(""), (10_000, 32_767));
+    }
+
+    #[test]
+    fn each_port_is_handed_out_once_and_is_free() -> Result<()> {
+        let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+        let (low, high) = unassigned_ports(&range);
+        let ports = (0..200).map(|_| free_port()).collect::<Result<Vec<u16>>>()?;
+        let distinct: std::collections::BTreeSet<_> = ports.iter().collect();
+        assert_eq!(distinct.len(), ports.len());
+        for &p in &ports {
+            assert!((low..=high).contains(&p), "{p} is outside {low}..={high}");
+            TcpListener::bind(("127.0.0.1", p))?;
+        }
+        Ok(())
     }
 }
