@@ -24,6 +24,14 @@ pub struct Reason {
     pub reason: &'static str,
 }
 
+/// Labels naming the way a micro-batch's answer came back (`route="direct"`: from the last stage's `Answers`
+/// stream; `"relayed"`: up the `Forward` streams).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Route {
+    /// `direct` or `relayed`.
+    pub route: &'static str,
+}
+
 /// Labels naming a stage by its position in the pipeline (`stage="0"`).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Stage {
@@ -86,6 +94,8 @@ pub struct Metrics {
     /// Times the stages failed under the pipeline and every sequence was requeued (`batch_failed`,
     /// `stream_broken`, `batch_overdue`).
     pub stage_failures: Family<Reason, Counter>,
+    /// Micro-batch answers received, by the way they came (`direct`, `relayed`).
+    pub answers: Family<Route, Counter>,
     /// KV blocks of the tightest stage, as the scheduler budgets them.
     pub kv_blocks_capacity: Gauge,
     /// Of those, blocks no sequence holds.
@@ -146,6 +156,7 @@ impl Metrics {
             generation_tokens: Counter::default(),
             preemptions: Family::default(),
             stage_failures: Family::default(),
+            answers: Family::default(),
             kv_blocks_capacity: Gauge::default(),
             kv_blocks_free: Gauge::default(),
             kv_usage_ratio: Gauge::default(),
@@ -185,6 +196,11 @@ impl Metrics {
             "stage_failures",
             "Stage failures that requeued every sequence for recompute, by reason",
             m.stage_failures.clone(),
+        );
+        r.register(
+            "stage_answers",
+            "Micro-batch answers received: direct from the last stage, or relayed back through the stages",
+            m.answers.clone(),
         );
         r.register("kv_blocks_capacity", "KV blocks of the tightest stage", m.kv_blocks_capacity.clone());
         r.register("kv_blocks_free", "KV blocks no sequence holds", m.kv_blocks_free.clone());

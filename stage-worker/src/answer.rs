@@ -1,7 +1,9 @@
 //! A batch's answer, sent from the executor thread the moment the batch is computed: hidden states go into the
-//! link to the next stage, sampled tokens and errors into the upstream response stream. No task sits between
-//! the executor and those queues, so a pipeline hop pays one cross-thread wake-up less (each costs 20-50 µs on
-//! the development VMs); batches still leave in the order they were computed, which is their arrival order.
+//! link to the next stage (with this stage's timing appended to the batch's), sampled tokens to the
+//! coordinator's `Answers` route when it has one open (`direct`; an acknowledgement goes upstream), else they and
+//! errors into the upstream response stream. No task sits between the executor and those queues, so a pipeline
+//! hop pays one cross-thread wake-up less (each costs 20-50 µs on the development VMs); batches still leave in the
+//! order they were computed, which is their arrival order.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -13,6 +15,7 @@ use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tonic::Status;
 
+use crate::direct::DirectAnswers;
 use crate::executor::{BatchResult, Completion, Output};
 use crate::metrics::StageMetrics;
 use crate::slot::ActiveStage;
@@ -57,6 +60,8 @@ pub(crate) struct Pending {
     pub traced: Vec<tracing::Span>,
     /// The runtime that waits for the next stage's response.
     pub runtime: Handle,
+    /// The coordinator's route for sampled tokens, when it has one open.
+    pub direct: DirectAnswers,
 }
 
 /// A batch's [`Completion`]: answers exactly once, from the executor or, if dropped unrun, by itself.
@@ -94,7 +99,7 @@ impl Drop for Answer {
 }
 
 impl Pending {
-    fn finish(self, result: BatchResult) {
+    fn finish(mut self, result: BatchResult) {
         let batch_id = self.meta.batch_id;
         let output = match result {
             Ok(output) => output,
@@ -115,24 +120,43 @@ impl Pending {
             (Output::Tokens(tokens), _) => {
                 // Up to the response's hand-off to the stream: what follows is transport.
                 timing.handoff_micros = wire_micros(output.finished.elapsed());
+                let mut timings = std::mem::take(&mut self.meta.timings);
+                timings.push(timing);
                 let resp = pb::ForwardResponse {
                     batch_id,
                     tokens,
-                    stage_compute_micros: timing.compute_micros,
-                    timings: vec![timing],
-                    error: None,
+                    stage_compute_micros: timings.iter().map(|t| t.compute_micros).sum(),
+                    timings,
+                    ..Default::default()
                 };
                 self.metrics.sent(resp.encoded_len());
+                let resp = match self.direct.send(self.meta.term, resp) {
+                    Ok(()) => {
+                        self.metrics.answered_directly();
+                        pb::ForwardResponse { batch_id, answered_directly: true, ..Default::default() }
+                    }
+                    Err(resp) => resp,
+                };
+                if resp.answered_directly && stage.stage_index == 0 {
+                    // Upstream is the coordinator, which has the answer: nothing to acknowledge.
+                    let Pending { guard, traced, .. } = self;
+                    drop(guard);
+                    drop(traced);
+                    return;
+                }
                 self.respond(resp);
             }
             (Output::Hidden(hidden), Some(down)) => {
                 let Pending { mut meta, out, metrics, guard, traced, runtime, .. } = self;
+                let first = stage.stage_index == 0;
                 meta.hidden = Some(hidden);
+                // Up to the batch's hand-off to the next stage's link.
+                timing.handoff_micros = wire_micros(output.finished.elapsed());
+                meta.timings.push(timing);
                 metrics.sent(meta.encoded_len());
                 let answer = down.send_blocking(meta);
-                timing.handoff_micros = wire_micros(output.finished.elapsed());
                 runtime.spawn(async move {
-                    let mut resp = match answer.await {
+                    let resp = match answer.await {
                         Ok(Ok(resp)) => resp,
                         Ok(Err(err)) => error_response(&metrics, batch_id, err),
                         Err(_) => error_response(
@@ -141,11 +165,13 @@ impl Pending {
                             ServiceError::unavailable("the link to the next stage stopped"),
                         ),
                     };
-                    resp.stage_compute_micros = resp.stage_compute_micros.saturating_add(timing.compute_micros);
-                    resp.timings.push(timing);
                     // Counted as answered before the caller can see the answer.
                     drop(guard);
-                    let _ = out.send(Ok(resp)).await;
+                    // An acknowledgement frees each earlier stage's wait for this batch; stage 0's upstream is the
+                    // coordinator, which has the answer already and would only wake up for it.
+                    if !(first && resp.answered_directly) {
+                        let _ = out.send(Ok(resp)).await;
+                    }
                     drop(traced);
                 });
             }

@@ -17,6 +17,7 @@
 mod answer;
 mod config;
 mod device;
+mod direct;
 mod downstream;
 mod error;
 mod executor;

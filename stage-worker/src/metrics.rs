@@ -50,6 +50,7 @@ pub struct StageMetrics {
     compute: Histogram,
     received: Counter,
     sent: Counter,
+    answered_directly: Counter,
     errors: Family<Kind, Counter>,
     queue_depth: Gauge,
     kv_blocks_total: Gauge,
@@ -76,6 +77,7 @@ impl StageMetrics {
             compute: Histogram::new(exponential_buckets(0.0001, 2.0, 18)),
             received: Counter::default(),
             sent: Counter::default(),
+            answered_directly: Counter::default(),
             errors: Family::default(),
             queue_depth: Gauge::default(),
             kv_blocks_total: Gauge::default(),
@@ -95,6 +97,11 @@ impl StageMetrics {
         r.register("batch_compute_seconds", "Compute time of one micro-batch on this stage", m.compute.clone());
         r.register("received_bytes", "Bytes of micro-batches received from upstream", m.received.clone());
         r.register("sent_bytes", "Bytes sent on: hidden states downstream, sampled tokens back", m.sent.clone());
+        r.register(
+            "answered_directly",
+            "Micro-batches whose sampled tokens went straight to the coordinator's Answers stream (last stage)",
+            m.answered_directly.clone(),
+        );
         r.register("errors", "Micro-batches answered with an error, by kind", m.errors.clone());
         r.register("queue_depth", "Micro-batches received and not yet answered", m.queue_depth.clone());
         r.register("kv_blocks_total", "KV cache capacity in blocks", m.kv_blocks_total.clone());
@@ -130,6 +137,11 @@ impl StageMetrics {
     /// `bytes` left the stage.
     pub fn sent(&self, bytes: usize) {
         self.sent.inc_by(bytes as u64);
+    }
+
+    /// A micro-batch's tokens went to the coordinator's `Answers` stream.
+    pub fn answered_directly(&self) {
+        self.answered_directly.inc();
     }
 
     /// A micro-batch was answered with an error of `code`.

@@ -1,6 +1,6 @@
 //! The `Stage` gRPC service: a thin layer that checks each micro-batch's plan epoch and coordinator term, feeds
-//! it to the executor in arrival order, hands its output to the next stage (or answers with sampled tokens), and
-//! relays responses upstream.
+//! it to the executor in arrival order, hands its output to the next stage (or answers with sampled tokens, on the
+//! coordinator's `Answers` stream when it has one open here), and relays responses upstream.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -19,6 +19,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::answer::{Answer, InflightGuard, Pending, Responses, error_response};
+use crate::direct::DirectAnswers;
 use crate::metrics::StageMetrics;
 use crate::slot::{ActiveStage, StageSlot};
 
@@ -33,13 +34,14 @@ pub struct StageService {
     inflight: Arc<AtomicU32>,
     metrics: Arc<StageMetrics>,
     shutdown: CancellationToken,
+    direct: DirectAnswers,
 }
 
 impl StageService {
     /// A service running batches on whatever stage `slot` holds when they arrive, counting them in `metrics`.
     /// Open `Forward` streams stop taking batches when `shutdown` is cancelled.
     pub fn new(node_id: String, slot: StageSlot, metrics: Arc<StageMetrics>, shutdown: CancellationToken) -> Self {
-        StageService { node_id, slot, inflight: Arc::default(), metrics, shutdown }
+        StageService { node_id, slot, inflight: Arc::default(), metrics, shutdown, direct: DirectAnswers::default() }
     }
 
     /// Batches received and not yet answered, as the service counts them.
@@ -69,6 +71,16 @@ impl Stage for StageService {
         let reader = read_batches(inbound, self.clone(), out_tx);
         tokio::spawn(tracing::Instrument::instrument(reader, span));
         Ok(Response::new(ReceiverStream::new(out_rx)))
+    }
+
+    type AnswersStream = ReceiverStream<Result<pb::ForwardResponse, Status>>;
+
+    async fn answers(&self, request: Request<pb::AnswersRequest>) -> Result<Response<Self::AnswersStream>, Status> {
+        let term = request.into_inner().term;
+        // As a batch of that term would: a newer coordinator's stream raises the term and fences the older off.
+        self.slot.term().admit(term, format_args!("answers stream"))?;
+        tracing::debug!(node = %self.node_id, term, "coordinator's Answers stream open");
+        Ok(Response::new(ReceiverStream::new(self.direct.open(term, &self.shutdown))))
     }
 
     async fn release(&self, request: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
@@ -160,7 +172,7 @@ fn request_spans(node_id: &str, stage: &ActiveStage, batch: &pb::ForwardRequest)
 /// Takes batches off an upstream stream and queues them on the executor without waiting for results, so
 /// batch N+1 computes while batch N is downstream; each batch's [`Answer`] sends its output on from the executor.
 async fn read_batches(mut inbound: Streaming<pb::ForwardRequest>, service: StageService, out: Responses) {
-    let StageService { node_id, slot, inflight, metrics, shutdown } = service;
+    let StageService { node_id, slot, inflight, metrics, shutdown, direct } = service;
     let runtime = Handle::current();
     loop {
         let next = tokio::select! {
@@ -206,6 +218,7 @@ async fn read_batches(mut inbound: Streaming<pb::ForwardRequest>, service: Stage
             guard,
             traced: traced.clone(),
             runtime: runtime.clone(),
+            direct: direct.clone(),
         });
         if let Err(err) = on.executor.submit(batch, traced, received, answer).await {
             // The answer, dropped unrun, reports the batch.

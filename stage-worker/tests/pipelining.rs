@@ -16,7 +16,7 @@ use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
 
 /// Answers batch 1 after 600 ms and any other batch after 300 ms, with one token per chunk whose id is the
-/// row count of the hidden states it got.
+/// row count of the hidden states it got, and the timings the batch brought (as a last stage does).
 struct SlowStage;
 
 #[tonic::async_trait]
@@ -41,12 +41,19 @@ impl Stage for SlowStage {
                         .iter()
                         .map(|c| pb::SampledToken { seq_id: c.seq_id, token_id: rows, logprob: None })
                         .collect();
-                    let _ =
-                        tx.send(Ok(pb::ForwardResponse { batch_id: req.batch_id, tokens, ..Default::default() })).await;
+                    let timings = req.timings.clone();
+                    let resp = pb::ForwardResponse { batch_id: req.batch_id, tokens, timings, ..Default::default() };
+                    let _ = tx.send(Ok(resp)).await;
                 });
             }
         });
         Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    type AnswersStream = ReceiverStream<Result<pb::ForwardResponse, Status>>;
+
+    async fn answers(&self, _: Request<pb::AnswersRequest>) -> Result<Response<Self::AnswersStream>, Status> {
+        Err(Status::unimplemented("answers"))
     }
 
     async fn release(&self, _: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
@@ -87,7 +94,7 @@ async fn batches_overlap_downstream_and_answers_match_by_batch_id() -> Result<()
     ensure!((first.batch_id, second.batch_id) == (2, 1), "answers are relayed as they come: {first:?} {second:?}");
     ensure!(first.tokens.first().map(|t| (t.seq_id, t.token_id)) == Some((2, 5)), "{first:?}");
     ensure!(second.tokens.first().map(|t| (t.seq_id, t.token_id)) == Some((1, 3)), "{second:?}");
-    ensure!(first.timings.len() == 1 && first.timings[0].stage_index == 0, "stage 0 adds its timing: {first:?}");
+    ensure!(first.timings.len() == 1 && first.timings[0].stage_index == 0, "stage 0 sends its timing on: {first:?}");
     // Serially this takes 900 ms; pipelined, 600 ms.
     ensure!(elapsed < Duration::from_millis(850), "batches did not overlap: {elapsed:?}");
     drop(stream);

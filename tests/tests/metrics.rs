@@ -70,6 +70,9 @@ async fn metrics_count_what_the_requests_did() -> Result<()> {
     assert_eq!(sample(&m, "strata_requests_admitted_total"), 4.0, "{m:?}");
     assert_eq!(finished("length") + finished("eos"), 3.0, "{m:?}");
     assert_eq!(finished("error"), 0.0, "{m:?}");
+    // Two stages: every answer came straight from the last stage, none relayed back through stage 0.
+    assert!(sample(&m, "strata_stage_answers_total{route=\"direct\"}") >= 12.0, "{m:?}");
+    assert_eq!(sample(&m, "strata_stage_answers_total{route=\"relayed\"}"), 0.0, "{m:?}");
     assert_eq!(sample(&m, "strata_requests_rejected_total{reason=\"overloaded\"}"), 1.0, "{m:?}");
     assert_eq!(sample(&m, "strata_prompt_tokens_total"), 4.0 * PROMPT.len() as f64, "{m:?}");
     // The three finished requests plus whatever the abandoned one streamed before it was cancelled.

@@ -153,7 +153,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
                             run.engine_decode_tokens_per_s = Some(rate.decode_tokens_per_s);
                             run.serving_vs_engine = Some(run.tokens_per_s / rate.tokens_per_s);
                             if c == 1 {
-                                let added = (run.itl_ms_p50 - single.itl_ms_p50) * 1e3 / (2 * stages) as f64;
+                                let added = (run.itl_ms_p50 - single.itl_ms_p50) * 1e3 / hops(stages) as f64;
                                 run.added_us_per_hop_vs_single_process = Some(added);
                                 run.added_ms_first_tenth = Some(run.itl_ms_first_tenth - single.itl_ms_first_tenth);
                                 run.added_ms_last_tenth = Some(run.itl_ms_last_tenth - single.itl_ms_last_tenth);
@@ -184,6 +184,13 @@ pub fn run(b: ClusterBench) -> Result<()> {
         runs,
     };
     write_outputs(&report, &b.out)
+}
+
+/// A micro-batch step's hops through `stages` stages: the coordinator to stage 0, one per stage to the next, and
+/// the last stage's answer straight back to the coordinator (its `Answers` stream; relayed back through every
+/// stage, as before 2026-12-04, a step took two per stage).
+fn hops(stages: usize) -> usize {
+    stages.max(1) + 1
 }
 
 /// The local clusters to start, as (stages, prefix caching, micro-batches per stage): every combination, the
@@ -335,7 +342,8 @@ async fn measure(client: &Client, b: &ClusterBench, stages: usize, concurrency: 
     let cached: u64 = samples.iter().map(|s| u64::from(s.usage.cached_prompt_tokens)).sum();
     let per_step = |micros: u64| if steps == 0 { 0.0 } else { micros as f64 / steps as f64 };
     let overhead_us_per_step = per_step(overhead);
-    let (stages_f, hops) = (stages.max(1) as f64, (2 * stages.max(1)) as f64);
+    let (stages_f, hops_per_step) = (stages.max(1) as f64, hops(stages));
+    let hops = hops_per_step as f64;
     Ok(Run {
         stages,
         concurrency,
@@ -352,6 +360,7 @@ async fn measure(client: &Client, b: &ClusterBench, stages: usize, concurrency: 
         itl_ms_last_tenth: tenth_ms(&samples, Tenth::Last),
         overhead_us_per_step,
         overhead_us_per_hop: overhead_us_per_step / hops,
+        hops_per_step,
         queue_us_per_stage: per_step(queue) / stages_f,
         handoff_us_per_stage: per_step(handoff) / stages_f,
         wire_us_per_hop: (overhead_us_per_step - per_step(queue) - per_step(handoff)) / hops,

@@ -45,8 +45,10 @@ pub(super) struct Run {
     pub wire_us_per_hop: f64,
     /// Pipeline time minus stage compute, per micro-batch step, in µs.
     pub overhead_us_per_step: f64,
-    /// The same divided by the step's hops (2 per stage: down the pipeline and back).
+    /// The same divided by the step's hops.
     pub overhead_us_per_hop: f64,
+    /// A step's hops: stages + 1 (to stage 0, from stage to stage, the last stage's answer straight back).
+    pub hops_per_step: usize,
     /// (Cluster ITL p50 - single-process decode p50) / hops, for concurrency 1 of a local cluster.
     pub added_us_per_hop_vs_single_process: Option<f64>,
     /// Cluster minus single-process inter-token latency over the first and the last tenth of the tokens (ms), for

@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 use strata_membership::{Backoff, Plan};
 use strata_proto::{ErrorCode, ServiceError, pb};
 use tokio::sync::{mpsc, oneshot};
-use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
@@ -25,8 +24,8 @@ use super::link::{Connected, Dialer, Failed, Suspect};
 use super::output::{SeqOutput, Verdict};
 use super::scheduler::{Effect, RequestId, Requeue, Scheduler};
 use super::{Command, Finish, ModelInfo, PipelineOptions, SeqEvent, SeqRequest, StepTiming, Timeouts};
-use crate::metrics::Metrics;
-use crate::stage_client::{ForwardStream, TracedStageClient};
+use crate::metrics::{Metrics, Route};
+use crate::stage_client::{ForwardStream, TracedStageClient, Via};
 
 /// Events buffered per sequence before the actor waits for its caller.
 const EVENT_BUFFER: usize = 64;
@@ -474,9 +473,12 @@ impl Actor {
         }
     }
 
-    fn on_response(&mut self, resp: Option<Result<pb::ForwardResponse, tonic::Status>>) {
+    fn on_response(&mut self, resp: Option<Result<(pb::ForwardResponse, Via), tonic::Status>>) {
         let effects = match resp {
-            Some(Ok(r)) => self.scheduler.apply_response(r, Instant::now()),
+            Some(Ok((r, via))) => {
+                self.metrics.answers.get_or_create(&Route { route: via.as_str() }).inc();
+                self.scheduler.apply_response(r, Instant::now())
+            }
             Some(Err(status)) => self.scheduler.stall(&ServiceError::from(status)),
             None => self.scheduler.stall(&ServiceError::unavailable("stage 0 closed the Forward stream")),
         };
@@ -652,9 +654,11 @@ fn publish_plan(metrics: &Metrics, plan: &Plan) {
     metrics.stages.set(plan.stages.len() as i64);
 }
 
-async fn next_response(stream: &mut Option<ForwardStream>) -> Option<Result<pb::ForwardResponse, tonic::Status>> {
+async fn next_response(
+    stream: &mut Option<ForwardStream>,
+) -> Option<Result<(pb::ForwardResponse, Via), tonic::Status>> {
     match stream {
-        Some(s) => s.rx.next().await,
+        Some(s) => s.next().await,
         None => std::future::pending().await,
     }
 }

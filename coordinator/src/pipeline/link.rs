@@ -2,7 +2,7 @@
 //! scheduler loop: every stage is asked for its status at once (each within the probe timeout), the stages that
 //! do not answer are named as suspects for the control loop to plan around, a stage already on another plan
 //! epoch or leadership term means the plan is changing (wait for the next one), and the `Forward` stream to stage
-//! 0 is opened only when every stage is fine.
+//! 0 (with the last stage's `Answers` stream beside it) is opened only when every stage is fine.
 
 use std::time::Duration;
 
@@ -120,10 +120,20 @@ impl Dialer {
             .collect();
         let stage0 = &plan.stages[0];
         let mut client = clients[0].clone();
-        let stream = stage_client::open_forward(&mut client).await.map_err(|error| {
+        let mut stream = stage_client::open_forward(&mut client).await.map_err(|error| {
             let suspect = Suspect { node_id: stage0.node_id.clone(), epoch: plan.epoch.0, reason: error.to_string() };
             Failed::new(error, vec![suspect])
         })?;
+        // The last stage's answers straight here, past the stages before it; without the stream (a failure to
+        // open it is only logged) they come relayed, as they did before it existed.
+        if let [_, .., last] = clients.as_slice() {
+            match stage_client::open_answers(&mut last.clone(), plan.term).await {
+                Ok(answers) => stream.answers = Some(answers),
+                Err(error) => {
+                    tracing::warn!(%error, "cannot open the last stage's Answers stream; answers come relayed")
+                }
+            }
+        }
         Ok(Connected { clients, stream, budget, memory })
     }
 

@@ -61,6 +61,7 @@ impl Scheduler {
             term: self.term,
             evict_blocks,
             clear_prefix_cache,
+            timings: Vec::new(),
         }
     }
 

@@ -91,7 +91,7 @@ pub(super) fn answer(batch: &pb::ForwardRequest) -> pb::ForwardResponse {
         pb::StageTiming { stage_index: 1, compute_micros: 30, queue_micros: 4, handoff_micros: 2 },
         pb::StageTiming { stage_index: 0, compute_micros: 20, queue_micros: 3, handoff_micros: 1 },
     ];
-    pb::ForwardResponse { batch_id: batch.batch_id, tokens, stage_compute_micros: 50, timings, error: None }
+    pb::ForwardResponse { batch_id: batch.batch_id, tokens, stage_compute_micros: 50, timings, ..Default::default() }
 }
 
 /// A stage's error answer to `batch`.
