@@ -101,11 +101,8 @@ impl LocalCluster {
         if stages == 0 {
             bail!("--stages must be at least 1");
         }
-        let bind = |api: &'static str, addr: SocketAddr| async move {
-            tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot bind the {api} API on {addr}"))
-        };
-        let grpc = bind("gRPC", coordinator.grpc_addr).await?;
-        let http = bind("HTTP", coordinator.http_addr).await?;
+        let grpc = strata_coordinator::bind_api("gRPC", coordinator.grpc_addr).await?;
+        let http = strata_coordinator::bind_api("HTTP", coordinator.http_addr).await?;
         let registry = EmbeddedRegistry::new("local");
         let mut workers = Vec::with_capacity(stages);
         for i in 0..stages {

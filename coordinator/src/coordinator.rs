@@ -165,8 +165,8 @@ pub async fn run_with_registry<R: Registry>(
     shutdown: CancellationToken,
 ) -> Result<()> {
     config.validate()?;
-    let grpc = bind("gRPC", config.grpc_addr).await?;
-    let http = bind("HTTP", config.http_addr).await?;
+    let grpc = bind_api("gRPC", config.grpc_addr).await?;
+    let http = bind_api("HTTP", config.http_addr).await?;
     serve_with_registry(config, registry, grpc, http, shutdown).await
 }
 
@@ -201,7 +201,8 @@ pub async fn serve_with_registry<R: Registry>(
     lead_and_serve(coordinator, registry, model, options, grace, listeners, shutdown).await
 }
 
-async fn bind(api: &'static str, addr: std::net::SocketAddr) -> Result<tokio::net::TcpListener> {
+/// Binds the listener of `api` (`gRPC` or `HTTP`) on `addr`; a taken address is [`Error::Bind`], naming both.
+pub async fn bind_api(api: &'static str, addr: std::net::SocketAddr) -> Result<tokio::net::TcpListener> {
     tokio::net::TcpListener::bind(addr).await.map_err(|source| Error::Bind { api, addr, source })
 }
 

@@ -21,8 +21,8 @@ pub mod tls_listener;
 
 pub use config::CoordinatorConfig;
 pub use coordinator::{
-    ClusterSnapshot, ClusterView, Coordinator, cordon_node, drain_node, run, run_with_registry, serve_with_registry,
-    uncordon_node,
+    ClusterSnapshot, ClusterView, Coordinator, bind_api, cordon_node, drain_node, run, run_with_registry,
+    serve_with_registry, uncordon_node,
 };
 pub use error::{Error, Result};
 pub use pipeline::{

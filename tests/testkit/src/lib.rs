@@ -9,6 +9,7 @@ pub mod pki;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -23,19 +24,25 @@ pub use etcd::{EtcdPki, EtcdSecurity, EtcdServer};
 /// port unasked, and this process hands each port out once, starting from an offset of its own so that two test
 /// processes rarely walk the same ports.
 pub fn free_port() -> Result<u16> {
-    static NEXT: AtomicUsize = AtomicUsize::new(usize::MAX);
-    let (low, high) =
-        unassigned_ports(&std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default());
+    static NEXT: OnceLock<AtomicUsize> = OnceLock::new();
+    let (low, high) = port_range();
     let len = usize::from(high - low) + 1;
-    let start = (std::process::id() as usize).wrapping_mul(7919) % len;
-    let _ = NEXT.compare_exchange(usize::MAX, start, Ordering::Relaxed, Ordering::Relaxed);
+    let next = NEXT.get_or_init(|| AtomicUsize::new((std::process::id() as usize).wrapping_mul(7919) % len));
     for _ in 0..len {
-        let port = low + (NEXT.fetch_add(1, Ordering::Relaxed) % len) as u16;
+        let port = low + (next.fetch_add(1, Ordering::Relaxed) % len) as u16;
         if TcpListener::bind(("127.0.0.1", port)).is_ok() {
             return Ok(port);
         }
     }
     bail!("no free port in {low}..={high}")
+}
+
+/// [`unassigned_ports`] of this machine, read once.
+fn port_range() -> (u16, u16) {
+    static RANGE: OnceLock<(u16, u16)> = OnceLock::new();
+    *RANGE.get_or_init(|| {
+        unassigned_ports(&std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default())
+    })
 }
 
 /// The ports outside the kernel's ephemeral range (`ip_local_port_range`'s "low high"): those below it from 10000,
@@ -182,8 +189,7 @@ mod tests {
 
     #[test]
     fn each_port_is_handed_out_once_and_is_free() -> Result<()> {
-        let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
-        let (low, high) = unassigned_ports(&range);
+        let (low, high) = port_range();
         let ports = (0..200).map(|_| free_port()).collect::<Result<Vec<u16>>>()?;
         let distinct: std::collections::BTreeSet<_> = ports.iter().collect();
         assert_eq!(distinct.len(), ports.len());
