@@ -63,6 +63,12 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "1",
         value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_MICRO_BATCHES_PER_STAGE as u64))]
     micro_batches_per_stage: Vec<usize>,
+    /// Passes over the --local clusters: each runs once per pass, in turn (1, 2, 3, 1, 2, 3, ...), so that a slower
+    /// minute of a shared machine hits every cluster alike; the report adds each stage count's median ratio to one
+    /// stage over the passes.
+    #[arg(long, default_value_t = 1, env = "STRATA_BENCH_REPEAT",
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=100))]
+    repeat: usize,
     /// Tokens decoded per sequence.
     #[arg(long, default_value_t = 128)]
     decode_tokens: usize,
@@ -198,6 +204,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             shared_prefix_tokens: a.shared_prefix_tokens,
             prefix_caching: a.prefix_caching,
             micro_batches_per_stage: a.micro_batches_per_stage,
+            repeat: a.repeat,
             max_tokens: a.decode_tokens,
             sampling,
             threads: a.device.threads,

@@ -114,3 +114,36 @@ fn cluster_bench_reports_every_level_and_writes_a_plot() -> Result<()> {
     assert!(svg.contains(">2 stages, 1 mb/stage<") && svg.contains(">2 stages, 2 mb/stage<"), "{svg}");
     Ok(())
 }
+
+#[test]
+fn cluster_bench_passes_interleave_the_clusters_and_hold_each_against_one_stage() -> Result<()> {
+    let model = smollm2();
+    let dir = tempfile::tempdir()?;
+    let out = dir.path().join("cluster.json");
+    let m = model.to_str().unwrap_or_default();
+    let o = out.to_str().unwrap_or_default();
+    let args = ["bench", "--model", m, "--local", "1,2", "--concurrency", "2", "--requests-per-client", "1"];
+    let sizes = ["--prompt-tokens", "8", "--decode-tokens", "3", "--threads", "2", "--repeat", "2", "--out", o];
+    let table = text(&[&args[..], &sizes[..]].concat())?;
+    assert!(table.contains("Against one stage at the same streams (median over 2 pass(es)"), "{table}");
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out)?)?;
+    let runs = report["runs"].as_array().context("runs")?;
+    // Each pass runs every cluster in turn.
+    let order: Vec<(u64, u64)> = runs
+        .iter()
+        .map(|r| (r["pass"].as_u64().unwrap_or_default(), r["stages"].as_u64().unwrap_or_default()))
+        .collect();
+    assert_eq!(order, [(1, 1), (1, 2), (2, 1), (2, 2)], "{report}");
+    let against = report["against_one_stage"].as_array().context("against_one_stage")?;
+    assert_eq!(against.len(), 1, "{report}");
+    assert_eq!((against[0]["stages"].as_u64(), against[0]["passes"].as_u64()), (Some(2), Some(2)));
+    assert!(against[0]["tokens_per_s_ratio"].as_f64().is_some_and(|r| r > 0.0), "{report}");
+    assert!(against[0]["vs_engine_ratio"].as_f64().is_some_and(|r| r > 0.0), "{report}");
+    // Passes are for local clusters: a running coordinator's are refused before anything connects.
+    let refused = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["bench", "--coordinator", "http://127.0.0.1:1", "--repeat", "2"])
+        .output()?;
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && stderr.contains("more than 1 only with --local"), "{stderr}");
+    Ok(())
+}

@@ -19,7 +19,7 @@ use strata_engine::CpuIsa;
 use strata_engine::sampling::SamplingParams;
 
 use self::baseline::{EngineBaseline, EngineRate};
-use self::report::{Report, Run, SingleProcess, print_run, write_outputs};
+use self::report::{Report, Run, SingleProcess, against_one_stage, print_run, write_outputs};
 use crate::cluster::LocalCluster;
 use crate::connect::{self, Client, Credentials};
 use crate::host::Host;
@@ -49,6 +49,8 @@ pub struct ClusterBench {
     pub prefix_caching: Vec<bool>,
     /// Local clusters run once per value, with the coordinator keeping this many micro-batches in flight per stage.
     pub micro_batches_per_stage: Vec<usize>,
+    /// Passes over the local clusters: each runs once per pass, in turn.
+    pub repeat: usize,
     /// Tokens generated per request (EOS is ignored).
     pub max_tokens: usize,
     /// How requests and the engine baseline pick tokens (each request seeded by [`seed`]).
@@ -73,6 +75,9 @@ struct Sample {
 pub fn run(b: ClusterBench) -> Result<()> {
     if b.concurrency.is_empty() || b.concurrency.contains(&0) {
         bail!("--concurrency needs positive levels");
+    }
+    if b.repeat == 0 || (b.repeat > 1 && b.coordinator.is_some()) {
+        bail!("--repeat takes a positive count, and more than 1 only with --local");
     }
     // A hop's overhead is mostly hand-offs between threads: their cost on this machine goes beside it.
     let loopback = crate::host::loopback_micros()
@@ -125,7 +130,13 @@ pub fn run(b: ClusterBench) -> Result<()> {
                 };
                 baselines.push(latency);
             }
-            for (stages, caching, micro_batches) in clusters(&b.local, &b.prefix_caching, &b.micro_batches_per_stage) {
+            // The engine's first run pays for first touches (its KV cache's pages, its buffers), which made the first
+            // cluster's yardstick 15-30 % slower than the later ones': one run of the first level, untimed.
+            engine_workload(&mut engine, b.concurrency[0], &b)?;
+            let passes = (1..=b.repeat).flat_map(|pass| {
+                clusters(&b.local, &b.prefix_caching, &b.micro_batches_per_stage).into_iter().map(move |c| (pass, c))
+            });
+            for (pass, (stages, caching, micro_batches)) in passes {
                 let per_stage = (threads_total / stages).max(1);
                 let single = baselines.iter().find(|d| d.threads == per_stage).cloned().unwrap_or_default();
                 rt.block_on(async {
@@ -142,10 +153,12 @@ pub fn run(b: ClusterBench) -> Result<()> {
                         let url = format!("http://{grpc}");
                         let endpoint = strata_proto::endpoint(&url, None)?;
                         let mut client = ready_client(&url, &endpoint, &Credentials::default()).await?;
-                        plans.push(describe_plan(&mut client).await?.1);
+                        let plan = describe_plan(&mut client).await?.1;
+                        plans.push(if b.repeat > 1 { format!("pass {pass}: {plan}") } else { plan });
                         for &c in &b.concurrency {
                             let rate = engine_rate(&mut engine, threads_total, c, &b)?;
                             let mut run = measure(&client, &b, stages, c).await?;
+                            run.pass = pass;
                             run.threads_per_stage = per_stage;
                             run.prefix_caching = Some(caching);
                             run.micro_batches_per_stage = Some(micro_batches);
@@ -181,6 +194,8 @@ pub fn run(b: ClusterBench) -> Result<()> {
         top_p: b.sampling.top_p,
         single_process: baselines,
         plans,
+        against_one_stage: against_one_stage(&runs),
+        repeat: b.repeat,
         runs,
     };
     write_outputs(&report, &b.out)
@@ -213,16 +228,21 @@ fn engine_rate(
     concurrency: usize,
     b: &ClusterBench,
 ) -> Result<EngineRate> {
-    let rounds: Vec<Vec<(u64, Vec<u32>)>> = (0..b.requests_per_client)
-        .map(|i| (0..concurrency).map(|client| (seed(client, i), prompt_ids(client, i, b))).collect())
-        .collect();
-    let rate = engine.workload(&rounds, b.max_tokens, &b.sampling)?;
+    let rate = engine_workload(engine, concurrency, b)?;
     eprintln!(
         "engine in this process, {threads} thread(s), {concurrency} sequences: {:.1} tok/s on the same requests, \
          decode {:.1} tok/s",
         rate.tokens_per_s, rate.decode_tokens_per_s
     );
     Ok(rate)
+}
+
+/// The engine's run of the benchmark's requests at `concurrency` streams.
+fn engine_workload(engine: &mut EngineBaseline, concurrency: usize, b: &ClusterBench) -> Result<EngineRate> {
+    let rounds: Vec<Vec<(u64, Vec<u32>)>> = (0..b.requests_per_client)
+        .map(|i| (0..concurrency).map(|client| (seed(client, i), prompt_ids(client, i, b))).collect())
+        .collect();
+    engine.workload(&rounds, b.max_tokens, &b.sampling)
 }
 
 /// The prompt of a client stream's `index`th request: distinct after the shared prefix (ids below 1000 exist in
@@ -345,6 +365,7 @@ async fn measure(client: &Client, b: &ClusterBench, stages: usize, concurrency: 
     let (stages_f, hops_per_step) = (stages.max(1) as f64, hops(stages));
     let hops = hops_per_step as f64;
     Ok(Run {
+        pass: 1,
         stages,
         concurrency,
         requests: samples.len(),

@@ -7,10 +7,13 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use crate::host::Host;
+use crate::stats::percentile;
 
 /// One concurrency level on one cluster.
 #[derive(Serialize, Default, Clone)]
 pub(super) struct Run {
+    /// Which pass over the local clusters (`--repeat`) this run belongs to, from 1.
+    pub pass: usize,
     pub stages: usize,
     /// Whether the local cluster's coordinator cached prompt prefixes (`None`: a `--coordinator`, as it is set).
     pub prefix_caching: Option<bool>,
@@ -94,7 +97,64 @@ pub(super) struct Report {
     pub single_process: Vec<SingleProcess>,
     /// Each cluster's layer split and the speed its nodes measured at registration, one line per cluster.
     pub plans: Vec<String>,
+    /// Passes over the local clusters (`--repeat`).
+    pub repeat: usize,
+    /// Each cluster of more than one stage against the one-stage cluster at the same streams, over the passes.
+    pub against_one_stage: Vec<AgainstOneStage>,
     pub runs: Vec<Run>,
+}
+
+/// A cluster of several stages against the one-stage cluster of the same pass, streams and settings: the median
+/// (nearest rank) over the passes of the per-pass ratios.
+#[derive(Serialize, Clone, Debug, PartialEq)]
+pub(super) struct AgainstOneStage {
+    pub stages: usize,
+    pub prefix_caching: Option<bool>,
+    pub micro_batches_per_stage: Option<usize>,
+    pub concurrency: usize,
+    /// Passes with both clusters measured.
+    pub passes: usize,
+    /// Tokens per second over the one-stage cluster's.
+    pub tokens_per_s_ratio: f64,
+    /// The same with each run's rate divided by the engine's, measured in this process just before it: the
+    /// machine's drift between the two runs taken out (`None` without engine rates).
+    pub vs_engine_ratio: Option<f64>,
+}
+
+/// Every run of more than one stage paired with the one-stage run of its pass, streams and settings, summarised
+/// per cluster and streams; empty when the runs include no one-stage cluster.
+pub(super) fn against_one_stage(runs: &[Run]) -> Vec<AgainstOneStage> {
+    let setting = |r: &Run| (r.stages, r.prefix_caching, r.micro_batches_per_stage, r.concurrency);
+    let mut keys: Vec<_> = runs.iter().filter(|r| r.stages > 1).map(setting).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    let mut out = Vec::new();
+    for (stages, prefix_caching, micro_batches_per_stage, concurrency) in keys {
+        let (mut tokens, mut vs_engine) = (Vec::new(), Vec::new());
+        for r in runs.iter().filter(|r| setting(r) == (stages, prefix_caching, micro_batches_per_stage, concurrency)) {
+            let Some(one) = runs
+                .iter()
+                .find(|o| o.pass == r.pass && setting(o) == (1, prefix_caching, micro_batches_per_stage, concurrency))
+            else {
+                continue;
+            };
+            tokens.push(r.tokens_per_s / one.tokens_per_s);
+            if let (Some(many), Some(one)) = (r.serving_vs_engine, one.serving_vs_engine) {
+                vs_engine.push(many / one);
+            }
+        }
+        let Some(tokens_per_s_ratio) = percentile(&mut tokens, 0.5) else { continue };
+        out.push(AgainstOneStage {
+            stages,
+            prefix_caching,
+            micro_batches_per_stage,
+            concurrency,
+            passes: tokens.len(),
+            tokens_per_s_ratio,
+            vs_engine_ratio: if vs_engine.len() == tokens.len() { percentile(&mut vs_engine, 0.5) } else { None },
+        });
+    }
+    out
 }
 
 pub(super) fn print_run(run: Option<&Run>) {
@@ -185,6 +245,31 @@ pub(super) fn table(report: &Report) -> String {
             opt(r.added_ms_first_tenth, 2),
             opt(r.added_ms_last_tenth, 2),
         );
+    }
+    if !report.against_one_stage.is_empty() {
+        let _ = writeln!(
+            t,
+            "\nAgainst one stage at the same streams (median over {} pass(es); each pass's ratio of tok/s, and of serving / engine, to the one-stage cluster's):\n",
+            report.repeat
+        );
+        let _ = writeln!(
+            t,
+            "| stages | prefix caching | mb/stage | streams | passes | tok/s ratio | serving / engine ratio |"
+        );
+        let _ = writeln!(t, "|---:|---|---:|---:|---:|---:|---:|");
+        for a in &report.against_one_stage {
+            let _ = writeln!(
+                t,
+                "| {} | {} | {} | {} | {} | {:.2} | {} |",
+                a.stages,
+                on_off(a.prefix_caching),
+                as_set(a.micro_batches_per_stage),
+                a.concurrency,
+                a.passes,
+                a.tokens_per_s_ratio,
+                opt(a.vs_engine_ratio, 2),
+            );
+        }
     }
     for plan in &report.plans {
         let _ = writeln!(t, "\nPlan: {plan}");
@@ -337,8 +422,49 @@ mod tests {
             top_p: 1.0,
             single_process: vec![],
             plans,
+            repeat: 1,
+            against_one_stage: against_one_stage(&runs),
             runs,
         }
+    }
+
+    #[test]
+    fn clusters_of_several_stages_are_held_against_one_stage_of_the_same_pass() {
+        let run = |pass, stages, concurrency, tokens_per_s, vs_engine| Run {
+            pass,
+            stages,
+            concurrency,
+            tokens_per_s,
+            serving_vs_engine: Some(vs_engine),
+            ..Run::default()
+        };
+        let runs = vec![
+            run(1, 1, 16, 100.0, 1.0),
+            run(1, 3, 16, 90.0, 1.2),
+            run(2, 1, 16, 200.0, 1.0),
+            run(2, 3, 16, 220.0, 0.9),
+            run(3, 1, 16, 100.0, 0.5),
+            run(3, 3, 16, 130.0, 0.6),
+            // No one-stage run at 64 streams in pass 3: that pass leaves the comparison at 64.
+            run(1, 1, 64, 100.0, 1.0),
+            run(1, 3, 64, 150.0, 1.5),
+            run(3, 3, 64, 10.0, 0.1),
+        ];
+        let against = against_one_stage(&runs);
+        let at = |c: usize| against.iter().find(|a| a.concurrency == c).cloned();
+        let sixteen = at(16).expect("16 streams");
+        // Ratios 0.9, 1.1, 1.3 (tok/s) and 1.2, 0.9, 1.2 (serving / engine): the middle of each.
+        assert_eq!((sixteen.stages, sixteen.passes), (3, 3));
+        assert!((sixteen.tokens_per_s_ratio - 1.1).abs() < 1e-12, "{sixteen:?}");
+        assert!(sixteen.vs_engine_ratio.is_some_and(|r| (r - 1.2).abs() < 1e-12), "{sixteen:?}");
+        let sixty_four = at(64).expect("64 streams");
+        assert_eq!(sixty_four.passes, 1);
+        assert!((sixty_four.tokens_per_s_ratio - 1.5).abs() < 1e-12, "{sixty_four:?}");
+        assert_eq!(against.len(), 2);
+        let t = table(&report(vec![], runs));
+        assert!(t.contains("| 3 | as set | as set | 16 | 3 | 1.10 | 1.20 |"), "{t}");
+        // Without a one-stage cluster there is nothing to hold against.
+        assert!(against_one_stage(&[run(1, 2, 16, 1.0, 1.0)]).is_empty());
     }
 
     #[test]
@@ -350,8 +476,10 @@ mod tests {
         assert_eq!(s.matches("<polyline").count(), 2);
         assert!(s.contains("2 stages") && s.starts_with("<svg") && s.trim_end().ends_with("</svg>"));
         let t = table(&report);
-        // Two tables of 4 runs (header, rule, rows; a blank line and a caption between them), then the plan.
-        assert_eq!(t.lines().count(), (2 + 4) + 3 + (2 + 4) + 2, "{t}");
+        // Two tables of 4 runs (header, rule, rows; a blank line and a caption between them), one of the 2-stage
+        // cluster against the 1-stage one at 2 levels, then the plan.
+        assert_eq!(t.lines().count(), (2 + 4) + 3 + (2 + 4) + 3 + (2 + 2) + 2, "{t}");
+        assert!(t.contains("| 2 | as set | as set | 1 | 1 | 0.90 | - |"), "{t}");
         assert!(t.ends_with("Plan: 2 stage(s): a layers 0..19 (1.00 ms/layer), b layers 19..30 (1.00 ms/layer)\n"));
         assert!(!s.contains("mb/stage"), "one setting: the legend does not name it");
     }
