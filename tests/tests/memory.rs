@@ -165,7 +165,7 @@ async fn a_model_bigger_than_all_the_workers_memory_is_served_with_offloaded_lay
     let got = greedy_tokens(&url).await.with_context(|| cluster.logs())?;
     ensure!(got == expected, "2 offloading stages gave {got:?}, one unlimited process {expected:?}");
     let now = strata_tests::processes::status(&url).await?;
-    let mut report = Vec::new();
+    let (mut report, mut offloaded) = (Vec::new(), 0);
     for stage in &now.stages {
         let node = now.nodes.iter().find(|n| n.node_id == stage.node_id).context("stage without a node")?;
         let layers = stage.layer_end - stage.layer_start;
@@ -179,14 +179,18 @@ async fn a_model_bigger_than_all_the_workers_memory_is_served_with_offloaded_lay
             node.offload_layer_seconds * 1e3
         ));
         ensure!(
-            node.offloaded_layers > 0 && node.offloaded_layers < layers,
-            "{} offloads {} of its {layers} layers",
+            node.offloaded_layers < layers,
+            "{} offloads {} of its {layers} layers: none resident",
             node.node_id,
             node.offloaded_layers
         );
         ensure!(node.offload_layer_seconds > 0.0, "{} measured no offloaded speed", node.node_id);
         ensure!(node.kv_capacity_tokens >= 512, "{} holds {} KV tokens", node.node_id, node.kv_capacity_tokens);
+        offloaded += node.offloaded_layers;
     }
     eprintln!("{}", report.join("\n"));
+    // Which stage offloads depends on the speeds the workers measured: on a busy machine placement may give one
+    // worker only what it keeps resident and the other the rest, a valid plan. The model cannot fit, so some do.
+    ensure!(offloaded > 0, "no stage offloads a layer of a model bigger than their memory: {report:?}");
     workers_within(&cluster, OFFLOAD_LIMIT_MIB)
 }
