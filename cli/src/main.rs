@@ -64,8 +64,11 @@ enum ClientCommand {
 }
 
 fn main() {
+    // `bench`, `generate` and `local` run the engine in this process (see the function).
+    let heap = strata_engine::heap::keep_freed_memory();
     let cli = Cli::parse();
     let telemetry = cli.log.init("strata");
+    tracing::debug!(?heap, "allocator settings");
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Bench(a) => bench::run(a),

@@ -11,6 +11,7 @@ mod dtype;
 mod error;
 pub mod generate;
 pub mod gguf_writer;
+pub mod heap;
 pub mod kv_cache;
 mod layer_range;
 pub mod layout;

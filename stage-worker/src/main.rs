@@ -8,8 +8,11 @@ use strata_proto::shutdown_token;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    // Before the stage allocates anything much (see the function).
+    let heap = strata_engine::heap::keep_freed_memory();
     let args = cli::Args::parse();
     let _telemetry = args.log.init("strata-stage-worker");
+    tracing::debug!(?heap, "allocator settings");
     let cli::Launch { config, listen, registry } = args.into_config()?;
     let listener = tokio::net::TcpListener::bind(&listen).await?;
     let shutdown = shutdown_token();
