@@ -2,9 +2,9 @@
 //! temporaries (activations, the logits: 3 MiB at 16 tokens of a 49k vocabulary), and glibc's defaults give such
 //! blocks back to the kernel when they are freed (through `mmap` above a threshold that adapts as blocks come and
 //! go, and by trimming the top of each heap), so the next step faults the same pages in again and the kernel zeroes
-//! them. Keeping freed blocks in the process made batched decode 12–22 % faster on the development VM (see
-//! docs/performance.md). It does not raise the peak a stage's memory budget is sized by (the profiling batch's
-//! `VmHWM`): what is kept is what the step held at its peak anyway.
+//! them. Keeping freed blocks in the process made batch-16 decode 14 % faster on the development VM (median of 7
+//! interleaved pairs, docs/performance.md). It does not raise the peak a stage's memory budget is sized by (the
+//! profiling batch's `VmHWM`): what is kept is what the step held at its peak anyway.
 
 /// Blocks up to this size come from the heap and are reused: the ceiling glibc's own adaptive threshold stops at on
 /// 64-bit (`DEFAULT_MMAP_THRESHOLD_MAX`), fixed from the start.
