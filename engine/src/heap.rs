@@ -28,10 +28,15 @@ pub enum HeapTuning {
 /// Keeps the blocks the engine frees in the process instead of handing them back to the kernel after every step.
 /// Call once, first thing in a binary that runs the engine; libraries never call it (it changes the whole process).
 pub fn keep_freed_memory() -> HeapTuning {
-    if std::env::var("GLIBC_TUNABLES").is_ok_and(|t| t.contains("glibc.malloc.")) {
+    if tunables_set_malloc() {
         return HeapTuning::LeftToGlibcTunables;
     }
     apply()
+}
+
+/// Whether the operator set glibc's malloc parameters through `GLIBC_TUNABLES`.
+fn tunables_set_malloc() -> bool {
+    std::env::var("GLIBC_TUNABLES").is_ok_and(|t| t.contains("glibc.malloc."))
 }
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -56,7 +61,7 @@ mod tests {
     #[test]
     fn glibc_accepts_the_settings() {
         let got = keep_freed_memory();
-        if std::env::var("GLIBC_TUNABLES").is_ok_and(|t| t.contains("glibc.malloc.")) {
+        if tunables_set_malloc() {
             assert_eq!(got, HeapTuning::LeftToGlibcTunables);
         } else if cfg!(all(target_os = "linux", target_env = "gnu")) {
             // Both values were taken (mallopt answers 0 for a parameter or value it refuses).
