@@ -16,7 +16,8 @@ use tokio::sync::mpsc;
 use tonic::Status;
 
 use crate::direct::DirectAnswers;
-use crate::executor::{BatchResult, Completion, Output};
+use crate::downstream::DownstreamReply;
+use crate::executor::{BatchResult, Completion, Handoff, Output};
 use crate::metrics::StageMetrics;
 use crate::slot::ActiveStage;
 
@@ -74,10 +75,8 @@ impl Answer {
 }
 
 impl Completion for Answer {
-    fn complete(mut self: Box<Self>, result: BatchResult) {
-        if let Some(pending) = self.0.take() {
-            pending.finish(result);
-        }
+    fn complete(mut self: Box<Self>, result: BatchResult) -> Option<Handoff> {
+        self.0.take().and_then(|pending| pending.finish(result))
     }
 }
 
@@ -99,13 +98,14 @@ impl Drop for Answer {
 }
 
 impl Pending {
-    fn finish(mut self, result: BatchResult) {
+    fn finish(mut self, result: BatchResult) -> Option<Handoff> {
         let batch_id = self.meta.batch_id;
         let output = match result {
             Ok(output) => output,
             Err(err) => {
                 let resp = error_response(&self.metrics, batch_id, err);
-                return self.respond(resp);
+                self.respond(resp);
+                return None;
             }
         };
         let mut timing = pb::StageTiming {
@@ -142,9 +142,10 @@ impl Pending {
                     let Pending { guard, traced, .. } = self;
                     drop(guard);
                     drop(traced);
-                    return;
+                    return None;
                 }
                 self.respond(resp);
+                None
             }
             (Output::Hidden(hidden), Some(down)) => {
                 let Pending { mut meta, out, metrics, guard, traced, runtime, .. } = self;
@@ -154,31 +155,19 @@ impl Pending {
                 timing.handoff_micros = wire_micros(output.finished.elapsed());
                 meta.timings.push(timing);
                 metrics.sent(meta.encoded_len());
-                let answer = down.send_blocking(meta);
-                runtime.spawn(async move {
-                    let resp = match answer.await {
-                        Ok(Ok(resp)) => resp,
-                        Ok(Err(err)) => error_response(&metrics, batch_id, err),
-                        Err(_) => error_response(
-                            &metrics,
-                            batch_id,
-                            ServiceError::unavailable("the link to the next stage stopped"),
-                        ),
-                    };
-                    // Counted as answered before the caller can see the answer.
-                    drop(guard);
-                    // An acknowledgement frees each earlier stage's wait for this batch; stage 0's upstream is the
-                    // coordinator, which has the answer already and would only wake up for it.
-                    if !(first && resp.answered_directly) {
-                        let _ = out.send(Ok(resp)).await;
-                    }
-                    drop(traced);
-                });
+                let down = down.clone();
+                let relay = Relay { out, metrics, guard, traced, batch_id, first };
+                Some(Box::pin(async move {
+                    // Waits while the link's queue is full, so batches go down in the order they were computed.
+                    let answer = down.send(meta).await;
+                    runtime.spawn(relay.run(answer));
+                }))
             }
             (Output::Hidden(_), None) => {
                 let err = ServiceError::internal("this stage produced hidden states but has no next stage");
                 let resp = error_response(&self.metrics, batch_id, err);
                 self.respond(resp);
+                None
             }
         }
     }
@@ -198,5 +187,36 @@ impl Pending {
                 });
             }
         }
+    }
+}
+
+/// What passes the next stage's answer to a batch upstream.
+struct Relay {
+    out: Responses,
+    metrics: Arc<StageMetrics>,
+    guard: InflightGuard,
+    traced: Vec<tracing::Span>,
+    batch_id: u64,
+    first: bool,
+}
+
+impl Relay {
+    async fn run(self, answer: tokio::sync::oneshot::Receiver<DownstreamReply>) {
+        let Relay { out, metrics, guard, traced, batch_id, first } = self;
+        let resp = match answer.await {
+            Ok(Ok(resp)) => resp,
+            Ok(Err(err)) => error_response(&metrics, batch_id, err),
+            Err(_) => {
+                error_response(&metrics, batch_id, ServiceError::unavailable("the link to the next stage stopped"))
+            }
+        };
+        // Counted as answered before the caller can see the answer.
+        drop(guard);
+        // An acknowledgement frees each earlier stage's wait for this batch; stage 0's upstream is the coordinator,
+        // which has the answer already and would only wake up for it.
+        if !(first && resp.answered_directly) {
+            let _ = out.send(Ok(resp)).await;
+        }
+        drop(traced);
     }
 }

@@ -72,12 +72,11 @@ impl Downstream {
         &self.address
     }
 
-    /// Queues a batch for the next stage from a thread outside the async runtime (the executor's), waiting while
-    /// the link's queue is full, so batches go down in the order they were computed; the receiver gets the
-    /// batch's response (or why there is none).
-    pub fn send_blocking(&self, batch: pb::ForwardRequest) -> oneshot::Receiver<DownstreamReply> {
+    /// Queues a batch for the next stage, waiting while the link's queue is full, so batches go down in the order
+    /// they were computed; the receiver gets the batch's response (or why there is none).
+    pub async fn send(&self, batch: pb::ForwardRequest) -> oneshot::Receiver<DownstreamReply> {
         let (reply, rx) = oneshot::channel();
-        if let Err(mpsc::error::SendError(Send { reply, .. })) = self.tx.blocking_send(Send { batch, reply }) {
+        if let Err(mpsc::error::SendError(Send { reply, .. })) = self.tx.send(Send { batch, reply }).await {
             let _ = reply.send(Err(ServiceError::unavailable("the link to the next stage has stopped")));
         }
         rx

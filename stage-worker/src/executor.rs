@@ -3,16 +3,15 @@
 //! it frees the sequences of older coordinator terms (see [`crate::term`]). A panic on the thread is contained:
 //! the handle reports the executor dead ([`ExecutorHandle::death`]) and every later batch is `UNAVAILABLE`.
 
-use std::collections::HashSet;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use strata_engine::HiddenDtype;
 use strata_engine::backend::Backend;
 use strata_engine::kv_cache::KvCache;
-use strata_engine::model::{LogitRows, SeqChunk, StageInput, StageModel};
+use strata_engine::model::{LogitRows, StageInput, StageModel};
 use strata_engine::sampling::SamplingParams;
 use strata_proto::pb;
 use strata_proto::{ServiceError, decode_to_f32, encode_f32, wire_micros};
@@ -21,11 +20,17 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::WorkerConfig;
 use crate::error::{Error, Result, engine_to_service};
+use crate::io_runtime::IoRuntime;
 use crate::sampler::{Draw, SeqSamplers, engine_params};
 use crate::term::TermFence;
 
+mod checks;
+
 /// Commands queued before the executor blocks the sender (backpressure on the `Forward` readers).
 const QUEUE_DEPTH: usize = 16;
+/// Longest a decode batch may have taken for the next one to run while the executor drives the network runtime:
+/// far below the keepalive timeouts, so no PING goes unanswered for long.
+const SHORT_COMPUTE: Duration = Duration::from_millis(100);
 
 /// What a batch produced on this stage.
 #[derive(Debug)]
@@ -57,9 +62,13 @@ pub type BatchResult = Result<BatchOutput, ServiceError>;
 /// blocking beyond handing the output to a bounded queue. Dropped without being run (the executor stopped), it
 /// answers the batch itself.
 pub trait Completion: Send {
-    /// Hands on the batch's outcome.
-    fn complete(self: Box<Self>, result: BatchResult);
+    /// Hands on the batch's outcome; what it returns (if anything) runs on the executor's runtime before the next
+    /// command (waiting for room in the next stage's queue, as the executor waits for nothing else).
+    fn complete(self: Box<Self>, result: BatchResult) -> Option<Handoff>;
 }
+
+/// The rest of a batch's hand-off, awaited by the executor before its next command.
+pub type Handoff = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
 enum Command {
     Forward {
@@ -129,6 +138,8 @@ pub struct ExecutorHandle {
     kv_counts: Arc<KvCounts>,
     facts: Arc<StageFacts>,
     death: Arc<Death>,
+    /// The worker's network runtime, which the executor thread drives between and during short batches.
+    io: tokio::runtime::Handle,
 }
 
 /// The KV cache's block counts after the executor's last command, for status and metrics.
@@ -156,6 +167,7 @@ impl ExecutorHandle {
         config: &WorkerConfig,
         kv_blocks: usize,
         term: TermFence,
+        io: IoRuntime,
     ) -> Result<Self> {
         let block_size = config.block_size;
         let mut kv = model.new_kv_cache(kv_blocks, block_size, crate::device::kv_dtype(config, &**model.backend()))?;
@@ -189,13 +201,15 @@ impl ExecutorHandle {
             releases: releases.clone(),
             batches_run: 0,
             panic_after_batches: config.fault_panic_after_batches,
+            last_decode: None,
         };
         let thread_death = death.clone();
+        let handle = io.handle().clone();
         std::thread::Builder::new()
             .name("strata-executor".into())
-            .spawn(move || run_contained(exec, rx, &thread_death))
+            .spawn(move || run_contained(exec, rx, &io, &thread_death))
             .map_err(|e| Error::Executor(format!("cannot start the executor thread: {e}")))?;
-        Ok(ExecutorHandle { tx, releases, kv_counts, facts, death })
+        Ok(ExecutorHandle { tx, releases, kv_counts, facts, death, io: handle })
     }
 
     /// Queues a batch that came off its stream at `received` (waiting while the queue is full); `done` gets its
@@ -265,6 +279,11 @@ impl ExecutorHandle {
     pub fn facts(&self) -> &StageFacts {
         &self.facts
     }
+
+    /// The worker's network runtime.
+    pub(crate) fn io(&self) -> &tokio::runtime::Handle {
+        &self.io
+    }
 }
 
 /// The wire's name for the element type of hidden states.
@@ -276,14 +295,25 @@ fn wire_dtype(d: HiddenDtype) -> pb::Dtype {
     }
 }
 
+/// One token per sequence: a decode step, whose compute time the previous one predicts.
+fn is_decode(batch: &pb::ForwardRequest) -> bool {
+    batch.chunks.iter().all(|c| c.len <= 1)
+}
+
+/// Whether `batch` runs while the executor thread drives the network runtime: a decode step, when the last one
+/// (`last_decode`) took under [`SHORT_COMPUTE`]; the first one, and every prompt chunk, run with it let go.
+fn runs_inline(batch: &pb::ForwardRequest, last_decode: Option<Duration>) -> bool {
+    is_decode(batch) && last_decode.is_some_and(|d| d < SHORT_COMPUTE)
+}
+
 /// Runs the executor until its channel closes, turning a panic into a recorded death: the thread ends, but
 /// the process and the other stages' work go on, and the worker reports itself failed.
-fn run_contained<B: Backend>(mut exec: Executor<B>, mut rx: mpsc::Receiver<Command>, death: &Death) {
+fn run_contained<B: Backend>(mut exec: Executor<B>, mut rx: mpsc::Receiver<Command>, io: &IoRuntime, death: &Death) {
     // The loop itself runs in the backend's execution context (on the CPU, a thread of its pool), so a batch's
     // compute starts and ends on the thread that took it off the queue: handing each batch into the pool and its
     // result back cost two thread wake-ups per batch (50-150 µs each on the development VMs).
     let backend = Arc::clone(exec.model.backend());
-    let outcome = catch_unwind(AssertUnwindSafe(|| backend.scope(|| exec.run(&mut rx))));
+    let outcome = catch_unwind(AssertUnwindSafe(|| backend.scope(|| exec.run(&mut rx, io))));
     // Weights and KV cache are freed before the death is announced, so a reload that waits for it has the room.
     drop(exec);
     if let Err(payload) = outcome {
@@ -314,6 +344,8 @@ struct Executor<B: Backend> {
     batches_run: u64,
     /// Testing hook ([`WorkerConfig::fault_panic_after_batches`]).
     panic_after_batches: Option<u64>,
+    /// How long the last decode batch (one token per sequence) computed.
+    last_decode: Option<Duration>,
 }
 
 impl<B: Backend> Executor<B> {
@@ -364,117 +396,78 @@ impl<B: Backend> Executor<B> {
         }
     }
 
-    fn run(&mut self, rx: &mut mpsc::Receiver<Command>) {
-        while let Some(cmd) = rx.blocking_recv() {
-            self.sync_term();
-            self.run_releases();
-            match cmd {
-                Command::Forward { batch, done, traced, received } => {
-                    let span = tracing::debug_span!("compute", batch_id = batch.batch_id, chunks = batch.chunks.len());
-                    let _enter = span.enter();
-                    // Open until the batch is computed: each request's trace shows this stage's compute.
-                    let _computing: Vec<tracing::Span> =
-                        traced.iter().map(|parent| tracing::info_span!(parent: parent, "stage_compute")).collect();
-                    if self.panic_after_batches.is_some_and(|n| self.batches_run >= n) {
-                        panic!("injected fault: panic after {} batches (fault_panic_after_batches)", self.batches_run);
-                    }
-                    self.batches_run += 1;
-                    let started = Instant::now();
-                    let result = self.forward(&batch).map(|output| {
-                        let finished = Instant::now();
-                        BatchOutput {
-                            output,
-                            compute_micros: wire_micros(finished - started),
-                            queue_micros: wire_micros(started.saturating_duration_since(received)),
-                            finished,
-                        }
-                    });
-                    if let Err(e) = &result {
-                        tracing::debug!(batch_id = batch.batch_id, error = %e, "batch failed");
-                    }
-                    self.kv_counts.store(&self.kv);
-                    done.complete(result);
+    /// Runs commands until the channel closes. Short ones run while this thread drives the network runtime (see
+    /// [`IoRuntime`]); a long one lets the helper drive it during the compute and takes it back for the hand-off.
+    fn run(&mut self, rx: &mut mpsc::Receiver<Command>, io: &IoRuntime) {
+        while let Some(cmd) = io.drive(self.run_short(rx)) {
+            let handoff = self.run_command(cmd);
+            if let Some(handoff) = handoff {
+                io.drive(handoff);
+            }
+        }
+    }
+
+    /// Runs short commands as they come; returns the first long one, or `None` once the channel has closed.
+    async fn run_short(&mut self, rx: &mut mpsc::Receiver<Command>) -> Option<Command> {
+        loop {
+            let cmd = rx.recv().await?;
+            if !self.is_short(&cmd) {
+                return Some(cmd);
+            }
+            if let Some(handoff) = self.run_command(cmd) {
+                handoff.await;
+            }
+            // Lets the hand-off's writes (and other connections) run before the next compute.
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// Whether `cmd` can run without the network waiting too long for it: a decode batch (one token per
+    /// sequence) when the last one took less than [`SHORT_COMPUTE`]; prompts can take seconds.
+    fn is_short(&self, cmd: &Command) -> bool {
+        match cmd {
+            Command::Wake => true,
+            Command::Forward { batch, .. } => runs_inline(batch, self.last_decode),
+        }
+    }
+
+    /// Runs one command; returns the rest of its hand-off, to be driven on the network runtime.
+    fn run_command(&mut self, cmd: Command) -> Option<Handoff> {
+        self.sync_term();
+        self.run_releases();
+        match cmd {
+            Command::Forward { batch, done, traced, received } => {
+                let span = tracing::debug_span!("compute", batch_id = batch.batch_id, chunks = batch.chunks.len());
+                let _enter = span.enter();
+                // Open until the batch is computed: each request's trace shows this stage's compute.
+                let _computing: Vec<tracing::Span> =
+                    traced.iter().map(|parent| tracing::info_span!(parent: parent, "stage_compute")).collect();
+                if self.panic_after_batches.is_some_and(|n| self.batches_run >= n) {
+                    panic!("injected fault: panic after {} batches (fault_panic_after_batches)", self.batches_run);
                 }
-                // `run_releases` above stored the counts after `sync_term` freed anything.
-                Command::Wake => {}
+                self.batches_run += 1;
+                let started = Instant::now();
+                let result = self.forward(&batch).map(|output| {
+                    let finished = Instant::now();
+                    BatchOutput {
+                        output,
+                        compute_micros: wire_micros(finished - started),
+                        queue_micros: wire_micros(started.saturating_duration_since(received)),
+                        finished,
+                    }
+                });
+                if is_decode(&batch) {
+                    self.last_decode = Some(started.elapsed());
+                }
+                if let Err(e) = &result {
+                    tracing::debug!(batch_id = batch.batch_id, error = %e, "batch failed");
+                }
+                self.kv_counts.store(&self.kv);
+                done.complete(result)
             }
+            // `run_releases` above stored the counts after `sync_term` freed anything.
+            Command::Wake => None,
         }
-    }
-
-    /// Checks a batch against the KV cache before anything is reserved, so a bad batch changes nothing.
-    fn check_chunks(&self, batch: &pb::ForwardRequest) -> Result<(Vec<SeqChunk>, usize), ServiceError> {
-        if batch.chunks.is_empty() {
-            return Err(ServiceError::invalid_argument("batch has no chunks"));
-        }
-        let context = self.model.config().max_position_embeddings;
-        let mut seen = HashSet::with_capacity(batch.chunks.len());
-        let mut chunks = Vec::with_capacity(batch.chunks.len());
-        let mut n_tokens = 0usize;
-        for c in &batch.chunks {
-            let (seq, start, len) = (c.seq_id, c.start_pos as usize, c.len as usize);
-            if len == 0 {
-                return Err(ServiceError::invalid_argument(format!("sequence {seq}: chunk has no tokens")));
-            }
-            if !seen.insert(seq) {
-                return Err(ServiceError::invalid_argument(format!("sequence {seq} appears twice in the batch")));
-            }
-            if start + len > context {
-                return Err(ServiceError::invalid_argument(format!(
-                    "sequence {seq}: positions up to {} exceed the context length {context}",
-                    start + len
-                )));
-            }
-            let known = self.kv.table(seq).is_some();
-            if !c.cached_blocks.is_empty() {
-                self.check_cached(c, known)?;
-            }
-            let cached = if known { self.kv.seq_len(seq) } else { c.cached_blocks.len() * self.kv.block_size() };
-            if start > 0 && !known && c.cached_blocks.is_empty() {
-                return Err(ServiceError::not_found(format!(
-                    "unknown sequence {seq}: chunk starts at position {start} but the sequence has no KV cache here"
-                )));
-            }
-            if start != cached {
-                return Err(ServiceError::invalid_argument(format!(
-                    "sequence {seq}: chunk starts at position {start} but {cached} positions are cached"
-                )));
-            }
-            n_tokens += len;
-            chunks.push(SeqChunk { seq_id: seq, start_pos: start, len });
-        }
-        let needs_ids = self.model.is_first() || self.model.is_last();
-        if needs_ids && batch.token_ids.len() != n_tokens {
-            return Err(ServiceError::invalid_argument(format!(
-                "{} token ids for {n_tokens} tokens in the chunks",
-                batch.token_ids.len()
-            )));
-        }
-        Ok((chunks, n_tokens))
-    }
-
-    /// A chunk that starts a sequence on cached blocks: the sequence is new here and every block is cached.
-    fn check_cached(&self, c: &pb::SeqChunk, known: bool) -> Result<(), ServiceError> {
-        let seq = c.seq_id;
-        if known || c.start_pos as usize != c.cached_blocks.len() * self.kv.block_size() {
-            return Err(ServiceError::invalid_argument(format!(
-                "sequence {seq}: {} cached blocks of {} tokens start a new sequence at their end, not at position {}",
-                c.cached_blocks.len(),
-                self.kv.block_size(),
-                c.start_pos
-            )));
-        }
-        if c.cached_token_ids.len() != c.start_pos as usize {
-            return Err(ServiceError::invalid_argument(format!(
-                "sequence {seq}: {} cached token ids for {} cached positions",
-                c.cached_token_ids.len(),
-                c.start_pos
-            )));
-        }
-        if !self.kv.has_cached(&c.cached_blocks) {
-            let err = strata_engine::Error::PrefixCache(format!("sequence {seq} starts on blocks not cached here"));
-            return Err(engine_to_service(&err));
-        }
-        Ok(())
     }
 
     /// The coordinator's prefix-cache orders that come before a batch's chunks: drop blocks to free their space.
@@ -572,8 +565,6 @@ impl<B: Backend> Executor<B> {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use strata_engine::backend::cpu::CpuBackend;
     use strata_engine::loader::ModelFiles;
     use strata_engine::model::LoadOptions;
@@ -586,9 +577,23 @@ mod tests {
     struct OnThread(std::sync::mpsc::Sender<(Option<String>, bool)>);
 
     impl Completion for OnThread {
-        fn complete(self: Box<Self>, result: BatchResult) {
+        fn complete(self: Box<Self>, result: BatchResult) -> Option<Handoff> {
             let _ = self.0.send((std::thread::current().name().map(str::to_owned), result.is_ok()));
+            None
         }
+    }
+
+    #[test]
+    fn decode_steps_run_inline_while_the_last_one_was_short() {
+        let batch = |lens: &[u32]| pb::ForwardRequest {
+            chunks: lens.iter().map(|&len| pb::SeqChunk { len, ..Default::default() }).collect(),
+            ..Default::default()
+        };
+        let short = Some(Duration::from_millis(5));
+        assert!(runs_inline(&batch(&[1, 1, 1]), short));
+        assert!(!runs_inline(&batch(&[1, 7, 1]), short), "a prompt chunk can take seconds");
+        assert!(!runs_inline(&batch(&[1]), None), "no decode step measured yet");
+        assert!(!runs_inline(&batch(&[1]), Some(SHORT_COMPUTE)), "the last step was long");
     }
 
     #[test]
@@ -600,7 +605,7 @@ mod tests {
         let layers = 0..files.config().num_layers;
         let model = StageModel::load(&files, layers, Arc::new(CpuBackend::new(2)?), &LoadOptions::default())?;
         let config = WorkerConfig { block_size: 4, ..WorkerConfig::new("n", dir.path(), None) };
-        let exec = ExecutorHandle::spawn(model, &config, 8, TermFence::default())?;
+        let exec = ExecutorHandle::spawn(model, &config, 8, TermFence::default(), IoRuntime::start()?)?;
         let chunk = pb::SeqChunk { seq_id: 1, start_pos: 0, len: 3, ..Default::default() };
         let batch =
             pb::ForwardRequest { batch_id: 1, chunks: vec![chunk], token_ids: vec![1, 2, 3], ..Default::default() };

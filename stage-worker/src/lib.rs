@@ -21,6 +21,7 @@ mod direct;
 mod downstream;
 mod error;
 mod executor;
+mod io_runtime;
 mod memory;
 mod metrics;
 mod registration;

@@ -226,7 +226,8 @@ mod tests {
         m.received(100);
         m.sent(40);
         m.error(ErrorCode::NotFound);
-        let text = m.render(&StageSlot::empty(TermFence::default()), 2);
+        let io = crate::io_runtime::IoRuntime::start().expect("network runtime");
+        let text = m.render(&StageSlot::empty(TermFence::default(), io), 2);
         for line in [
             "strata_worker_batches_total 1",
             "strata_worker_batch_compute_seconds_count 1",

@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::WorkerConfig;
 use crate::device::{kv_dtype, load_options};
 use crate::error::{Error, Result};
+use crate::io_runtime::IoRuntime;
 use crate::memory::{budget, total_ram};
 use crate::slot::{ActiveStage, StageSlot};
 use crate::term::TermFence;
@@ -246,7 +247,7 @@ pub async fn run_registered<R: Registry>(
         None => listener.local_addr()?.to_string(),
     };
     let tls = config.tls()?;
-    let slot = StageSlot::empty(TermFence::default());
+    let slot = StageSlot::empty(TermFence::default(), IoRuntime::start()?);
     let server = {
         let (config, tls, slot, shutdown) = (config.clone(), tls.clone(), slot.clone(), shutdown.clone());
         tokio::spawn(async move { serve_slot(&config, tls, slot, listener, shutdown).await })
@@ -417,7 +418,9 @@ impl<R: Registry> PlanFollower<'_, R> {
                         }
                         tracing::info!(node = %node, epoch, %layers, ?next, "loading stage");
                         fresh = true;
-                        LoadedStage::load(config, self.slot.term().clone()).await.and_then(LoadedStage::into_active)
+                        LoadedStage::load(config, self.slot.term().clone(), self.slot.io().clone())
+                            .await
+                            .and_then(LoadedStage::into_active)
                     }
                 };
                 match stage {

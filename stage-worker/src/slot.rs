@@ -7,6 +7,7 @@ use tokio::sync::watch;
 
 use crate::downstream::Downstream;
 use crate::executor::ExecutorHandle;
+use crate::io_runtime::IoRuntime;
 use crate::term::TermFence;
 
 /// A loaded stage as the service runs it: its executor, its link to the next stage and its place in the plan.
@@ -28,17 +29,18 @@ pub struct ActiveStage {
 pub struct StageSlot {
     stage: Arc<watch::Sender<Option<Arc<ActiveStage>>>>,
     term: TermFence,
+    io: IoRuntime,
 }
 
 impl StageSlot {
-    /// A slot with no stage yet, under `term`.
-    pub fn empty(term: TermFence) -> Self {
-        StageSlot { stage: Arc::new(watch::Sender::new(None)), term }
+    /// A slot with no stage yet, under `term`, served on `io`.
+    pub fn empty(term: TermFence, io: IoRuntime) -> Self {
+        StageSlot { stage: Arc::new(watch::Sender::new(None)), term, io }
     }
 
-    /// A slot serving `stage`, under `term` (the one its executor was started with).
-    pub fn new(stage: ActiveStage, term: TermFence) -> Self {
-        let slot = Self::empty(term);
+    /// A slot serving `stage`, under `term` and on `io` (those its executor was started with).
+    pub fn new(stage: ActiveStage, term: TermFence, io: IoRuntime) -> Self {
+        let slot = Self::empty(term, io);
         slot.replace(Some(stage));
         slot
     }
@@ -57,6 +59,11 @@ impl StageSlot {
     /// Changes of the served stage.
     pub fn subscribe(&self) -> watch::Receiver<Option<Arc<ActiveStage>>> {
         self.stage.subscribe()
+    }
+
+    /// The worker's network runtime, which serves its connections and which its executors drive.
+    pub fn io(&self) -> &IoRuntime {
+        &self.io
     }
 
     /// The worker's highest coordinator term.

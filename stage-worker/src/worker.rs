@@ -23,6 +23,7 @@ use crate::device::load_options;
 use crate::downstream::{Downstream, MAX_MESSAGE_BYTES};
 use crate::error::{Error, Result};
 use crate::executor::ExecutorHandle;
+use crate::io_runtime::IoRuntime;
 use crate::memory::{mib, size_kv_cache};
 use crate::metrics::{StageMetrics, serve_metrics};
 use crate::registration::{RegistrationOptions, run_registered};
@@ -36,20 +37,22 @@ pub struct LoadedStage {
     tls: Option<Tls>,
     executor: ExecutorHandle,
     term: TermFence,
+    io: IoRuntime,
 }
 
 impl LoadedStage {
     /// Validates `config` (reading its TLS files), opens the model and loads its layer range onto the device (on a
-    /// blocking thread). The executor frees its sequences whenever `term` rises.
-    pub async fn load(config: WorkerConfig, term: TermFence) -> Result<Self> {
+    /// blocking thread). The executor frees its sequences whenever `term` rises, and drives `io` between batches.
+    pub async fn load(config: WorkerConfig, term: TermFence, io: IoRuntime) -> Result<Self> {
         let layers = config.validate()?;
         let tls = config.tls()?;
         let cfg = config.clone();
         let exec_term = term.clone();
+        let exec_io = io.clone();
         let executor = tokio::task::spawn_blocking(move || -> Result<ExecutorHandle> {
             let files = ModelFiles::open(&cfg.model)?;
             cfg.validate_against_model(layers, files.config().num_layers)?;
-            on_device(&(&cfg).into(), LoadStage { config: &cfg, files: &files, layers, term: exec_term })
+            on_device(&(&cfg).into(), LoadStage { config: &cfg, files: &files, layers, term: exec_term, io: exec_io })
         })
         .await
         .map_err(|e| Error::Executor(format!("model loading panicked or was cancelled: {e}")))??;
@@ -64,20 +67,20 @@ impl LoadedStage {
             device = %facts.device,
             "stage loaded"
         );
-        Ok(LoadedStage { config, tls, executor, term })
+        Ok(LoadedStage { config, tls, executor, term, io })
     }
 
     /// The stage as the service runs it, connected to its next stage.
     pub fn into_active(self) -> Result<ActiveStage> {
-        let LoadedStage { config, tls, executor, term: _ } = self;
+        let LoadedStage { config, tls, executor, .. } = self;
         active_stage(&config, tls.as_ref(), executor)
     }
 
     /// Serves the stage on `listener` until `shutdown` is cancelled, then drains open streams.
     pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
         tracing::info!(node = %self.config.node_id, next = ?self.config.next, tls = self.tls.is_some(), "stage ready");
-        let (config, tls, term) = (self.config.clone(), self.tls.clone(), self.term.clone());
-        let slot = StageSlot::new(self.into_active()?, term);
+        let (config, tls, term, io) = (self.config.clone(), self.tls.clone(), self.term.clone(), self.io.clone());
+        let slot = StageSlot::new(self.into_active()?, term, io);
         serve_slot(&config, tls, slot, listener, shutdown).await
     }
 }
@@ -85,6 +88,8 @@ impl LoadedStage {
 /// `executor` as the service runs it for `config`'s place in the plan: a fresh link to `config.next`.
 pub fn active_stage(config: &WorkerConfig, tls: Option<&Tls>, executor: ExecutorHandle) -> Result<ActiveStage> {
     let keepalive = config.keepalive()?;
+    // The link runs on the network runtime, which the executor thread drives: a computed batch goes out on it.
+    let _io = executor.io().enter();
     let downstream = config.next_uri().map(|uri| Downstream::spawn(&uri, tls, keepalive)).transpose()?;
     Ok(ActiveStage {
         executor,
@@ -99,7 +104,10 @@ pub fn active_stage(config: &WorkerConfig, tls: Option<&Tls>, executor: Executor
 pub fn retarget(stage: &ActiveStage, config: &WorkerConfig, tls: Option<&Tls>) -> Result<ActiveStage> {
     let downstream = match (&stage.downstream, config.next_uri()) {
         (Some(link), Some(uri)) if link.address() == uri => Some(link.clone()),
-        (_, uri) => uri.map(|uri| Downstream::spawn(&uri, tls, config.keepalive()?)).transpose()?,
+        (_, uri) => {
+            let _io = stage.executor.io().enter();
+            uri.map(|uri| Downstream::spawn(&uri, tls, config.keepalive()?)).transpose()?
+        }
     };
     Ok(ActiveStage {
         executor: stage.executor.clone(),
@@ -115,6 +123,7 @@ struct LoadStage<'a> {
     files: &'a ModelFiles,
     layers: LayerRange,
     term: TermFence,
+    io: IoRuntime,
 }
 
 impl OnBackend for LoadStage<'_> {
@@ -136,7 +145,7 @@ impl OnBackend for LoadStage<'_> {
                 "KV cache sized from the memory budget"
             );
         }
-        ExecutorHandle::spawn(model, cfg, kv.blocks, self.term)
+        ExecutorHandle::spawn(model, cfg, kv.blocks, self.term, self.io)
     }
 }
 
@@ -167,7 +176,7 @@ pub async fn serve_slot(
     };
     let (health_reporter, health) = health_service();
     let (reported, first_report) = tokio::sync::oneshot::channel();
-    let health_task = tokio::spawn(report_health(slot, health_reporter, shutdown.clone(), reported));
+    let health_task = tokio::spawn(report_health(slot.clone(), health_reporter, shutdown.clone(), reported));
     // Serve once the status exists: a health check that came before the task's first report was answered
     // NOT_FOUND ("service not registered").
     let _ = first_report.await;
@@ -176,20 +185,27 @@ pub async fn serve_slot(
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let addr = listener.local_addr()?;
     tracing::info!(node = %node_id, %addr, tls = tls.is_some(), "serving");
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let server = strata_proto::tls::server(tls.as_ref()).map_err(Error::Tls)?;
     let (reflection, reflection_v1alpha) = reflection_services()?;
-    keepalive
+    let router = keepalive
         .server(server)
         .add_service(health)
         .add_service(reflection)
         .add_service(reflection_v1alpha)
-        .add_service(stage)
-        .serve_with_incoming_shutdown(incoming, async move {
-            // The health task reports NOT_SERVING as it stops.
-            let _ = health_task.await;
-        })
-        .await?;
+        .add_service(stage);
+    // Served on the network runtime (the executor thread drives it between batches): the listener moves there.
+    let listener = listener.into_std()?;
+    let served = slot.io().handle().spawn(async move {
+        let incoming = TcpIncoming::from(TcpListener::from_std(listener)?).with_nodelay(Some(true));
+        router
+            .serve_with_incoming_shutdown(incoming, async move {
+                // The health task reports NOT_SERVING as it stops.
+                let _ = health_task.await;
+            })
+            .await
+            .map_err(Error::from)
+    });
+    served.await.map_err(|e| Error::Executor(format!("the gRPC server stopped: {e}")))??;
     if let Some(task) = metrics_task {
         match task.await {
             Ok(Err(e)) => tracing::warn!(error = %e, "the metrics endpoint failed"),
@@ -238,7 +254,8 @@ async fn report_health(
 
 /// Loads the stage described by `config` and serves it on `listener` until `shutdown` is cancelled.
 pub async fn run(config: WorkerConfig, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
-    LoadedStage::load(config, TermFence::default()).await?.serve(listener, shutdown).await
+    let io = IoRuntime::start()?;
+    LoadedStage::load(config, TermFence::default(), io).await?.serve(listener, shutdown).await
 }
 
 /// A worker running in this process (tests, `strata local`): loaded, listening, stoppable.
@@ -259,8 +276,8 @@ impl Worker {
     /// Like [`Worker::start`], on an already-bound listener.
     pub async fn start_on(config: WorkerConfig, listener: TcpListener) -> Result<Self> {
         let addr = listener.local_addr()?;
-        let stage = LoadedStage::load(config, TermFence::default()).await?;
         let shutdown = CancellationToken::new();
+        let stage = LoadedStage::load(config, TermFence::default(), IoRuntime::start()?).await?;
         let task = tokio::spawn(stage.serve(listener, shutdown.clone()));
         Ok(Worker { addr, shutdown, task })
     }
