@@ -58,9 +58,9 @@ pub struct BatchOutput {
 pub type BatchResult = Result<BatchOutput, ServiceError>;
 
 /// What to do with a batch's outcome, run on the executor thread the moment the batch is computed: the output goes
-/// straight to the next stream, with no task to wake in between (a cross-thread wake-up costs 20-50 µs here). Not
-/// blocking beyond handing the output to a bounded queue. Dropped without being run (the executor stopped), it
-/// answers the batch itself.
+/// straight to the next stream, with no task to wake in between (a cross-thread wake-up costs 20-50 µs here). Never
+/// blocks: waiting for room in a bounded queue goes into the hand-off it returns. Dropped without being run (the
+/// executor stopped), it answers the batch itself.
 pub trait Completion: Send {
     /// Hands on the batch's outcome; what it returns (if anything) runs on the executor's runtime before the next
     /// command (waiting for room in the next stage's queue, as the executor waits for nothing else).
@@ -400,8 +400,7 @@ impl<B: Backend> Executor<B> {
     /// [`IoRuntime`]); a long one lets the helper drive it during the compute and takes it back for the hand-off.
     fn run(&mut self, rx: &mut mpsc::Receiver<Command>, io: &IoRuntime) {
         while let Some(cmd) = io.drive(self.run_short(rx)) {
-            let handoff = self.run_command(cmd);
-            if let Some(handoff) = handoff {
+            if let Some(handoff) = self.run_command(cmd) {
                 io.drive(handoff);
             }
         }

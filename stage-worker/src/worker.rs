@@ -276,8 +276,8 @@ impl Worker {
     /// Like [`Worker::start`], on an already-bound listener.
     pub async fn start_on(config: WorkerConfig, listener: TcpListener) -> Result<Self> {
         let addr = listener.local_addr()?;
-        let shutdown = CancellationToken::new();
         let stage = LoadedStage::load(config, TermFence::default(), IoRuntime::start()?).await?;
+        let shutdown = CancellationToken::new();
         let task = tokio::spawn(stage.serve(listener, shutdown.clone()));
         Ok(Worker { addr, shutdown, task })
     }
