@@ -11,6 +11,7 @@ mod drain;
 mod etcd;
 mod generate;
 mod host;
+mod http;
 mod load;
 mod plan;
 mod retry;

@@ -86,6 +86,14 @@ async fn metrics_count_what_the_requests_did() -> Result<()> {
     );
     assert_eq!(sample(&m, "strata_request_duration_seconds_count"), 3.0, "{m:?}");
     assert!(sample(&m, "strata_batch_duration_seconds_count") >= sample(&m, "strata_generation_tokens_total"));
+    // Every batch's overhead is observed once, and is its round trip less the stages' compute of it.
+    assert_eq!(
+        sample(&m, "strata_pipeline_overhead_seconds_count"),
+        sample(&m, "strata_batch_duration_seconds_count"),
+        "{m:?}"
+    );
+    let overhead = sample(&m, "strata_pipeline_overhead_seconds_sum");
+    assert!(overhead > 0.0 && overhead < sample(&m, "strata_batch_duration_seconds_sum"), "{m:?}");
     assert_eq!(sample(&m, "strata_plan_stages"), 2.0, "{m:?}");
     assert!(sample(&m, "strata_kv_blocks_capacity") > 0.0, "{m:?}");
     let responses = |route: &str, status: u16| {

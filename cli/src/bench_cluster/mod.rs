@@ -4,6 +4,7 @@
 //! plot of throughput vs concurrency.
 
 mod baseline;
+mod overhead;
 mod report;
 
 use std::net::SocketAddr;
@@ -96,7 +97,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
             let (stages, plan) = describe_plan(&mut client).await?;
             plans.push(plan);
             for &c in &b.concurrency {
-                let run = measure(&client, &b, stages, c).await?;
+                let run = measure(&client, &b, stages, c, None).await?;
                 print_run(Some(&run));
                 runs.push(run);
             }
@@ -148,7 +149,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
                         ..CoordinatorConfig::new(&model, any, any)
                     };
                     let cluster = LocalCluster::start(config, stages, per_stage, kv_blocks, b.cpu_isa).await?;
-                    let grpc = cluster.grpc;
+                    let (grpc, http) = (cluster.grpc, cluster.http);
                     let bench = async {
                         let url = format!("http://{grpc}");
                         let endpoint = strata_proto::endpoint(&url, None)?;
@@ -157,7 +158,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
                         plans.push(if b.repeat > 1 { format!("pass {pass}: {plan}") } else { plan });
                         for &c in &b.concurrency {
                             let rate = engine_rate(&mut engine, threads_total, c, &b)?;
-                            let mut run = measure(&client, &b, stages, c).await?;
+                            let mut run = measure(&client, &b, stages, c, Some(http)).await?;
                             run.pass = pass;
                             run.threads_per_stage = per_stage;
                             run.prefix_caching = Some(caching);
@@ -326,11 +327,22 @@ async fn one_request(mut client: Client, req: pb::GenerateRequest) -> Result<Sam
     Ok(Sample { ttft: ttft.context("no token came back")?, itl, tokens, usage: usage.unwrap_or_default() })
 }
 
-async fn measure(client: &Client, b: &ClusterBench, stages: usize, concurrency: usize) -> Result<Run> {
+/// One run of `concurrency` streams; with the coordinator's HTTP API at `metrics`, the median hop too.
+async fn measure(
+    client: &Client,
+    b: &ClusterBench,
+    stages: usize,
+    concurrency: usize,
+    metrics: Option<SocketAddr>,
+) -> Result<Run> {
     if b.shared_prefix_tokens > 0 {
         // Not measured: a cache that has seen the shared prefix once, as a serving cluster's has.
         one_request(client.clone(), request(concurrency, 0, b)).await?;
     }
+    let overhead_before = match metrics {
+        Some(http) => Some(overhead::scrape(http).await?),
+        None => None,
+    };
     let start = Instant::now();
     let tasks: Vec<_> = (0..concurrency)
         .map(|c| {
@@ -350,6 +362,10 @@ async fn measure(client: &Client, b: &ClusterBench, stages: usize, concurrency: 
         samples.extend(t.await.context("bench client task")??);
     }
     let seconds = start.elapsed().as_secs_f64();
+    let overhead_median = match (metrics, overhead_before) {
+        (Some(http), Some(before)) => overhead::scrape(http).await?.since(&before).median(),
+        _ => None,
+    };
     let tokens: u64 = samples.iter().map(|s| s.tokens).sum();
     let mut ttft: Vec<f64> = samples.iter().map(|s| s.ttft.as_secs_f64() * 1e3).collect();
     let mut itl: Vec<f64> = samples.iter().flat_map(|s| s.itl.iter().map(|d| d.as_secs_f64() * 1e3)).collect();
@@ -381,6 +397,7 @@ async fn measure(client: &Client, b: &ClusterBench, stages: usize, concurrency: 
         itl_ms_last_tenth: tenth_ms(&samples, Tenth::Last),
         overhead_us_per_step,
         overhead_us_per_hop: overhead_us_per_step / hops,
+        overhead_us_per_hop_p50: overhead_median.map(|s| s * 1e6 / hops),
         hops_per_step,
         queue_us_per_stage: per_step(queue) / stages_f,
         handoff_us_per_stage: per_step(handoff) / stages_f,

@@ -50,6 +50,9 @@ pub(super) struct Run {
     pub overhead_us_per_step: f64,
     /// The same divided by the step's hops.
     pub overhead_us_per_hop: f64,
+    /// The median over the run's micro-batches of their round trip minus their compute, divided by the hops, in
+    /// µs (from the coordinator's `strata_pipeline_overhead_seconds`; local clusters only).
+    pub overhead_us_per_hop_p50: Option<f64>,
     /// A step's hops: stages + 1 (to stage 0, from stage to stage, the last stage's answer straight back).
     pub hops_per_step: usize,
     /// (Cluster ITL p50 - single-process decode p50) / hops, for concurrency 1 of a local cluster.
@@ -222,17 +225,17 @@ pub(super) fn table(report: &Report) -> String {
     }
     let _ = writeln!(
         t,
-        "\nWhere a micro-batch step's time went (means per step; meaningful at 1 stream, queueing behind other batches at more):\n"
+        "\nWhere a micro-batch step's time went (means per step, but for the overhead's median; meaningful at 1 stream, queueing behind other batches at more):\n"
     );
     let _ = writeln!(
         t,
-        "| stages | mb/stage | streams | compute ms/step | queue µs/stage | hand-off µs/stage | wire µs/hop | overhead µs/hop | added µs/hop vs 1 process | added ms/token vs 1 process, first/last tenth |"
+        "| stages | mb/stage | streams | compute ms/step | queue µs/stage | hand-off µs/stage | wire µs/hop | overhead µs/hop | overhead µs/hop p50 | added µs/hop vs 1 process | added ms/token vs 1 process, first/last tenth |"
     );
-    let _ = writeln!(t, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(t, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &report.runs {
         let _ = writeln!(
             t,
-            "| {} | {} | {} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {}/{} |",
+            "| {} | {} | {} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {} | {}/{} |",
             r.stages,
             as_set(r.micro_batches_per_stage),
             r.concurrency,
@@ -241,6 +244,7 @@ pub(super) fn table(report: &Report) -> String {
             r.handoff_us_per_stage,
             r.wire_us_per_hop,
             r.overhead_us_per_hop,
+            opt(r.overhead_us_per_hop_p50, 0),
             opt(r.added_us_per_hop_vs_single_process, 0),
             opt(r.added_ms_first_tenth, 2),
             opt(r.added_ms_last_tenth, 2),

@@ -287,7 +287,7 @@ async fn one_token(url: &str) -> Result<()> {
 async fn wait_live(addr: SocketAddr, limit: Duration) -> Result<()> {
     let deadline = Instant::now() + limit;
     loop {
-        match super::http::get(addr, "/live").await {
+        match crate::http::get(addr, "/live").await {
             Ok(r) if r.starts_with("200") => return Ok(()),
             r if Instant::now() >= deadline => bail!("{addr}/live did not answer 200 within {limit:?}: {r:?}"),
             _ => tokio::time::sleep(Duration::from_millis(100)).await,

@@ -12,10 +12,10 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tonic::transport::Endpoint;
 
-use super::http;
 use crate::client::retryable;
 use crate::connect;
 use crate::drain::code_name;
+use crate::http;
 use crate::retry::{Decision, Resume, Retrier, RetryBudget, TextResume};
 
 /// Temperature of the seeded streams.

@@ -6,7 +6,6 @@
 //! request failed or any token changed.
 
 mod cluster;
-mod http;
 mod load;
 mod procs;
 mod report;

@@ -147,7 +147,7 @@ impl Etcd {
         let deadline = Instant::now() + Duration::from_secs(15);
         let addr = format!("127.0.0.1:{port}").parse()?;
         loop {
-            if let Ok(r) = super::http::get(addr, "/health").await
+            if let Ok(r) = crate::http::get(addr, "/health").await
                 && r.contains(r#""health":"true""#)
             {
                 return Ok(Self { proc, endpoint });

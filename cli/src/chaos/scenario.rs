@@ -13,7 +13,8 @@ use tonic::transport::Endpoint;
 use super::cluster::{self, ClusterSpec, ProcessCluster};
 use super::load::{self, Load, LoadOptions, StreamRecord, Targets};
 use super::report::{ScenarioReport, Wave, timing};
-use super::{ChaosArgs, http, procs, retry_budget};
+use super::{ChaosArgs, procs, retry_budget};
+use crate::http;
 use crate::{connect, drain};
 
 /// How long the plan must stay unchanged (and no node JOINING or DRAINING) before the after wave.

@@ -525,9 +525,13 @@ impl Actor {
                 },
                 Effect::BatchReturned { elapsed, stages } => {
                     Metrics::observe(&self.metrics.batch_duration, elapsed);
+                    let mut computed = Duration::ZERO;
                     for t in &stages {
-                        self.metrics.stage_computed(t.stage_index, Duration::from_micros(t.compute_micros));
+                        let took = Duration::from_micros(t.compute_micros);
+                        self.metrics.stage_computed(t.stage_index, took);
+                        computed += took;
                     }
+                    Metrics::observe(&self.metrics.pipeline_overhead, elapsed.saturating_sub(computed));
                 }
                 Effect::Started { req } => {
                     if let Some(caller) = self.callers.get(&req) {

@@ -1,6 +1,7 @@
-//! A minimal HTTP/1.1 client on hyper (which tonic already brings) for the chaos load: `POST /v1/completions`
-//! with `"stream": true` read as server-sent events one at a time, and plain `GET`s for health checks. One
-//! connection per request; dropping a stream closes it, as a client that goes away would. Plaintext only.
+//! A minimal HTTP/1.1 client on hyper (which tonic already brings) for the chaos load and the cluster benchmark:
+//! `POST /v1/completions` with `"stream": true` read as server-sent events one at a time, and plain `GET`s for
+//! health checks and metrics. One connection per request; dropping a stream closes it, as a client that goes
+//! away would. Plaintext only.
 
 use std::net::{SocketAddr, ToSocketAddrs};
 
@@ -17,7 +18,7 @@ use tokio::task::JoinHandle;
 pub fn addr_of(url: &str) -> Result<SocketAddr> {
     let rest = url.trim().trim_end_matches('/');
     if rest.starts_with("https://") {
-        bail!("{url}: the chaos load speaks plaintext HTTP only");
+        bail!("{url}: this client speaks plaintext HTTP only");
     }
     let host_port = rest.strip_prefix("http://").unwrap_or(rest);
     host_port
