@@ -85,7 +85,8 @@ pub fn service_error(err: &Error) -> ServiceError {
         Error::Membership(M::Decode { .. } | M::Encode { .. } | M::Compacted { .. })
         | Error::Bind { .. }
         | Error::Tls(_)
-        | Error::Wire(_) => ServiceError::internal(message),
+        | Error::Wire(_)
+        | Error::Thread(_) => ServiceError::internal(message),
     }
 }
 

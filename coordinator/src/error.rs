@@ -58,4 +58,7 @@ pub enum Error {
     /// A value does not fit its wire field (a layer index or count beyond `u32`).
     #[error(transparent)]
     Wire(strata_proto::ProtoError),
+    /// The pipeline's thread or its runtime could not be started.
+    #[error("cannot start the pipeline thread: {0}")]
+    Thread(std::io::Error),
 }

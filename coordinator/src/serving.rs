@@ -58,7 +58,7 @@ pub(crate) async fn lead_and_serve<R: Registry>(
     let empty = no_plan(&model.name);
     let Listeners { grpc, http, tls, keys, max_body_bytes } = listeners;
     let options = PipelineOptions { tls: tls.clone(), suspects: Some(suspects_tx), ..options };
-    let pipeline = Arc::new(Pipeline::start_with(model, empty, options, stop.clone()));
+    let pipeline = Arc::new(Pipeline::start_with(model, empty, options, stop.clone())?);
     tokio::spawn(follow_ready_plans(view.clone(), pipeline.clone(), stop.clone()));
     tokio::spawn(graceful_stop(pipeline.clone(), grace, shutdown.clone(), stop.clone()));
     let admin: Arc<dyn NodeAdmin> = Arc::new(registry);

@@ -177,7 +177,7 @@ impl TestCluster {
         let plan = static_plan(&info.name, num_layers, stages);
         let shutdown = CancellationToken::new();
         let view = ClusterView::from_snapshot(ClusterSnapshot { plan: Some(plan.clone()), ..Default::default() });
-        let pipeline = Arc::new(Pipeline::start_with(info, plan, options, shutdown.clone()));
+        let pipeline = Arc::new(Pipeline::start_with(info, plan, options, shutdown.clone())?);
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let http_listener = TcpListener::bind("127.0.0.1:0").await?;
