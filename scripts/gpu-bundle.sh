@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds what scripts/gpu-check.sh needs on a GPU machine that has no Rust toolchain and no network, into one
 # folder (default .gpu-bundle, git-ignored):
-#   bin/strata         the CLI, release, --features cuda, stripped (generate, bench, local, client)
-#   bin/cuda-tests     engine/tests/cuda.rs built the same way (the GPU parity tests, run with --ignored)
+#   bin/strata.gz      the CLI, release, --features cuda, stripped, gzipped (generate, bench, local, client)
+#   bin/cuda-tests.gz  engine/tests/cuda.rs built the same way (the GPU parity tests, run with --ignored); both
+#                      gzipped because the transfer limit counts bytes (a third of them), gpu-check.sh unpacks them
 #   model.gguf         a real-weight slice of SmolLM2-135M (Q4_1): its first GPU_BUNDLE_LAYERS layers and the
 #                      first GPU_BUNDLE_VOCAB rows of its vocabulary (scripts/gguf-slice.py)
 #   model-q4_k_m.gguf  a GPU_BUNDLE_KQUANT_LAYERS-layer slice as llama.cpp's Q4_K_M (`llama-quantize
@@ -38,7 +39,7 @@ profile="${GPU_BUNDLE_PROFILE:-release}"
 started=$SECONDS
 say() { printf '== gpu-bundle [%3ds] %s\n' "$((SECONDS - started))" "$*"; }
 die() { echo "gpu-bundle: $*" >&2; exit 1; }
-for tool in cargo python3 strip objdump git; do
+for tool in cargo python3 strip objdump git gzip; do
   command -v "$tool" >/dev/null || die "$tool not found (scripts/setup installs what the build needs)"
 done
 
@@ -120,6 +121,9 @@ source "$dir/expect/check.env"
 "$dir/bin/strata" --log warn generate --model "$dir/model.gguf" --device cpu --prompt-ids "$PROMPT_IDS" \
   --max-tokens "$MAX_TOKENS" --format json > "$dir/expect/cli-cpu.json"
 echo "cli: $(cat "$dir/expect/cli-cpu.json")"
+
+say "compress the binaries (gpu-check.sh unpacks them)"
+gzip -9 -n "$dir/bin/strata" "$dir/bin/cuda-tests"
 
 say "size"
 bundle_bytes="$(du -sb "$dir" | cut -f1)"

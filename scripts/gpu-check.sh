@@ -174,11 +174,11 @@ if [[ -z "$bundle" ]]; then
   "$repo/scripts/gpu-bundle.sh" "$bundle" || { echo "gpu-check: building the bundle failed" >&2; exit 2; }
 fi
 bundle="$(cd "$bundle" 2>/dev/null && pwd)" || { echo "gpu-check: bundle folder not found" >&2; exit 2; }
-strata="$bundle/bin/strata"
-tests="$bundle/bin/cuda-tests"
+strata_gz="$bundle/bin/strata.gz"
+tests_gz="$bundle/bin/cuda-tests.gz"
 model="$bundle/model.gguf"
 kquant_model="$bundle/model-q4_k_m.gguf"
-for f in "$strata" "$tests" "$model" "$kquant_model" "$bundle/expect/check.env" "$bundle/expect/cli-cpu.json" "$bundle/manifest.txt"; do
+for f in "$strata_gz" "$tests_gz" "$model" "$kquant_model" "$bundle/expect/check.env" "$bundle/expect/cli-cpu.json" "$bundle/manifest.txt"; do
   [[ -s "$f" ]] || { echo "gpu-check: $f missing: rebuild the bundle with scripts/gpu-bundle.sh" >&2; exit 2; }
 done
 # PROMPT_IDS, MAX_TOKENS, CPU_TOKENS, WORKER_DTYPE, WORKER_KV_BLOCKS, OFFLOAD_GPU_MEMORY_LIMIT, NUM_LAYERS
@@ -188,13 +188,15 @@ source "$bundle/expect/check.env"
 mkdir -p "$out" || exit 2
 out="$(cd "$out" && pwd)"
 work="$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")"
-# A copy that lost its executable bits (some transfers drop them) runs from a copy in $work.
-for b in strata tests; do
-  if [[ ! -x "${!b}" ]]; then
-    mkdir -p "$work/bin"
-    cp "${!b}" "$work/bin/$b" && chmod +x "$work/bin/$b" && printf -v "$b" '%s' "$work/bin/$b"
-  fi
-done
+# The bundle carries its binaries gzipped (scripts/gpu-bundle.sh); they run from $work.
+strata="$work/bin/strata"
+tests="$work/bin/cuda-tests"
+mkdir -p "$work/bin"
+if ! { gzip -dc "$strata_gz" > "$strata" && gzip -dc "$tests_gz" > "$tests" && chmod +x "$strata" "$tests"; }; then
+  echo "gpu-check: cannot unpack the bundle's binaries into $work" >&2
+  rm -rf "$work"
+  exit 2
+fi
 log="$out/gpu-check.log"
 : > "$log"
 rm -f "$out/gpu-check.json" "$out/gpu-check-steps.log" "$out/bench-7b.json"
