@@ -74,6 +74,10 @@ pub struct CoordinatorConfig {
     /// latency, more a lower time to first token under bursts and more overlap of wire time with compute.
     #[serde(default = "default_micro_batches_per_stage")]
     pub micro_batches_per_stage: usize,
+    /// The most micro-batches in flight through the whole pipeline, 0 for no cap: for stages that share a host's
+    /// cores, which cannot all compute at once.
+    #[serde(default)]
+    pub max_batches_in_flight: usize,
     /// A micro-batch unanswered this long means a stage hangs: its sequences are recomputed elsewhere.
     #[serde(default = "default_batch_timeout")]
     pub batch_timeout_ms: u64,
@@ -186,6 +190,7 @@ impl CoordinatorConfig {
             max_batch_tokens: default_max_batch_tokens(),
             enable_prefix_caching: PrefixCaching::default(),
             micro_batches_per_stage: default_micro_batches_per_stage(),
+            max_batches_in_flight: 0,
             batch_timeout_ms: default_batch_timeout(),
             recovery_timeout_ms: default_recovery_timeout(),
             probe_timeout_ms: default_probe_timeout(),
@@ -296,6 +301,7 @@ impl CoordinatorConfig {
             max_batch_tokens: self.max_batch_tokens,
             prefix_caching: self.enable_prefix_caching,
             micro_batches_per_stage: self.micro_batches_per_stage,
+            max_batches_in_flight: self.max_batches_in_flight,
         }
     }
 
@@ -390,6 +396,9 @@ mod tests {
         assert!(c.validate().is_err_and(|e| e.to_string().contains("micro_batches_per_stage")));
         c.micro_batches_per_stage = 16;
         assert!(c.validate().is_ok() && c.scheduler_limits().micro_batches_per_stage == 16);
+        assert_eq!(c.scheduler_limits().max_batches_in_flight, 0, "no cap unless set");
+        c.max_batches_in_flight = 1;
+        assert!(c.validate().is_ok() && c.scheduler_limits().max_batches_in_flight == 1);
         let mut c = base();
         c.max_body_bytes = 0;
         assert!(c.validate().is_err_and(|e| e.to_string().contains("max_body_bytes")));

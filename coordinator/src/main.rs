@@ -61,6 +61,11 @@ struct Args {
     #[arg(long, env = "STRATA_MICRO_BATCHES_PER_STAGE", default_value_t = 1,
         value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_MICRO_BATCHES_PER_STAGE as u64))]
     micro_batches_per_stage: usize,
+    /// The most micro-batches in flight through the whole pipeline (0: no cap, the stages times
+    /// --micro-batches-per-stage). For stages that share a host's cores, which cannot all compute at once: the
+    /// cores over each stage's threads.
+    #[arg(long, env = "STRATA_MAX_BATCHES_IN_FLIGHT", default_value_t = 0)]
+    max_batches_in_flight: usize,
     /// Longest sequence served, prompt plus generated tokens (default: the model's context length); longer
     /// requests are refused.
     #[arg(long, env = "STRATA_MAX_MODEL_LEN")]
@@ -148,6 +153,7 @@ async fn main() -> anyhow::Result<()> {
     config.max_batch_tokens = args.max_batch_tokens;
     config.enable_prefix_caching = args.enable_prefix_caching;
     config.micro_batches_per_stage = args.micro_batches_per_stage;
+    config.max_batches_in_flight = args.max_batches_in_flight;
     config.max_model_len = args.max_model_len;
     config.min_kv_tokens = args.min_kv_tokens;
     config.quantize = args.quantize;
@@ -239,6 +245,18 @@ mod tests {
         );
         assert!(parse(&["--micro-batches-per-stage", "17"]).is_err());
         assert!(parse(&["--micro-batches-per-stage", "two"]).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn batches_in_flight_are_uncapped_unless_set() -> anyhow::Result<()> {
+        let parse = |extra: &[&str]| {
+            Args::try_parse_from([&["coordinator", "--model", "m"][..], extra].concat())
+                .map(|a| a.max_batches_in_flight)
+        };
+        assert_eq!(parse(&[])?, 0);
+        assert_eq!(parse(&["--max-batches-in-flight", "1"])?, 1);
+        assert!(parse(&["--max-batches-in-flight", "-1"]).is_err());
         Ok(())
     }
 }

@@ -74,6 +74,12 @@ pub struct SchedulerLimits {
     /// engine's rate. An earlier run (2026-11-30, 2 stages, 16 streams) had 113 tok/s with 4 per stage, 140-153
     /// with 2 and 137 with 1.
     pub micro_batches_per_stage: usize,
+    /// The most micro-batches in flight through the whole pipeline, 0 for no cap (`micro_batches_per_stage` times
+    /// the stages). Stages that share a host's cores cannot all compute at once: three CPU stages on two cores
+    /// time-slice three small micro-batches, which served 0.77-0.78x of one stage at 16 streams (2026-12-05),
+    /// while one batch in flight, each stage with all the cores, served 0.95-0.96x. `strata local` sets it from
+    /// its cores and threads.
+    pub max_batches_in_flight: usize,
 }
 
 /// The most micro-batches per stage the coordinator accepts (`--micro-batches-per-stage`).
@@ -86,6 +92,7 @@ impl Default for SchedulerLimits {
             max_batch_tokens: 512,
             prefix_caching: PrefixCaching::Auto,
             micro_batches_per_stage: 1,
+            max_batches_in_flight: 0,
         }
     }
 }

@@ -8,7 +8,8 @@
 //! - **Admission** ([`Scheduler::promote`]): waiting sequences join the running set oldest first while their
 //!   first step fits, leaving a watermark of 1% of the blocks free while others run.
 //! - **Packing** ([`Scheduler::schedule`]): [`in_flight`] micro-batches are kept in flight,
-//!   `micro_batches_per_stage` per stage (1 by default: the biggest batches); each takes an equal share of the
+//!   `micro_batches_per_stage` per stage (1 by default: the biggest batches), at most `max_batches_in_flight` in
+//!   all when it is set (stages sharing a host's cores); each takes an equal share of the
 //!   running set, oldest first, at most `max_batch_tokens` tokens (longer prompts go in chunks, only the last one
 //!   sampled).
 //! - **Preemption** ([`Scheduler::reserve`]): when a step needs a block and none is free, the youngest running
@@ -287,7 +288,7 @@ impl Scheduler {
     /// Packs the running sequences' next steps into micro-batches for the free slots of [`in_flight`].
     pub(super) fn schedule(&mut self, now: Instant) -> Vec<Effect> {
         let mut effects = Vec::new();
-        let in_flight = in_flight(self.limits.micro_batches_per_stage, self.stages);
+        let in_flight = in_flight(&self.limits, self.stages);
         let slots = in_flight.saturating_sub(self.batches.len());
         if slots == 0 {
             return effects;
@@ -539,8 +540,11 @@ fn is_stage_fault(code: ErrorCode) -> bool {
     )
 }
 
-/// Micro-batches kept in flight through `stages` stages: `per_stage` each, at least one in all (the trade-off is
-/// told at [`SchedulerLimits::micro_batches_per_stage`]).
-fn in_flight(per_stage: usize, stages: usize) -> usize {
-    per_stage.saturating_mul(stages).max(1)
+/// Micro-batches kept in flight through `stages` stages: `micro_batches_per_stage` each, at most
+/// `max_batches_in_flight` when that is set, at least one in all (the trade-offs are told at
+/// [`SchedulerLimits`]).
+fn in_flight(limits: &SchedulerLimits, stages: usize) -> usize {
+    let all = limits.micro_batches_per_stage.saturating_mul(stages);
+    let capped = if limits.max_batches_in_flight == 0 { all } else { all.min(limits.max_batches_in_flight) };
+    capped.max(1)
 }

@@ -27,6 +27,7 @@ pub(super) fn limits(max_batch_tokens: usize, micro_batches_per_stage: usize) ->
         max_batch_tokens,
         prefix_caching: PrefixCaching::Off,
         micro_batches_per_stage,
+        max_batches_in_flight: 0,
     }
 }
 
@@ -122,7 +123,8 @@ fn four_running_on_five_blocks(
 #[test]
 fn every_batch_takes_an_equal_share_of_the_running_set_oldest_first() -> Result<(), ServiceError> {
     let now = Instant::now();
-    assert_eq!((in_flight(2, 1), in_flight(2, 2), in_flight(2, 3)), (2, 4, 6));
+    let two = limits(512, 2);
+    assert_eq!((in_flight(&two, 1), in_flight(&two, 2), in_flight(&two, 3)), (2, 4, 6));
     // Two stages keep 4 batches in flight: 10 running sequences go 3, 3, 3 and 1.
     let mut s = scheduler(2, 100, 16, 512);
     for i in 0..10 {
@@ -160,8 +162,9 @@ fn one_micro_batch_per_stage_by_default_sends_the_whole_running_set_through_one_
 -> Result<(), ServiceError> {
     let now = Instant::now();
     assert_eq!(SchedulerLimits::default().micro_batches_per_stage, 1);
-    assert_eq!((in_flight(1, 1), in_flight(1, 2), in_flight(1, 3)), (1, 2, 3));
-    assert_eq!((in_flight(1, 0), in_flight(0, 3)), (1, 1), "never less than one");
+    let one = limits(512, 1);
+    assert_eq!((in_flight(&one, 1), in_flight(&one, 2), in_flight(&one, 3)), (1, 2, 3));
+    assert_eq!((in_flight(&one, 0), in_flight(&limits(512, 0), 3)), (1, 1), "never less than one");
     // One stage: 4 running sequences go out as one batch of 4, and the next step waits for it.
     let mut s = scheduler_with(limits(512, 1), 1, 100, 16);
     for i in 0..4 {
@@ -196,6 +199,22 @@ fn two_micro_batches_per_stage_keep_twice_the_stage_count_in_flight() -> Result<
         let sizes: Vec<usize> = seq_ids(&fx).iter().map(Vec::len).collect();
         assert_eq!(sizes, vec![12 / (2 * stages); 2 * stages], "{stages} stage(s)");
         assert_eq!(s.batches_in_flight(), 2 * stages);
+    }
+    Ok(())
+}
+
+#[test]
+fn a_cap_on_batches_in_flight_makes_fewer_bigger_batches() -> Result<(), ServiceError> {
+    let now = Instant::now();
+    for (cap, want) in [(1, vec![12]), (2, vec![6, 6]), (5, vec![3; 4]), (0, vec![3; 4])] {
+        let mut s = scheduler_with(SchedulerLimits { max_batches_in_flight: cap, ..limits(512, 2) }, 2, 100, 16);
+        for i in 0..12 {
+            s.admit(&request(&[i + 1], 4))?;
+        }
+        let fx = s.schedule(now);
+        let sizes: Vec<usize> = seq_ids(&fx).iter().map(Vec::len).collect();
+        assert_eq!(sizes, want, "cap {cap}");
+        assert_eq!(s.batches_in_flight(), want.len());
     }
     Ok(())
 }
