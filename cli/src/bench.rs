@@ -38,7 +38,8 @@ pub struct BenchArgs {
     #[command(flatten)]
     api_key: crate::connect::ApiKeyArgs,
     /// Benchmark serving through local clusters of these stage counts (e.g. `1,2,3`), started in this process;
-    /// --threads is then the total, split evenly over the stages.
+    /// every stage gets --threads threads, and as the stages share this machine's cores the cluster keeps only as
+    /// many micro-batches in flight as can compute at once.
     #[arg(long, value_delimiter = ',', conflicts_with = "kernels")]
     local: Vec<usize>,
     /// Concurrent client streams for --coordinator/--local, one run per level.

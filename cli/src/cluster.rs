@@ -124,11 +124,25 @@ impl LocalCluster {
             // skews the layer split.
             wait_ready(&registry, &format!("local-{i}")).await?;
         }
+        // CPU stages here share this machine's cores: no more micro-batches in flight than can compute at once.
+        let max_batches_in_flight = match (coordinator.max_batches_in_flight, device.device) {
+            (0, Device::Cpu) => {
+                let cores = strata_engine::backend::cpu::threads_or_cores(0);
+                let threads = strata_engine::backend::cpu::threads_or_cores(threads);
+                let n = batches_in_flight_on_shared_cores(stages, threads, cores, coordinator.micro_batches_per_stage);
+                eprintln!(
+                    "{stages} stage(s) share {cores} core(s), {threads} thread(s) each: {n} micro-batch(es) in flight"
+                );
+                n
+            }
+            (n, _) => n,
+        };
         let config = CoordinatorConfig {
             cluster: "local".into(),
             min_stages: stages,
             candidate: Some("local-coordinator".into()),
             min_kv_tokens: Some(256),
+            max_batches_in_flight,
             ..coordinator
         };
         let shutdown = CancellationToken::new();
@@ -168,6 +182,16 @@ impl LocalCluster {
             None => Err(coordinator.err().unwrap_or_else(|| anyhow::anyhow!("the coordinator stopped"))),
         }
     }
+}
+
+/// The micro-batches worth keeping in flight through `stages` CPU stages of `threads` threads each on one machine
+/// of `cores` cores, with `per_stage` micro-batches per stage: as many stages as the cores can run at once (at
+/// least one), each with its micro-batches. More would time-slice the cores and shrink every batch: three
+/// one-thread stages on two cores served 0.77-0.78x of one stage at 16 streams; one batch at a time through
+/// stages of two threads, 0.95-0.96x (docs/performance.md, 2026-12-05).
+fn batches_in_flight_on_shared_cores(stages: usize, threads: usize, cores: usize, per_stage: usize) -> usize {
+    let at_once = (cores / threads.max(1)).clamp(1, stages.max(1));
+    at_once * per_stage.max(1)
 }
 
 /// Waits until `node` is READY in `registry` (it has measured its speed), or fails after a minute.
@@ -329,4 +353,21 @@ fn report(r: std::result::Result<tonic::Response<pb::NodeResponse>, tonic::Statu
     let r = r.with_context(|| format!("node {id}"))?.into_inner();
     println!("{id}: {} (plan epoch {})", state_name(r.state), r.plan_epoch);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::batches_in_flight_on_shared_cores as in_flight;
+
+    #[test]
+    fn stages_sharing_cores_keep_as_many_batches_in_flight_as_can_compute_at_once() {
+        // Two cores: one stage of two threads at a time, two of one thread.
+        assert_eq!(in_flight(3, 2, 2, 1), 1);
+        assert_eq!(in_flight(3, 1, 2, 1), 2);
+        assert_eq!(in_flight(3, 1, 2, 2), 4, "with two micro-batches per stage");
+        // Never more than the stages, never fewer than one.
+        assert_eq!(in_flight(3, 1, 16, 1), 3);
+        assert_eq!(in_flight(2, 8, 4, 1), 1);
+        assert_eq!(in_flight(1, 1, 1, 1), 1);
+    }
 }

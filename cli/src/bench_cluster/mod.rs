@@ -20,7 +20,7 @@ use strata_engine::CpuIsa;
 use strata_engine::sampling::SamplingParams;
 
 use self::baseline::{EngineBaseline, EngineRate};
-use self::report::{Report, Run, SingleProcess, against_one_stage, print_run, write_outputs};
+use self::report::{Report, Run, against_one_stage, print_run, write_outputs};
 use crate::cluster::LocalCluster;
 use crate::connect::{self, Client, Credentials};
 use crate::host::Host;
@@ -56,7 +56,8 @@ pub struct ClusterBench {
     pub max_tokens: usize,
     /// How requests and the engine baseline pick tokens (each request seeded by [`seed`]).
     pub sampling: SamplingParams,
-    /// CPU threads in total, split evenly over a local cluster's stages.
+    /// CPU threads of the engine and of every stage of a local cluster (its stages share this machine's cores, and
+    /// the cluster keeps only as many micro-batches in flight as can compute at once).
     pub threads: usize,
     /// Instruction set of the CPU kernels (local clusters and the single-process baseline).
     pub cpu_isa: CpuIsa,
@@ -115,22 +116,10 @@ pub fn run(b: ClusterBench) -> Result<()> {
             // the same level (interleaved, so both see the same machine; it idles while the cluster serves).
             let mut engine =
                 EngineBaseline::load(&model, threads_total, b.cpu_isa, max_c, b.prompt_tokens + b.max_tokens)?;
-            // Batch-1 latency with each stage's thread count: that engine's for a 1-stage cluster, else one loaded
-            // for the purpose and dropped before any cluster starts.
-            for &stages in &b.local {
-                let per_stage = (threads_total / stages).max(1);
-                if baselines.iter().any(|d: &SingleProcess| d.threads == per_stage) {
-                    continue;
-                }
-                let prompt = prompt_ids(0, 0, &b);
-                let latency = if per_stage == threads_total {
-                    engine.decode_latency(&prompt, b.max_tokens, &b.sampling)?
-                } else {
-                    EngineBaseline::load(&model, per_stage, b.cpu_isa, 1, b.prompt_tokens + b.max_tokens)?
-                        .decode_latency(&prompt, b.max_tokens, &b.sampling)?
-                };
-                baselines.push(latency);
-            }
+            // Batch-1 latency with a stage's threads (all of them: a local cluster's stages take turns with every
+            // core rather than time-slice them, see `LocalCluster`).
+            let single = engine.decode_latency(&prompt_ids(0, 0, &b), b.max_tokens, &b.sampling)?;
+            baselines.push(single.clone());
             // The engine's first run pays for first touches (its KV cache's pages, its buffers), which made the first
             // cluster's yardstick 15-30 % slower than the later ones': one run of the first level, untimed.
             engine_workload(&mut engine, b.concurrency[0], &b)?;
@@ -138,8 +127,7 @@ pub fn run(b: ClusterBench) -> Result<()> {
                 clusters(&b.local, &b.prefix_caching, &b.micro_batches_per_stage).into_iter().map(move |c| (pass, c))
             });
             for (pass, (stages, caching, micro_batches)) in passes {
-                let per_stage = (threads_total / stages).max(1);
-                let single = baselines.iter().find(|d| d.threads == per_stage).cloned().unwrap_or_default();
+                let per_stage = threads_total;
                 rt.block_on(async {
                     // Port 0: the cluster binds both APIs itself, so no other process can take a port first.
                     let any = SocketAddr::from(([127, 0, 0, 1], 0));

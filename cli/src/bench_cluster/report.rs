@@ -89,6 +89,7 @@ pub(super) struct Report {
     pub prompt_tokens: usize,
     pub shared_prefix_tokens: usize,
     pub max_tokens: usize,
+    /// The engine's threads, and every stage's of a local cluster (its stages take turns with every core).
     pub threads_total: usize,
     /// The CPU kernels' instruction set in local clusters and the single-process baseline (`None` for a
     /// `--coordinator`'s, which this process does not see).
@@ -385,7 +386,7 @@ pub(super) fn write_outputs(report: &Report, out: &Path) -> Result<()> {
     std::fs::write(&svg_path, svg(report)).with_context(|| format!("writing {}", svg_path.display()))?;
     println!("host: {}", report.host.describe());
     println!(
-        "model: {}  prompt {} + {} generated tokens per request ({}), {} threads in total{}",
+        "model: {}  prompt {} + {} generated tokens per request ({}), {} threads (the engine's, and each stage's){}",
         report.model,
         report.prompt_tokens,
         report.max_tokens,
