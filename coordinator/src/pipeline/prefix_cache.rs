@@ -46,6 +46,8 @@ pub(super) struct SeqPrefix {
     attach_tokens: Vec<u32>,
     /// Matched against the cache since it was (re)queued.
     looked_up: bool,
+    /// What that match found, counted once the sequence runs on it ([`SeqPrefix::take_found`]).
+    found: PrefixStats,
 }
 
 impl SeqPrefix {
@@ -64,6 +66,12 @@ impl SeqPrefix {
         (std::mem::take(&mut self.attach), std::mem::take(&mut self.attach_tokens))
     }
 
+    /// What its match found, once: a waiting sequence may give its blocks back and be matched again, so a match
+    /// counts when the sequence runs on it.
+    pub(super) fn take_found(&mut self) -> PrefixStats {
+        std::mem::take(&mut self.found)
+    }
+
     /// Ends its part: the cached blocks it used, to [`PrefixCache::unref`] once its `Release` returns.
     pub(super) fn take_refs(&mut self) -> Vec<u64> {
         let refs = std::mem::take(&mut self.refs);
@@ -75,7 +83,7 @@ impl SeqPrefix {
 /// Prompt tokens looked up and found, since the coordinator started.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct PrefixStats {
-    /// Tokens of prompts (and recomputes) matched against the cache.
+    /// Tokens of prompts (and recomputes) matched against the cache, counted when the sequence runs on the match.
     pub(crate) queried_tokens: u64,
     /// Of those, tokens found cached and not computed again.
     pub(crate) hit_tokens: u64,
@@ -120,7 +128,7 @@ impl PrefixCache {
     /// Starts a sequence that prefills `tokens` from position 0: finds the cached blocks its prompt starts with,
     /// leaving at least one token to compute (its logits are sampled), and takes a reference on each. Returns
     /// the positions found.
-    pub(super) fn lookup(&mut self, seq: &mut SeqPrefix, tokens: &[u32], stats: &mut PrefixStats) -> usize {
+    pub(super) fn lookup(&mut self, seq: &mut SeqPrefix, tokens: &[u32]) -> usize {
         let bs = self.block_size;
         let mut keys = Vec::with_capacity(tokens.len() / bs);
         self.key_full_blocks(&mut keys, tokens);
@@ -140,9 +148,8 @@ impl PrefixCache {
                 _ => break,
             }
         }
-        stats.queried_tokens += tokens.len() as u64;
-        stats.hit_tokens += (hits * bs) as u64;
         *seq = SeqPrefix {
+            found: PrefixStats { queried_tokens: tokens.len() as u64, hit_tokens: (hits * bs) as u64 },
             refs: keys[..hits].to_vec(),
             attach: keys[..hits].to_vec(),
             attach_tokens: tokens[..hits * bs].to_vec(),
@@ -262,9 +269,8 @@ mod tests {
     #[test]
     fn a_prompt_reuses_the_published_blocks_of_an_earlier_one_and_computes_at_least_one_token() {
         let mut c = PrefixCache::new(4, 1);
-        let mut stats = PrefixStats::default();
         let mut a = SeqPrefix::default();
-        assert_eq!(c.lookup(&mut a, &toks(10), &mut stats), 0);
+        assert_eq!(c.lookup(&mut a, &toks(10)), 0);
         // Chunked prefill: 6 tokens, then 4. Blocks publish as they fill.
         assert_eq!(c.publish(&mut a, 6).len(), 1);
         assert_eq!(c.publish(&mut a, 10).iter().map(|p| p.0).collect::<Vec<_>>(), [1]);
@@ -273,17 +279,20 @@ mod tests {
         let mut b = SeqPrefix::default();
         let mut prompt = toks(9);
         prompt.push(7);
-        assert_eq!(c.lookup(&mut b, &prompt, &mut stats), 8);
+        assert_eq!(c.lookup(&mut b, &prompt), 8);
         assert_eq!(b.take_attach().0.len(), 2);
         assert!(b.take_attach().0.is_empty(), "attached once");
         let mut d = SeqPrefix::default();
-        assert_eq!(c.lookup(&mut d, &toks(8), &mut stats), 4);
+        assert_eq!(c.lookup(&mut d, &toks(8)), 4);
         // A different first block shares nothing, even with equal later tokens.
         let mut e = SeqPrefix::default();
         let mut other = toks(10);
         other[0] = 5;
-        assert_eq!(c.lookup(&mut e, &other, &mut stats), 0);
-        assert_eq!(stats, PrefixStats { queried_tokens: 38, hit_tokens: 12 });
+        assert_eq!(c.lookup(&mut e, &other), 0);
+        let found = [&mut a, &mut b, &mut d, &mut e].map(|s| s.take_found());
+        let sum = |f: fn(&PrefixStats) -> u64| found.iter().map(f).sum::<u64>();
+        assert_eq!((sum(|f| f.queried_tokens), sum(|f| f.hit_tokens)), (38, 12));
+        assert_eq!(a.take_found(), PrefixStats::default(), "counted once");
         for s in [&mut a, &mut b, &mut d, &mut e] {
             let refs = s.take_refs();
             c.unref(&refs);
@@ -294,13 +303,12 @@ mod tests {
     #[test]
     fn eviction_takes_the_longest_idle_block_and_the_end_of_a_chain_first() {
         let mut c = PrefixCache::new(2, 1);
-        let mut stats = PrefixStats::default();
         let (mut a, mut b) = (SeqPrefix::default(), SeqPrefix::default());
-        c.lookup(&mut a, &toks(7), &mut stats);
+        c.lookup(&mut a, &toks(7));
         c.publish(&mut a, 7);
         let mut other = toks(5);
         other[0] = 1;
-        c.lookup(&mut b, &other, &mut stats);
+        c.lookup(&mut b, &other);
         c.publish(&mut b, 5);
         assert_eq!(c.cached(), 5);
         let a_keys = a.take_refs();
@@ -313,15 +321,14 @@ mod tests {
         assert!(!c.evict_one(), "blocks in use are never evicted");
         // A prompt whose chain start was evicted matches nothing.
         let mut d = SeqPrefix::default();
-        assert_eq!(c.lookup(&mut d, &toks(7), &mut stats), 0);
+        assert_eq!(c.lookup(&mut d, &toks(7)), 0);
     }
 
     #[test]
     fn decoded_tokens_give_their_blocks_the_keys_a_prompt_of_them_gets() {
         let mut c = PrefixCache::new(4, 1);
-        let mut stats = PrefixStats::default();
         let mut decoded = SeqPrefix::default();
-        c.lookup(&mut decoded, &toks(6), &mut stats);
+        c.lookup(&mut decoded, &toks(6));
         // Prefill chunks add nothing; decode steps (one token each) do; a gap or a repeat is ignored.
         c.extend(&mut decoded, 0, &toks(6));
         assert_eq!(decoded.tokens.len(), 6);
@@ -333,7 +340,7 @@ mod tests {
         let mut whole = SeqPrefix::default();
         let mut prompt = toks(6);
         prompt.extend([7, 8]);
-        c.lookup(&mut whole, &prompt, &mut stats);
+        c.lookup(&mut whole, &prompt);
         assert_eq!(decoded.keys, whole.keys);
         assert_eq!(decoded.keys.len(), 2);
         // A sequence never matched against the cache (caching was off when it started) keeps no tokens.
@@ -345,17 +352,16 @@ mod tests {
     #[test]
     fn a_block_cached_meanwhile_by_another_sequence_is_not_published_twice() {
         let mut c = PrefixCache::new(4, 1);
-        let mut stats = PrefixStats::default();
         let (mut a, mut b) = (SeqPrefix::default(), SeqPrefix::default());
-        c.lookup(&mut a, &toks(9), &mut stats);
-        c.lookup(&mut b, &toks(9), &mut stats);
+        c.lookup(&mut a, &toks(9));
+        c.lookup(&mut b, &toks(9));
         assert_eq!(c.publish(&mut a, 9).len(), 2);
         assert!(c.publish(&mut b, 9).is_empty());
         assert_eq!((a.shared(), b.shared()), (2, 0));
         // Keys differ across plans.
         let mut e = SeqPrefix::default();
         let mut other_plan = PrefixCache::new(4, 2);
-        other_plan.lookup(&mut e, &toks(9), &mut stats);
+        other_plan.lookup(&mut e, &toks(9));
         assert_ne!(e.keys, a.keys);
     }
 }

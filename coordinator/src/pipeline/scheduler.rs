@@ -17,7 +17,8 @@
 //!   is never preempted.
 //! - **Prefix caching** (policy in `prefix_cache.rs`): a sequence about to prefill starts after the cached blocks
 //!   its tokens begin with; the chunk that fills a block (of its prompt or its output) publishes it; cached blocks
-//!   no sequence uses count as free and are evicted (least recently used first) before anyone is preempted.
+//!   no sequence uses count as free and are evicted (least recently used first) before anyone is preempted; a
+//!   waiting sequence lets go of the blocks it found when a running one needs them and has no one to preempt.
 //!
 //! What the stages say is bookkeeping, not policy: a stage that refuses a batch for want of KV gets it requeued
 //! (at most [`MAX_STAGE_REFUSALS`] times per sequence); a batch the stages failed to run through no fault of its
@@ -44,6 +45,8 @@ mod batch;
 mod effect;
 #[cfg(test)]
 mod prefix_tests;
+#[cfg(test)]
+mod random_order_tests;
 #[cfg(test)]
 mod tests;
 

@@ -21,8 +21,9 @@ impl Scheduler {
                 continue;
             }
             if let Some(prefix) = self.prefix.as_mut().filter(|_| seq.pos == 0 && !seq.prefix.looked_up()) {
-                // It keeps the blocks found while it waits at the front of the queue.
-                let hit = prefix.lookup(&mut seq.prefix, &seq.input, &mut self.prefix_stats);
+                // It keeps the blocks found while it waits at the front of the queue, unless a running sequence
+                // needs them ([`Scheduler::unpin_waiting`]).
+                let hit = prefix.lookup(&mut seq.prefix, &seq.input);
                 if seq.output.is_empty() {
                     seq.timing.cached_tokens = u32::try_from(hit).unwrap_or(u32::MAX);
                 }
@@ -38,6 +39,9 @@ impl Scheduler {
             if !grow(kv, &mut self.prefix, seq, first) {
                 break;
             }
+            let found = seq.prefix.take_found();
+            self.prefix_stats.queried_tokens += found.queried_tokens;
+            self.prefix_stats.hit_tokens += found.hit_tokens;
             seq.running = true;
             running = true;
             self.waiting.pop_front();
@@ -68,9 +72,34 @@ impl Scheduler {
                 .range(id..)
                 .rev()
                 .find(|(v, s)| **v != id && s.running && !s.in_flight && !s.gone())
-                .map(|(v, _)| *v)?;
-            self.requeue(victim, Requeue::KvFull, effects);
+                .map(|(v, _)| *v);
+            match victim {
+                Some(victim) => self.requeue(victim, Requeue::KvFull, effects),
+                // No one to preempt, and blocks that waiting sequences found cached cannot be evicted while they
+                // keep them; but they wait for this one to end: they let go, or neither would ever run.
+                None if self.unpin_waiting() => {}
+                None => return None,
+            }
         }
+    }
+
+    /// Waiting sequences give back the cached blocks their match found (they are matched again when they reach
+    /// the front of the queue), so that those no running sequence uses become evictable; false when none held any.
+    fn unpin_waiting(&mut self) -> bool {
+        let Some(prefix) = self.prefix.as_mut() else { return false };
+        let mut any = false;
+        for id in &self.waiting {
+            let Some(seq) = self.seqs.get_mut(id) else { continue };
+            if seq.running || seq.prefix.shared() == 0 {
+                continue;
+            }
+            prefix.unref(&seq.prefix.take_refs());
+            // Waiting, it holds no blocks of its own, and its match only moved its start.
+            seq.pos = 0;
+            seq.input = seq.prompt.iter().chain(&seq.output).copied().collect();
+            any = true;
+        }
+        any
     }
 }
 
