@@ -1,12 +1,12 @@
 //! The scheduler driven like the actor drives it, with the stages' responses and the releases returning in
 //! random orders (seeded, so every failure replays): whatever the order, every stream gets all its tokens and
-//! the budget ends whole. The end-to-end test `with_too_little_kv_...` (tests/tests/prefix_cache.rs) runs one
-//! such order per run on real stages; this runs hundreds.
+//! the budget ends whole, also when stages fail or refuse batches. The end-to-end test `with_too_little_kv_...`
+//! (tests/tests/prefix_cache.rs) runs one such order per run on real stages; this runs hundreds.
 
 use std::collections::HashMap;
 use std::time::Instant;
 
-use strata_proto::pb;
+use strata_proto::{ServiceError, pb};
 
 use super::tests::{EPOCH, answer, limits, request};
 use super::*;
@@ -41,6 +41,13 @@ struct Case {
     prefix: PrefixCaching,
     per_stage: usize,
     max_in_flight: usize,
+    /// Some responses are stage failures.
+    faults: bool,
+}
+
+/// A stage's error answer to `batch`.
+fn refusal(batch: &pb::ForwardRequest, error: ServiceError) -> pb::ForwardResponse {
+    pb::ForwardResponse { batch_id: batch.batch_id, error: Some(error.into()), ..Default::default() }
 }
 
 /// Runs `case` with responses and releases in the order `seed` picks; panics with the scheduler's state if it
@@ -90,7 +97,15 @@ fn run(seed: u64, case: Case) {
         let pick = rng.below(in_flight.len() + releases.len());
         if pick < in_flight.len() {
             let batch = in_flight.swap_remove(pick);
-            for effect in s.apply_response(answer(&batch), now) {
+            // With faults, 1 response in 40 is a stage down (a stall: the stream is dropped with every batch on it,
+            // and the reconnect brings a new budget), 2 in 40 a stage out of KV (the batch is requeued).
+            let resp = match rng.below(if case.faults { 40 } else { 1 }) {
+                0 if case.faults => refusal(&batch, ServiceError::unavailable("stage 1 is down")),
+                1 | 2 => refusal(&batch, ServiceError::resource_exhausted("stage 2 is out of KV blocks")),
+                _ => answer(&batch),
+            };
+            let mut stalled = false;
+            for effect in s.apply_response(resp, now) {
                 match effect {
                     // The output ends a stream at `max_tokens`, before the next round schedules.
                     Effect::Token { req, .. } => {
@@ -102,8 +117,13 @@ fn run(seed: u64, case: Case) {
                     }
                     Effect::Release { blocks, cached, generation, .. } => releases.push((generation, blocks, cached)),
                     Effect::Fail { req, error } => panic!("seed {seed}, {case:?}: {req:?} failed: {error}"),
+                    Effect::Stalled { .. } => stalled = true,
                     _ => {}
                 }
+            }
+            if stalled {
+                in_flight.clear();
+                s.set_budget(KvBudget::new(4, case.blocks));
             }
         } else {
             let (generation, blocks, cached) = releases.swap_remove(pick - in_flight.len());
@@ -117,11 +137,11 @@ fn run(seed: u64, case: Case) {
 
 /// Every order of `seeds` for each tight-KV case: 8 streams whose whole sequences need 13 or 14 blocks each, on
 /// 14 (one sequence at a time), 24 (the end-to-end test's) and 32 blocks.
-fn every_order(prefix: PrefixCaching, seeds: u64) {
+fn every_order(prefix: PrefixCaching, faults: bool, seeds: u64) {
     for blocks in [14, 24, 32] {
         for max_tokens in [6, 8] {
             for (stages, per_stage, max_in_flight) in [(1, 1, 0), (3, 1, 0), (3, 2, 0), (3, 2, 3)] {
-                let case = Case { stages, blocks, streams: 8, max_tokens, prefix, per_stage, max_in_flight };
+                let case = Case { stages, blocks, streams: 8, max_tokens, prefix, per_stage, max_in_flight, faults };
                 for seed in 0..seeds {
                     run(seed, case);
                 }
@@ -134,10 +154,18 @@ fn every_order(prefix: PrefixCaching, seeds: u64) {
 fn with_prefix_caching_and_too_little_kv_every_order_of_responses_and_releases_ends_every_stream() {
     // Before waiting sequences let go of the cached blocks they found, most of these stopped: the one running
     // sequence needed a block that only a waiting one kept (tests/tests/prefix_cache.rs hung 1 run in 12).
-    every_order(PrefixCaching::On, 60);
+    every_order(PrefixCaching::On, false, 60);
 }
 
 #[test]
 fn without_prefix_caching_every_order_ends_every_stream_too() {
-    every_order(PrefixCaching::Off, 30);
+    every_order(PrefixCaching::Off, false, 30);
+}
+
+#[test]
+fn with_stages_failing_and_refusing_batches_every_order_still_ends_every_stream() {
+    // Every sequence is recomputed after a stall or a refusal; none may fail (the limits are far off at these
+    // rates), and the cache's blocks go back whatever the order.
+    every_order(PrefixCaching::On, true, 30);
+    every_order(PrefixCaching::Off, true, 15);
 }
