@@ -102,6 +102,12 @@ impl Seq {
     fn table_blocks(&self) -> usize {
         self.blocks + self.prefix.shared()
     }
+
+    /// Back to position 0, to feed its prompt and output again (a recompute, or a match given back).
+    fn rewind(&mut self) {
+        self.pos = 0;
+        self.input = self.prompt.iter().chain(&self.output).copied().collect();
+    }
 }
 
 /// A micro-batch in flight.
@@ -396,8 +402,7 @@ impl Scheduler {
             self.waiting.retain(|w| *w != id);
         }
         seq.running = false;
-        seq.pos = 0;
-        seq.input = seq.prompt.iter().chain(&seq.output).copied().collect();
+        seq.rewind();
         seq.seq_id = self.next_seq;
         self.next_seq += 1;
         self.by_seq_id.insert(seq.seq_id, id);

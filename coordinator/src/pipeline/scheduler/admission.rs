@@ -95,8 +95,7 @@ impl Scheduler {
             }
             prefix.unref(&seq.prefix.take_refs());
             // Waiting, it holds no blocks of its own, and its match only moved its start.
-            seq.pos = 0;
-            seq.input = seq.prompt.iter().chain(&seq.output).copied().collect();
+            seq.rewind();
             any = true;
         }
         any

@@ -6,23 +6,13 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use strata_proto::{ServiceError, pb};
 
 use super::tests::{EPOCH, answer, limits, request};
 use super::*;
 use crate::pipeline::PrefixCaching;
-
-/// xorshift64: a seeded order, no dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        usize::try_from(self.0 % n as u64).unwrap_or(0)
-    }
-}
 
 /// The end-to-end test's prompts: a 41-token shared start and a question of 3 to 6 tokens of stream `i`'s own.
 fn prompt(i: u32) -> Vec<u32> {
@@ -62,7 +52,7 @@ fn run(seed: u64, case: Case) {
     let mut s = Scheduler::new(limits, EPOCH, 0, case.stages);
     s.set_budget(KvBudget::new(4, case.blocks));
     let (streams, max_tokens) = (case.streams, case.max_tokens);
-    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut rng = StdRng::seed_from_u64(seed);
     let mut generated: HashMap<RequestId, usize> = HashMap::new();
     for i in 0..streams {
         let id = s.admit(&request(&prompt(i), max_tokens)).expect("admitted");
@@ -94,14 +84,14 @@ fn run(seed: u64, case: Case) {
             s.gauges()
         );
         // One event: a batch's response or a release's return, whichever the seed picks.
-        let pick = rng.below(in_flight.len() + releases.len());
+        let pick = rng.random_range(0..in_flight.len() + releases.len());
         if pick < in_flight.len() {
             let batch = in_flight.swap_remove(pick);
             // With faults, 1 response in 40 is a stage down (a stall: the stream is dropped with every batch on it,
             // and the reconnect brings a new budget), 2 in 40 a stage out of KV (the batch is requeued).
-            let resp = match rng.below(if case.faults { 40 } else { 1 }) {
-                0 if case.faults => refusal(&batch, ServiceError::unavailable("stage 1 is down")),
-                1 | 2 => refusal(&batch, ServiceError::resource_exhausted("stage 2 is out of KV blocks")),
+            let resp = match case.faults.then(|| rng.random_range(0..40)) {
+                Some(0) => refusal(&batch, ServiceError::unavailable("stage 1 is down")),
+                Some(1 | 2) => refusal(&batch, ServiceError::resource_exhausted("stage 2 is out of KV blocks")),
                 _ => answer(&batch),
             };
             let mut stalled = false;
