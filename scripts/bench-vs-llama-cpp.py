@@ -23,7 +23,8 @@ idle over 3 s (llama.cpp's spinning thread pool collapses when other work shares
 --isa avx2 runs both engines at the AVX2 level whatever this CPU has beyond it: strata with `--cpu-isa avx2`, and
 the llama.cpp tools `LLAMA_CPP_ISA=avx2 scripts/llama-cpp-build.sh ...` built without AVX-512 or VNNI. That
 compares the code an AVX2-only CPU runs, on this machine's cores and memory. The default, native, runs each
-engine's best (strata's --cpu-isa auto, llama.cpp built -DGGML_NATIVE=ON).
+engine's best (strata's --cpu-isa auto, llama.cpp built -DGGML_NATIVE=ON, without its AMX kernels, which crash
+on SmolLM2 at the pinned commit: scripts/llama-cpp-build.sh).
 
 llama.cpp's tools must have been built by scripts/llama-cpp-baseline.sh or scripts/llama-cpp-build.sh
 (llama-bench, llama-batched-bench, and llama-quantize for --quantize; cached under $STRATA_CACHE).
