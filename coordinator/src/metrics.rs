@@ -199,7 +199,7 @@ impl Metrics {
         r.register("preemptions", "Sequences queued again for recompute, by reason", m.preemptions.clone());
         r.register(
             "stage_failures",
-            "Stage failures that requeued every sequence for recompute, by reason",
+            "Recoveries that requeued every sequence for recompute (stage failures, the scheduler's watchdog), by reason",
             m.stage_failures.clone(),
         );
         r.register(

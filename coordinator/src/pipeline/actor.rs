@@ -19,13 +19,17 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use super::kv_budget::KvBudget;
 use super::link::{Connected, Dialer, Failed, Suspect};
 use super::output::{SeqOutput, Verdict};
 use super::scheduler::{Effect, RequestId, Requeue, Scheduler};
 use super::{Command, Finish, ModelInfo, PipelineOptions, SeqEvent, SeqRequest, StepTiming, Timeouts};
 use crate::metrics::{Metrics, Route};
 use crate::stage_client::{ForwardStream, TracedStageClient, Via};
+
+mod connect;
+mod recovery;
+
+use recovery::STOPPED_AFTER;
 
 /// Events buffered per sequence before the actor waits for its caller.
 const EVENT_BUFFER: usize = 64;
@@ -122,6 +126,10 @@ pub(super) struct Actor {
     /// Finished releases: (budget generation, blocks, cached blocks used).
     released_tx: mpsc::Sender<(u64, usize, Vec<u64>)>,
     released_rx: mpsc::Receiver<(u64, usize, Vec<u64>)>,
+    /// `Release` calls spawned and not yet returned.
+    releasing: usize,
+    /// Since when the scheduler has had work left and nothing to wait for ([`Actor::check_stopped`]).
+    stopped_since: Option<Instant>,
     /// Callers' events of this round, in order, delivered once its batches are on their way ([`Actor::deliver`]).
     outbox: Vec<Outgoing>,
     /// Whether this round sent a batch.
@@ -158,6 +166,8 @@ impl Actor {
             deposed: None,
             released_tx,
             released_rx,
+            releasing: 0,
+            stopped_since: None,
             outbox: Vec::new(),
             sent: false,
             metrics,
@@ -176,6 +186,7 @@ impl Actor {
             if self.stream.is_some() {
                 let effects = self.scheduler.schedule(now);
                 self.apply(effects);
+                self.check_stopped(now);
             }
             self.deliver().await;
             self.notify_quiesced();
@@ -190,6 +201,7 @@ impl Actor {
                 },
                 resp = next_response(&mut self.stream), if waiting => self.on_response(resp),
                 Some((generation, n, cached)) = self.released_rx.recv() => {
+                    self.releasing = self.releasing.saturating_sub(1);
                     self.scheduler.released(generation, n, &cached);
                 }
                 Some((attempt, result)) = self.attempts_rx.recv() => self.on_attempt(attempt, result),
@@ -327,122 +339,6 @@ impl Actor {
         }
     }
 
-    /// Starts a connection attempt when work waits without a pipeline and the backoff allows.
-    fn drive_link(&mut self, now: Instant) {
-        let work = self.scheduler.has_waiting() || !self.pending.is_empty();
-        if self.stream.is_some() || !work {
-            if self.stream.is_some() {
-                self.stalled_since = None;
-            }
-            return;
-        }
-        self.stalled_since.get_or_insert(now);
-        if self.connecting
-            || self.deposed.is_some()
-            || self.plan.stages.is_empty()
-            || self.retry_at.is_some_and(|t| t > now)
-        {
-            return;
-        }
-        self.attempt += 1;
-        self.connecting = true;
-        let (attempt, dialer, plan, tx) =
-            (self.attempt, self.dialer.clone(), self.plan.clone(), self.attempts_tx.clone());
-        tokio::spawn(async move {
-            let result = dialer.connect(&plan).await;
-            let _ = tx.send((attempt, result)).await;
-        });
-    }
-
-    fn on_attempt(&mut self, attempt: u64, result: Result<Connected, Failed>) {
-        if attempt != self.attempt {
-            return; // made for a plan that has been replaced since
-        }
-        self.connecting = false;
-        match result {
-            Ok(Connected { clients, stream, budget, memory }) => {
-                tracing::info!(
-                    epoch = %self.plan.epoch,
-                    kv_blocks = budget.total(),
-                    block_size = budget.block_size(),
-                    "Forward stream to stage 0 open"
-                );
-                self.metrics.set_stage_memory(&memory);
-                self.on_connected(clients, stream, budget);
-            }
-            Err(Failed { error, deposed: true, .. }) => {
-                // The stages fence this coordinator's batches off: its callers should go to the leader now rather
-                // than wait for a plan it will not get.
-                tracing::warn!(error = %error, "deposed: failing every request so that callers retry on the leader");
-                self.fail_everything(error.clone());
-                self.deposed = Some(error);
-            }
-            Err(Failed { error, suspects, .. }) => {
-                let delay = self.backoff.next_delay();
-                tracing::warn!(error = %error, suspects = suspects.len(), retry_in = ?delay, "cannot reach the stages");
-                for s in suspects {
-                    if let Some(tx) = &self.suspects {
-                        let _ = tx.try_send(s);
-                    }
-                }
-                self.last_error = Some(error);
-                self.retry_at = Some(Instant::now() + delay);
-            }
-        }
-    }
-
-    fn on_connected(&mut self, clients: Vec<TracedStageClient>, stream: ForwardStream, budget: KvBudget) {
-        self.clients = clients;
-        self.stream = Some(stream);
-        self.scheduler.set_budget(budget);
-        self.backoff.reset();
-        self.retry_at = None;
-        self.stalled_since = None;
-        self.last_error = None;
-        while let Some(p) = self.pending.pop_front() {
-            let result = self.admit(p.req, p.span);
-            let _ = p.reply.send(result);
-        }
-    }
-
-    /// A batch unanswered for the batch timeout means a stage hangs (or its link does): treat it as a failure.
-    fn check_overdue(&mut self, now: Instant) {
-        let Some(sent) = self.scheduler.oldest_batch_sent() else { return };
-        if now.saturating_duration_since(sent) >= self.timeouts.batch {
-            let error = ServiceError::deadline_exceeded(format!(
-                "a micro-batch went unanswered for {:?} (--batch-timeout-ms)",
-                self.timeouts.batch
-            ));
-            let effects = self.scheduler.stall(&error);
-            self.apply(effects);
-        }
-    }
-
-    /// Work that found no pipeline within the recovery timeout fails.
-    fn check_recovery(&mut self, now: Instant) {
-        let Some(since) = self.stalled_since else { return };
-        if now.saturating_duration_since(since) < self.timeouts.recovery {
-            return;
-        }
-        let why = self.last_error.as_ref().map_or_else(|| "no plan".to_owned(), |e| e.message.clone());
-        let error = ServiceError::unavailable(format!(
-            "no stage pipeline to serve through for {:?} (--recovery-timeout-ms): {why}",
-            self.timeouts.recovery
-        ));
-        tracing::error!(error = %error, "giving up on the waiting requests");
-        self.fail_everything(error);
-        self.stalled_since = None;
-    }
-
-    fn fail_everything(&mut self, error: ServiceError) {
-        let mut effects = self.scheduler.fail_all(&error);
-        effects.extend(self.scheduler.reap());
-        self.apply(effects);
-        for p in self.pending.drain(..) {
-            let _ = p.reply.send(Err(error.clone()));
-        }
-    }
-
     /// When the loop must wake up even if nothing arrives: the next retry, batch deadline or recovery deadline.
     fn next_wakeup(&self, now: Instant) -> Instant {
         let mut wake = now + Duration::from_secs(3600);
@@ -457,6 +353,9 @@ impl Actor {
         }
         if let Some(since) = self.stalled_since {
             wake = wake.min(since + self.timeouts.recovery);
+        }
+        if let Some(since) = self.stopped_since {
+            wake = wake.min(since + STOPPED_AFTER);
         }
         wake.max(now)
     }
@@ -544,20 +443,6 @@ impl Actor {
         }
     }
 
-    /// The stages failed: drop the stream and probe them again at once.
-    fn stalled(&mut self, error: ServiceError) {
-        let reason = match error.code {
-            ErrorCode::DeadlineExceeded => "batch_overdue",
-            ErrorCode::FailedPrecondition => "stale_plan",
-            _ => "unavailable",
-        };
-        self.metrics.stage_failures.get_or_create(&crate::metrics::Reason { reason }).inc();
-        self.stream = None;
-        self.last_error = Some(error);
-        self.retry_at = None;
-        self.stalled_since.get_or_insert_with(Instant::now);
-    }
-
     /// Streams a sampled token to its caller and tells the scheduler if the sequence ended there.
     fn on_token(&mut self, req: RequestId, token: &pb::SampledToken, timing: StepTiming) {
         let Some(caller) = self.callers.get_mut(&req) else { return self.scheduler.finish(req) };
@@ -620,7 +505,8 @@ impl Actor {
     /// Frees `seq_ids` on every stage in the background (each stage directly, so a dead stage does not keep the
     /// others from freeing theirs); their `blocks` of budget `generation` return to the budget when it finishes,
     /// and the `cached` blocks they used lose a reference.
-    fn release(&self, seq_ids: Vec<u64>, blocks: usize, cached: Vec<u64>, generation: u64) {
+    fn release(&mut self, seq_ids: Vec<u64>, blocks: usize, cached: Vec<u64>, generation: u64) {
+        self.releasing += 1;
         let released = self.released_tx.clone();
         let clients = self.clients.clone();
         let term = self.plan.term;

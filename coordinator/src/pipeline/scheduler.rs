@@ -228,6 +228,14 @@ impl Scheduler {
         self.batches.len()
     }
 
+    /// Whether, right after [`Scheduler::schedule`], work is left that nothing will move: the budget is known,
+    /// a sequence has not ended, no batch is in flight and no `Release` is out (`releasing`), so no answer the
+    /// actor waits for can change anything. Only a bug gets here (waiting sequences pinning the cached blocks the
+    /// one running sequence needed did, before 30013ab): the actor then recovers as from a stage failure.
+    pub(super) fn stopped(&self, releasing: bool) -> bool {
+        self.kv.is_some() && self.batches.is_empty() && !releasing && self.seqs.values().any(|s| !s.gone())
+    }
+
     /// Queues `req` if it can ever fit and the queue has room.
     pub(super) fn admit(&mut self, req: &SeqRequest) -> Result<RequestId, ServiceError> {
         let kv = self.kv.as_ref().ok_or_else(|| ServiceError::unavailable("no KV budget"))?;

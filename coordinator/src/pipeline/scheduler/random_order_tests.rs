@@ -1,7 +1,8 @@
 //! The scheduler driven like the actor drives it, with the stages' responses and the releases returning in
 //! random orders (seeded, so every failure replays): whatever the order, every stream gets all its tokens and
 //! the budget ends whole, also when stages fail or refuse batches. The end-to-end test `with_too_little_kv_...`
-//! (tests/tests/prefix_cache.rs) runs one such order per run on real stages; this runs hundreds.
+//! (tests/tests/prefix_cache.rs) runs one such order per run on real stages; this runs hundreds. The actor's
+//! watchdog question, [`Scheduler::stopped`], is what every round here asks.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -10,7 +11,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use strata_proto::{ServiceError, pb};
 
-use super::tests::{EPOCH, answer, limits, request};
+use super::tests::{EPOCH, answer, limits, request, sent};
 use super::*;
 use crate::pipeline::PrefixCaching;
 
@@ -78,8 +79,10 @@ fn run(seed: u64, case: Case) {
         if ended == streams && releases.is_empty() {
             break;
         }
+        // The actor's watchdog asks the same; here nothing else could move either.
+        assert!(in_flight.is_empty() == s.batches.is_empty(), "seed {seed}, {case:?}: batches in flight differ");
         assert!(
-            !(in_flight.is_empty() && releases.is_empty()),
+            !s.stopped(!releases.is_empty()),
             "seed {seed}, {case:?}: stuck with nothing in flight or releasing, {ended} of {streams} ended: {:?}",
             s.gauges()
         );
@@ -158,4 +161,34 @@ fn with_stages_failing_and_refusing_batches_every_order_still_ends_every_stream(
     // rates), and the cache's blocks go back whatever the order.
     every_order(PrefixCaching::On, true, 30);
     every_order(PrefixCaching::Off, true, 15);
+}
+
+#[test]
+fn stopped_only_when_work_is_left_and_no_answer_or_release_can_move_it() -> Result<(), ServiceError> {
+    let now = Instant::now();
+    let mut s = Scheduler::new(limits(512, 1), EPOCH, 0, 1);
+    assert!(!s.stopped(false), "idle");
+    s.set_budget(KvBudget::new(4, 16));
+    let id = s.admit(&request(&prompt(0), 4))?;
+    // Blocks lost to a bug: the whole budget held by nobody, so the queued sequence can never start.
+    let mut leaked = 0;
+    assert!(s.kv.as_mut().is_some_and(|kv| kv.grow(&mut leaked, 16 * 4)));
+    assert!(sent(&s.schedule(now)).is_empty());
+    assert!(s.stopped(false), "{:?}", s.gauges());
+    assert!(!s.stopped(true), "a Release out may free blocks");
+    // The actor's recovery: as after a stage failure, a new budget from the stages, and the sequence runs.
+    let stalled = s.stall(&ServiceError::internal("stopped"));
+    assert!(stalled.iter().any(|e| matches!(e, Effect::Stalled { .. })));
+    assert!(!s.stopped(false), "no budget: the actor is connecting again");
+    s.set_budget(KvBudget::new(4, 16));
+    let batch = sent(&s.schedule(now));
+    assert_eq!(batch.len(), 1);
+    assert!(!s.stopped(false), "a batch in flight");
+    s.finish(id);
+    for effect in s.apply_response(answer(&batch[0]), now) {
+        assert!(!matches!(effect, Effect::Fail { .. }), "{effect:?}");
+    }
+    let _ = s.reap();
+    assert!(!s.stopped(false), "everything ended");
+    Ok(())
 }
