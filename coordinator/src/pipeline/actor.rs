@@ -186,8 +186,10 @@ impl Actor {
             if self.stream.is_some() {
                 let effects = self.scheduler.schedule(now);
                 self.apply(effects);
-                self.check_stopped(now);
             }
+            // Every round, not only with a stream: without one there is no budget, so this also forgets a
+            // watch begun before the stream dropped (its deadline would otherwise wake the loop without end).
+            self.check_stopped(now);
             self.deliver().await;
             self.notify_quiesced();
             self.publish_gauges();
