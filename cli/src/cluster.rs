@@ -30,8 +30,9 @@ pub struct LocalArgs {
     /// `/v1/models`, `/health`).
     #[arg(long, default_value = "127.0.0.1:8080", env = "STRATA_HTTP")]
     http: SocketAddr,
-    /// CPU threads per stage worker (0: one per core).
-    #[arg(long, default_value_t = 1)]
+    /// CPU threads per stage worker (0: one per core). The stages share this machine's cores and take turns
+    /// (one micro-batch in flight per set of cores), so each computes fastest on all of them.
+    #[arg(long, env = "STRATA_THREADS", default_value_t = 0)]
     threads: usize,
     /// KV blocks per stage worker.
     #[arg(long, default_value_t = 256)]

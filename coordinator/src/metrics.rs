@@ -91,8 +91,8 @@ pub struct Metrics {
     /// Sequences sent back to the queue to be recomputed (`kv_full`, `stage_out_of_kv`, `plan_changed`,
     /// `stage_failed`).
     pub preemptions: Family<Reason, Counter>,
-    /// Times the stages failed under the pipeline and every sequence was requeued (`batch_failed`,
-    /// `stream_broken`, `batch_overdue`).
+    /// Times the stages failed under the pipeline and every sequence was requeued (`unavailable`,
+    /// `batch_overdue`, `stale_plan`, `scheduler_stopped`: `pipeline::actor::recovery`).
     pub stage_failures: Family<Reason, Counter>,
     /// Micro-batch answers received, by the way they came (`direct`, `relayed`).
     pub answers: Family<Route, Counter>,
