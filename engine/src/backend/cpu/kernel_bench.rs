@@ -151,7 +151,7 @@ pub fn run(cfg: &Config) -> Result<KernelBench> {
     // GROUP tokens of activations; the first alone is the one-token paths'.
     let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; QK] }; GROUP * blocks];
     for dst in xq.chunks_exact_mut(blocks) {
-        quantize_row(&(0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>(), dst);
+        quantize_row(Isa::Scalar, &(0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>(), dst);
     }
     // With the lane sums: one packing serves every format's tile (Q8_0's and Q8_K's AVX-512 tile reads them).
     let (one, packed) = (&xq[..blocks], PackedActs::pack(&xq, GROUP, blocks, true));

@@ -245,7 +245,7 @@ mod tests {
                 let w = quant::random_blocks(f.dtype, n / f.block_elems, &mut rng);
                 let x: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
                 let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; QK] }; n / QK];
-                quantize_row(&x, &mut xq);
+                quantize_row(Isa::Scalar, &x, &mut xq);
                 let mut wf = vec![0f32; n];
                 quant::dequantize(f.dtype, &w, &mut wf);
                 let xd: Vec<f32> = (0..n).map(|i| xq[i / QK].d * xq[i / QK].qs[i % QK] as f32).collect();

@@ -45,7 +45,7 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
     let blocks = k / QK;
     let xq = if jobs.iter().any(|(w, _)| w.dtype.is_quantized()) {
         let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; QK] }; m * blocks];
-        xq.par_chunks_mut(blocks).zip(x.data.par_chunks(k)).for_each(|(dst, src)| quantize_row(src, dst));
+        xq.par_chunks_mut(blocks).zip(x.data.par_chunks(k)).for_each(|(dst, src)| quantize_row(isa, src, dst));
         xq
     } else {
         Vec::new()

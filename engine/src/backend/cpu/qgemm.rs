@@ -433,7 +433,7 @@ mod tests {
                     let x: Vec<f32> = (0..tokens * k).map(|_| rng.random_range(-2.0f32..2.0)).collect();
                     let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; QK] }; tokens * blocks];
                     for (src, dst) in x.chunks(k).zip(xq.chunks_mut(blocks)) {
-                        quantize_row(src, dst);
+                        quantize_row(isa, src, dst);
                     }
                     let acts = PackedActs::pack(&xq, tokens, blocks, reads_lane_sums(isa, dtype));
                     let mut out = vec![0f32; tokens * rows];

@@ -18,8 +18,20 @@ pub struct Q8Block {
     pub qs: [i8; QK],
 }
 
-/// Quantizes a row (length a multiple of 32) into 8-bit blocks.
-pub fn quantize_row(x: &[f32], out: &mut [Q8Block]) {
+/// Quantizes a row (length a multiple of 32) into 8-bit blocks, with the same bits on every level (the AVX2
+/// version does the scalar one's float operations lane by lane; max and integer sums do not depend on order).
+pub fn quantize_row(isa: Isa, x: &[f32], out: &mut [Q8Block]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa.avx2() {
+        // SAFETY: see dot_f32.
+        return unsafe { x86::quantize_row(x, out) };
+    }
+    let _ = isa;
+    quantize_row_scalar(x, out);
+}
+
+/// The portable reference for [`quantize_row`].
+fn quantize_row_scalar(x: &[f32], out: &mut [Q8Block]) {
     for (chunk, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
         let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
@@ -127,7 +139,7 @@ pub fn dot_quant_scalar(dtype: DType, w: &[u8], a: &[Q8Block]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
-    use super::Q8Block;
+    use super::{Q8Block, QK};
     use crate::backend::cpu::unpack::{
         Sub, block_bytes, block_scales, half_mins, has_offset, signed, sub_offset, subs, unit_mul, unpack, unpack_with,
     };
@@ -169,6 +181,47 @@ pub(super) mod x86 {
             s += a[k] * b[k];
         }
         s
+    }
+
+    /// [`super::quantize_row`] eight lanes at a time: the scalar version's operations (|v| max, `v·id` rounded
+    /// by adding and subtracting 1.5·2²³, the clamp, a NaN cast to 0), so the same bits. Prefill quantizes every
+    /// linear layer's input rows; the scalar loop's saturating casts did not vectorize.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn quantize_row(x: &[f32], out: &mut [Q8Block]) {
+        const MAGIC: f32 = 12_582_912.0;
+        let (sign, magic) = (_mm256_set1_ps(-0.0), _mm256_set1_ps(MAGIC));
+        let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+        // packs_epi32 then packs_epi16 interleave 4-byte groups across the 128-bit halves; this restores order.
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (chunk, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
+            // SAFETY: `chunk` holds 32 floats and `b.qs` 32 bytes.
+            unsafe {
+                let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(chunk.as_ptr().add(8 * i)));
+                // As `m.max(|v|)`: a NaN |v| leaves m (max_ps returns its second operand then).
+                let m = v.iter().fold(_mm256_setzero_ps(), |m, &v| _mm256_max_ps(_mm256_andnot_ps(sign, v), m));
+                let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+                let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+                let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+                let d = amax / 127.0;
+                let id = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+                let q: [__m256i; 4] = std::array::from_fn(|i| {
+                    let r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v[i], id), magic), magic);
+                    // Clamped as floats: cvttps gives i32::MIN for ±inf (a subnormal amax makes `id` infinite)
+                    // and for NaN, where Rust's saturating `as` gives i32::MAX, MIN and 0.
+                    let ordered = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_ORD_Q>(r, r));
+                    let r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
+                    _mm256_and_si256(_mm256_cvttps_epi32(r), ordered)
+                });
+                let bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+                _mm256_storeu_si256(b.qs.as_mut_ptr() as *mut __m256i, _mm256_permutevar8x32_epi32(bytes, order));
+                let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+                let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+                let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+                let sum = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01)));
+                b.d = d;
+                b.s = d * sum as f32;
+            }
+        }
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -347,8 +400,42 @@ pub(super) mod tests {
     /// Activations of `blocks` 8-bit blocks from random values.
     fn acts(rng: &mut rand::rngs::StdRng, blocks: usize) -> Vec<Q8Block> {
         let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; 32] }; blocks];
-        quantize_row(&rand_vec(rng, blocks * 32), &mut xq);
+        quantize_row(Isa::detect(), &rand_vec(rng, blocks * 32), &mut xq);
         xq
+    }
+
+    /// Every level quantizes activations to the scalar version's bits: random rows over many magnitudes, rows of
+    /// zeros, and rows with NaN and infinities (a broken model's, which must not differ by CPU either).
+    #[test]
+    fn quantize_row_equals_scalar_bit_for_bit() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let blocks = 6;
+        let mut rows: Vec<Vec<f32>> = (0..40)
+            .map(|i| rand_vec(&mut rng, blocks * 32).iter().map(|v| v * 10f32.powi(i % 9 - 4)).collect())
+            .collect();
+        rows.push(vec![0.0; blocks * 32]);
+        rows.push((0..blocks * 32).map(|i| if i % 5 == 0 { -0.0 } else { 1e-40 }).collect());
+        for special in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut row = rand_vec(&mut rng, blocks * 32);
+            for v in row.iter_mut().step_by(7) {
+                *v = special;
+            }
+            rows.push(row);
+        }
+        let bits = |xq: &[Q8Block]| xq.iter().map(|b| (b.d.to_bits(), b.s.to_bits(), b.qs)).collect::<Vec<_>>();
+        for isa in Isa::X86 {
+            if !isa.supported() {
+                report_not_run(isa, "quantize_row_equals_scalar_bit_for_bit");
+                continue;
+            }
+            for (i, row) in rows.iter().enumerate() {
+                let mut want = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; 32] }; blocks];
+                let mut got = want.clone();
+                quantize_row_scalar(row, &mut want);
+                quantize_row(isa, row, &mut got);
+                assert_eq!(bits(&got), bits(&want), "{} row {i}", isa.name());
+            }
+        }
     }
 
     /// Every x86 level this CPU has gives the AVX2 kernels' bits on every format, one row and many (VNNI's
