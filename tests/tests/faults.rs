@@ -15,7 +15,7 @@ use strata_proto::pb;
 use strata_proto::pb::coordinator_client::CoordinatorClient;
 use strata_tests::netns::Network;
 use strata_tests::processes::{ProcessCluster, STREAMS, load, signal, signal_pid};
-use strata_tests::smollm2;
+use strata_tests::{http_client, smollm2};
 use tokio::sync::Notify;
 
 #[derive(Debug, Clone, Copy)]
@@ -113,13 +113,23 @@ async fn survives_in(
     Ok((cluster, recovery))
 }
 
+/// The coordinator's `strata_stage_failures_total{reason}`.
+async fn stage_failures(cluster: &ProcessCluster, reason: &str) -> Result<f64> {
+    let reply = http_client::get(cluster.coordinators[0].http.parse()?, "/metrics").await?;
+    let text = String::from_utf8(reply.body)?;
+    let key = format!("strata_stage_failures_total{{reason=\"{reason}\"}} ");
+    Ok(text.lines().find_map(|l| l.strip_prefix(key.as_str())).map_or(Ok(0.0), str::parse)?)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_first_middle_or_last_stage_loses_no_request_and_changes_no_token() -> Result<()> {
     let model = smollm2();
     for index in [0, 1, 2] {
-        let (_, recovery) = survives(&model, Fault::Kill(index), 24).await?;
+        let (cluster, recovery) = survives(&model, Fault::Kill(index), 24).await?;
         // Found at once from the failed batch or broken stream; the rest is replanning and reloading.
         ensure!(recovery < Duration::from_secs(30), "stage {index}: {recovery:?}");
+        let failures = stage_failures(&cluster, "unavailable").await?;
+        ensure!(failures >= 1.0, "stage {index}: the kill was not counted as a stage failure ({failures})");
     }
     Ok(())
 }

@@ -21,7 +21,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::link::{Connected, Dialer, Failed, Suspect};
 use super::output::{SeqOutput, Verdict};
-use super::scheduler::{Effect, RequestId, Requeue, Scheduler};
+use super::scheduler::{Effect, RequestId, Requeue, Scheduler, StallCause};
 use super::{Command, Finish, ModelInfo, PipelineOptions, SeqEvent, SeqRequest, StepTiming, Timeouts};
 use crate::metrics::{Metrics, Route};
 use crate::stage_client::{ForwardStream, TracedStageClient, Via};
@@ -380,8 +380,13 @@ impl Actor {
                 self.metrics.answers.get_or_create(&Route { route: via.as_str() }).inc();
                 self.scheduler.apply_response(r, Instant::now())
             }
-            Some(Err(status)) => self.scheduler.stall(&ServiceError::from(status)),
-            None => self.scheduler.stall(&ServiceError::unavailable("stage 0 closed the Forward stream")),
+            Some(Err(status)) => {
+                let error = ServiceError::from(status);
+                self.scheduler.stall(&error, StallCause::of(error.code))
+            }
+            None => self
+                .scheduler
+                .stall(&ServiceError::unavailable("stage 0 closed the Forward stream"), StallCause::Unavailable),
         };
         self.apply(effects);
     }
@@ -402,7 +407,7 @@ impl Actor {
                             mpsc::error::TrySendError::Full(_) => "stage 0 stopped reading the Forward stream",
                             mpsc::error::TrySendError::Closed(_) => "the Forward stream to stage 0 closed",
                         });
-                        effects.extend(self.scheduler.stall(&error));
+                        effects.extend(self.scheduler.stall(&error, StallCause::Unavailable));
                         continue;
                     }
                     self.metrics.batch_tokens.observe(tokens as f64);
@@ -439,7 +444,7 @@ impl Actor {
                         Metrics::observe(&self.metrics.queue_time, caller.admitted.elapsed());
                     }
                 }
-                Effect::Stalled { error } => self.stalled(error),
+                Effect::Stalled { error, cause } => self.stalled(error, cause),
                 Effect::Ended { req } => self.forget(req),
             }
         }

@@ -50,7 +50,7 @@ mod random_order_tests;
 #[cfg(test)]
 mod tests;
 
-pub(super) use effect::{Effect, Gauges, RequestId, Requeue};
+pub(super) use effect::{Effect, Gauges, RequestId, Requeue, StallCause};
 
 /// A sequence whose batches a stage refused for want of KV this often fails instead of being recomputed again
 /// (the stage holds less than it reported). Preemptions the coordinator decides itself are not limited: the
@@ -417,17 +417,18 @@ impl Scheduler {
         self.waiting.push_front(id);
     }
 
-    /// The stages failed with `err` (a batch failed for want of a stage, the stream broke or a batch is overdue):
+    /// The stages failed with `err` for `cause` (a batch failed for want of a stage, the stream broke, a batch is
+    /// overdue, or the watchdog found the scheduler stopped):
     /// batches in flight are abandoned, finished sequences are reaped, and every active sequence is queued (in its
     /// original order) to be recomputed from its prompt and output, charging a failure to each one that was
     /// running. The budget is dropped until [`Scheduler::set_budget`]; the releases returned go to the same stages.
-    pub(super) fn stall(&mut self, err: &ServiceError) -> Vec<Effect> {
+    pub(super) fn stall(&mut self, err: &ServiceError, cause: StallCause) -> Vec<Effect> {
         tracing::warn!(error = %err, in_flight = self.batches.len(), "stages failed: requeueing every sequence");
         let mut effects = self.abandon_and_requeue(Requeue::StageFailed);
         self.kv = None;
         self.prefix = None;
         self.kv_generation += 1;
-        effects.push(Effect::Stalled { error: err.clone() });
+        effects.push(Effect::Stalled { error: err.clone(), cause });
         effects
     }
 

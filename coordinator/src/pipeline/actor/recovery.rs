@@ -3,11 +3,11 @@
 
 use std::time::{Duration, Instant};
 
-use strata_proto::{ErrorCode, ServiceError};
+use strata_proto::ServiceError;
 
 use super::Actor;
 use crate::metrics::Reason;
-use crate::pipeline::scheduler::Effect;
+use crate::pipeline::scheduler::StallCause;
 
 /// How long the scheduler may hold work with nothing in flight and no release out before the actor recovers
 /// ([`Actor::check_stopped`]). Nothing legitimate waits so; the grace only keeps a recovery from racing one.
@@ -22,7 +22,7 @@ impl Actor {
                 "a micro-batch went unanswered for {:?} (--batch-timeout-ms)",
                 self.timeouts.batch
             ));
-            let effects = self.scheduler.stall(&error);
+            let effects = self.scheduler.stall(&error, StallCause::BatchOverdue);
             self.apply(effects);
         }
     }
@@ -52,10 +52,8 @@ impl Actor {
              sequence through a new connection"
         );
         let error = ServiceError::internal(format!("the scheduler stopped with work left for {STOPPED_AFTER:?}"));
-        let effects = self.scheduler.stall(&error);
-        self.count_stall("scheduler_stopped");
-        self.apply(effects.into_iter().filter(|e| !matches!(e, Effect::Stalled { .. })).collect());
-        self.drop_stream(error);
+        let effects = self.scheduler.stall(&error, StallCause::SchedulerStopped);
+        self.apply(effects);
     }
 
     /// Work that found no pipeline within the recovery timeout fails.
@@ -83,23 +81,10 @@ impl Actor {
         }
     }
 
-    /// The stages failed: drop the stream and probe them again at once.
-    pub(super) fn stalled(&mut self, error: ServiceError) {
-        self.count_stall(match error.code {
-            ErrorCode::DeadlineExceeded => "batch_overdue",
-            ErrorCode::FailedPrecondition => "stale_plan",
-            _ => "unavailable",
-        });
-        self.drop_stream(error);
-    }
-
-    /// Counts a recovery that requeued every sequence, by `reason`.
-    fn count_stall(&self, reason: &'static str) {
-        self.metrics.stage_failures.get_or_create(&Reason { reason }).inc();
-    }
-
-    /// Drops the stream to stage 0 for `error`; the next round probes the stages again.
-    fn drop_stream(&mut self, error: ServiceError) {
+    /// The stages failed (or the scheduler stopped): count it by `cause`, drop the stream to stage 0 and probe
+    /// the stages again at once.
+    pub(super) fn stalled(&mut self, error: ServiceError, cause: StallCause) {
+        self.metrics.stage_failures.get_or_create(&Reason { reason: cause.label() }).inc();
         self.stream = None;
         self.last_error = Some(error);
         self.retry_at = None;

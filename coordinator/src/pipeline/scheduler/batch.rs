@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use strata_proto::{ErrorCode, ServiceError, pb, wire_micros};
 
-use super::{Effect, InFlight, PrefixCache, RequestId, Requeue, Scheduler, fail, is_stage_fault};
+use super::{Effect, InFlight, PrefixCache, RequestId, Requeue, Scheduler, StallCause, fail, is_stage_fault};
 
 impl Scheduler {
     /// The batch of `group`'s sequences, `len` tokens each: their chunks with the prefix cache's attachments and
@@ -103,7 +103,7 @@ impl Scheduler {
                 return effects;
             }
             if is_stage_fault(err.code) {
-                effects.extend(self.stall(&err));
+                effects.extend(self.stall(&err, StallCause::of(err.code)));
                 return effects;
             }
             tracing::warn!(batch_id = resp.batch_id, error = %err, "batch failed");

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use strata_proto::{ServiceError, pb};
+use strata_proto::{ErrorCode, ServiceError, pb};
 
 use crate::pipeline::StepTiming;
 
@@ -22,6 +22,40 @@ pub(in crate::pipeline) enum Requeue {
     PlanChanged,
     /// The stages failed (a batch error, a broken or hung stream) while it ran: its KV may be gone.
     StageFailed,
+}
+
+/// Why the stages were given up on (every sequence requeued): the `reason` of `strata_stage_failures_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::pipeline) enum StallCause {
+    /// A stage, or the stream to one, is gone.
+    Unavailable,
+    /// A stage serves another plan epoch or coordinator term.
+    StalePlan,
+    /// A micro-batch went unanswered for the batch timeout.
+    BatchOverdue,
+    /// The scheduler held work with nothing in flight (its watchdog, `pipeline::actor::recovery`).
+    SchedulerStopped,
+}
+
+impl StallCause {
+    /// The cause a stage fault's error code names.
+    pub(in crate::pipeline) fn of(code: ErrorCode) -> Self {
+        match code {
+            ErrorCode::DeadlineExceeded => StallCause::BatchOverdue,
+            ErrorCode::FailedPrecondition => StallCause::StalePlan,
+            _ => StallCause::Unavailable,
+        }
+    }
+
+    /// The metric label.
+    pub(in crate::pipeline) fn label(self) -> &'static str {
+        match self {
+            StallCause::Unavailable => "unavailable",
+            StallCause::StalePlan => "stale_plan",
+            StallCause::BatchOverdue => "batch_overdue",
+            StallCause::SchedulerStopped => "scheduler_stopped",
+        }
+    }
 }
 
 /// What the actor must do after an input, in order.
@@ -81,6 +115,8 @@ pub(in crate::pipeline) enum Effect {
     Stalled {
         /// What failed.
         error: ServiceError,
+        /// Why, for the metric.
+        cause: StallCause,
     },
     /// `req` is forgotten: it ended (or its caller left) and nothing of it is in flight.
     Ended {

@@ -177,7 +177,7 @@ fn stopped_only_when_work_is_left_and_no_answer_or_release_can_move_it() -> Resu
     assert!(s.stopped(false), "{:?}", s.gauges());
     assert!(!s.stopped(true), "a Release out may free blocks");
     // The actor's recovery: as after a stage failure, a new budget from the stages, and the sequence runs.
-    let stalled = s.stall(&ServiceError::internal("stopped"));
+    let stalled = s.stall(&ServiceError::internal("stopped"), StallCause::SchedulerStopped);
     assert!(stalled.iter().any(|e| matches!(e, Effect::Stalled { .. })));
     assert!(!s.stopped(false), "no budget: the actor is connecting again");
     s.set_budget(KvBudget::new(4, 16));

@@ -555,7 +555,7 @@ fn a_stage_failure_requeues_every_sequence_to_recompute_and_stalls_until_a_new_b
             Effect::Release { seq_ids: vec![2], blocks: 1, cached: vec![], generation: 1 },
             Effect::Requeued { req: a, why: Requeue::StageFailed },
             Effect::Release { seq_ids: vec![1], blocks: 1, cached: vec![], generation: 1 },
-            Effect::Stalled { error },
+            Effect::Stalled { error, cause: StallCause::Unavailable },
         ]
     );
     assert!(!s.has_budget() && s.has_waiting() && s.batches_in_flight() == 0);
@@ -571,21 +571,22 @@ fn a_stage_failure_requeues_every_sequence_to_recompute_and_stalls_until_a_new_b
 }
 
 #[test]
-fn epoch_term_and_hang_errors_stall_but_a_bad_batch_fails_its_requests() -> Result<(), ServiceError> {
+fn stage_faults_stall_with_their_cause_but_a_bad_batch_fails_its_requests() -> Result<(), ServiceError> {
     let now = Instant::now();
     for (error, stalls) in [
-        (ServiceError::failed_precondition("stage serves plan epoch 8, not 7"), true),
-        (ServiceError::deadline_exceeded("batch unanswered"), true),
-        (ServiceError::invalid_argument("hidden states have the wrong shape"), false),
-        (ServiceError::internal("a kernel failed"), false),
+        (ServiceError::failed_precondition("stage serves plan epoch 8, not 7"), Some(StallCause::StalePlan)),
+        (ServiceError::deadline_exceeded("batch unanswered"), Some(StallCause::BatchOverdue)),
+        (ServiceError::unavailable("next stage unreachable"), Some(StallCause::Unavailable)),
+        (ServiceError::invalid_argument("hidden states have the wrong shape"), None),
+        (ServiceError::internal("a kernel failed"), None),
     ] {
         let mut s = scheduler(1, 100, 4, 512);
         let a = s.admit(&request(&[1, 2], 4))?;
         let batch = only_batch(&s.schedule(now));
         let fx = s.apply_response(refuse(&batch, error.clone()), now);
-        let stalled = fx.iter().any(|e| matches!(e, Effect::Stalled { .. }));
+        let stalled = fx.iter().find_map(|e| if let Effect::Stalled { cause, .. } = e { Some(*cause) } else { None });
         let failed = fx.contains(&Effect::Fail { req: a, error: error.clone() });
-        assert_eq!((stalled, failed), (stalls, !stalls), "{error}: {fx:?}");
+        assert_eq!((stalled, failed), (stalls, stalls.is_none()), "{error}: {fx:?}");
     }
     Ok(())
 }
@@ -599,13 +600,13 @@ fn a_sequence_running_through_too_many_stage_failures_fails_instead_of_looping()
     for round in 1..=MAX_STAGE_FAILURES {
         let sent = s.schedule(now).iter().filter(|e| matches!(e, Effect::Send(_))).count();
         assert_eq!(sent, 1, "round {round}");
-        let fx = s.stall(&error);
+        let fx = s.stall(&error, StallCause::Unavailable);
         assert!(fx.contains(&Effect::Requeued { req: a, why: Requeue::StageFailed }), "round {round}: {fx:?}");
         assert!(!fx.iter().any(|e| matches!(e, Effect::Fail { .. })), "round {round}: {fx:?}");
         s.set_budget(KvBudget::new(4, 100));
     }
     s.schedule(now);
-    let fx = s.stall(&error);
+    let fx = s.stall(&error, StallCause::Unavailable);
     assert!(
         fx.iter()
             .any(|e| matches!(e, Effect::Fail { req, error } if *req == a && error.code == ErrorCode::Unavailable)),
@@ -615,7 +616,7 @@ fn a_sequence_running_through_too_many_stage_failures_fails_instead_of_looping()
     s.set_budget(KvBudget::new(4, 100));
     let b = s.admit(&request(&[5], 4))?;
     for _ in 0..=MAX_STAGE_FAILURES {
-        let fx = s.stall(&error);
+        let fx = s.stall(&error, StallCause::Unavailable);
         assert!(!fx.iter().any(|e| matches!(e, Effect::Fail { req, .. } if *req == b)), "{fx:?}");
     }
     Ok(())
@@ -643,7 +644,7 @@ fn a_request_starts_once_however_often_it_is_recomputed() -> Result<(), ServiceE
     let a = s.admit(&request(&[1, 2], 4))?;
     let started = |fx: &[Effect]| fx.iter().filter(|e| matches!(e, Effect::Started { req } if *req == a)).count();
     assert_eq!(started(&s.schedule(now)), 1);
-    s.stall(&ServiceError::unavailable("stage 0 closed the Forward stream"));
+    s.stall(&ServiceError::unavailable("stage 0 closed the Forward stream"), StallCause::Unavailable);
     s.set_budget(KvBudget::new(4, 100));
     let again = s.schedule(now);
     assert!(again.iter().any(|e| matches!(e, Effect::Send(_))), "{again:?}");
