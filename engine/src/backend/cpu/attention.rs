@@ -51,10 +51,36 @@ impl<'a> KvView<'a> {
 }
 
 impl<T> KvView<'_, T> {
-    /// Index of position `j`'s row for this head in `k`/`v`.
-    fn offset(&self, j: usize) -> usize {
-        let bs = self.block_size;
-        (self.blocks[j / bs] as usize * bs + j % bs) * self.stride + self.head
+    /// Indices in `k`/`v` of the head's rows for positions 0, 1, 2, ... in order, walking the block table: the
+    /// kernels read every cached row, and finding each one by dividing its position by the block size cost more
+    /// than its arithmetic.
+    fn rows(&self) -> RowOffsets<'_> {
+        let KvView { blocks, block_size, stride, head, .. } = *self;
+        RowOffsets { blocks, block_size, stride, head, block: 0, within: 0 }
+    }
+}
+
+/// [`KvView::rows`]: ends where the block table does.
+struct RowOffsets<'a> {
+    blocks: &'a [u32],
+    block_size: usize,
+    stride: usize,
+    head: usize,
+    block: usize,
+    within: usize,
+}
+
+impl Iterator for RowOffsets<'_> {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        if self.within == self.block_size {
+            self.block += 1;
+            self.within = 0;
+        }
+        let slot = *self.blocks.get(self.block)? as usize * self.block_size + self.within;
+        self.within += 1;
+        Some(slot * self.stride + self.head)
     }
 }
 
@@ -168,8 +194,8 @@ fn one_head(isa: Isa, qrow: &[f32], kv: &KvView<'_>, ctx: usize, scale: f32, sco
             x86::scores(qrow, kv, scale, scores)
         };
     } else {
-        for (j, sc) in scores.iter_mut().enumerate() {
-            *sc = simd::dot_f32(isa, qrow, &kv.k[kv.offset(j)..][..head_dim]) * scale;
+        for (sc, at) in scores.iter_mut().zip(kv.rows()) {
+            *sc = simd::dot_f32(isa, qrow, &kv.k[at..][..head_dim]) * scale;
         }
     }
     softmax(isa, scores);
@@ -181,8 +207,8 @@ fn one_head(isa: Isa, qrow: &[f32], kv: &KvView<'_>, ctx: usize, scale: f32, sco
         };
     } else {
         o.fill(0.0);
-        for (j, &p) in scores.iter().enumerate() {
-            simd::axpy(isa, p, &kv.v[kv.offset(j)..][..head_dim], o);
+        for (&p, at) in scores.iter().zip(kv.rows()) {
+            simd::axpy(isa, p, &kv.v[at..][..head_dim], o);
         }
     }
 }
@@ -284,12 +310,17 @@ mod x86 {
         let ctx = scores.len();
         let k = kv.k.as_ptr();
         let sc = _mm256_set1_ps(scale);
-        let mut j = 0;
+        let (mut j, mut offsets, mut at) = (0, kv.rows(), 0);
         // SAFETY (whole body): offsets come from the block table and stay inside `k`; q reads stay below q.len().
         unsafe {
             while j < ctx {
                 // Past the end, the last key is reused; those lanes are dropped.
-                let rows: [*const T; 8] = std::array::from_fn(|i| k.add(kv.offset((j + i).min(ctx - 1))));
+                let rows: [*const T; 8] = std::array::from_fn(|i| {
+                    if j + i < ctx {
+                        at = offsets.next().unwrap_or(at);
+                    }
+                    k.add(at)
+                });
                 let mut acc = [_mm256_setzero_ps(); 8];
                 for c in (0..q.len()).step_by(8) {
                     let qc = _mm256_loadu_ps(q.as_ptr().add(c));
@@ -343,8 +374,8 @@ mod x86 {
         let mut acc = [_mm256_setzero_ps(); N];
         // SAFETY: offsets come from the block table; columns stay below the head width.
         unsafe {
-            for (j, &pj) in p.iter().enumerate() {
-                let row = v.add(kv.offset(j) + c0);
+            for (&pj, at) in p.iter().zip(kv.rows()) {
+                let row = v.add(at + c0);
                 let pv = _mm256_set1_ps(pj);
                 for (c, a) in acc.iter_mut().enumerate() {
                     *a = _mm256_fmadd_ps(pv, T::load8(row.add(8 * c)), *a);
