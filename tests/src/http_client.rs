@@ -2,11 +2,12 @@
 //! tonic already brings) so the tests need no client crate; HTTPS through tokio-rustls (`post_https`). Streams read
 //! server-sent events one at a time, and dropping a stream closes its connection, as a client that goes away would.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper::client::conn::http1::SendRequest;
@@ -171,6 +172,23 @@ async fn whole(sent: Sent) -> Result<Reply> {
 /// `GET path`.
 pub async fn get(addr: SocketAddr, path: &str) -> Result<Reply> {
     whole(send(addr, None, Method::GET, path, &[], None).await?).await
+}
+
+/// `GET /metrics`: every sample, keyed by its name with labels (`strata_requests_finished_total{reason="length"}`),
+/// after checking that the reply is OpenMetrics.
+pub async fn scrape(addr: SocketAddr) -> Result<HashMap<String, f64>> {
+    let reply = get(addr, "/metrics").await?;
+    ensure!(reply.status == 200, "status {}", reply.status);
+    ensure!(reply.content_type.starts_with("application/openmetrics-text"), "content type {}", reply.content_type);
+    let text = String::from_utf8(reply.body)?;
+    ensure!(text.trim_end().ends_with("# EOF"), "not OpenMetrics: {text}");
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| {
+            let (key, value) = l.rsplit_once(' ').with_context(|| format!("sample line {l:?}"))?;
+            Ok((key.to_owned(), value.parse::<f64>().with_context(|| format!("sample line {l:?}"))?))
+        })
+        .collect()
 }
 
 /// `POST path` with `body` as JSON.

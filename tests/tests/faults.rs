@@ -115,10 +115,8 @@ async fn survives_in(
 
 /// The coordinator's `strata_stage_failures_total{reason}`.
 async fn stage_failures(cluster: &ProcessCluster, reason: &str) -> Result<f64> {
-    let reply = http_client::get(cluster.coordinators[0].http.parse()?, "/metrics").await?;
-    let text = String::from_utf8(reply.body)?;
-    let key = format!("strata_stage_failures_total{{reason=\"{reason}\"}} ");
-    Ok(text.lines().find_map(|l| l.strip_prefix(key.as_str())).map_or(Ok(0.0), str::parse)?)
+    let metrics = http_client::scrape(cluster.coordinators[0].http.parse()?).await?;
+    Ok(metrics.get(&format!("strata_stage_failures_total{{reason=\"{reason}\"}}")).copied().unwrap_or(0.0))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,22 +13,6 @@ use strata_tests::{StageSizing, TestCluster, eventually, tiny_model_with_context
 
 const PROMPT: [u32; 5] = [17, 42, 3, 250, 99];
 
-/// Every sample of a scrape, keyed by its name with labels (`strata_requests_finished_total{reason="length"}`).
-async fn scrape(addr: std::net::SocketAddr) -> Result<HashMap<String, f64>> {
-    let reply = http_client::get(addr, "/metrics").await?;
-    ensure!(reply.status == 200, "status {}", reply.status);
-    ensure!(reply.content_type.starts_with("application/openmetrics-text"), "content type {}", reply.content_type);
-    let text = String::from_utf8(reply.body)?;
-    ensure!(text.trim_end().ends_with("# EOF"), "not OpenMetrics: {text}");
-    text.lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .map(|l| {
-            let (key, value) = l.rsplit_once(' ').with_context(|| format!("sample line {l:?}"))?;
-            Ok((key.to_owned(), value.parse::<f64>().with_context(|| format!("sample line {l:?}"))?))
-        })
-        .collect()
-}
-
 fn sample(metrics: &HashMap<String, f64>, key: &str) -> f64 {
     metrics.get(key).copied().unwrap_or(0.0)
 }
@@ -59,13 +43,13 @@ async fn metrics_count_what_the_requests_did() -> Result<()> {
     ensure!(http_client::get(http, "/v1/nothing").await?.status == 404);
 
     let idle = || async {
-        let m = scrape(http).await?;
+        let m = http_client::scrape(http).await?;
         Ok(sample(&m, "strata_requests_running") == 0.0
             && sample(&m, "strata_kv_blocks_free") == sample(&m, "strata_kv_blocks_capacity")
             && sample(&m, "strata_requests_finished_total{reason=\"cancelled\"}") == 1.0)
     };
     eventually(Duration::from_secs(20), idle).await?;
-    let m = scrape(http).await?;
+    let m = http_client::scrape(http).await?;
     let finished = |reason: &str| sample(&m, &format!("strata_requests_finished_total{{reason=\"{reason}\"}}"));
     assert_eq!(sample(&m, "strata_requests_admitted_total"), 4.0, "{m:?}");
     assert_eq!(finished("length") + finished("eos"), 3.0, "{m:?}");
