@@ -1,0 +1,336 @@
+//! The AVX2 kernels of attention: scores and weighted sums over a head's cached rows, for one query head or
+//! for all query heads of a KV head at once, over f32, f16 or bf16 caches.
+
+use super::KvView;
+use half::{bf16, f16};
+use std::arch::x86_64::*;
+
+/// A cache element type the kernels below read, eight values at a time as f32.
+pub trait Elem: Copy {
+    /// # Safety
+    /// AVX2 and F16C available; `p` points at eight readable values.
+    unsafe fn load8(p: *const Self) -> __m256;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        // SAFETY: forwarded.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+}
+
+impl Elem for f16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const f16) -> __m256 {
+        // SAFETY: forwarded; f16 → f32 is exact, as `half`'s conversion is.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+}
+
+impl Elem for bf16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const bf16) -> __m256 {
+        // SAFETY: forwarded. A bf16 is the high half of the f32 with the same bits: widen, shift, reinterpret
+        // (exact, as `half`'s conversion is).
+        unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())))) }
+    }
+}
+
+/// Positions ahead of the one being read whose rows are prefetched: rows of one head are a few cache lines
+/// spread a cached row's width apart (and a block apart at block edges), which the hardware prefetchers do not
+/// follow far enough ahead; without this the kernels below wait on memory at long contexts.
+const AHEAD: usize = 16;
+
+/// Asks for the cache lines of `bytes` bytes from `p` (any alignment) to be brought into L1.
+#[inline(always)]
+unsafe fn prefetch(p: *const u8, bytes: usize) {
+    let first = p as usize & !63;
+    let mut line = first;
+    while line < p as usize + bytes {
+        // SAFETY: a prefetch never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(line as *const i8) };
+        line += 64;
+    }
+}
+
+/// `scores[j] = (q · k_j) · scale` for every position, eight keys at a time: eight independent FMA chains
+/// instead of one (a 64-wide dot is otherwise one long dependency chain) and one shared reduction.
+///
+/// # Safety
+/// AVX2/FMA available, `q.len()` a multiple of 8, every position below `scores.len()` cached.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn scores<T: Elem>(q: &[f32], kv: &KvView<'_, T>, scale: f32, scores: &mut [f32]) {
+    let ctx = scores.len();
+    let k = kv.k.as_ptr();
+    let sc = _mm256_set1_ps(scale);
+    let (mut j, mut offsets, mut at) = (0, kv.rows(), 0);
+    // SAFETY (whole body): offsets come from the block table and stay inside `k`; q reads stay below q.len().
+    unsafe {
+        while j < ctx {
+            // Past the end, the last key is reused; those lanes are dropped.
+            let rows: [*const T; 8] = std::array::from_fn(|i| {
+                if j + i < ctx {
+                    at = offsets.next().unwrap_or(at);
+                }
+                k.add(at)
+            });
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for c in (0..q.len()).step_by(8) {
+                let qc = _mm256_loadu_ps(q.as_ptr().add(c));
+                for (a, row) in acc.iter_mut().zip(&rows) {
+                    *a = _mm256_fmadd_ps(qc, T::load8(row.add(c)), *a);
+                }
+            }
+            // Horizontal sums of the eight accumulators, lane i = key j + i. Every key goes through the same
+            // additions whichever lane it lands in.
+            let u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+            let u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+            let sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_mul_ps(sums, sc));
+            let n = (ctx - j).min(8);
+            scores[j..j + n].copy_from_slice(&lanes[..n]);
+            j += 8;
+        }
+    }
+}
+
+/// [`scores`] for the `group` query heads of one KV head at once (`q`: their rows back to back; `scores`:
+/// `group` runs of the context's length), four keys per pass so that the group's accumulators stay in
+/// registers. Each key's dot product is the same FMA chain over the columns, reduced by the same additions
+/// (the pairs of `hadd` and the halves' sum that [`scores`] gives every lane), and scaled the same: the bits of
+/// [`scores`] head by head.
+///
+/// # Safety
+/// As for [`scores`], with `q.len()` = `group` · the head width and `group` in 2..=4.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn group_scores<T: Elem>(group: usize, q: &[f32], kv: &KvView<'_, T>, scale: f32, scores: &mut [f32]) {
+    // SAFETY: forwarded.
+    unsafe {
+        match (group, kv.prefetch) {
+            (2, false) => scores_of::<T, 2, false>(q, kv, scale, scores),
+            (3, false) => scores_of::<T, 3, false>(q, kv, scale, scores),
+            (_, false) => scores_of::<T, 4, false>(q, kv, scale, scores),
+            (2, true) => scores_of::<T, 2, true>(q, kv, scale, scores),
+            (3, true) => scores_of::<T, 3, true>(q, kv, scale, scores),
+            (_, true) => scores_of::<T, 4, true>(q, kv, scale, scores),
+        }
+    }
+}
+
+/// [`group_scores`] for `G` heads, prefetching rows ahead if `P`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scores_of<T: Elem, const G: usize, const P: bool>(
+    q: &[f32],
+    kv: &KvView<'_, T>,
+    scale: f32,
+    scores: &mut [f32],
+) {
+    let width = kv.width;
+    let ctx = scores.len() / G;
+    assert!(q.len() == G * width && scores.len() == G * ctx, "group_scores operands do not match");
+    let k = kv.k.as_ptr();
+    let sc = _mm_set1_ps(scale);
+    let (mut j, mut offsets, mut at) = (0, kv.rows(), 0);
+    let mut later = if P { kv.lookahead(AHEAD) } else { None };
+    let row_bytes = width * std::mem::size_of::<T>();
+    // SAFETY (whole body): offsets come from the block table and stay inside `k`; q reads stay below q.len().
+    unsafe {
+        while j < ctx {
+            // Past the end, the last key is reused; those lanes are dropped.
+            let rows: [*const T; 4] = std::array::from_fn(|i| {
+                if j + i < ctx {
+                    at = offsets.next().unwrap_or(at);
+                    if P && let Some(later) = later.as_mut()
+                        && let Some(next) = later.next()
+                    {
+                        prefetch(k.wrapping_add(next).cast(), row_bytes);
+                    }
+                }
+                k.add(at)
+            });
+            let mut acc = [[_mm256_setzero_ps(); 4]; G];
+            for c in (0..width).step_by(8) {
+                let qc: [__m256; G] = std::array::from_fn(|g| _mm256_loadu_ps(q.as_ptr().add(g * width + c)));
+                for (i, row) in rows.iter().enumerate() {
+                    let kc = T::load8(row.add(c));
+                    for (a, qc) in acc.iter_mut().zip(&qc) {
+                        a[i] = _mm256_fmadd_ps(*qc, kc, a[i]);
+                    }
+                }
+            }
+            let n = (ctx - j).min(4);
+            for (g, a) in acc.iter().enumerate() {
+                // Lanes 0..4 of `scores`' reduction: each key's low half plus its high half.
+                let u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+                let sums = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps::<1>(u));
+                let mut lanes = [0f32; 4];
+                _mm_storeu_ps(lanes.as_mut_ptr(), _mm_mul_ps(sums, sc));
+                scores[g * ctx + j..][..n].copy_from_slice(&lanes[..n]);
+            }
+            j += 4;
+        }
+    }
+}
+
+/// [`weighted_sum`] for the `group` query heads of one KV head at once (`p`: their probabilities, runs of the
+/// context's length; `o`: their outputs back to back): each value row is read once for every head, and each
+/// column of each head is the same sequential FMA chain, so the same bits.
+///
+/// # Safety
+/// As for [`weighted_sum`], with `o.len()` = `group` · the head width and `group` in 2..=4.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn group_weighted_sum<T: Elem>(group: usize, p: &[f32], kv: &KvView<'_, T>, o: &mut [f32]) {
+    let (width, per_pass) = (kv.width, columns_per_pass(group));
+    let mut c0 = 0;
+    while c0 < width {
+        let chunks = ((width - c0) / 8).min(per_pass);
+        if chunks == 0 {
+            break; // not reached: the width is a multiple of 8
+        }
+        // SAFETY: forwarded; columns c0..c0 + 8·chunks lie in the head.
+        unsafe { group_weighted_columns(group, p, kv, c0, chunks, o) };
+        c0 += 8 * chunks;
+    }
+}
+
+/// Columns per pass of [`group_weighted_sum`], in groups of 8: as many as twelve accumulators hold.
+pub fn columns_per_pass(group: usize) -> usize {
+    12 / group.max(2)
+}
+
+/// Columns `c0..c0 + 8·chunks` of every head of [`group_weighted_sum`] (the rest of `o` untouched), `chunks` at
+/// most [`columns_per_pass`]: the same chains, so any split of the columns gives the same bits.
+///
+/// # Safety
+/// As for [`group_weighted_sum`], with `c0 + 8·chunks` within the head width.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn group_weighted_columns<T: Elem>(
+    group: usize,
+    p: &[f32],
+    kv: &KvView<'_, T>,
+    c0: usize,
+    chunks: usize,
+    o: &mut [f32],
+) {
+    assert!(
+        o.len() == group * kv.width && p.len().is_multiple_of(group) && c0 + 8 * chunks <= kv.width && chunks <= 6,
+        "group_weighted_sum operands do not match"
+    );
+    // SAFETY: forwarded.
+    unsafe {
+        match (group, kv.prefetch) {
+            (2, false) => columns_of::<T, 2, false>(p, kv, c0, chunks, o),
+            (3, false) => columns_of::<T, 3, false>(p, kv, c0, chunks, o),
+            (_, false) => columns_of::<T, 4, false>(p, kv, c0, chunks, o),
+            (2, true) => columns_of::<T, 2, true>(p, kv, c0, chunks, o),
+            (3, true) => columns_of::<T, 3, true>(p, kv, c0, chunks, o),
+            (_, true) => columns_of::<T, 4, true>(p, kv, c0, chunks, o),
+        }
+    }
+}
+
+/// [`group_weighted_columns`] for `G` heads, prefetching rows ahead if `P`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn columns_of<T: Elem, const G: usize, const P: bool>(
+    p: &[f32],
+    kv: &KvView<'_, T>,
+    c0: usize,
+    chunks: usize,
+    o: &mut [f32],
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        match chunks {
+            0 => {}
+            1 => group_columns::<T, G, 1, P>(p, kv, c0, o),
+            2 => group_columns::<T, G, 2, P>(p, kv, c0, o),
+            3 => group_columns::<T, G, 3, P>(p, kv, c0, o),
+            4 => group_columns::<T, G, 4, P>(p, kv, c0, o),
+            5 => group_columns::<T, G, 5, P>(p, kv, c0, o),
+            _ => group_columns::<T, G, 6, P>(p, kv, c0, o),
+        }
+    }
+}
+
+/// Columns `c0..c0 + 8·N` of every head of [`group_weighted_sum`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group_columns<T: Elem, const G: usize, const N: usize, const P: bool>(
+    p: &[f32],
+    kv: &KvView<'_, T>,
+    c0: usize,
+    o: &mut [f32],
+) {
+    let (v, width, ctx) = (kv.v.as_ptr(), kv.width, p.len() / G);
+    let mut acc = [[_mm256_setzero_ps(); N]; G];
+    let mut later = if P { kv.lookahead(AHEAD) } else { None };
+    // SAFETY: offsets come from the block table; columns stay below the head width, positions below ctx.
+    unsafe {
+        for (j, at) in kv.rows().take(ctx).enumerate() {
+            if P && let Some(later) = later.as_mut()
+                && let Some(next) = later.next()
+            {
+                prefetch(v.wrapping_add(next + c0).cast(), 8 * N * std::mem::size_of::<T>());
+            }
+            let row = v.add(at + c0);
+            let pv: [__m256; G] = std::array::from_fn(|g| _mm256_set1_ps(*p.get_unchecked(g * ctx + j)));
+            for c in 0..N {
+                let vc = T::load8(row.add(8 * c));
+                for (a, pv) in acc.iter_mut().zip(&pv) {
+                    a[c] = _mm256_fmadd_ps(*pv, vc, a[c]);
+                }
+            }
+        }
+        for (g, head) in acc.iter().enumerate() {
+            for (c, a) in head.iter().enumerate() {
+                _mm256_storeu_ps(o.as_mut_ptr().add(g * width + c0 + 8 * c), *a);
+            }
+        }
+    }
+}
+
+/// `o = Σ_j p_j · v_j`, 64 columns at a time held in registers across all positions.
+///
+/// # Safety
+/// As for [`scores`], with `o.len()` the head width.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn weighted_sum<T: Elem>(p: &[f32], kv: &KvView<'_, T>, o: &mut [f32]) {
+    // SAFETY: forwarded; each call covers columns c0..c0 + 8·N < o.len().
+    unsafe {
+        let mut c0 = 0;
+        while c0 < o.len() {
+            match (o.len() - c0) / 8 {
+                1 => columns::<T, 1>(p, kv, c0, o),
+                2 => columns::<T, 2>(p, kv, c0, o),
+                3 => columns::<T, 3>(p, kv, c0, o),
+                4 => columns::<T, 4>(p, kv, c0, o),
+                5 => columns::<T, 5>(p, kv, c0, o),
+                6 => columns::<T, 6>(p, kv, c0, o),
+                7 => columns::<T, 7>(p, kv, c0, o),
+                _ => columns::<T, 8>(p, kv, c0, o),
+            }
+            c0 += 64;
+        }
+    }
+}
+
+/// Columns `c0..c0 + 8·N` of [`weighted_sum`]: per column, a sequential FMA chain over the positions.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn columns<T: Elem, const N: usize>(p: &[f32], kv: &KvView<'_, T>, c0: usize, o: &mut [f32]) {
+    let v = kv.v.as_ptr();
+    let mut acc = [_mm256_setzero_ps(); N];
+    // SAFETY: offsets come from the block table; columns stay below the head width.
+    unsafe {
+        for (&pj, at) in p.iter().zip(kv.rows()) {
+            let row = v.add(at + c0);
+            let pv = _mm256_set1_ps(pj);
+            for (c, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(pv, T::load8(row.add(8 * c)), *a);
+            }
+        }
+        for (c, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(o.as_mut_ptr().add(c0 + 8 * c), *a);
+        }
+    }
+}
