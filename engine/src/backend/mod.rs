@@ -35,6 +35,18 @@ pub struct AttnShape {
     pub block_size: usize,
 }
 
+impl AttnShape {
+    /// Query heads per key/value head.
+    pub fn group(&self) -> usize {
+        self.num_heads / self.num_kv_heads
+    }
+
+    /// The factor on every query-key dot product: 1/√(head width).
+    pub fn scale(&self) -> f32 {
+        1.0 / (self.head_dim as f32).sqrt()
+    }
+}
+
 /// A compute device: owns weight, activation and KV storage and runs the ops of a decoder layer.
 /// Activations are `[rows, cols]` with one row per token.
 pub trait Backend: Send + Sync + 'static {

@@ -450,7 +450,7 @@ impl CudaBackend {
             })?;
         }
         let mut out = self.alloc_act(rows, q.cols)?;
-        let scale = 1.0 / (shape.head_dim as f32).sqrt();
+        let scale = shape.scale();
         match mode {
             AttnMode::Prefill { cu_seqlens, max_len } => {
                 let grid = (max_len.div_ceil(PREFILL_QUERY_TILE), shape.num_heads, cu_seqlens.len() - 1);

@@ -154,9 +154,8 @@ fn attend_grouped(
     grouping: Grouping,
 ) -> CpuTensor {
     let AttnShape { num_heads, num_kv_heads, head_dim, .. } = shape;
-    let group = num_heads / num_kv_heads;
+    let (group, scale) = (shape.group(), shape.scale());
     let q_dim = num_heads * head_dim;
-    let scale = 1.0 / (head_dim as f32).sqrt();
     // One task per (sequence, KV head, run of query rows): the query heads sharing a KV head read its rows while
     // they are in cache, and where `group_heads` takes the group, in one pass for all of them (a 3,072-token
     // prefill +40 %). With fewer such tasks than twice the threads (decoding a small batch: SmolLM2 has 3 KV heads,
@@ -185,9 +184,9 @@ fn attend_grouped(
         // grouped kernels take.
         return unsafe { spread::attend(isa, q, cache, direct, seqs, shape, positions) };
     }
-    let together = grouping != Grouping::Apart || direct.is_none();
-    let heads_per_task = if together { group } else { 1 };
-    let fused = together && can_fuse && grouping != Grouping::Apart;
+    let apart = grouping == Grouping::Apart;
+    let heads_per_task = if apart && direct.is_some() { 1 } else { group };
+    let fused = can_fuse && !apart;
     let tasks: Vec<AttnTask> = seqs
         .iter()
         .enumerate()

@@ -27,9 +27,8 @@ pub(super) unsafe fn attend(
     positions: usize,
 ) -> CpuTensor {
     let AttnShape { num_heads, num_kv_heads, head_dim, .. } = shape;
-    let group = num_heads / num_kv_heads;
+    let (group, scale) = (shape.group(), shape.scale());
     let q_dim = num_heads * head_dim;
-    let scale = 1.0 / (head_dim as f32).sqrt();
     let block = cache.block_size;
     let run = block * (positions / block).max(1);
     assert!(seqs.iter().all(|s| s.len == 1), "spread attention takes decode rows");
@@ -76,13 +75,14 @@ pub(super) unsafe fn attend(
 
     // Weighted sums of every head of the group, a pass of columns per task.
     let per_pass = x86::columns_per_pass(group);
-    let passes: Vec<(usize, usize)> =
-        (0..pairs.len()).flat_map(|pi| (0..head_dim).step_by(8 * per_pass).map(move |c0| (pi, c0))).collect();
+    // (pair, first column, columns / 8)
+    let passes: Vec<(usize, usize, usize)> = (0..pairs.len())
+        .flat_map(|pi| (0..head_dim).step_by(8 * per_pass).map(move |c0| (pi, c0, ((head_dim - c0) / 8).min(per_pass))))
+        .collect();
     let sums: Vec<Vec<f32>> = passes
         .par_iter()
-        .map(|&(pi, c0)| {
+        .map(|&(pi, c0, chunks)| {
             let (si, kvh) = pairs[pi];
-            let chunks = ((head_dim - c0) / 8).min(per_pass);
             let mut o = vec![0f32; group * head_dim];
             // SAFETY: as above; columns c0..c0 + 8·chunks lie in the head.
             unsafe {
@@ -96,9 +96,9 @@ pub(super) unsafe fn attend(
         })
         .collect();
     let mut data = vec![0f32; q.rows * q_dim];
-    for (&(pi, c0), o) in passes.iter().zip(&sums) {
+    for (&(pi, c0, chunks), o) in passes.iter().zip(&sums) {
         let (si, kvh) = pairs[pi];
-        let width = 8 * ((head_dim - c0) / 8).min(per_pass);
+        let width = 8 * chunks;
         for g in 0..group {
             let dst = seqs[si].row * q_dim + (kvh * group + g) * head_dim + c0;
             data[dst..][..width].copy_from_slice(&o[g * head_dim + c0..][..width]);
