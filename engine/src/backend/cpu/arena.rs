@@ -52,23 +52,32 @@ impl WeightArena {
         if src.is_empty() {
             return Ok(Bytes::owned(src));
         }
+        self.write(src.len(), |dst| {
+            dst.copy_from_slice(src);
+            Ok(())
+        })
+    }
+
+    /// `len` bytes in the arena, written by `fill` (which sees them zeroed): what a tensor becomes when it is
+    /// converted on the way in, without a second buffer for it.
+    pub fn write(&self, len: usize, fill: impl FnOnce(&mut [u8]) -> Result<()>) -> Result<Bytes> {
         let (map, offset) = {
             let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
             let chunk = match &mut *current {
-                Some(chunk) if chunk.next + src.len() <= chunk.map.len() => chunk,
-                slot => slot.insert(Chunk::new(src.len())?),
+                Some(chunk) if chunk.next + len <= chunk.map.len() => chunk,
+                slot => slot.insert(Chunk::new(len)?),
             };
             let offset = chunk.next;
-            chunk.next = (offset + src.len()).next_multiple_of(ALIGN);
+            chunk.next = (offset + len).next_multiple_of(ALIGN);
             (Arc::clone(&chunk.map), offset)
         };
-        // SAFETY: offset..offset + len was reserved above for this call alone and lies inside the map; no window
-        // over it exists yet, and other threads only write their own reserved windows.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), map.as_mut_ptr().add(offset), src.len());
-            // SAFETY: written just above and never written again; the window holds the map alive.
-            Ok(Bytes::Arena(ArenaWindow::new(map, offset, src.len())))
-        }
+        // SAFETY: offset..offset + len was reserved above for this call alone and lies inside the map (zeroed, as
+        // a fresh anonymous map is); no window over it exists yet, and other threads only write their own
+        // reserved windows.
+        let dst = unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr().add(offset), len) };
+        fill(dst)?;
+        // SAFETY: written just above and never written again; the window holds the map alive.
+        Ok(Bytes::Arena(unsafe { ArenaWindow::new(map, offset, len) }))
     }
 }
 

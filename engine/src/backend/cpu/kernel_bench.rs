@@ -2,7 +2,8 @@
 //! every path (one-token decode as the matmul runs it, with the weights in cache and streamed from memory as in a
 //! real decode step; the 8-token tile of batched decode and prefill) at every x86 instruction-set level this CPU
 //! has (the others reported as not run), and the scalar oracle, over one random matrix; and one decode step's
-//! attention at a short and a long context. docs/performance.md's kernel numbers.
+//! attention at a short and a long context. Q8_0 is timed in the layout the backend keeps it in ([`q8_rows`]).
+//! docs/performance.md's kernel numbers.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -15,7 +16,7 @@ use super::attention::attend;
 use super::kernels::kernels;
 use super::qgemm::{GROUP, PackedActs};
 use super::simd::{self, Isa, Q8Block, quantize_row};
-use super::{CpuKvLayer, CpuTensor};
+use super::{CpuKvLayer, CpuTensor, q8_rows};
 use crate::backend::{AttnSeq, AttnShape};
 use crate::quant::{self, BlockFormat, QK};
 use crate::tensor::{Bytes, DType};
@@ -162,6 +163,8 @@ pub fn run(cfg: &Config) -> Result<KernelBench> {
     let streams = Isa::X86.into_iter().any(Isa::supported);
     for f in formats {
         let w = quant::random_blocks(f.dtype, rows * cols / f.block_elems, &mut rng);
+        let repacked = f.dtype == DType::Q8_0;
+        let w = if repacked { q8_rows::pack(&w, rows, cols)? } else { w };
         let copies = if streams { w.repeat(cfg.streamed_bytes.div_ceil(w.len())) } else { Vec::new() };
         let streamed = match &arena {
             Some(arena) => arena.copy(&copies)?,
@@ -175,7 +178,9 @@ pub fn run(cfg: &Config) -> Result<KernelBench> {
             row_bytes: w.len() / rows,
             rows,
             one,
+            all: &xq,
             packed: &packed,
+            repacked,
         };
         let scalar = [(Isa::Scalar, KernelPath::Scalar)];
         let simd = Isa::X86.into_iter().flat_map(|isa| PATHS[..PATHS.len() - 1].iter().map(move |&p| (isa, p)));
@@ -260,9 +265,12 @@ struct Operands<'a> {
     streamed: &'a [u8],
     row_bytes: usize,
     rows: usize,
-    /// One token's blocks, and [`GROUP`] tokens' regrouped for the tile.
+    /// One token's blocks, all [`GROUP`] tokens' blocks, and those regrouped for the tile.
     one: &'a [Q8Block],
+    all: &'a [Q8Block],
     packed: &'a PackedActs,
+    /// Q8_0 in the backend's layout: `w` from [`q8_rows::pack`].
+    repacked: bool,
 }
 
 /// Seconds per pass of `path` with `isa`'s kernels over the matrix (over all its copies for
@@ -273,6 +281,9 @@ fn pass_seconds(cfg: &Config, isa: Isa, path: KernelPath, m: &Operands<'_>, out:
     let k = kernels(m.dtype);
     if !isa.supported() {
         return Err(format!("{}: this CPU lacks {}", isa.name(), isa.needs()));
+    }
+    if m.repacked {
+        return Ok(repacked_seconds(cfg, isa, path, m, out));
     }
     if path == KernelPath::Scalar {
         return Ok(best_time(cfg, || {
@@ -309,6 +320,28 @@ fn pass_seconds(cfg: &Config, isa: Isa, path: KernelPath, m: &Operands<'_>, out:
         #[cfg(not(target_arch = "x86_64"))]
         _ => return Err("the SIMD kernels are x86-64 only".into()),
     })
+}
+
+/// [`pass_seconds`] for a matrix repacked by [`q8_rows::pack`]: each path through that layout's kernels, the
+/// scalar path being its reference ([`Isa::Scalar`]).
+fn repacked_seconds(cfg: &Config, isa: Isa, path: KernelPath, m: &Operands<'_>, out: &mut [f32]) -> f64 {
+    let blocks = m.one.len();
+    let (one, group) = (q8_rows::Acts::new(m.one, 1, blocks), q8_rows::Acts::new(m.all, GROUP, blocks));
+    let run = |isa: Isa, w: &[u8], acts: &q8_rows::Acts<'_>, out: &mut [f32]| {
+        // SAFETY: `out` holds GROUP × rows floats: outputs t · rows + r for every token t and row r.
+        unsafe { q8_rows::rows_by_tokens(isa, black_box(w), m.rows, acts, out.as_mut_ptr(), m.rows) };
+        black_box(&mut *out);
+    };
+    match path {
+        KernelPath::Decode => best_time(cfg, || run(isa, m.w, &one, out)),
+        KernelPath::Streamed => best_time(cfg, || {
+            for copy in black_box(m.streamed).chunks_exact(m.w.len()) {
+                run(isa, copy, &one, out);
+            }
+        }),
+        KernelPath::Tile => best_time(cfg, || run(isa, m.w, &group, out)),
+        KernelPath::Scalar => best_time(cfg, || run(Isa::Scalar, m.w, &one, out)),
+    }
 }
 
 /// The fastest of `cfg.samples` timings of `pass`, in seconds per pass; each timing repeats `pass` as often as

@@ -4,10 +4,11 @@
 use rayon::prelude::*;
 
 use super::half_dot::{self, Half};
+use super::q8_rows;
 #[cfg(target_arch = "x86_64")]
 use super::qgemm::{self, PackedActs};
 use super::simd::{self, Isa, Q8Block, quantize_row};
-use super::{CpuMatrix, CpuTensor};
+use super::{CpuMatrix, CpuTensor, Layout};
 use crate::quant::QK;
 use crate::tensor::DType;
 use crate::{Error, Result};
@@ -51,11 +52,13 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
         Vec::new()
     };
     // Several tokens: the register-tiled kernel, on activations regrouped once for every job.
+    let file_layout = |w: &CpuMatrix| w.dtype.is_quantized() && w.layout == Layout::Rows;
     #[cfg(target_arch = "x86_64")]
-    let packed = (isa.avx2() && m >= 2 && !xq.is_empty()).then(|| {
-        let lane_sums = jobs.iter().any(|(w, _)| qgemm::reads_lane_sums(isa, w.dtype));
+    let packed = (isa.avx2() && m >= 2 && jobs.iter().any(|(w, _)| file_layout(w))).then(|| {
+        let lane_sums = jobs.iter().any(|(w, _)| file_layout(w) && qgemm::reads_lane_sums(isa, w.dtype));
         PackedActs::pack(&xq, m, blocks, lane_sums)
     });
+    let q8_acts = jobs.iter().any(|(w, _)| w.layout == Layout::Q8Rows).then(|| q8_rows::Acts::new(&xq, m, blocks));
     // Final [m, n] outputs, written in place by tasks that each own a disjoint range of rows (output columns).
     let mut outs: Vec<Vec<f32>> = jobs.iter().map(|(w, _)| vec![0f32; m * w.rows]).collect();
     let total_rows: usize = jobs.iter().map(|(w, _)| w.rows).sum();
@@ -63,12 +66,23 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
     let mut tasks = Vec::new();
     for ((w, _), out) in jobs.iter().zip(outs.iter_mut()) {
         let dst = SharedOut { ptr: out.as_mut_ptr(), n: w.rows };
-        for first_row in (0..w.rows).step_by(chunk_rows) {
-            tasks.push((*w, first_row, chunk_rows.min(w.rows - first_row), dst));
+        // Repacked rows split at whole groups.
+        let step = if w.layout == Layout::Q8Rows { chunk_rows.next_multiple_of(q8_rows::ROWS) } else { chunk_rows };
+        for first_row in (0..w.rows).step_by(step) {
+            tasks.push((*w, first_row, step.min(w.rows - first_row), dst));
         }
     }
     tasks.into_par_iter().for_each(|(w, first_row, nrows, dst)| {
         let bytes = w.bytes.as_slice();
+        if let Some(acts) = q8_acts.as_ref().filter(|_| w.layout == Layout::Q8Rows) {
+            let group_bytes = q8_rows::packed_len(q8_rows::ROWS, w.cols);
+            let groups =
+                &bytes[first_row / q8_rows::ROWS * group_bytes..][..nrows.div_ceil(q8_rows::ROWS) * group_bytes];
+            // SAFETY: elements (t, first_row..first_row + nrows) for t < m are inside the m×n buffer and owned by
+            // this task alone.
+            unsafe { q8_rows::rows_by_tokens(isa, groups, nrows, acts, dst.ptr.add(first_row), dst.n) };
+            return;
+        }
         let row_bytes = w.row_bytes();
         let rows = &bytes[first_row * row_bytes..(first_row + nrows) * row_bytes];
         if m == 1 && w.dtype.is_quantized() {
@@ -195,6 +209,10 @@ pub fn embed(w: &CpuMatrix, ids: &[u32]) -> Result<CpuTensor> {
         if id >= w.rows {
             return Err(Error::InvalidRequest(format!("token id {id} is outside the vocabulary of {}", w.rows)));
         }
+        if w.layout == Layout::Q8Rows {
+            q8_rows::dequantize_row(bytes, k, id, dst);
+            continue;
+        }
         let src = &bytes[id * row_bytes..(id + 1) * row_bytes];
         match w.dtype {
             DType::F32 => dst.copy_from_slice(bytemuck::cast_slice(src)),
@@ -229,7 +247,11 @@ mod tests {
             q if crate::quant::format(q).is_some_and(|f| f.quantize.is_some()) => crate::quant::quantize(q, v),
             q => crate::quant::random_blocks(q, rows * cols / q.block_elems(), rng),
         };
-        CpuMatrix { rows, cols, dtype, bytes: Bytes::owned(&bytes) }
+        if dtype == DType::Q8_0 {
+            let packed = q8_rows::pack(&bytes, rows, cols).expect("whole Q8_0 blocks");
+            return CpuMatrix { rows, cols, dtype, bytes: Bytes::owned(&packed), layout: Layout::Q8Rows };
+        }
+        CpuMatrix { rows, cols, dtype, bytes: Bytes::owned(&bytes), layout: Layout::Rows }
     }
 
     #[test]

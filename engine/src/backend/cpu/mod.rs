@@ -11,6 +11,7 @@ pub mod kernel_bench;
 mod kernels;
 mod kv;
 mod matmul;
+mod q8_rows;
 mod qgemm;
 pub mod simd;
 #[cfg(target_arch = "x86_64")]
@@ -44,12 +45,23 @@ pub struct CpuMatrix {
     pub cols: usize,
     /// Storage type.
     pub dtype: DType,
-    /// Row-major storage (GGML blocks for quantized types).
+    /// Storage: see `layout`.
     pub bytes: Bytes,
+    /// How `bytes` hold the rows.
+    pub layout: Layout,
+}
+
+/// How a [`CpuMatrix`] holds its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// Row after row, GGML blocks for quantized types (as a file has them).
+    Rows,
+    /// Q8_0 in groups of 16 rows side by side ([`q8_rows`]), as resident and offloaded Q8_0 weights are kept.
+    Q8Rows,
 }
 
 impl CpuMatrix {
-    /// Bytes per row.
+    /// Bytes per row ([`Layout::Rows`]).
     pub fn row_bytes(&self) -> usize {
         self.bytes.len() / self.rows.max(1)
     }
@@ -104,7 +116,13 @@ fn cpu_matrix(t: &HostTensor, bytes: Bytes) -> Result<CpuMatrix> {
     if t.shape.len() != 2 {
         return Err(Error::Shape { op: "upload_matrix", reason: format!("expected 2-D, got {:?}", t.shape) });
     }
-    Ok(CpuMatrix { rows: t.shape[0], cols: t.shape[1], dtype: t.dtype, bytes })
+    Ok(CpuMatrix { rows: t.shape[0], cols: t.shape[1], dtype: t.dtype, bytes, layout: Layout::Rows })
+}
+
+/// `t` as a matrix the kernels read in another layout than the file's, without its bytes: Q8_0 ([`q8_rows`]).
+fn to_repack(t: &HostTensor) -> Result<Option<CpuMatrix>> {
+    let m = cpu_matrix(t, Bytes::owned(&[]))?;
+    Ok((m.dtype == DType::Q8_0).then_some(CpuMatrix { layout: Layout::Q8Rows, ..m }))
 }
 
 fn same_shape(op: &'static str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
@@ -143,8 +161,19 @@ impl Backend for CpuBackend {
         self.pool.install(f)
     }
 
-    /// Resident weights are copied into huge pages where the system has them ([`arena`]).
+    /// Resident weights are copied into huge pages where the system has them ([`arena`]); Q8_0 ones are
+    /// repacked ([`q8_rows`]) on the way.
     fn upload_matrix(&self, t: &HostTensor) -> Result<CpuMatrix> {
+        if let Some(m) = to_repack(t)? {
+            let file = t.bytes.as_slice();
+            let bytes = match &self.arena {
+                Some(arena) => arena
+                    .write(q8_rows::packed_len(m.rows, m.cols), |dst| q8_rows::pack_into(file, m.rows, m.cols, dst))?,
+                None => Bytes::owned(&q8_rows::pack(file, m.rows, m.cols)?),
+            };
+            t.bytes.advise(Paging::DontNeed)?;
+            return Ok(CpuMatrix { bytes, ..m });
+        }
         let m = cpu_matrix(t, t.bytes.clone())?;
         let Some(arena) = &self.arena else {
             return Ok(m);
@@ -170,9 +199,15 @@ impl Backend for CpuBackend {
     }
 
     /// Offloaded matrices page in from their file on use and out after their layer ([`Backend::release_layer`]);
-    /// ones converted at load (no file holds them in that form) are first written to a temporary file in
-    /// `TMPDIR`.
+    /// ones converted at load or repacked (Q8_0, [`q8_rows`]: no file holds them in that form) are first written
+    /// to a temporary file in `TMPDIR`.
     fn upload_matrix_offloaded(&self, t: &HostTensor) -> Result<CpuMatrix> {
+        if let Some(m) = to_repack(t)? {
+            let packed = q8_rows::pack(t.bytes.as_slice(), m.rows, m.cols)?;
+            let bytes = Bytes::owned(&packed).spill(&std::env::temp_dir())?;
+            t.bytes.advise(Paging::DontNeed)?;
+            return Ok(CpuMatrix { bytes, ..m });
+        }
         cpu_matrix(t, t.bytes.spill(&std::env::temp_dir())?)
     }
 
@@ -351,6 +386,47 @@ mod tests {
             outputs.push(be.linear(&x, &m, None)?);
         }
         assert_eq!(outputs[0], outputs[1]);
+        Ok(())
+    }
+
+    /// Q8_0 weights are repacked resident and offloaded alike ([`q8_rows`]): the same products bit for bit,
+    /// close to the dequantized weights' products, and embedding rows equal to the file's dequantized rows.
+    #[test]
+    fn q8_0_weights_are_repacked_resident_and_offloaded_alike() -> Result<()> {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        let (rows, cols, tokens) = (40, 64, 3);
+        let values: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let file = crate::quant::quantize(DType::Q8_0, &values);
+        let t = HostTensor { dtype: DType::Q8_0, shape: vec![rows, cols], bytes: Bytes::owned(&file) };
+        let be = CpuBackend::new(2)?;
+        let (m, off) = (be.upload_matrix(&t)?, be.upload_matrix_offloaded(&t)?);
+        assert_eq!((m.layout, off.layout), (Layout::Q8Rows, Layout::Q8Rows));
+        assert!(matches!(off.bytes, Bytes::Mapped { .. }), "offloaded weights stay file-backed: {:?}", off.bytes);
+        let x = CpuTensor {
+            data: (0..tokens * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect(),
+            rows: tokens,
+            cols,
+        };
+        let y = be.linear(&x, &m, None)?;
+        assert_eq!(y, be.linear(&x, &off, None)?);
+        let mut w = vec![0f32; rows * cols];
+        crate::quant::dequantize(DType::Q8_0, &file, &mut w);
+        for (t, xt) in x.data.chunks_exact(cols).enumerate() {
+            for (r, wr) in w.chunks_exact(cols).enumerate() {
+                let want: f32 = wr.iter().zip(xt).map(|(a, b)| a * b).sum();
+                // The activations' 8-bit rounding: at most half a step (max |x| / 127) per element.
+                let amax = xt.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let bound = wr.iter().map(|v| v.abs()).sum::<f32>() * amax / 254.0 + 1e-4;
+                let got = y.data[t * rows + r];
+                assert!((got - want).abs() <= bound, "({t}, {r}): {got} vs {want}");
+            }
+        }
+        let ids = [0u32, 17, 39];
+        let rows_out = be.embed(&m, &ids)?;
+        for (got, &id) in rows_out.data.chunks_exact(cols).zip(&ids) {
+            assert!(got == &w[id as usize * cols..][..cols], "embedding row {id}");
+        }
         Ok(())
     }
 }
