@@ -2,7 +2,8 @@
 //! every path (one-token decode as the matmul runs it, with the weights in cache and streamed from memory as in a
 //! real decode step; the 8-token tile of batched decode and prefill) at every x86 instruction-set level this CPU
 //! has (the others reported as not run), and the scalar oracle, over one random matrix; and one decode step's
-//! attention at a short and a long context. Q8_0 is timed in the layout the backend keeps it in ([`q8_rows`]).
+//! attention at a short and a long context. The 32-element formats are timed in the layout the backend keeps them in
+//! ([`interleaved`]).
 //! docs/performance.md's kernel numbers.
 
 use std::hint::black_box;
@@ -16,7 +17,7 @@ use super::attention::attend;
 use super::kernels::kernels;
 use super::qgemm::{GROUP, PackedActs};
 use super::simd::{self, Isa, Q8Block, quantize_row};
-use super::{CpuKvLayer, CpuTensor, q8_rows};
+use super::{CpuKvLayer, CpuTensor, interleaved};
 use crate::backend::{AttnSeq, AttnShape};
 use crate::quant::{self, BlockFormat, QK};
 use crate::tensor::{Bytes, DType};
@@ -163,8 +164,11 @@ pub fn run(cfg: &Config) -> Result<KernelBench> {
     let streams = Isa::X86.into_iter().any(Isa::supported);
     for f in formats {
         let w = quant::random_blocks(f.dtype, rows * cols / f.block_elems, &mut rng);
-        let repacked = f.dtype == DType::Q8_0;
-        let w = if repacked { q8_rows::pack(&w, rows, cols)? } else { w };
+        let repacked = interleaved::Format::of(f.dtype);
+        let w = match repacked {
+            Some(f) => interleaved::pack(f, &w, rows, cols)?,
+            None => w,
+        };
         let copies = if streams { w.repeat(cfg.streamed_bytes.div_ceil(w.len())) } else { Vec::new() };
         let streamed = match &arena {
             Some(arena) => arena.copy(&copies)?,
@@ -269,8 +273,8 @@ struct Operands<'a> {
     one: &'a [Q8Block],
     all: &'a [Q8Block],
     packed: &'a PackedActs,
-    /// Q8_0 in the backend's layout: `w` from [`q8_rows::pack`].
-    repacked: bool,
+    /// The backend's layout for this format, if not the file's: `w` from [`interleaved::pack`].
+    repacked: Option<interleaved::Format>,
 }
 
 /// Seconds per pass of `path` with `isa`'s kernels over the matrix (over all its copies for
@@ -282,8 +286,8 @@ fn pass_seconds(cfg: &Config, isa: Isa, path: KernelPath, m: &Operands<'_>, out:
     if !isa.supported() {
         return Err(format!("{}: this CPU lacks {}", isa.name(), isa.needs()));
     }
-    if m.repacked {
-        return Ok(repacked_seconds(cfg, isa, path, m, out));
+    if let Some(f) = m.repacked {
+        return Ok(repacked_seconds(cfg, isa, path, f, m, out));
     }
     if path == KernelPath::Scalar {
         return Ok(best_time(cfg, || {
@@ -322,14 +326,21 @@ fn pass_seconds(cfg: &Config, isa: Isa, path: KernelPath, m: &Operands<'_>, out:
     })
 }
 
-/// [`pass_seconds`] for a matrix repacked by [`q8_rows::pack`]: each path through that layout's kernels, the
-/// scalar path being its reference ([`Isa::Scalar`]).
-fn repacked_seconds(cfg: &Config, isa: Isa, path: KernelPath, m: &Operands<'_>, out: &mut [f32]) -> f64 {
+/// [`pass_seconds`] for a matrix repacked by [`interleaved::pack`] (format `f`): each path through that layout's
+/// kernels, the scalar path being its reference ([`Isa::Scalar`]).
+fn repacked_seconds(
+    cfg: &Config,
+    isa: Isa,
+    path: KernelPath,
+    f: interleaved::Format,
+    m: &Operands<'_>,
+    out: &mut [f32],
+) -> f64 {
     let blocks = m.one.len();
-    let (one, group) = (q8_rows::Acts::new(m.one, 1, blocks), q8_rows::Acts::new(m.all, GROUP, blocks));
-    let run = |isa: Isa, w: &[u8], acts: &q8_rows::Acts<'_>, out: &mut [f32]| {
+    let (one, group) = (interleaved::Acts::new(m.one, 1, blocks), interleaved::Acts::new(m.all, GROUP, blocks));
+    let run = |isa: Isa, w: &[u8], acts: &interleaved::Acts<'_>, out: &mut [f32]| {
         // SAFETY: `out` holds GROUP × rows floats: outputs t · rows + r for every token t and row r.
-        unsafe { q8_rows::rows_by_tokens(isa, black_box(w), m.rows, acts, out.as_mut_ptr(), m.rows) };
+        unsafe { interleaved::rows_by_tokens(isa, f, black_box(w), m.rows, acts, out.as_mut_ptr(), m.rows) };
         black_box(&mut *out);
     };
     match path {

@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 
 use super::half_dot::{self, Half};
-use super::q8_rows;
+use super::interleaved;
 #[cfg(target_arch = "x86_64")]
 use super::qgemm::{self, PackedActs};
 use super::simd::{self, Isa, Q8Block, quantize_row};
@@ -58,7 +58,11 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
         let lane_sums = jobs.iter().any(|(w, _)| file_layout(w) && qgemm::reads_lane_sums(isa, w.dtype));
         PackedActs::pack(&xq, m, blocks, lane_sums)
     });
-    let q8_acts = jobs.iter().any(|(w, _)| w.layout == Layout::Q8Rows).then(|| q8_rows::Acts::new(&xq, m, blocks));
+    let interleaved = |w: &CpuMatrix| match w.layout {
+        Layout::Interleaved(f) => Some(f),
+        Layout::Rows => None,
+    };
+    let acts = jobs.iter().any(|(w, _)| interleaved(w).is_some()).then(|| interleaved::Acts::new(&xq, m, blocks));
     // Final [m, n] outputs, written in place by tasks that each own a disjoint range of rows (output columns).
     let mut outs: Vec<Vec<f32>> = jobs.iter().map(|(w, _)| vec![0f32; m * w.rows]).collect();
     let total_rows: usize = jobs.iter().map(|(w, _)| w.rows).sum();
@@ -67,20 +71,20 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
     for ((w, _), out) in jobs.iter().zip(outs.iter_mut()) {
         let dst = SharedOut { ptr: out.as_mut_ptr(), n: w.rows };
         // Repacked rows split at whole groups.
-        let step = if w.layout == Layout::Q8Rows { chunk_rows.next_multiple_of(q8_rows::ROWS) } else { chunk_rows };
+        let step = if interleaved(w).is_some() { chunk_rows.next_multiple_of(interleaved::ROWS) } else { chunk_rows };
         for first_row in (0..w.rows).step_by(step) {
             tasks.push((*w, first_row, step.min(w.rows - first_row), dst));
         }
     }
     tasks.into_par_iter().for_each(|(w, first_row, nrows, dst)| {
         let bytes = w.bytes.as_slice();
-        if let Some(acts) = q8_acts.as_ref().filter(|_| w.layout == Layout::Q8Rows) {
-            let group_bytes = q8_rows::packed_len(q8_rows::ROWS, w.cols);
-            let groups =
-                &bytes[first_row / q8_rows::ROWS * group_bytes..][..nrows.div_ceil(q8_rows::ROWS) * group_bytes];
+        if let (Some(f), Some(acts)) = (interleaved(w), acts.as_ref()) {
+            let group_bytes = interleaved::packed_len(f, interleaved::ROWS, w.cols);
+            let (first, groups) = (first_row / interleaved::ROWS, nrows.div_ceil(interleaved::ROWS));
+            let groups = &bytes[first * group_bytes..][..groups * group_bytes];
             // SAFETY: elements (t, first_row..first_row + nrows) for t < m are inside the m×n buffer and owned by
             // this task alone.
-            unsafe { q8_rows::rows_by_tokens(isa, groups, nrows, acts, dst.ptr.add(first_row), dst.n) };
+            unsafe { interleaved::rows_by_tokens(isa, f, groups, nrows, acts, dst.ptr.add(first_row), dst.n) };
             return;
         }
         let row_bytes = w.row_bytes();
@@ -209,8 +213,8 @@ pub fn embed(w: &CpuMatrix, ids: &[u32]) -> Result<CpuTensor> {
         if id >= w.rows {
             return Err(Error::InvalidRequest(format!("token id {id} is outside the vocabulary of {}", w.rows)));
         }
-        if w.layout == Layout::Q8Rows {
-            q8_rows::dequantize_row(bytes, k, id, dst);
+        if let Layout::Interleaved(f) = w.layout {
+            interleaved::dequantize_row(f, bytes, k, id, dst);
             continue;
         }
         let src = &bytes[id * row_bytes..(id + 1) * row_bytes];
@@ -247,9 +251,10 @@ mod tests {
             q if crate::quant::format(q).is_some_and(|f| f.quantize.is_some()) => crate::quant::quantize(q, v),
             q => crate::quant::random_blocks(q, rows * cols / q.block_elems(), rng),
         };
-        if dtype == DType::Q8_0 {
-            let packed = q8_rows::pack(&bytes, rows, cols).expect("whole Q8_0 blocks");
-            return CpuMatrix { rows, cols, dtype, bytes: Bytes::owned(&packed), layout: Layout::Q8Rows };
+        // As the backend keeps them.
+        if let Some(f) = interleaved::Format::of(dtype) {
+            let packed = interleaved::pack(f, &bytes, rows, cols).expect("whole blocks");
+            return CpuMatrix { rows, cols, dtype, bytes: Bytes::owned(&packed), layout: Layout::Interleaved(f) };
         }
         CpuMatrix { rows, cols, dtype, bytes: Bytes::owned(&bytes), layout: Layout::Rows }
     }

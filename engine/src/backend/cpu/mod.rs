@@ -6,12 +6,12 @@ mod arena;
 mod attention;
 pub(crate) mod exp;
 mod half_dot;
+mod interleaved;
 mod isa;
 pub mod kernel_bench;
 mod kernels;
 mod kv;
 mod matmul;
-mod q8_rows;
 mod qgemm;
 pub mod simd;
 #[cfg(target_arch = "x86_64")]
@@ -56,8 +56,9 @@ pub struct CpuMatrix {
 pub enum Layout {
     /// Row after row, GGML blocks for quantized types (as a file has them).
     Rows,
-    /// Q8_0 in groups of 16 rows side by side ([`q8_rows`]), as resident and offloaded Q8_0 weights are kept.
-    Q8Rows,
+    /// The 32-element block formats in groups of 16 rows side by side ([`interleaved`]), as resident and
+    /// offloaded Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights are kept.
+    Interleaved(interleaved::Format),
 }
 
 impl CpuMatrix {
@@ -119,10 +120,11 @@ fn cpu_matrix(t: &HostTensor, bytes: Bytes) -> Result<CpuMatrix> {
     Ok(CpuMatrix { rows: t.shape[0], cols: t.shape[1], dtype: t.dtype, bytes, layout: Layout::Rows })
 }
 
-/// `t` as a matrix the kernels read in another layout than the file's, without its bytes: Q8_0 ([`q8_rows`]).
-fn to_repack(t: &HostTensor) -> Result<Option<CpuMatrix>> {
+/// `t` as a matrix the kernels read in another layout than the file's, without its bytes, and that layout's
+/// format: the 32-element block formats ([`interleaved`]).
+fn to_repack(t: &HostTensor) -> Result<Option<(CpuMatrix, interleaved::Format)>> {
     let m = cpu_matrix(t, Bytes::owned(&[]))?;
-    Ok((m.dtype == DType::Q8_0).then_some(CpuMatrix { layout: Layout::Q8Rows, ..m }))
+    Ok(interleaved::Format::of(m.dtype).map(|f| (CpuMatrix { layout: Layout::Interleaved(f), ..m }, f)))
 }
 
 fn same_shape(op: &'static str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
@@ -161,15 +163,16 @@ impl Backend for CpuBackend {
         self.pool.install(f)
     }
 
-    /// Resident weights are copied into huge pages where the system has them ([`arena`]); Q8_0 ones are
-    /// repacked ([`q8_rows`]) on the way.
+    /// Resident weights are copied into huge pages where the system has them ([`arena`]); those of the 32-element
+    /// block formats are repacked ([`interleaved`]) on the way.
     fn upload_matrix(&self, t: &HostTensor) -> Result<CpuMatrix> {
-        if let Some(m) = to_repack(t)? {
+        if let Some((m, f)) = to_repack(t)? {
             let file = t.bytes.as_slice();
             let bytes = match &self.arena {
-                Some(arena) => arena
-                    .write(q8_rows::packed_len(m.rows, m.cols), |dst| q8_rows::pack_into(file, m.rows, m.cols, dst))?,
-                None => Bytes::owned(&q8_rows::pack(file, m.rows, m.cols)?),
+                Some(arena) => arena.write(interleaved::packed_len(f, m.rows, m.cols), |dst| {
+                    interleaved::pack_into(f, file, m.rows, m.cols, dst)
+                })?,
+                None => Bytes::owned(&interleaved::pack(f, file, m.rows, m.cols)?),
             };
             t.bytes.advise(Paging::DontNeed)?;
             return Ok(CpuMatrix { bytes, ..m });
@@ -199,11 +202,11 @@ impl Backend for CpuBackend {
     }
 
     /// Offloaded matrices page in from their file on use and out after their layer ([`Backend::release_layer`]);
-    /// ones converted at load or repacked (Q8_0, [`q8_rows`]: no file holds them in that form) are first written
-    /// to a temporary file in `TMPDIR`.
+    /// ones converted at load or repacked ([`interleaved`]: no file holds them in that form) are first written to
+    /// a temporary file in `TMPDIR`.
     fn upload_matrix_offloaded(&self, t: &HostTensor) -> Result<CpuMatrix> {
-        if let Some(m) = to_repack(t)? {
-            let packed = q8_rows::pack(t.bytes.as_slice(), m.rows, m.cols)?;
+        if let Some((m, f)) = to_repack(t)? {
+            let packed = interleaved::pack(f, t.bytes.as_slice(), m.rows, m.cols)?;
             let bytes = Bytes::owned(&packed).spill(&std::env::temp_dir())?;
             t.bytes.advise(Paging::DontNeed)?;
             return Ok(CpuMatrix { bytes, ..m });
@@ -389,7 +392,7 @@ mod tests {
         Ok(())
     }
 
-    /// Q8_0 weights are repacked resident and offloaded alike ([`q8_rows`]): the same products bit for bit,
+    /// Q8_0 weights are repacked resident and offloaded alike ([`interleaved`]): the same products bit for bit,
     /// close to the dequantized weights' products, and embedding rows equal to the file's dequantized rows.
     #[test]
     fn q8_0_weights_are_repacked_resident_and_offloaded_alike() -> Result<()> {
@@ -401,7 +404,8 @@ mod tests {
         let t = HostTensor { dtype: DType::Q8_0, shape: vec![rows, cols], bytes: Bytes::owned(&file) };
         let be = CpuBackend::new(2)?;
         let (m, off) = (be.upload_matrix(&t)?, be.upload_matrix_offloaded(&t)?);
-        assert_eq!((m.layout, off.layout), (Layout::Q8Rows, Layout::Q8Rows));
+        let layout = Layout::Interleaved(interleaved::Format::Q8_0);
+        assert_eq!((m.layout, off.layout), (layout, layout));
         assert!(matches!(off.bytes, Bytes::Mapped { .. }), "offloaded weights stay file-backed: {:?}", off.bytes);
         let x = CpuTensor {
             data: (0..tokens * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect(),

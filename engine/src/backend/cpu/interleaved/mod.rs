@@ -1,0 +1,376 @@
+//! The 32-element block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) as the CPU backend keeps them: 16 rows side by
+//! side ([`pack`]), so a 4-byte group of 16 rows fills one 512-bit register and one `vpdpbusd` against a token's 4
+//! activation bytes, broadcast, advances 16 rows' sums. Each row's block is summed as integers (exact, in any
+//! order), then `acc = fma(Σ q·a, d_w·d_a, acc)` (and `acc = fma(m_w, s_a, acc)` for the formats with a minimum)
+//! block by block: [`scalar`]'s arithmetic, so every level, token count and thread split gives the same bits. The
+//! file's layout costs a conversion and a multiply-add per 8 products (float lane sums per block, `qgemm`), as
+//! llama.cpp's tinyBLAS does; this one costs them per 512 (16 rows × 32), which lets prefill run at the speed of
+//! the 8-bit dot products. The layout holds the file's bits (the same bytes per block, [`file_row`] gives them
+//! back), so it takes the same memory.
+
+use super::simd::{Isa, Q8Block};
+use crate::quant::{self, QK};
+use crate::tensor::{DType, f16_at};
+use crate::{Error, Result};
+
+/// Rows side by side.
+pub const ROWS: usize = 16;
+/// Tokens per tile call: the 512-bit tile keeps 8 sums and 8 accumulators in its 32 registers, the 256-bit ones
+/// (16 registers) 4.
+const TOKENS_512: usize = 8;
+const TOKENS_256: usize = 4;
+/// Activation bytes (blocks and their sums) one run of tokens may occupy: half of a 32 KiB L1 data cache.
+const L1_ACT_BYTES: usize = 16 * 1024;
+
+/// A format this layout holds, as a const parameter of the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Q8_0 = 0,
+    Q4_0 = 1,
+    Q4_1 = 2,
+    Q5_0 = 3,
+    Q5_1 = 4,
+}
+
+const Q8_0: u8 = Format::Q8_0 as u8;
+const Q4_1: u8 = Format::Q4_1 as u8;
+const Q5_0: u8 = Format::Q5_0 as u8;
+const Q5_1: u8 = Format::Q5_1 as u8;
+
+impl Format {
+    /// The format of `dtype`, if this layout holds it.
+    pub fn of(dtype: DType) -> Option<Format> {
+        match dtype {
+            DType::Q8_0 => Some(Format::Q8_0),
+            DType::Q4_0 => Some(Format::Q4_0),
+            DType::Q4_1 => Some(Format::Q4_1),
+            DType::Q5_0 => Some(Format::Q5_0),
+            DType::Q5_1 => Some(Format::Q5_1),
+            _ => None,
+        }
+    }
+
+    fn dtype(self) -> DType {
+        match self {
+            Format::Q8_0 => DType::Q8_0,
+            Format::Q4_0 => DType::Q4_0,
+            Format::Q4_1 => DType::Q4_1,
+            Format::Q5_0 => DType::Q5_0,
+            Format::Q5_1 => DType::Q5_1,
+        }
+    }
+}
+
+/// Whether format `f`'s blocks have a minimum (`w = d·q + m`) rather than an offset (`w = d·(q + bias)`).
+const fn has_min(f: u8) -> bool {
+    f == Q4_1 || f == Q5_1
+}
+
+/// Whether format `f`'s values have a fifth bit.
+const fn five(f: u8) -> bool {
+    f == Q5_0 || f == Q5_1
+}
+
+/// `bias` in `w = d·(q + bias)`, `q` the unsigned value the layout stores (Q8_0 stores `w + 128`).
+const fn bias(f: u8) -> i32 {
+    match f {
+        Q8_0 => -128,
+        Q5_0 => -16,
+        Q4_1 | Q5_1 => 0,
+        _ => -8,
+    }
+}
+
+/// Bytes of one block of a row group: 16 f16 scales, 16 f16 minimums (formats with one), then the values: Q8_0's
+/// as `[4-byte group][row][4]`; the 4/5-bit formats' low nibbles as 4 lines of `[row][4]` bytes, line `j` holding
+/// group `j` in its low and group `j + 4` in its high nibbles, then (Q5) the fifth bits, 8 bytes per group, bit
+/// `4·row + k` for the group's byte k of that row.
+const fn block_bytes(f: u8) -> usize {
+    let scales = if has_min(f) { 4 * ROWS } else { 2 * ROWS };
+    let values = if f == Q8_0 { ROWS * QK } else { ROWS * QK / 2 };
+    scales + values + if five(f) { ROWS * QK / 8 } else { 0 }
+}
+
+/// Where a block's values start.
+const fn values_at(f: u8) -> usize {
+    if has_min(f) { 4 * ROWS } else { 2 * ROWS }
+}
+
+/// Where a block's fifth bits start.
+const fn high_bits_at(f: u8) -> usize {
+    values_at(f) + ROWS * QK / 2
+}
+
+/// One row's block, whatever the format: f16 scale and minimum bits, and the 32 unsigned values.
+#[derive(Clone, Copy)]
+struct Parts {
+    d: [u8; 2],
+    m: [u8; 2],
+    q: [u8; QK],
+}
+
+/// A block in the file's layout, taken apart.
+fn parts(f: u8, blk: &[u8]) -> Parts {
+    let mut p = Parts { d: [blk[0], blk[1]], m: [0; 2], q: [0; QK] };
+    let qs = match f {
+        Q8_0 => {
+            for (q, &w) in p.q.iter_mut().zip(&blk[2..2 + QK]) {
+                *q = w ^ 0x80;
+            }
+            return p;
+        }
+        Q4_1 | Q5_1 => {
+            p.m = [blk[2], blk[3]];
+            &blk[4..]
+        }
+        _ => &blk[2..],
+    };
+    if five(f) {
+        for (l, q) in p.q.iter_mut().enumerate() {
+            *q = quant::five_bit(qs, l);
+        }
+    } else {
+        for (j, &byte) in qs[..QK / 2].iter().enumerate() {
+            (p.q[j], p.q[j + QK / 2]) = (byte & 0x0f, byte >> 4);
+        }
+    }
+    p
+}
+
+/// [`parts`]' inverse: the block in the file's layout, into `blk`.
+fn put_file_block(f: u8, p: &Parts, blk: &mut [u8]) {
+    blk[..2].copy_from_slice(&p.d);
+    let qs = match f {
+        Q8_0 => {
+            for (w, &q) in blk[2..2 + QK].iter_mut().zip(&p.q) {
+                *w = q ^ 0x80;
+            }
+            return;
+        }
+        Q4_1 | Q5_1 => {
+            blk[2..4].copy_from_slice(&p.m);
+            &mut blk[4..]
+        }
+        _ => &mut blk[2..],
+    };
+    let nibbles = if five(f) {
+        let qh = p.q.iter().enumerate().fold(0u32, |h, (l, &q)| h | u32::from(q >> 4) << l);
+        qs[..4].copy_from_slice(&qh.to_le_bytes());
+        &mut qs[4..]
+    } else {
+        qs
+    };
+    for (j, byte) in nibbles[..QK / 2].iter_mut().enumerate() {
+        *byte = (p.q[j] & 0x0f) | (p.q[j + QK / 2] << 4);
+    }
+}
+
+/// Byte of value `l` of row `i` in a block's values, and (4/5-bit formats) whether it sits in the high nibble.
+fn value_at(f: u8, i: usize, l: usize) -> (usize, bool) {
+    let (g, k) = (l / 4, l % 4);
+    if f == Q8_0 { (g * 4 * ROWS + 4 * i + k, false) } else { ((g % 4) * 4 * ROWS + 4 * i + k, g >= 4) }
+}
+
+/// Row `i`'s block `p` into a row group's block `blk` (zeroed before the first row).
+fn put(f: u8, blk: &mut [u8], i: usize, p: &Parts) {
+    blk[2 * i..2 * i + 2].copy_from_slice(&p.d);
+    if has_min(f) {
+        blk[2 * ROWS + 2 * i..2 * ROWS + 2 * i + 2].copy_from_slice(&p.m);
+    }
+    for (l, &q) in p.q.iter().enumerate() {
+        let (at, high) = value_at(f, i, l);
+        let v = &mut blk[values_at(f) + at];
+        *v |= if f == Q8_0 {
+            q
+        } else if high {
+            (q & 0x0f) << 4
+        } else {
+            q & 0x0f
+        };
+        if five(f) && q & 0x10 != 0 {
+            let bit = (l / 4) * 64 + 4 * i + l % 4;
+            blk[high_bits_at(f) + bit / 8] |= 1 << (bit % 8);
+        }
+    }
+}
+
+/// Row `i`'s block from a row group's block.
+fn get(f: u8, blk: &[u8], i: usize) -> Parts {
+    let mut p = Parts { d: [blk[2 * i], blk[2 * i + 1]], m: [0; 2], q: [0; QK] };
+    if has_min(f) {
+        p.m = [blk[2 * ROWS + 2 * i], blk[2 * ROWS + 2 * i + 1]];
+    }
+    for (l, q) in p.q.iter_mut().enumerate() {
+        let (at, high) = value_at(f, i, l);
+        let v = blk[values_at(f) + at];
+        *q = if f == Q8_0 {
+            v
+        } else if high {
+            v >> 4
+        } else {
+            v & 0x0f
+        };
+        if five(f) {
+            let bit = (l / 4) * 64 + 4 * i + l % 4;
+            *q |= ((blk[high_bits_at(f) + bit / 8] >> (bit % 8)) & 1) << 4;
+        }
+    }
+    p
+}
+
+/// Bytes of a `rows × cols` matrix of format `f` in this layout: whole groups of 16 rows, each block as many bytes
+/// as the file's 16 blocks.
+pub fn packed_len(f: Format, rows: usize, cols: usize) -> usize {
+    rows.div_ceil(ROWS) * (cols / QK) * block_bytes(f as u8)
+}
+
+/// Repacks `rows` rows of `cols` weights of format `f` from the file's layout into `out` ([`packed_len`] bytes);
+/// the last group's missing rows are zeros.
+pub fn pack_into(f: Format, file: &[u8], rows: usize, cols: usize, out: &mut [u8]) -> Result<()> {
+    let (blocks, fb, bb) = (cols / QK, f.dtype().block_bytes(), block_bytes(f as u8));
+    if !cols.is_multiple_of(QK) || file.len() != rows * blocks * fb || out.len() != packed_len(f, rows, cols) {
+        return Err(Error::Shape {
+            op: "repack",
+            reason: format!("{} bytes are not {rows} rows of {cols} {} weights", file.len(), f.dtype()),
+        });
+    }
+    out.fill(0);
+    // Missing rows: scale 0 and values that make 0 (Q8_0 stores 0 as 128).
+    let zero = Parts { d: [0; 2], m: [0; 2], q: [if f == Format::Q8_0 { 0x80 } else { 0 }; QK] };
+    for (group, dst) in out.chunks_exact_mut((blocks * bb).max(1)).enumerate() {
+        for (b, blk) in dst.chunks_exact_mut(bb).enumerate() {
+            for i in 0..ROWS {
+                let r = group * ROWS + i;
+                let p = if r < rows { parts(f as u8, &file[(r * blocks + b) * fb..][..fb]) } else { zero };
+                put(f as u8, blk, i, &p);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// [`pack_into`] a new buffer.
+pub fn pack(f: Format, file: &[u8], rows: usize, cols: usize) -> Result<Vec<u8>> {
+    let mut out = vec![0u8; packed_len(f, rows, cols)];
+    pack_into(f, file, rows, cols, &mut out)?;
+    Ok(out)
+}
+
+/// Row `r` in the file's layout (its blocks, back to back), into `out`.
+pub fn file_row(f: Format, packed: &[u8], cols: usize, r: usize, out: &mut [u8]) {
+    let (blocks, fb, bb) = (cols / QK, f.dtype().block_bytes(), block_bytes(f as u8));
+    let group = &packed[(r / ROWS) * blocks * bb..][..blocks * bb];
+    for (blk, dst) in group.chunks_exact(bb).zip(out.chunks_exact_mut(fb)) {
+        put_file_block(f as u8, &get(f as u8, blk, r % ROWS), dst);
+    }
+}
+
+/// Row `r`'s weights as floats (`cols` of them): what the format's own dequantizer makes of the file's row.
+pub fn dequantize_row(f: Format, packed: &[u8], cols: usize, r: usize, out: &mut [f32]) {
+    let mut row = vec![0u8; cols / QK * f.dtype().block_bytes()];
+    file_row(f, packed, cols, r, &mut row);
+    quant::dequantize(f.dtype(), &row, out);
+}
+
+/// The activations [`rows_by_tokens`] reads: `tokens` rows of 8-bit blocks and each block's integer sum `Σ a`,
+/// which turns the stored values back into weights (`Σ (q + bias)·a = Σ q·a + bias·Σ a`).
+#[derive(Debug)]
+pub struct Acts<'a> {
+    q: &'a [Q8Block],
+    sums: Vec<i32>,
+    blocks: usize,
+    tokens: usize,
+}
+
+impl<'a> Acts<'a> {
+    /// `q` holds `tokens` rows of `blocks` blocks, back to back.
+    pub fn new(q: &'a [Q8Block], tokens: usize, blocks: usize) -> Self {
+        let q = &q[..tokens * blocks];
+        let sums = q.iter().map(|b| b.qs.iter().map(|&v| i32::from(v)).sum()).collect();
+        Acts { q, sums, blocks, tokens }
+    }
+}
+
+/// `out[t · stride + r] = w_r · x_t` for the `rows` rows held by the row groups in `w` (whole groups of format `f`
+/// from [`pack`]) and every token `t` of `acts`, with the kernels of `isa`, an instruction set this CPU has.
+///
+/// # Safety
+/// Those output elements must be valid for writes and not accessed by anyone else during the call.
+pub unsafe fn rows_by_tokens(
+    isa: Isa,
+    f: Format,
+    w: &[u8],
+    rows: usize,
+    acts: &Acts<'_>,
+    out: *mut f32,
+    stride: usize,
+) {
+    let blocks = acts.blocks;
+    let group_bytes = blocks * block_bytes(f as u8);
+    // These bounds are what every raw-pointer access below relies on.
+    assert!(
+        w.len() == rows.div_ceil(ROWS) * group_bytes && isa.supported() && acts.q.len() == acts.tokens * blocks,
+        "row-group operands do not match"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if let Some((tile, per_tile)) = x86::tile(isa, f) {
+        let tiles = acts.tokens.div_ceil(per_tile);
+        // Token tiles are visited in runs that fit in L1, all row groups per run (see `qgemm::rows_by_tokens`).
+        let tile_bytes = per_tile * blocks * (std::mem::size_of::<Q8Block>() + 4);
+        let run = (L1_ACT_BYTES / tile_bytes.max(1)).clamp(1, tiles.max(1));
+        for t0 in (0..tiles).step_by(run) {
+            for (g, wg) in w.chunks_exact(group_bytes.max(1)).enumerate() {
+                for tile_index in t0..(t0 + run).min(tiles) {
+                    let first = tile_index * per_tile;
+                    let operands = x86::Operands {
+                        w: wg.as_ptr(),
+                        a: acts.q[first * blocks..].as_ptr(),
+                        sums: acts.sums[first * blocks..].as_ptr(),
+                        blocks,
+                        out: out.wrapping_add(first * stride + g * ROWS),
+                        stride,
+                        rows: (rows - g * ROWS).min(ROWS),
+                    };
+                    // SAFETY: the level was detected; the group holds `blocks` blocks of `f`, tokens from `first`
+                    // have `blocks` blocks and sums each (asserted above), and the caller vouches for the outputs
+                    // (first + t, 16g + r) for r below the group's rows.
+                    unsafe { tile((acts.tokens - first).min(per_tile), operands) }
+                }
+            }
+        }
+        return;
+    }
+    for (g, wg) in w.chunks_exact(group_bytes.max(1)).enumerate() {
+        for t in 0..acts.tokens {
+            let sums = scalar(f, wg, &acts.q[t * blocks..(t + 1) * blocks]);
+            for (r, v) in sums.iter().enumerate().take((rows - g * ROWS).min(ROWS)) {
+                // SAFETY: the caller vouches for output (t, 16g + r).
+                unsafe { *out.add(t * stride + g * ROWS + r) = *v };
+            }
+        }
+    }
+}
+
+/// The reference: one row group (format `f`) against one token, row by row.
+pub fn scalar(f: Format, group: &[u8], a: &[Q8Block]) -> [f32; ROWS] {
+    let f = f as u8;
+    let mut acc = [0f32; ROWS];
+    for (blk, ab) in group.chunks_exact(block_bytes(f)).zip(a) {
+        let sum: i32 = ab.qs.iter().map(|&v| i32::from(v)).sum();
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let p = get(f, blk, i);
+            let isum = p.q.iter().zip(&ab.qs).map(|(&q, &x)| i32::from(q) * i32::from(x)).sum::<i32>() + bias(f) * sum;
+            *acc = (isum as f32).mul_add(f16_at(&p.d, 0) * ab.d, *acc);
+            if has_min(f) {
+                *acc = f16_at(&p.m, 0).mul_add(ab.s, *acc);
+            }
+        }
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+#[cfg(test)]
+mod tests;

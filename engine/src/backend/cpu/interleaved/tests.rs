@@ -1,0 +1,116 @@
+use super::*;
+use crate::backend::cpu::simd::{quantize_row, report_not_run};
+use rand::{Rng, SeedableRng};
+
+const FORMATS: [Format; 5] = [Format::Q8_0, Format::Q4_0, Format::Q4_1, Format::Q5_0, Format::Q5_1];
+
+/// `tokens` rows of `blocks` 8-bit blocks from random values.
+fn acts(rng: &mut rand::rngs::StdRng, tokens: usize, blocks: usize) -> Vec<Q8Block> {
+    let x: Vec<f32> = (0..tokens * blocks * QK).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+    let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; QK] }; tokens * blocks];
+    for (src, dst) in x.chunks(blocks * QK).zip(xq.chunks_mut(blocks)) {
+        quantize_row(Isa::Scalar, src, dst);
+    }
+    xq
+}
+
+/// Row group `r / 16`'s bytes.
+fn group_of(f: Format, packed: &[u8], blocks: usize, r: usize) -> &[u8] {
+    let bytes = blocks * block_bytes(f as u8);
+    &packed[(r / ROWS) * bytes..][..bytes]
+}
+
+/// Packing keeps every bit: each row comes back as the file's bytes, and dequantizes as they do.
+#[test]
+fn packed_rows_give_back_the_file_rows() -> Result<()> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    for f in FORMATS {
+        let fb = f.dtype().block_bytes();
+        for (rows, cols) in [(1, 32), (16, 64), (37, 96), (48, 32)] {
+            let file = quant::random_blocks(f.dtype(), rows * cols / QK, &mut rng);
+            let packed = pack(f, &file, rows, cols)?;
+            assert_eq!(packed.len(), packed_len(f, rows, cols));
+            assert_eq!(packed.len(), rows.div_ceil(ROWS) * ROWS * cols / QK * fb, "{f:?}: the file's size");
+            let mut want = vec![0f32; rows * cols];
+            quant::dequantize(f.dtype(), &file, &mut want);
+            let (mut row, mut got) = (vec![0u8; cols / QK * fb], vec![0f32; cols]);
+            for r in 0..rows {
+                file_row(f, &packed, cols, r, &mut row);
+                assert!(row == file[r * row.len()..(r + 1) * row.len()], "{f:?} {rows}x{cols}: row {r}");
+                dequantize_row(f, &packed, cols, r, &mut got);
+                assert!(got == want[r * cols..(r + 1) * cols], "{f:?} {rows}x{cols}: row {r} dequantized");
+            }
+        }
+        assert!(pack(f, &vec![0; fb - 1], 1, 32).is_err(), "{f:?}: a short block is refused");
+    }
+    Ok(())
+}
+
+/// The reference is the dot product of the dequantized weights and activations, to float rounding (its integer
+/// sums are exact; each block adds one or two rounded products).
+#[test]
+fn scalar_is_the_dequantized_dot() -> Result<()> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+    let (rows, blocks) = (20, 6);
+    for f in FORMATS {
+        let file = quant::random_blocks(f.dtype(), rows * blocks, &mut rng);
+        let packed = pack(f, &file, rows, blocks * QK)?;
+        let a = acts(&mut rng, 1, blocks);
+        let mut w = vec![0f32; blocks * QK];
+        for r in 0..rows {
+            dequantize_row(f, &packed, blocks * QK, r, &mut w);
+            let got = scalar(f, group_of(f, &packed, blocks, r), &a)[r % ROWS];
+            let x = |l: usize| f64::from(a[l / QK].d) * f64::from(a[l / QK].qs[l % QK]);
+            let want: f64 = w.iter().enumerate().map(|(l, &v)| f64::from(v) * x(l)).sum();
+            let mass: f64 = w.iter().enumerate().map(|(l, &v)| (f64::from(v) * x(l)).abs()).sum();
+            assert!((f64::from(got) - want).abs() <= 1e-5 * mass + 1e-6, "{f:?} row {r}: {got} vs {want}");
+        }
+    }
+    Ok(())
+}
+
+/// Every level this CPU has gives the reference's bits, for every format, tile width and partial row group, with
+/// the extreme Q8_0 weights (-128, 127) against ±127 activations that could overflow a 16-bit pair.
+#[test]
+fn every_level_gives_the_scalar_bits() -> Result<()> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let blocks = 5;
+    let cols = blocks * QK;
+    for isa in Isa::X86 {
+        if !isa.supported() {
+            report_not_run(isa, "every_level_gives_the_scalar_bits");
+            continue;
+        }
+        for f in FORMATS {
+            for rows in [1, 7, 8, 9, 16, 21, 40] {
+                let mut file = quant::random_blocks(f.dtype(), rows * blocks, &mut rng);
+                if f == Format::Q8_0 {
+                    for (l, q) in file[2..2 + QK].iter_mut().enumerate() {
+                        *q = if l % 2 == 0 { 0x80 } else { 0x7f };
+                    }
+                }
+                let packed = pack(f, &file, rows, cols)?;
+                for tokens in [1, 2, 3, 4, 5, 8, 9, 17] {
+                    let mut a = acts(&mut rng, tokens, blocks);
+                    a[0].qs = std::array::from_fn(|l| if l % 4 < 2 { 127 } else { -127 });
+                    let sums = Acts::new(&a, tokens, blocks);
+                    let stride = rows + 3;
+                    let mut out = vec![f32::NAN; tokens * stride];
+                    // SAFETY: tokens × stride outputs, rows of them per token.
+                    unsafe { rows_by_tokens(isa, f, &packed, rows, &sums, out.as_mut_ptr(), stride) };
+                    for t in 0..tokens {
+                        for r in 0..rows {
+                            let want = scalar(f, group_of(f, &packed, blocks, r), &a[t * blocks..(t + 1) * blocks]);
+                            let got = out[t * stride + r];
+                            let at = format!("{} {f:?} {rows}x{tokens} at ({r},{t})", isa.name());
+                            assert_eq!(got.to_bits(), want[r % ROWS].to_bits(), "{at}");
+                        }
+                        let past = &out[t * stride + rows..(t + 1) * stride];
+                        assert!(past.iter().all(|v| v.is_nan()), "{f:?}: wrote past row {rows}");
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,300 @@
+//! The x86 tiles of the interleaved layout at each instruction-set level (see the parent module).
+
+use super::{Format, Q8_0, ROWS, TOKENS_256, TOKENS_512, bias, block_bytes, five, has_min, high_bits_at, values_at};
+use crate::backend::cpu::simd::x86::{AVX_VNNI, AVX2, AVX512_VNNI};
+use crate::backend::cpu::simd::{Isa, Q8Block};
+use crate::quant::QK;
+use std::arch::x86_64::*;
+
+/// One tile's operands: `rows` (≤ 16) rows of the group at `w` (`blocks` blocks) against tokens at `a` with
+/// their sums at `sums` (`blocks` each), into `out + t·stride + r`.
+#[derive(Clone, Copy)]
+pub struct Operands {
+    pub w: *const u8,
+    pub a: *const Q8Block,
+    pub sums: *const i32,
+    pub blocks: usize,
+    pub out: *mut f32,
+    pub stride: usize,
+    pub rows: usize,
+}
+
+/// A level's tile for one format: one row group against `tokens` (1..=8) tokens.
+pub type Tile = unsafe fn(tokens: usize, o: Operands);
+
+/// The tile of `isa` for format `f` and the tokens it takes at most; `None` for the scalar level.
+pub fn tile(isa: Isa, f: Format) -> Option<(Tile, usize)> {
+    match isa {
+        Isa::Scalar => None,
+        Isa::Avx2 => Some((avx2::TILES[f as usize], TOKENS_256)),
+        Isa::AvxVnni => Some((avx_vnni::TILES[f as usize], TOKENS_256)),
+        Isa::Avx512Vnni => Some((avx512_vnni::TILES[f as usize], TOKENS_512)),
+    }
+}
+
+macro_rules! level {
+    ($module:ident, $level:expr, $features:literal) => {
+        mod $module {
+            use super::*;
+
+            /// This level's tile of each [`Format`], in its order.
+            pub const TILES: [Tile; 5] = [tile::<0>, tile::<1>, tile::<2>, tile::<3>, tile::<4>];
+
+            /// [`Tile`] at this level for format `F`.
+            ///
+            /// # Safety
+            /// The CPU has this level's features; `o.w` points at a row group of `o.blocks` blocks of `F`,
+            /// `o.a` and `o.sums` at `tokens` rows of `o.blocks` each; `o.out + t·o.stride + r` is writable
+            /// for `t < tokens`, `r < o.rows`.
+            #[target_feature(enable = $features)]
+            unsafe fn tile<const F: u8>(tokens: usize, o: Operands) {
+                // SAFETY: forwarded; this function's features are the level's.
+                unsafe {
+                    match tokens {
+                        8 => body::<{ $level }, 8, F>(o),
+                        7 => body::<{ $level }, 7, F>(o),
+                        6 => body::<{ $level }, 6, F>(o),
+                        5 => body::<{ $level }, 5, F>(o),
+                        4 => body::<{ $level }, 4, F>(o),
+                        3 => body::<{ $level }, 3, F>(o),
+                        2 => body::<{ $level }, 2, F>(o),
+                        _ => body::<{ $level }, 1, F>(o),
+                    }
+                }
+            }
+        }
+    };
+}
+crate::backend::cpu::isa::for_each_level!(level);
+
+/// Token `t`'s 4 activation bytes of group `g` in block `b`, as one integer.
+///
+/// # Safety
+/// `a` points at `t + 1` rows of `blocks` blocks.
+#[inline(always)]
+unsafe fn four(a: *const Q8Block, blocks: usize, t: usize, b: usize, g: usize) -> i32 {
+    // SAFETY: forwarded; a block's 32 bytes hold 8 groups.
+    unsafe { ((*a.add(t * blocks + b)).qs.as_ptr().add(4 * g) as *const i32).read_unaligned() }
+}
+
+/// The tile at level `V` for `T` tokens: one 512-bit pass over the 16 rows, or two 256-bit ones of 8.
+///
+/// # Safety
+/// As for [`Tile`], with `T` tokens.
+#[inline(always)]
+unsafe fn body<const V: u8, const T: usize, const F: u8>(o: Operands) {
+    // SAFETY: forwarded.
+    unsafe {
+        if V == AVX512_VNNI {
+            wide::<T, F>(o);
+        } else {
+            half::<V, T, F>(0, Operands { rows: o.rows.min(8), ..o });
+            if o.rows > 8 {
+                half::<V, T, F>(1, Operands { out: o.out.add(8), rows: o.rows - 8, ..o });
+            }
+        }
+    }
+}
+
+/// 16 rows in one 512-bit register per token: per 4-byte group of the block one register of values (loaded,
+/// or two from a line of nibbles, the fifth bits added under a mask) and one `vpdpbusd` per token, its 4
+/// activation bytes broadcast from memory, each sum starting from `bias · Σ a`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL and VNNI; otherwise as for [`Tile`].
+#[inline(always)]
+unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
+    let Operands { w, a, sums, blocks, out, stride, rows } = o;
+    // SAFETY (whole body): the caller's ranges; a block is `block_bytes(F)` bytes laid out as it says.
+    unsafe {
+        let low = _mm512_set1_epi8(0x0f);
+        let fifth = _mm512_set1_epi8(0x10);
+        let mut acc = [_mm512_setzero_ps(); T];
+        for b in 0..blocks {
+            let blk = w.add(b * block_bytes(F));
+            let mut sum = [_mm512_setzero_si512(); T];
+            if bias(F) != 0 {
+                for (t, s) in sum.iter_mut().enumerate() {
+                    *s = _mm512_set1_epi32(bias(F) * *sums.add(t * blocks + b));
+                }
+            }
+            let v = blk.add(values_at(F));
+            if F == Q8_0 {
+                for g in 0..QK / 4 {
+                    dots512(&mut sum, _mm512_loadu_si512(v.add(g * 4 * ROWS) as *const __m512i), a, blocks, b, g);
+                }
+            } else {
+                for j in 0..QK / 8 {
+                    let line = _mm512_loadu_si512(v.add(j * 4 * ROWS) as *const __m512i);
+                    let mut lo = _mm512_and_si512(line, low);
+                    let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(line), low);
+                    if five(F) {
+                        let bits = blk.add(high_bits_at(F)) as *const u64;
+                        lo = _mm512_mask_add_epi8(lo, bits.add(j).read_unaligned(), lo, fifth);
+                        hi = _mm512_mask_add_epi8(hi, bits.add(j + 4).read_unaligned(), hi, fifth);
+                    }
+                    dots512(&mut sum, lo, a, blocks, b, j);
+                    dots512(&mut sum, hi, a, blocks, b, j + 4);
+                }
+            }
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
+            let mw = if has_min(F) {
+                _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(2 * ROWS) as *const __m256i))
+            } else {
+                _mm512_setzero_ps()
+            };
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let ab = &*a.add(t * blocks + b);
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_mul_ps(dw, _mm512_set1_ps(ab.d)), *acc);
+                if has_min(F) {
+                    *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(ab.s), *acc);
+                }
+            }
+        }
+        let mask = if rows >= ROWS { 0xffff } else { (1u16 << rows) - 1 };
+        for (t, acc) in acc.iter().enumerate() {
+            _mm512_mask_storeu_ps(out.add(t * stride), mask, *acc);
+        }
+    }
+}
+
+/// Rows `8h..8h + 8` of the group in 256-bit registers: `vpdpbusd` with AVX-VNNI; without it `maddubs` +
+/// `madd` (Q8_0's weights' magnitudes against the activations under their signs, as its `+128` values would
+/// saturate `maddubs`' 16-bit pairs; the 4/5-bit values cannot), the same integers.
+///
+/// # Safety
+/// Level `V`'s features; otherwise as for [`Tile`], with `o.rows` ≤ 8 rows from `o.out`.
+#[inline(always)]
+unsafe fn half<const V: u8, const T: usize, const F: u8>(h: usize, o: Operands) {
+    let Operands { w, a, sums, blocks, out, stride, rows } = o;
+    // SAFETY (whole body): the caller's ranges; half h's scales, minimums and values are its second 16 or
+    // 32 bytes of each, its fifth bits the second 4 bytes of each group's 8.
+    unsafe {
+        let low = _mm256_set1_epi8(0x0f);
+        let mut acc = [_mm256_setzero_ps(); T];
+        for b in 0..blocks {
+            let blk = w.add(b * block_bytes(F));
+            let mut sum = [_mm256_setzero_si256(); T];
+            // Q8_0 without VNNI sums the signed weights directly, from zero.
+            if bias(F) != 0 && !(V == AVX2 && F == Q8_0) {
+                for (t, s) in sum.iter_mut().enumerate() {
+                    *s = _mm256_set1_epi32(bias(F) * *sums.add(t * blocks + b));
+                }
+            }
+            let v = blk.add(values_at(F) + 32 * h);
+            if F == Q8_0 {
+                for g in 0..QK / 4 {
+                    let wg = _mm256_loadu_si256(v.add(g * 4 * ROWS) as *const __m256i);
+                    dots256::<V, T, F>(&mut sum, wg, a, blocks, b, g);
+                }
+            } else {
+                for j in 0..QK / 8 {
+                    let line = _mm256_loadu_si256(v.add(j * 4 * ROWS) as *const __m256i);
+                    let mut lo = _mm256_and_si256(line, low);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(line), low);
+                    if five(F) {
+                        let bits = blk.add(high_bits_at(F) + 4 * h);
+                        lo = _mm256_or_si256(lo, fifth256(bits.add(8 * j)));
+                        hi = _mm256_or_si256(hi, fifth256(bits.add(8 * (j + 4))));
+                    }
+                    dots256::<V, T, F>(&mut sum, lo, a, blocks, b, j);
+                    dots256::<V, T, F>(&mut sum, hi, a, blocks, b, j + 4);
+                }
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h) as *const __m128i));
+            let mw = if has_min(F) {
+                _mm256_cvtph_ps(_mm_loadu_si128(blk.add(2 * ROWS + 16 * h) as *const __m128i))
+            } else {
+                _mm256_setzero_ps()
+            };
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let ab = &*a.add(t * blocks + b);
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_mul_ps(dw, _mm256_set1_ps(ab.d)), *acc);
+                if has_min(F) {
+                    *acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(ab.s), *acc);
+                }
+            }
+        }
+        let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(rows as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        for (t, acc) in acc.iter().enumerate() {
+            _mm256_maskstore_ps(out.add(t * stride), mask, *acc);
+        }
+    }
+}
+
+/// Each token's `vpdpbusd` of the 16 rows' values `wg` (group `g` of block `b`) with its 4 activation bytes.
+///
+/// # Safety
+/// AVX-512 VNNI; `a` points at `T` rows of `blocks` blocks.
+#[inline(always)]
+unsafe fn dots512<const T: usize>(
+    sum: &mut [__m512i; T],
+    wg: __m512i,
+    a: *const Q8Block,
+    blocks: usize,
+    b: usize,
+    g: usize,
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        for (t, s) in sum.iter_mut().enumerate() {
+            *s = _mm512_dpbusd_epi32(*s, wg, _mm512_set1_epi32(four(a, blocks, t, b, g)));
+        }
+    }
+}
+
+/// [`dots512`] for 8 rows at level `V`: Q8_0 without VNNI takes its weights' magnitudes (`wg` holds `w + 128`)
+/// against the activations under their signs.
+///
+/// # Safety
+/// Level `V`'s features; `a` points at `T` rows of `blocks` blocks.
+#[inline(always)]
+unsafe fn dots256<const V: u8, const T: usize, const F: u8>(
+    sum: &mut [__m256i; T],
+    wg: __m256i,
+    a: *const Q8Block,
+    blocks: usize,
+    b: usize,
+    g: usize,
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        let ones = _mm256_set1_epi16(1);
+        if V == AVX2 && F == Q8_0 {
+            let signed = _mm256_xor_si256(wg, _mm256_set1_epi8(i8::MIN));
+            let magnitude = _mm256_abs_epi8(signed);
+            for (t, s) in sum.iter_mut().enumerate() {
+                let av = _mm256_sign_epi8(_mm256_set1_epi32(four(a, blocks, t, b, g)), signed);
+                *s = _mm256_add_epi32(*s, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, av), ones));
+            }
+            return;
+        }
+        for (t, s) in sum.iter_mut().enumerate() {
+            let av = _mm256_set1_epi32(four(a, blocks, t, b, g));
+            *s = match V {
+                AVX_VNNI => _mm256_dpbusd_avx_epi32(*s, wg, av),
+                AVX512_VNNI => _mm256_dpbusd_epi32(*s, wg, av),
+                _ => _mm256_add_epi32(*s, _mm256_madd_epi16(_mm256_maddubs_epi16(wg, av), ones)),
+            };
+        }
+    }
+}
+
+/// A group's fifth bits for 8 rows (the 4 bytes at `bits`) as `0x10` in each value byte whose bit is set: byte
+/// k takes bit k, from byte k / 8 of the word under the mask `1 << k % 8`.
+///
+/// # Safety
+/// AVX2; `bits` points at 4 readable bytes.
+#[inline(always)]
+unsafe fn fifth256(bits: *const u8) -> __m256i {
+    // SAFETY: forwarded.
+    unsafe {
+        let spread = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+        );
+        let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let word = _mm256_set1_epi32((bits as *const i32).read_unaligned());
+        let set = _mm256_and_si256(_mm256_shuffle_epi8(word, spread), select);
+        _mm256_and_si256(_mm256_cmpeq_epi8(set, select), _mm256_set1_epi8(0x10))
+    }
+}
