@@ -77,7 +77,7 @@ unsafe fn four(a: *const Q8Block, blocks: usize, t: usize, b: usize, g: usize) -
     unsafe { ((*a.add(t * blocks + b)).qs.as_ptr().add(4 * g) as *const i32).read_unaligned() }
 }
 
-/// The tile at level `V` for `T` tokens: one 512-bit pass over the 16 rows, or two 256-bit ones of 8.
+/// The tile at level `V` for `T` tokens: the 16 rows in 512-bit registers, or in two 256-bit halves.
 ///
 /// # Safety
 /// As for [`Tile`], with `T` tokens.
@@ -88,10 +88,7 @@ unsafe fn body<const V: u8, const T: usize, const F: u8>(o: Operands) {
         if V == AVX512_VNNI {
             wide::<T, F>(o);
         } else {
-            half::<V, T, F>(0, Operands { rows: o.rows.min(8), ..o });
-            if o.rows > 8 {
-                half::<V, T, F>(1, Operands { out: o.out.add(8), rows: o.rows - 8, ..o });
-            }
+            halves::<V, T, F>(o);
         }
     }
 }
@@ -112,6 +109,7 @@ unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
         let mut acc = [_mm512_setzero_ps(); T];
         for b in 0..blocks {
             let blk = w.add(b * block_bytes(F));
+            prefetch::<F>(blk);
             let mut sum = [_mm512_setzero_si512(); T];
             if bias(F) != 0 {
                 for (t, s) in sum.iter_mut().enumerate() {
@@ -158,66 +156,92 @@ unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
     }
 }
 
-/// Rows `8h..8h + 8` of the group in 256-bit registers: `vpdpbusd` with AVX-VNNI; without it `maddubs` +
-/// `madd` (Q8_0's weights' magnitudes against the activations under their signs, as its `+128` values would
-/// saturate `maddubs`' 16-bit pairs; the 4/5-bit values cannot), the same integers.
+/// The 16 rows in two 256-bit halves of 8, both within each block (with one token, a half at a time over the
+/// whole group would read the weights from memory in the first half's pass and compute the second's after it,
+/// 12 % slower in batch-1 decode): `vpdpbusd` with AVX-VNNI; without it `maddubs` + `madd` (Q8_0's weights'
+/// magnitudes against the activations under their signs, as its `+128` values would saturate `maddubs`' 16-bit
+/// pairs; the 4/5-bit values cannot), the same integers.
 ///
 /// # Safety
-/// Level `V`'s features; otherwise as for [`Tile`], with `o.rows` ≤ 8 rows from `o.out`.
+/// Level `V`'s features; otherwise as for [`Tile`].
 #[inline(always)]
-unsafe fn half<const V: u8, const T: usize, const F: u8>(h: usize, o: Operands) {
-    let Operands { w, a, sums, blocks, out, stride, rows } = o;
-    // SAFETY (whole body): the caller's ranges; half h's scales, minimums and values are its second 16 or
-    // 32 bytes of each, its fifth bits the second 4 bytes of each group's 8.
+unsafe fn halves<const V: u8, const T: usize, const F: u8>(o: Operands) {
+    let Operands { w, blocks, out, stride, rows, .. } = o;
+    // SAFETY (whole body): the caller's ranges.
     unsafe {
-        let low = _mm256_set1_epi8(0x0f);
-        let mut acc = [_mm256_setzero_ps(); T];
+        let mut acc = [[_mm256_setzero_ps(); T]; 2];
         for b in 0..blocks {
-            let blk = w.add(b * block_bytes(F));
-            let mut sum = [_mm256_setzero_si256(); T];
-            // Q8_0 without VNNI sums the signed weights directly, from zero.
-            if bias(F) != 0 && !(V == AVX2 && F == Q8_0) {
-                for (t, s) in sum.iter_mut().enumerate() {
-                    *s = _mm256_set1_epi32(bias(F) * *sums.add(t * blocks + b));
-                }
-            }
-            let v = blk.add(values_at(F) + 32 * h);
-            if F == Q8_0 {
-                for g in 0..QK / 4 {
-                    let wg = _mm256_loadu_si256(v.add(g * 4 * ROWS) as *const __m256i);
-                    dots256::<V, T, F>(&mut sum, wg, a, blocks, b, g);
-                }
-            } else {
-                for j in 0..QK / 8 {
-                    let line = _mm256_loadu_si256(v.add(j * 4 * ROWS) as *const __m256i);
-                    let mut lo = _mm256_and_si256(line, low);
-                    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(line), low);
-                    if five(F) {
-                        let bits = blk.add(high_bits_at(F) + 4 * h);
-                        lo = _mm256_or_si256(lo, fifth256(bits.add(8 * j)));
-                        hi = _mm256_or_si256(hi, fifth256(bits.add(8 * (j + 4))));
-                    }
-                    dots256::<V, T, F>(&mut sum, lo, a, blocks, b, j);
-                    dots256::<V, T, F>(&mut sum, hi, a, blocks, b, j + 4);
-                }
-            }
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h) as *const __m128i));
-            let mw = if has_min(F) {
-                _mm256_cvtph_ps(_mm_loadu_si128(blk.add(2 * ROWS + 16 * h) as *const __m128i))
-            } else {
-                _mm256_setzero_ps()
-            };
-            for (t, acc) in acc.iter_mut().enumerate() {
-                let ab = &*a.add(t * blocks + b);
-                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_mul_ps(dw, _mm256_set1_ps(ab.d)), *acc);
-                if has_min(F) {
-                    *acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(ab.s), *acc);
-                }
+            prefetch::<F>(w.add(b * block_bytes(F)));
+            for (h, acc) in acc.iter_mut().enumerate() {
+                half_block::<V, T, F>(h, w.add(b * block_bytes(F)), b, o, acc);
             }
         }
-        let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(rows as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        for (t, acc) in acc.iter().enumerate() {
-            _mm256_maskstore_ps(out.add(t * stride), mask, *acc);
+        for (h, acc) in acc.iter().enumerate() {
+            let n = rows.saturating_sub(8 * h).min(8) as i32;
+            let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            for (t, acc) in acc.iter().enumerate() {
+                _mm256_maskstore_ps(out.add(t * stride + 8 * h), mask, *acc);
+            }
+        }
+    }
+}
+
+/// Half `h` (rows `8h..8h + 8`) of block `b` at `blk` into its accumulators.
+///
+/// # Safety
+/// As for [`halves`]; half h's scales, minimums and values are the second 16 or 32 bytes of each, its fifth
+/// bits the second 4 bytes of each group's 8.
+#[inline(always)]
+unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
+    h: usize,
+    blk: *const u8,
+    b: usize,
+    o: Operands,
+    acc: &mut [__m256; T],
+) {
+    let Operands { a, sums, blocks, .. } = o;
+    // SAFETY (whole body): the caller's ranges.
+    unsafe {
+        let low = _mm256_set1_epi8(0x0f);
+        let mut sum = [_mm256_setzero_si256(); T];
+        // Q8_0 without VNNI sums the signed weights directly, from zero.
+        if bias(F) != 0 && !(V == AVX2 && F == Q8_0) {
+            for (t, s) in sum.iter_mut().enumerate() {
+                *s = _mm256_set1_epi32(bias(F) * *sums.add(t * blocks + b));
+            }
+        }
+        let v = blk.add(values_at(F) + 32 * h);
+        if F == Q8_0 {
+            for g in 0..QK / 4 {
+                let wg = _mm256_loadu_si256(v.add(g * 4 * ROWS) as *const __m256i);
+                dots256::<V, T, F>(&mut sum, wg, a, blocks, b, g);
+            }
+        } else {
+            for j in 0..QK / 8 {
+                let line = _mm256_loadu_si256(v.add(j * 4 * ROWS) as *const __m256i);
+                let mut lo = _mm256_and_si256(line, low);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(line), low);
+                if five(F) {
+                    let bits = blk.add(high_bits_at(F) + 4 * h);
+                    lo = _mm256_or_si256(lo, fifth256(bits.add(8 * j)));
+                    hi = _mm256_or_si256(hi, fifth256(bits.add(8 * (j + 4))));
+                }
+                dots256::<V, T, F>(&mut sum, lo, a, blocks, b, j);
+                dots256::<V, T, F>(&mut sum, hi, a, blocks, b, j + 4);
+            }
+        }
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h) as *const __m128i));
+        let mw = if has_min(F) {
+            _mm256_cvtph_ps(_mm_loadu_si128(blk.add(2 * ROWS + 16 * h) as *const __m128i))
+        } else {
+            _mm256_setzero_ps()
+        };
+        for (t, acc) in acc.iter_mut().enumerate() {
+            let ab = &*a.add(t * blocks + b);
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_mul_ps(dw, _mm256_set1_ps(ab.d)), *acc);
+            if has_min(F) {
+                *acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(ab.s), *acc);
+            }
         }
     }
 }
@@ -296,5 +320,18 @@ unsafe fn fifth256(bits: *const u8) -> __m256i {
         let word = _mm256_set1_epi32((bits as *const i32).read_unaligned());
         let set = _mm256_and_si256(_mm256_shuffle_epi8(word, spread), select);
         _mm256_and_si256(_mm256_cmpeq_epi8(set, select), _mm256_set1_epi8(0x10))
+    }
+}
+
+/// How far ahead of the block it reads a tile prefetches (into the next row groups: prefetches never fault).
+const PREFETCH_BYTES: usize = 4096;
+
+/// Prefetches the cache lines [`PREFETCH_BYTES`] ahead of block `blk`: one-token decode streams every weight from
+/// memory once per step.
+#[inline(always)]
+fn prefetch<const F: u8>(blk: *const u8) {
+    for line in (0..block_bytes(F)).step_by(64) {
+        // SAFETY: a prefetch reads nothing and never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH_BYTES + line) as *const i8) };
     }
 }
