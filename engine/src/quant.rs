@@ -194,7 +194,7 @@ pub fn five_bit(qhs: &[u8], i: usize) -> u8 {
 }
 
 /// Appends 32 five-bit values as Q5 blocks store them: the u32 of high bits, then the nibbles.
-fn push_five_bit(q: impl Iterator<Item = u8>, out: &mut Vec<u8>) {
+pub(crate) fn push_five_bit(q: impl Iterator<Item = u8>, out: &mut Vec<u8>) {
     let q: Vec<u8> = q.collect();
     let qh = q.iter().enumerate().fold(0u32, |h, (i, &v)| h | (u32::from(v >> 4) << i));
     out.extend_from_slice(&qh.to_le_bytes());

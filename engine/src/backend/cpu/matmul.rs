@@ -58,11 +58,8 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
         let lane_sums = jobs.iter().any(|(w, _)| file_layout(w) && qgemm::reads_lane_sums(isa, w.dtype));
         PackedActs::pack(&xq, m, blocks, lane_sums)
     });
-    let interleaved = |w: &CpuMatrix| match w.layout {
-        Layout::Interleaved(f) => Some(f),
-        Layout::Rows => None,
-    };
-    let acts = jobs.iter().any(|(w, _)| interleaved(w).is_some()).then(|| interleaved::Acts::new(&xq, m, blocks));
+    let acts =
+        jobs.iter().any(|(w, _)| w.layout.interleaved().is_some()).then(|| interleaved::Acts::new(&xq, m, blocks));
     // Final [m, n] outputs, written in place by tasks that each own a disjoint range of rows (output columns).
     let mut outs: Vec<Vec<f32>> = jobs.iter().map(|(w, _)| vec![0f32; m * w.rows]).collect();
     let total_rows: usize = jobs.iter().map(|(w, _)| w.rows).sum();
@@ -71,14 +68,15 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
     for ((w, _), out) in jobs.iter().zip(outs.iter_mut()) {
         let dst = SharedOut { ptr: out.as_mut_ptr(), n: w.rows };
         // Repacked rows split at whole groups.
-        let step = if interleaved(w).is_some() { chunk_rows.next_multiple_of(interleaved::ROWS) } else { chunk_rows };
+        let step =
+            if w.layout.interleaved().is_some() { chunk_rows.next_multiple_of(interleaved::ROWS) } else { chunk_rows };
         for first_row in (0..w.rows).step_by(step) {
             tasks.push((*w, first_row, step.min(w.rows - first_row), dst));
         }
     }
     tasks.into_par_iter().for_each(|(w, first_row, nrows, dst)| {
         let bytes = w.bytes.as_slice();
-        if let (Some(f), Some(acts)) = (interleaved(w), acts.as_ref()) {
+        if let (Some(f), Some(acts)) = (w.layout.interleaved(), acts.as_ref()) {
             let group_bytes = interleaved::packed_len(f, interleaved::ROWS, w.cols);
             let (first, groups) = (first_row / interleaved::ROWS, nrows.div_ceil(interleaved::ROWS));
             let groups = &bytes[first * group_bytes..][..groups * group_bytes];
@@ -213,7 +211,7 @@ pub fn embed(w: &CpuMatrix, ids: &[u32]) -> Result<CpuTensor> {
         if id >= w.rows {
             return Err(Error::InvalidRequest(format!("token id {id} is outside the vocabulary of {}", w.rows)));
         }
-        if let Layout::Interleaved(f) = w.layout {
+        if let Some(f) = w.layout.interleaved() {
             interleaved::dequantize_row(f, bytes, k, id, dst);
             continue;
         }

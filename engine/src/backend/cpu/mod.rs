@@ -61,6 +61,16 @@ pub enum Layout {
     Interleaved(interleaved::Format),
 }
 
+impl Layout {
+    /// The interleaved format, if this is [`Layout::Interleaved`].
+    fn interleaved(self) -> Option<interleaved::Format> {
+        match self {
+            Layout::Interleaved(f) => Some(f),
+            Layout::Rows => None,
+        }
+    }
+}
+
 impl CpuMatrix {
     /// Bytes per row ([`Layout::Rows`]).
     pub fn row_bytes(&self) -> usize {

@@ -137,31 +137,18 @@ fn parts(f: u8, blk: &[u8]) -> Parts {
     p
 }
 
-/// [`parts`]' inverse: the block in the file's layout, into `blk`.
-fn put_file_block(f: u8, p: &Parts, blk: &mut [u8]) {
-    blk[..2].copy_from_slice(&p.d);
-    let qs = match f {
-        Q8_0 => {
-            for (w, &q) in blk[2..2 + QK].iter_mut().zip(&p.q) {
-                *w = q ^ 0x80;
-            }
-            return;
-        }
-        Q4_1 | Q5_1 => {
-            blk[2..4].copy_from_slice(&p.m);
-            &mut blk[4..]
-        }
-        _ => &mut blk[2..],
-    };
-    let nibbles = if five(f) {
-        let qh = p.q.iter().enumerate().fold(0u32, |h, (l, &q)| h | u32::from(q >> 4) << l);
-        qs[..4].copy_from_slice(&qh.to_le_bytes());
-        &mut qs[4..]
+/// [`parts`]' inverse: appends the block in the file's layout to `out`.
+fn push_file_block(f: u8, p: &Parts, out: &mut Vec<u8>) {
+    out.extend_from_slice(&p.d);
+    if has_min(f) {
+        out.extend_from_slice(&p.m);
+    }
+    if f == Q8_0 {
+        out.extend(p.q.iter().map(|&q| q ^ 0x80));
+    } else if five(f) {
+        quant::push_five_bit(p.q.iter().copied(), out);
     } else {
-        qs
-    };
-    for (j, byte) in nibbles[..QK / 2].iter_mut().enumerate() {
-        *byte = (p.q[j] & 0x0f) | (p.q[j + QK / 2] << 4);
+        out.extend((0..QK / 2).map(|j| (p.q[j] & 0x0f) | (p.q[j + QK / 2] << 4)));
     }
 }
 
@@ -169,6 +156,11 @@ fn put_file_block(f: u8, p: &Parts, blk: &mut [u8]) {
 fn value_at(f: u8, i: usize, l: usize) -> (usize, bool) {
     let (g, k) = (l / 4, l % 4);
     if f == Q8_0 { (g * 4 * ROWS + 4 * i + k, false) } else { ((g % 4) * 4 * ROWS + 4 * i + k, g >= 4) }
+}
+
+/// Bit of value `l` of row `i` among a block's fifth bits (Q5): group `l / 4`'s 64, byte `l % 4` of the row.
+fn fifth_bit_at(i: usize, l: usize) -> usize {
+    (l / 4) * 64 + 4 * i + l % 4
 }
 
 /// Row `i`'s block `p` into a row group's block `blk` (zeroed before the first row).
@@ -188,7 +180,7 @@ fn put(f: u8, blk: &mut [u8], i: usize, p: &Parts) {
             q & 0x0f
         };
         if five(f) && q & 0x10 != 0 {
-            let bit = (l / 4) * 64 + 4 * i + l % 4;
+            let bit = fifth_bit_at(i, l);
             blk[high_bits_at(f) + bit / 8] |= 1 << (bit % 8);
         }
     }
@@ -211,7 +203,7 @@ fn get(f: u8, blk: &[u8], i: usize) -> Parts {
             v & 0x0f
         };
         if five(f) {
-            let bit = (l / 4) * 64 + 4 * i + l % 4;
+            let bit = fifth_bit_at(i, l);
             *q |= ((blk[high_bits_at(f) + bit / 8] >> (bit % 8)) & 1) << 4;
         }
     }
@@ -256,20 +248,20 @@ pub fn pack(f: Format, file: &[u8], rows: usize, cols: usize) -> Result<Vec<u8>>
     Ok(out)
 }
 
-/// Row `r` in the file's layout (its blocks, back to back), into `out`.
-pub fn file_row(f: Format, packed: &[u8], cols: usize, r: usize, out: &mut [u8]) {
-    let (blocks, fb, bb) = (cols / QK, f.dtype().block_bytes(), block_bytes(f as u8));
+/// Row `r` in the file's layout (its blocks, back to back).
+pub fn file_row(f: Format, packed: &[u8], cols: usize, r: usize) -> Vec<u8> {
+    let (blocks, bb) = (cols / QK, block_bytes(f as u8));
     let group = &packed[(r / ROWS) * blocks * bb..][..blocks * bb];
-    for (blk, dst) in group.chunks_exact(bb).zip(out.chunks_exact_mut(fb)) {
-        put_file_block(f as u8, &get(f as u8, blk, r % ROWS), dst);
+    let mut row = Vec::with_capacity(blocks * f.dtype().block_bytes());
+    for blk in group.chunks_exact(bb) {
+        push_file_block(f as u8, &get(f as u8, blk, r % ROWS), &mut row);
     }
+    row
 }
 
 /// Row `r`'s weights as floats (`cols` of them): what the format's own dequantizer makes of the file's row.
 pub fn dequantize_row(f: Format, packed: &[u8], cols: usize, r: usize, out: &mut [f32]) {
-    let mut row = vec![0u8; cols / QK * f.dtype().block_bytes()];
-    file_row(f, packed, cols, r, &mut row);
-    quant::dequantize(f.dtype(), &row, out);
+    quant::dequantize(f.dtype(), &file_row(f, packed, cols, r), out);
 }
 
 /// The activations [`rows_by_tokens`] reads: `tokens` rows of 8-bit blocks and each block's integer sum `Σ a`,

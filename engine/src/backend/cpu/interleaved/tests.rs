@@ -33,9 +33,9 @@ fn packed_rows_give_back_the_file_rows() -> Result<()> {
             assert_eq!(packed.len(), rows.div_ceil(ROWS) * ROWS * cols / QK * fb, "{f:?}: the file's size");
             let mut want = vec![0f32; rows * cols];
             quant::dequantize(f.dtype(), &file, &mut want);
-            let (mut row, mut got) = (vec![0u8; cols / QK * fb], vec![0f32; cols]);
+            let mut got = vec![0f32; cols];
             for r in 0..rows {
-                file_row(f, &packed, cols, r, &mut row);
+                let row = file_row(f, &packed, cols, r);
                 assert!(row == file[r * row.len()..(r + 1) * row.len()], "{f:?} {rows}x{cols}: row {r}");
                 dequantize_row(f, &packed, cols, r, &mut got);
                 assert!(got == want[r * cols..(r + 1) * cols], "{f:?} {rows}x{cols}: row {r} dequantized");
