@@ -282,13 +282,13 @@ struct Operands<'a> {
 /// rows floats.
 fn pass_seconds(cfg: &Config, isa: Isa, path: KernelPath, m: &Operands<'_>, out: &mut [f32]) -> Result<f64, String> {
     let (w, rb, blocks) = (m.w, m.row_bytes, m.one.len());
-    let k = kernels(m.dtype);
     if !isa.supported() {
         return Err(format!("{}: this CPU lacks {}", isa.name(), isa.needs()));
     }
     if let Some(f) = m.repacked {
         return Ok(repacked_seconds(cfg, isa, path, f, m, out));
     }
+    let k = kernels(m.dtype);
     if path == KernelPath::Scalar {
         return Ok(best_time(cfg, || {
             for (r, o) in out[..m.rows].iter_mut().enumerate() {

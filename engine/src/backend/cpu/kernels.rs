@@ -1,5 +1,5 @@
-//! The CPU kernels of each block-quantized format ([`crate::quant`]), selected by format here and nowhere
-//! else: the scalar reference dot (one weight row against 8-bit activation blocks of 32, several per K-quant
+//! The CPU kernels of each block-quantized format kept in the file's layout ([`crate::quant`]'s K-quants and Q8_K;
+//! the 32-element formats are kept interleaved, `interleaved`), selected by format here and nowhere else: the scalar reference dot (one weight row against 8-bit activation blocks of 32, several per K-quant
 //! block) and, on x86-64, the instances of the one-row and token-tile kernels specialized to the
 //! format's block layout (`unpack` decodes a sub-block for them) at each instruction-set level of [`Isa::X86`].
 //! A new format adds one [`QuantKernels`] here and its `unpack` arm; `simd` and `qgemm` call through the table
@@ -11,7 +11,7 @@ use super::simd::{Isa, Q8Block};
 #[cfg(target_arch = "x86_64")]
 use super::{simd, unpack};
 use crate::quant::{
-    self, BlockFormat, QK, five_bit, k4_scale_min, q2k_value, q3k_scale, q3k_value, q4k_value, q5k_value, q6k_value,
+    self, BlockFormat, QK, k4_scale_min, q2k_value, q3k_scale, q3k_value, q4k_value, q5k_value, q6k_value,
 };
 use crate::tensor::{DType, f16_at};
 
@@ -54,14 +54,10 @@ pub(super) struct X86Kernels {
 /// The kernels of `dtype`.
 ///
 /// # Panics
-/// For float types: callers branch on [`DType::is_quantized`] first.
+/// For float types and the interleaved formats: callers branch on [`DType::is_quantized`] and the matrix's layout
+/// first.
 pub(super) fn kernels(dtype: DType) -> &'static QuantKernels {
     match dtype {
-        DType::Q8_0 => &Q8_0,
-        DType::Q4_0 => &Q4_0,
-        DType::Q4_1 => &Q4_1,
-        DType::Q5_0 => &Q5_0,
-        DType::Q5_1 => &Q5_1,
         DType::Q8_K => &Q8_K,
         DType::Q2_K => &Q2_K,
         DType::Q3_K => &Q3_K,
@@ -69,7 +65,17 @@ pub(super) fn kernels(dtype: DType) -> &'static QuantKernels {
         DType::Q5_K => &Q5_K,
         DType::Q6_K => &Q6_K,
         DType::F32 | DType::F16 | DType::BF16 => panic!("no quantized kernels for {dtype}"),
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 => {
+            panic!("{dtype} is kept interleaved, with the kernels of `interleaved`")
+        }
     }
+}
+
+/// The block formats kept in the file's layout, whose kernels this table holds: the K-quants and Q8_K (the
+/// 32-element formats are kept interleaved, [`super::interleaved`]); the tests run each.
+#[cfg(test)]
+pub(super) fn formats() -> impl Iterator<Item = &'static BlockFormat> {
+    quant::FORMATS.iter().copied().filter(|f| super::interleaved::Format::of(f.dtype).is_none())
 }
 
 /// Sums `sub(block, j, a)` over the row's blocks and their 32-element sub-blocks `j`, in order (the order the
@@ -89,15 +95,6 @@ fn row_dot(w: &[u8], a: &[Q8Block], f: &BlockFormat, sub: impl Fn(&[u8], usize, 
 #[inline(always)]
 fn int_dot(a: &Q8Block, q: impl Fn(usize) -> i32) -> i32 {
     a.qs.iter().enumerate().map(|(l, &x)| q(l) * x as i32).sum()
-}
-
-/// Σ w·a over a block of 4-bit weights (low nibbles elements 0..16, high nibbles 16..32).
-fn nibble_dot(qs: &[u8], a: &[i8; QK]) -> i32 {
-    let mut isum = 0i32;
-    for j in 0..16 {
-        isum += (qs[j] & 0x0f) as i32 * a[j] as i32 + (qs[j] >> 4) as i32 * a[j + 16] as i32;
-    }
-    isum
 }
 
 /// The kernels of layout tag `$tag`: the scalar reference and the x86 instances at every level.
@@ -123,53 +120,6 @@ macro_rules! instances {
         }
     };
 }
-
-static Q8_0: QuantKernels = kernels_of!(
-    |w, a| {
-        row_dot(w, a, &quant::Q8_0, |blk, _, ab| {
-            f16_at(blk, 0) * ab.d * int_dot(ab, |l| (blk[2 + l] as i8) as i32) as f32
-        })
-    },
-    unpack::Q8_0
-);
-
-static Q4_0: QuantKernels = kernels_of!(
-    |w, a| {
-        row_dot(w, a, &quant::Q4_0, |blk, _, ab| {
-            f16_at(blk, 0) * (ab.d * nibble_dot(&blk[2..18], &ab.qs) as f32 - 8.0 * ab.s)
-        })
-    },
-    unpack::Q4_0
-);
-
-static Q4_1: QuantKernels = kernels_of!(
-    |w, a| {
-        row_dot(w, a, &quant::Q4_1, |blk, _, ab| {
-            f16_at(blk, 0) * ab.d * nibble_dot(&blk[4..20], &ab.qs) as f32 + f16_at(blk, 2) * ab.s
-        })
-    },
-    unpack::Q4_1
-);
-
-static Q5_0: QuantKernels = kernels_of!(
-    |w, a| {
-        row_dot(w, a, &quant::Q5_0, |blk, _, ab| {
-            let isum = int_dot(ab, |l| five_bit(&blk[2..22], l) as i32);
-            f16_at(blk, 0) * (ab.d * isum as f32 - 16.0 * ab.s)
-        })
-    },
-    unpack::Q5_0
-);
-
-static Q5_1: QuantKernels = kernels_of!(
-    |w, a| {
-        row_dot(w, a, &quant::Q5_1, |blk, _, ab| {
-            let isum = int_dot(ab, |l| five_bit(&blk[4..24], l) as i32);
-            f16_at(blk, 0) * ab.d * isum as f32 + f16_at(blk, 2) * ab.s
-        })
-    },
-    unpack::Q5_1
-);
 
 static Q8_K: QuantKernels = kernels_of!(
     |w, a| {
@@ -240,7 +190,7 @@ mod tests {
     fn scalar_dots_are_the_dequantized_dot_for_every_format() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         let n = 2 * quant::QK_K;
-        for f in quant::FORMATS {
+        for f in formats() {
             for _ in 0..4 {
                 let w = quant::random_blocks(f.dtype, n / f.block_elems, &mut rng);
                 let x: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();

@@ -32,6 +32,13 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
                 reason: format!("x has {k} columns, weight is {}x{}", w.rows, w.cols),
             });
         }
+        // The backend uploads these interleaved; their kernels read nothing else.
+        if w.layout == Layout::Rows && interleaved::Format::of(w.dtype).is_some() {
+            return Err(Error::Shape {
+                op: "linear",
+                reason: format!("{} weights must be uploaded (interleaved), not in the file's layout", w.dtype),
+            });
+        }
     }
     // f32 weights with several tokens go to the blocked GEMM; the rest share the row-wise path.
     if m >= 4 && jobs.iter().any(|(w, _)| w.dtype == DType::F32) {
@@ -255,6 +262,18 @@ mod tests {
             return CpuMatrix { rows, cols, dtype, bytes: Bytes::owned(&packed), layout: Layout::Interleaved(f) };
         }
         CpuMatrix { rows, cols, dtype, bytes: Bytes::owned(&bytes), layout: Layout::Rows }
+    }
+
+    /// A matrix of an interleaved format in the file's layout (which the backend never uploads) is refused with an
+    /// error, not run through kernels that no longer read it.
+    #[test]
+    fn interleaved_formats_in_the_file_layout_are_refused() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(22);
+        let bytes = crate::quant::random_blocks(DType::Q4_1, 4, &mut rng);
+        let w = CpuMatrix { rows: 4, cols: 32, dtype: DType::Q4_1, bytes: Bytes::owned(&bytes), layout: Layout::Rows };
+        let x = CpuTensor { data: vec![0.5; 32], rows: 1, cols: 32 };
+        let err = linear_many(Isa::detect(), 1, &x, &[(&w, None)]).err().map(|e| e.to_string());
+        assert!(err.as_deref().is_some_and(|e| e.contains("interleaved")), "{err:?}");
     }
 
     #[test]

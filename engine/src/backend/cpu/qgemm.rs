@@ -146,8 +146,7 @@ pub(super) mod x86 {
     use super::{GROUP, GroupPtr, LaneSums, Q8x8};
     use crate::backend::cpu::simd::x86::{AVX_VNNI, AVX2, AVX512_VNNI, accumulate, hsum};
     use crate::backend::cpu::unpack::{
-        Q4_0, Q4_1, Q5_0, Q5_1, Sub, biased, block_scales, half_mins, has_offset, signed, sub_offset, subs, unit_mul,
-        unpack_with,
+        Sub, biased, block_scales, half_mins, has_offset, signed, sub_offset, subs, unit_mul, unpack_with,
     };
     use std::arch::x86_64::*;
 
@@ -214,15 +213,6 @@ pub(super) mod x86 {
 
     crate::backend::cpu::isa::for_each_level!(level);
 
-    /// The f16 at `p` converted and broadcast to eight lanes. A load-broadcast, not an insert into a register:
-    /// `_mm_cvtsi32_si128` + insert made every block wait on the previous block's offset sum.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn half8(p: *const u8) -> __m256 {
-        // SAFETY: the caller passes two readable bytes.
-        unsafe { _mm256_cvtph_ps(_mm_set1_epi16((p as *const i16).read_unaligned())) }
-    }
-
     /// One weight row × `T` tokens. Per output: `acc += cvt(Σ w·a) · (d_w·d_a)` block by block, then
     /// `hsum(acc) + Σ min·s`, the arithmetic of `simd::x86::dot_quant_one`.
     ///
@@ -248,25 +238,11 @@ pub(super) mod x86 {
             let mut ks = ([0f32; 8], [0f32; 8]);
             for b in 0..blocks {
                 let ab = &*a.add(b);
-                let (d, min) = if subs::<Q>() == 1 {
-                    // The 32-element formats' f16s converted by a load-broadcast (scalar conversion made every
-                    // block wait on the previous block's offset sum); the values `scales` gives.
-                    let blk = w.add(sub_offset::<Q>(b));
-                    let d = half8(blk);
-                    let min = match Q {
-                        Q4_0 => _mm256_mul_ps(_mm256_set1_ps(-8.0), d),
-                        Q5_0 => _mm256_mul_ps(_mm256_set1_ps(-16.0), d),
-                        Q4_1 | Q5_1 => half8(blk.add(2)),
-                        _ => _mm256_setzero_ps(),
-                    };
-                    (d, min)
-                } else {
-                    let j = b % subs::<Q>();
-                    if j == 0 {
-                        ks = block_scales::<Q>(w, b / subs::<Q>());
-                    }
-                    (_mm256_set1_ps(ks.0[j]), _mm256_set1_ps(ks.1[j]))
-                };
+                let j = b % subs::<Q>();
+                if j == 0 {
+                    ks = block_scales::<Q>(w, b / subs::<Q>());
+                }
+                let (d, min) = (_mm256_set1_ps(ks.0[j]), _mm256_set1_ps(ks.1[j]));
                 _mm256_store_ps(sc.add(b * GROUP), _mm256_mul_ps(d, _mm256_load_ps(ab.d.as_ptr())));
                 if half_mins::<Q>() {
                     _mm256_store_ps(sc.add((blocks + b) * GROUP), _mm256_mul_ps(min, _mm256_load_ps(ab.d.as_ptr())));
@@ -354,7 +330,7 @@ pub(super) mod x86 {
                 _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(sub_offset::<Q>(b) + PREFETCH_BYTES) as *const i8);
                 let sub = unpack_with::<Q>(w, b, mask, 0.0, 0.0);
                 let ab = &*a.add(b);
-                // Signed weights with plain 4-byte sums (Q8_0, Q8_K) go in as `w + 128`, each lane starting from
+                // Signed weights with plain 4-byte sums (Q8_K) go in as `w + 128`, each lane starting from
                 // `-128 · Σa` (`sums`): Σ (w + 128)·a - 128·Σa = Σ w·a, the same integers as below.
                 let biased = biased::<Q>();
                 let wabs = if biased {
@@ -420,11 +396,11 @@ mod tests {
 
     fn tile_equals_one_token_kernel(isa: Isa) {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-        // One K-quant super-block, eight blocks of the 32-element formats.
+        // One K-quant super-block.
         let blocks = 8;
         let k = blocks * QK;
         // Every tile width: tokens 1..=17 (whole and partial groups of 8).
-        for f in crate::quant::FORMATS {
+        for f in crate::backend::cpu::kernels::formats() {
             let dtype = f.dtype;
             for rows in 1..=5 {
                 let w = crate::quant::random_blocks(dtype, rows * k / f.block_elems, &mut rng);

@@ -12,7 +12,7 @@ use crate::tensor::DType;
 pub struct Q8Block {
     /// Scale: value ≈ `d * qs[i]`.
     pub d: f32,
-    /// `d * Σ qs`, used by the offset terms of the formats with a minimum or a bias (Q4_0, Q4_1, Q5, Q4_K, Q5_K).
+    /// `d * Σ qs`, used by the offset terms of the formats with a minimum (Q4_1, Q5_1, Q4_K, Q5_K).
     pub s: f32,
     /// Quantized values.
     pub qs: [i8; QK],
@@ -141,7 +141,7 @@ pub fn dot_quant_scalar(dtype: DType, w: &[u8], a: &[Q8Block]) -> f32 {
 pub(super) mod x86 {
     use super::{Q8Block, QK};
     use crate::backend::cpu::unpack::{
-        Sub, block_bytes, block_scales, half_mins, has_offset, signed, sub_offset, subs, unit_mul, unpack, unpack_with,
+        Sub, block_bytes, block_scales, half_mins, has_offset, signed, sub_offset, subs, unit_mul, unpack_with,
     };
     use std::arch::x86_64::*;
 
@@ -339,14 +339,10 @@ pub(super) mod x86 {
             for (b, ab) in a.iter().take(blocks).enumerate() {
                 _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().wrapping_add(sub_offset::<Q>(b) + PREFETCH_BYTES) as *const i8);
                 let j = b % subs::<Q>();
-                let sub = if subs::<Q>() > 1 {
-                    if j == 0 {
-                        ks = block_scales::<Q>(w.as_ptr(), b / subs::<Q>());
-                    }
-                    unpack_with::<Q>(w.as_ptr(), b, mask, ks.0[j], ks.1[j])
-                } else {
-                    unpack::<Q>(w.as_ptr(), b, mask)
-                };
+                if j == 0 {
+                    ks = block_scales::<Q>(w.as_ptr(), b / subs::<Q>());
+                }
+                let sub = unpack_with::<Q>(w.as_ptr(), b, mask, ks.0[j], ks.1[j]);
                 offset += block_dot::<V, Q>(sub, ab, &mut acc);
             }
             hsum(acc) + offset
@@ -454,7 +450,7 @@ pub(super) mod tests {
                 report_not_run(isa, "every_x86_level_equals_avx2_bit_for_bit");
                 continue;
             }
-            for f in crate::quant::FORMATS {
+            for f in crate::backend::cpu::kernels::formats() {
                 for _ in 0..4 {
                     // Extreme activations too: ±127 everywhere is where 16-bit pair sums come closest to saturating.
                     let mut xq = acts(&mut rng, blocks);
@@ -488,7 +484,7 @@ pub(super) mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(2);
         let isa = Isa::detect();
         let blocks = 24;
-        for f in crate::quant::FORMATS {
+        for f in crate::backend::cpu::kernels::formats() {
             for _ in 0..8 {
                 let xq = acts(&mut rng, blocks);
                 let w = crate::quant::random_blocks(f.dtype, blocks * 32 / f.block_elems, &mut rng);

@@ -1,6 +1,7 @@
-//! AVX2 decoding of the block formats ([`crate::quant`]) for the integer dot kernels of `simd::x86` and
-//! `qgemm::x86`: every format is read in 32-element sub-blocks (one per block of the 32-element formats, eight
-//! per K-quant super-block), each lined up with one 8-bit activation block. A sub-block becomes the unsigned
+//! AVX2 decoding of the block formats kept in the file's layout ([`crate::quant`]'s K-quants and Q8_K; the
+//! 32-element formats are kept interleaved, `interleaved`) for the integer dot kernels of `simd::x86` and
+//! `qgemm::x86`: every format is read in 32-element sub-blocks (eight per super-block), each lined up with one
+//! 8-bit activation block. A sub-block becomes the unsigned
 //! operand of `maddubs`, the 16-bit multipliers of the following `madd` (ones, or Q6_K's two scales), its
 //! float scale and the multiplier of the activation sum (the offset term of formats with a minimum or a bias).
 //! Q2_K's minimums differ between the two 16-element halves of a sub-block, so its offset term is an integer dot
@@ -11,11 +12,6 @@ use std::arch::x86_64::*;
 
 use crate::quant::{k4_scale_min, q3k_scale};
 
-pub(super) const Q8_0: u8 = 0;
-pub(super) const Q4_0: u8 = 1;
-pub(super) const Q4_1: u8 = 2;
-pub(super) const Q5_0: u8 = 3;
-pub(super) const Q5_1: u8 = 4;
 pub(super) const Q8_K: u8 = 5;
 pub(super) const Q4_K: u8 = 6;
 pub(super) const Q5_K: u8 = 7;
@@ -26,11 +22,6 @@ pub(super) const Q3_K: u8 = 10;
 /// Bytes per block of layout `Q` (checked against the format table in the tests).
 pub(super) const fn block_bytes<const Q: u8>() -> usize {
     match Q {
-        Q8_0 => 34,
-        Q4_0 => 18,
-        Q4_1 => 20,
-        Q5_0 => 22,
-        Q5_1 => 24,
         Q8_K => 292,
         Q4_K => 144,
         Q5_K => 176,
@@ -40,17 +31,17 @@ pub(super) const fn block_bytes<const Q: u8>() -> usize {
     }
 }
 
-/// 32-element sub-blocks per block.
+/// 32-element sub-blocks per block (every layout here is a super-block of 256 elements).
 pub(super) const fn subs<const Q: u8>() -> usize {
-    if Q >= Q8_K { 8 } else { 1 }
+    8
 }
 
 /// Whether weights are signed (`maddubs` then takes their magnitude and moves the sign onto the activation).
 pub(super) const fn signed<const Q: u8>() -> bool {
-    matches!(Q, Q8_0 | Q8_K | Q6_K | Q3_K)
+    matches!(Q, Q8_K | Q6_K | Q3_K)
 }
 
-/// Whether a sub-block has an offset term `min · Σa` (a minimum, or the fixed bias of Q4_0/Q5_0).
+/// Whether a sub-block has an offset term `min · Σa` (a minimum: Q4_K, Q5_K).
 pub(super) const fn has_offset<const Q: u8>() -> bool {
     !signed::<Q>() && !half_mins::<Q>()
 }
@@ -69,7 +60,7 @@ pub(super) const fn unit_mul<const Q: u8>() -> bool {
 
 /// Whether the AVX-512 token tile takes this layout's weights as `w + 128`, each lane starting from the
 /// activations' lane sums (`qgemm::LaneSums`): signed weights whose sub-block dot is a plain sum of 4-byte groups
-/// (Q8_0, Q8_K). The others' `maddubs` sums would overflow 16 bits with `w + 128`.
+/// (Q8_K). The others' `maddubs` sums would overflow 16 bits with `w + 128`.
 pub(super) const fn biased<const Q: u8>() -> bool {
     signed::<Q>() && unit_mul::<Q>()
 }
@@ -96,8 +87,9 @@ pub(super) struct Sub {
 ///
 /// Assembly, not intrinsics: with only lane 0 of the conversion read, LLVM turns any intrinsic form of the load
 /// (`_mm_cvtsi32_si128`, `_mm_set1_epi16`) into a `vpinsrw` into whatever register is free, often the previous
-/// block's accumulator, and every block then waits on the one before (Q8_0's one-row kernel ran 2.4× slower at the
-/// AVX-512 level than at AVX2 on a Zen 4 EPYC; Q4_0's and Q5_0's 1.9–2.7× slower than Q4_1's and Q5_1's). A
+/// block's accumulator, and every block then waits on the one before (measured when the 32-element formats still
+/// ran through these kernels: Q8_0's one-row kernel 2.4× slower at the AVX-512 level than at AVX2 on a Zen 4
+/// EPYC, Q4_0's and Q5_0's 1.9–2.7× slower than Q4_1's and Q5_1's). A
 /// broadcast writes the whole register and depends on nothing. Exact, like any f16 to f32 conversion.
 ///
 /// # Safety
@@ -119,20 +111,6 @@ unsafe fn half_at(p: *const u8) -> f32 {
     _mm_cvtss_f32(v)
 }
 
-/// The two f16s at `p` and `p + 2`, from one 32-bit load and one conversion. A 16-bit load, insert and
-/// conversion per scale held Q4_1's one-row kernel at 3.7 ns per (row, block) and its decode at 1.9; this takes
-/// them to 1.7–2.2 and 1.3 (`strata bench --kernels`, docs/performance.md). Exact, like any f16 to f32 conversion.
-///
-/// # Safety
-/// Four readable bytes at `p` (the 32-element formats' blocks start with their scales).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn half_pair(p: *const u8) -> (f32, f32) {
-    // SAFETY: forwarded.
-    let both = _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe { (p as *const i32).read_unaligned() }));
-    (_mm_cvtss_f32(both), _mm_cvtss_f32(_mm_movehdup_ps(both)))
-}
-
 /// Sub-block `b` of a row of layout `Q`: its block and index within the block.
 #[inline(always)]
 fn locate<const Q: u8>(row: *const u8, b: usize) -> (*const u8, usize) {
@@ -151,16 +129,6 @@ pub(super) unsafe fn scales<const Q: u8>(row: *const u8, b: usize) -> (f32, f32)
     // SAFETY (whole body): every read lies inside that block (the layouts of ggml-common.h).
     unsafe {
         match Q {
-            Q8_0 => (half_at(blk), 0.0),
-            Q4_0 => {
-                let d = half_at(blk);
-                (d, -8.0 * d)
-            }
-            Q5_0 => {
-                let d = half_at(blk);
-                (d, -16.0 * d)
-            }
-            Q4_1 | Q5_1 => half_pair(blk),
             Q8_K => ((blk as *const f32).read_unaligned(), 0.0),
             Q4_K | Q5_K => {
                 let (sc, m) = k4_scale_min(std::slice::from_raw_parts(blk.add(4), 12), j);
@@ -210,30 +178,6 @@ pub(super) unsafe fn block_scales<const Q: u8>(row: *const u8, k: usize) -> ([f3
     (d, min)
 }
 
-/// 32 bytes, byte `i` 0xFF where bit `i` of `bits` is set.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn bit_bytes(bits: u32) -> __m256i {
-    // Byte i takes byte i / 8 of `bits` (the shuffle works within each 128-bit lane, both holding all 4 bytes),
-    // then keeps bit i % 8.
-    let spread = _mm256_set_epi64x(0x0303_0303_0303_0303, 0x0202_0202_0202_0202, 0x0101_0101_0101_0101, 0);
-    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), spread);
-    let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-    _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select)
-}
-
-/// 32 nibbles of a 32-element block (low nibbles elements 0..16, high ones 16..32) at `p`, one per byte.
-///
-/// # Safety
-/// 16 readable bytes at `p`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibbles16(p: *const u8, mask: __m256i) -> __m256i {
-    // SAFETY: forwarded.
-    let q = unsafe { _mm_loadu_si128(p as *const __m128i) };
-    _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), mask)
-}
-
 /// Low (`shift` 0) or high (`shift` 4) nibbles of the 32 bytes at `p`, one per byte.
 ///
 /// # Safety
@@ -246,13 +190,15 @@ unsafe fn nibbles32(p: *const u8, shift: usize, mask: __m256i) -> __m256i {
     _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(shift as i32)), mask)
 }
 
-/// Decodes sub-block `b` of `row`. `mask` is 0x0f in every byte (hoisted by the callers).
+/// Decodes sub-block `b` of `row` with its own scales (the kernels take them from [`block_scales`] once per block;
+/// the tests check each sub-block this way). `mask` is 0x0f in every byte.
 ///
 /// # Safety
 /// AVX2/FMA/F16C available; `row` holds at least block `b / subs::<Q>()` of layout `Q`.
+#[cfg(test)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn unpack<const Q: u8>(row: *const u8, b: usize, mask: __m256i) -> Sub {
+unsafe fn unpack<const Q: u8>(row: *const u8, b: usize, mask: __m256i) -> Sub {
     // SAFETY: forwarded.
     unsafe {
         let (d, min) = scales::<Q>(row, b);
@@ -280,16 +226,11 @@ pub(super) unsafe fn unpack_with<const Q: u8>(row: *const u8, b: usize, mask: __
             let q = _mm256_loadu_si256(qs.add(32 * (j / 4)) as *const __m256i);
             _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * (j % 4) as i32)), _mm256_set1_epi8(3))
         };
-        let five = |wq: __m256i, qh: u32| _mm256_or_si256(wq, _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(0x10)));
         match Q {
-            Q8_0 | Q8_K => {
-                let wq = _mm256_loadu_si256(blk.add(if Q == Q8_0 { 2 } else { 4 + 32 * j }) as *const __m256i);
+            Q8_K => {
+                let wq = _mm256_loadu_si256(blk.add(4 + 32 * j) as *const __m256i);
                 Sub { wabs: _mm256_sign_epi8(wq, wq), wq, mul: ones, mins: zero, d, min }
             }
-            Q4_0 => unsigned(nibbles16(blk.add(2), mask)),
-            Q4_1 => unsigned(nibbles16(blk.add(4), mask)),
-            Q5_0 => unsigned(five(nibbles16(blk.add(6), mask), (blk.add(2) as *const u32).read_unaligned())),
-            Q5_1 => unsigned(five(nibbles16(blk.add(8), mask), (blk.add(4) as *const u32).read_unaligned())),
             Q4_K => unsigned(nibbles32(blk.add(16 + 32 * (j / 2)), 4 * (j % 2), mask)),
             Q5_K => {
                 let q = nibbles32(blk.add(48 + 32 * (j / 2)), 4 * (j % 2), mask);
@@ -336,11 +277,6 @@ pub(super) unsafe fn unpack_with<const Q: u8>(row: *const u8, b: usize, mask: __
 pub(super) fn tag(dtype: crate::tensor::DType) -> u8 {
     use crate::tensor::DType;
     match dtype {
-        DType::Q8_0 => Q8_0,
-        DType::Q4_0 => Q4_0,
-        DType::Q4_1 => Q4_1,
-        DType::Q5_0 => Q5_0,
-        DType::Q5_1 => Q5_1,
         DType::Q8_K => Q8_K,
         DType::Q4_K => Q4_K,
         DType::Q5_K => Q5_K,
@@ -378,19 +314,13 @@ mod tests {
         let Some((bb, elems)) = f else { panic!("{dtype} has no format") };
         assert_eq!((block_bytes::<Q>(), subs::<Q>() * quant::QK, tag(dtype)), (bb, elems, Q), "{dtype}");
         let row = quant::random_blocks(dtype, 2, rng);
-        if subs::<Q>() > 1 {
-            for k in 0..2 {
-                // SAFETY: AVX2 was detected; `row` holds two blocks.
-                let (d, min) = unsafe { block_scales::<Q>(row.as_ptr(), k) };
-                for j in 0..subs::<Q>() {
-                    // SAFETY: as above.
-                    let one = unsafe { scales::<Q>(row.as_ptr(), k * subs::<Q>() + j) };
-                    assert_eq!(
-                        (d[j].to_bits(), min[j].to_bits()),
-                        (one.0.to_bits(), one.1.to_bits()),
-                        "{dtype} {k}/{j}"
-                    );
-                }
+        for k in 0..2 {
+            // SAFETY: AVX2 was detected; `row` holds two blocks.
+            let (d, min) = unsafe { block_scales::<Q>(row.as_ptr(), k) };
+            for j in 0..subs::<Q>() {
+                // SAFETY: as above.
+                let one = unsafe { scales::<Q>(row.as_ptr(), k * subs::<Q>() + j) };
+                assert_eq!((d[j].to_bits(), min[j].to_bits()), (one.0.to_bits(), one.1.to_bits()), "{dtype} {k}/{j}");
             }
         }
         let mut want = vec![0f32; 2 * elems];
@@ -413,11 +343,6 @@ mod tests {
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         use crate::tensor::DType as D;
-        check::<Q8_0>(D::Q8_0, &mut rng);
-        check::<Q4_0>(D::Q4_0, &mut rng);
-        check::<Q4_1>(D::Q4_1, &mut rng);
-        check::<Q5_0>(D::Q5_0, &mut rng);
-        check::<Q5_1>(D::Q5_1, &mut rng);
         check::<Q8_K>(D::Q8_K, &mut rng);
         check::<Q4_K>(D::Q4_K, &mut rng);
         check::<Q5_K>(D::Q5_K, &mut rng);
