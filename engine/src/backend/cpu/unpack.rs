@@ -1,8 +1,8 @@
-//! AVX2 decoding of the block formats kept in the file's layout ([`crate::quant`]'s K-quants and Q8_K; the
-//! 32-element formats are kept interleaved, `interleaved`) for the integer dot kernels of `simd::x86` and
+//! AVX2 decoding of the block formats kept in the file's layout (Q2_K, Q3_K, Q5_K and Q8_K; the 32-element
+//! formats, Q4_K and Q6_K are kept interleaved, `interleaved`) for the integer dot kernels of `simd::x86` and
 //! `qgemm::x86`: every format is read in 32-element sub-blocks (eight per super-block), each lined up with one
 //! 8-bit activation block. A sub-block becomes the unsigned
-//! operand of `maddubs`, the 16-bit multipliers of the following `madd` (ones, or Q6_K's two scales), its
+//! operand of `maddubs`, the 16-bit multipliers of the following `madd` (ones, or the two scales of 16-element halves), its
 //! float scale and the multiplier of the activation sum (the offset term of formats with a minimum or a bias).
 //! Q2_K's minimums differ between the two 16-element halves of a sub-block, so its offset term is an integer dot
 //! of its own (the activations against the halves' minimums) under a second float scale.
@@ -13,9 +13,7 @@ use std::arch::x86_64::*;
 use crate::quant::{k4_scale_min, q3k_scale};
 
 pub(super) const Q8_K: u8 = 5;
-pub(super) const Q4_K: u8 = 6;
 pub(super) const Q5_K: u8 = 7;
-pub(super) const Q6_K: u8 = 8;
 pub(super) const Q2_K: u8 = 9;
 pub(super) const Q3_K: u8 = 10;
 
@@ -23,9 +21,7 @@ pub(super) const Q3_K: u8 = 10;
 pub(super) const fn block_bytes<const Q: u8>() -> usize {
     match Q {
         Q8_K => 292,
-        Q4_K => 144,
         Q5_K => 176,
-        Q6_K => 210,
         Q2_K => 84,
         _ => 110,
     }
@@ -38,10 +34,10 @@ pub(super) const fn subs<const Q: u8>() -> usize {
 
 /// Whether weights are signed (`maddubs` then takes their magnitude and moves the sign onto the activation).
 pub(super) const fn signed<const Q: u8>() -> bool {
-    matches!(Q, Q8_K | Q6_K | Q3_K)
+    matches!(Q, Q8_K | Q3_K)
 }
 
-/// Whether a sub-block has an offset term `min · Σa` (a minimum: Q4_K, Q5_K).
+/// Whether a sub-block has an offset term `min · Σa` (a minimum: Q5_K).
 pub(super) const fn has_offset<const Q: u8>() -> bool {
     !signed::<Q>() && !half_mins::<Q>()
 }
@@ -52,10 +48,10 @@ pub(super) const fn half_mins<const Q: u8>() -> bool {
     Q == Q2_K
 }
 
-/// Whether [`Sub::mul`] is all ones (every format but those with 16-element scales: Q6_K, Q2_K, Q3_K), so the
+/// Whether [`Sub::mul`] is all ones (every format but those with 16-element scales: Q2_K, Q3_K), so the
 /// sub-block's dot product is a plain sum of 4-byte groups (one `vpdpbusd` where VNNI is present).
 pub(super) const fn unit_mul<const Q: u8>() -> bool {
-    !matches!(Q, Q6_K | Q2_K | Q3_K)
+    !matches!(Q, Q2_K | Q3_K)
 }
 
 /// Whether the AVX-512 token tile takes this layout's weights as `w + 128`, each lane starting from the
@@ -130,20 +126,19 @@ pub(super) unsafe fn scales<const Q: u8>(row: *const u8, b: usize) -> (f32, f32)
     unsafe {
         match Q {
             Q8_K => ((blk as *const f32).read_unaligned(), 0.0),
-            Q4_K | Q5_K => {
+            Q5_K => {
                 let (sc, m) = k4_scale_min(std::slice::from_raw_parts(blk.add(4), 12), j);
                 (half_at(blk) * sc as f32, -(half_at(blk.add(2)) * m as f32))
             }
             // The integer sums carry Q2_K's sub-scales and minimums; these are the super-block's.
             Q2_K => (half_at(blk.add(80)), -half_at(blk.add(82))),
-            Q3_K => (half_at(blk.add(108)), 0.0),
-            _ => (half_at(blk.add(208)), 0.0),
+            _ => (half_at(blk.add(108)), 0.0),
         }
     }
 }
 
 /// The float scales and offset multipliers of the eight sub-blocks of K-quant block `k` of `row`, bit for bit
-/// what [`scales`] gives for each: the kernels decode them once per block and row. Q4_K/Q5_K's 6-bit pairs
+/// what [`scales`] gives for each: the kernels decode them once per block and row. Q5_K's 6-bit pairs
 /// are unpacked with a few 32-bit operations and converted eight at a time, where per sub-block they cost
 /// more than the sub-block's integer dot product.
 ///
@@ -155,7 +150,7 @@ pub(super) unsafe fn block_scales<const Q: u8>(row: *const u8, k: usize) -> ([f3
     let (mut d, mut min) = ([0f32; 8], [0f32; 8]);
     // SAFETY (whole body): every read lies inside block k (the layouts of ggml-common.h).
     unsafe {
-        if matches!(Q, Q4_K | Q5_K) {
+        if Q == Q5_K {
             let blk = row.wrapping_add(k * block_bytes::<Q>());
             let word = |i: usize| (blk.add(4 + 4 * i) as *const u32).read_unaligned();
             let (a, b, c) = (word(0), word(1), word(2));
@@ -231,7 +226,6 @@ pub(super) unsafe fn unpack_with<const Q: u8>(row: *const u8, b: usize, mask: __
                 let wq = _mm256_loadu_si256(blk.add(4 + 32 * j) as *const __m256i);
                 Sub { wabs: _mm256_sign_epi8(wq, wq), wq, mul: ones, mins: zero, d, min }
             }
-            Q4_K => unsigned(nibbles32(blk.add(16 + 32 * (j / 2)), 4 * (j % 2), mask)),
             Q5_K => {
                 let q = nibbles32(blk.add(48 + 32 * (j / 2)), 4 * (j % 2), mask);
                 // Bit j of byte l of qh is bit 4 of element l.
@@ -239,18 +233,6 @@ pub(super) unsafe fn unpack_with<const Q: u8>(row: *const u8, b: usize, mask: __
                 let qh = _mm256_loadu_si256(blk.add(16) as *const __m256i);
                 let high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(0x10));
                 unsigned(_mm256_or_si256(q, high))
-            }
-            Q6_K => {
-                // Q6_K: sub-block j = 4n + c takes ql nibbles (c / 2 picks high) at 64n + 32(c % 2), the 2-bit
-                // tops at bit 2c of qh's 32 bytes at 128 + 32n, and the i8 scales 2j (elements 0..16) and 2j + 1.
-                let (n, c) = (j / 4, j % 4);
-                let low = nibbles32(blk.add(64 * n + 32 * (c % 2)), 4 * (c / 2), mask);
-                let qh = _mm256_loadu_si256(blk.add(128 + 32 * n) as *const __m256i);
-                let top = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c as i32)), _mm256_set1_epi8(3));
-                let q = _mm256_or_si256(low, _mm256_slli_epi16(top, 4));
-                let wq = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
-                let sc = |k: usize| i16::from(*blk.add(192 + 2 * j + k) as i8);
-                Sub { wabs: _mm256_sign_epi8(wq, wq), wq, mul: halves(sc(0), sc(1)), mins: zero, d, min }
             }
             Q2_K => {
                 // Bytes 2j and 2j + 1 hold the halves' scales (low nibbles) and minimums (high nibbles).
@@ -278,11 +260,9 @@ pub(super) fn tag(dtype: crate::tensor::DType) -> u8 {
     use crate::tensor::DType;
     match dtype {
         DType::Q8_K => Q8_K,
-        DType::Q4_K => Q4_K,
         DType::Q5_K => Q5_K,
         DType::Q2_K => Q2_K,
-        DType::Q3_K => Q3_K,
-        _ => Q6_K,
+        _ => Q3_K,
     }
 }
 
@@ -344,9 +324,7 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         use crate::tensor::DType as D;
         check::<Q8_K>(D::Q8_K, &mut rng);
-        check::<Q4_K>(D::Q4_K, &mut rng);
         check::<Q5_K>(D::Q5_K, &mut rng);
-        check::<Q6_K>(D::Q6_K, &mut rng);
         check::<Q2_K>(D::Q2_K, &mut rng);
         check::<Q3_K>(D::Q3_K, &mut rng);
     }

@@ -1,5 +1,5 @@
-//! The 32-element block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) as the CPU backend keeps them: 16 rows side by
-//! side ([`pack`]), so a 4-byte group of 16 rows fills one 512-bit register and one `vpdpbusd` against a token's 4
+//! The 32-element block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), Q4_K and Q6_K as the CPU backend keeps them: 16
+//! rows side by side ([`pack`]; the K-quants' super-blocks in [`kquant`]), so a 4-byte group of 16 rows fills one 512-bit register and one `vpdpbusd` against a token's 4
 //! activation bytes, broadcast, advances 16 rows' sums. Each row's block is summed as integers (exact, in any
 //! order), then `acc = fma(Σ q·a, d_w·d_a, acc)` (and `acc = fma(m_w, s_a, acc)` for the formats with a minimum)
 //! block by block: [`scalar`]'s arithmetic, so every level, token count and thread split gives the same bits. The
@@ -9,7 +9,7 @@
 //! back), so it takes the same memory.
 
 use super::simd::{Isa, Q8Block};
-use crate::quant::{self, QK};
+use crate::quant::{self, QK, QK_K};
 use crate::tensor::{DType, f16_at};
 use crate::{Error, Result};
 
@@ -23,6 +23,7 @@ const TOKENS_256: usize = 4;
 const L1_ACT_BYTES: usize = 16 * 1024;
 
 /// A format this layout holds, as a const parameter of the kernels.
+#[allow(non_camel_case_types)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
     Q8_0 = 0,
@@ -30,12 +31,16 @@ pub enum Format {
     Q4_1 = 2,
     Q5_0 = 3,
     Q5_1 = 4,
+    Q4_K = 5,
+    Q6_K = 6,
 }
 
 const Q8_0: u8 = Format::Q8_0 as u8;
 const Q4_1: u8 = Format::Q4_1 as u8;
 const Q5_0: u8 = Format::Q5_0 as u8;
 const Q5_1: u8 = Format::Q5_1 as u8;
+const Q4_K: u8 = Format::Q4_K as u8;
+const Q6_K: u8 = Format::Q6_K as u8;
 
 impl Format {
     /// The format of `dtype`, if this layout holds it.
@@ -46,6 +51,8 @@ impl Format {
             DType::Q4_1 => Some(Format::Q4_1),
             DType::Q5_0 => Some(Format::Q5_0),
             DType::Q5_1 => Some(Format::Q5_1),
+            DType::Q4_K => Some(Format::Q4_K),
+            DType::Q6_K => Some(Format::Q6_K),
             _ => None,
         }
     }
@@ -57,8 +64,20 @@ impl Format {
             Format::Q4_1 => DType::Q4_1,
             Format::Q5_0 => DType::Q5_0,
             Format::Q5_1 => DType::Q5_1,
+            Format::Q4_K => DType::Q4_K,
+            Format::Q6_K => DType::Q6_K,
         }
     }
+}
+
+/// Whether format `f` is a K-quant (256-element super-blocks, [`kquant`]).
+const fn is_k(f: u8) -> bool {
+    f == Q4_K || f == Q6_K
+}
+
+/// Weights per row of one block of format `f`.
+const fn elems(f: u8) -> usize {
+    if is_k(f) { QK_K } else { QK }
 }
 
 /// Whether format `f`'s blocks have a minimum (`w = d·q + m`) rather than an offset (`w = d·(q + bias)`).
@@ -81,11 +100,16 @@ const fn bias(f: u8) -> i32 {
     }
 }
 
-/// Bytes of one block of a row group: 16 f16 scales, 16 f16 minimums (formats with one), then the values: Q8_0's
+/// Bytes of one block of a row group (a K-quant's: 16 file blocks, [`kquant`]): 16 f16 scales, 16 f16 minimums (formats with one), then the values: Q8_0's
 /// as `[4-byte group][row][4]`; the 4/5-bit formats' low nibbles as 4 lines of `[row][4]` bytes, line `j` holding
 /// group `j` in its low and group `j + 4` in its high nibbles, then (Q5) the fifth bits, 8 bytes per group, bit
 /// `4·row + k` for the group's byte k of that row.
 const fn block_bytes(f: u8) -> usize {
+    match f {
+        Q4_K => return ROWS * kquant::Q4K_FILE,
+        Q6_K => return ROWS * kquant::Q6K_FILE,
+        _ => {}
+    }
     let scales = if has_min(f) { 4 * ROWS } else { 2 * ROWS };
     let values = if f == Q8_0 { ROWS * QK } else { ROWS * QK / 2 };
     scales + values + if five(f) { ROWS * QK / 8 } else { 0 }
@@ -213,20 +237,36 @@ fn get(f: u8, blk: &[u8], i: usize) -> Parts {
 /// Bytes of a `rows × cols` matrix of format `f` in this layout: whole groups of 16 rows, each block as many bytes
 /// as the file's 16 blocks.
 pub fn packed_len(f: Format, rows: usize, cols: usize) -> usize {
-    rows.div_ceil(ROWS) * (cols / QK) * block_bytes(f as u8)
+    rows.div_ceil(ROWS) * (cols / elems(f as u8)) * block_bytes(f as u8)
 }
 
 /// Repacks `rows` rows of `cols` weights of format `f` from the file's layout into `out` ([`packed_len`] bytes);
 /// the last group's missing rows are zeros.
 pub fn pack_into(f: Format, file: &[u8], rows: usize, cols: usize, out: &mut [u8]) -> Result<()> {
-    let (blocks, fb, bb) = (cols / QK, f.dtype().block_bytes(), block_bytes(f as u8));
-    if !cols.is_multiple_of(QK) || file.len() != rows * blocks * fb || out.len() != packed_len(f, rows, cols) {
+    let (blocks, fb, bb) = (cols / elems(f as u8), f.dtype().block_bytes(), block_bytes(f as u8));
+    if !cols.is_multiple_of(elems(f as u8))
+        || file.len() != rows * blocks * fb
+        || out.len() != packed_len(f, rows, cols)
+    {
         return Err(Error::Shape {
             op: "repack",
             reason: format!("{} bytes are not {rows} rows of {cols} {} weights", file.len(), f.dtype()),
         });
     }
     out.fill(0);
+    if is_k(f as u8) {
+        // The file's bytes, moved; missing rows stay zeros (d = 0).
+        for (group, dst) in out.chunks_exact_mut((blocks * bb).max(1)).enumerate() {
+            for (b, blk) in dst.chunks_exact_mut(bb).enumerate() {
+                for r in (group * ROWS..rows).take(ROWS) {
+                    for (byte, &v) in file[(r * blocks + b) * fb..][..fb].iter().enumerate() {
+                        blk[kquant::position(f == Format::Q6_K, r % ROWS, byte)] = v;
+                    }
+                }
+            }
+        }
+        return Ok(());
+    }
     // Missing rows: scale 0 and values that make 0 (Q8_0 stores 0 as 128).
     let zero = Parts { d: [0; 2], m: [0; 2], q: [if f == Format::Q8_0 { 0x80 } else { 0 }; QK] };
     for (group, dst) in out.chunks_exact_mut((blocks * bb).max(1)).enumerate() {
@@ -250,10 +290,14 @@ pub fn pack(f: Format, file: &[u8], rows: usize, cols: usize) -> Result<Vec<u8>>
 
 /// Row `r` in the file's layout (its blocks, back to back).
 pub fn file_row(f: Format, packed: &[u8], cols: usize, r: usize) -> Vec<u8> {
-    let (blocks, bb) = (cols / QK, block_bytes(f as u8));
+    let (blocks, bb) = (cols / elems(f as u8), block_bytes(f as u8));
     let group = &packed[(r / ROWS) * blocks * bb..][..blocks * bb];
     let mut row = Vec::with_capacity(blocks * f.dtype().block_bytes());
     for blk in group.chunks_exact(bb) {
+        if is_k(f as u8) {
+            row.extend(kquant::file_block(f == Format::Q6_K, blk, r % ROWS));
+            continue;
+        }
         push_file_block(f as u8, &get(f as u8, blk, r % ROWS), &mut row);
     }
     row
@@ -265,11 +309,13 @@ pub fn dequantize_row(f: Format, packed: &[u8], cols: usize, r: usize, out: &mut
 }
 
 /// The activations [`rows_by_tokens`] reads: `tokens` rows of 8-bit blocks and each block's integer sum `Σ a`,
-/// which turns the stored values back into weights (`Σ (q + bias)·a = Σ q·a + bias·Σ a`).
+/// which turns the stored values back into weights (`Σ (q + bias)·a = Σ q·a + bias·Σ a`), and the sums of its
+/// halves (Q6_K's scales are per 16 elements).
 #[derive(Debug)]
 pub struct Acts<'a> {
     q: &'a [Q8Block],
     sums: Vec<i32>,
+    halves: Vec<[i32; 2]>,
     blocks: usize,
     tokens: usize,
 }
@@ -278,8 +324,10 @@ impl<'a> Acts<'a> {
     /// `q` holds `tokens` rows of `blocks` blocks, back to back.
     pub fn new(q: &'a [Q8Block], tokens: usize, blocks: usize) -> Self {
         let q = &q[..tokens * blocks];
-        let sums = q.iter().map(|b| b.qs.iter().map(|&v| i32::from(v)).sum()).collect();
-        Acts { q, sums, blocks, tokens }
+        let half = |b: &Q8Block, h: usize| b.qs[16 * h..16 * h + 16].iter().map(|&v| i32::from(v)).sum::<i32>();
+        let halves: Vec<[i32; 2]> = q.iter().map(|b| [half(b, 0), half(b, 1)]).collect();
+        let sums = halves.iter().map(|[a, b]| a + b).collect();
+        Acts { q, sums, halves, blocks, tokens }
     }
 }
 
@@ -298,7 +346,7 @@ pub unsafe fn rows_by_tokens(
     stride: usize,
 ) {
     let blocks = acts.blocks;
-    let group_bytes = blocks * block_bytes(f as u8);
+    let group_bytes = packed_len(f, ROWS, blocks * QK);
     // These bounds are what every raw-pointer access below relies on.
     assert!(
         w.len() == rows.div_ceil(ROWS) * group_bytes && isa.supported() && acts.q.len() == acts.tokens * blocks,
@@ -318,6 +366,7 @@ pub unsafe fn rows_by_tokens(
                         w: wg.as_ptr(),
                         a: acts.q[first * blocks..].as_ptr(),
                         sums: acts.sums[first * blocks..].as_ptr(),
+                        halves: acts.halves[first * blocks..].as_ptr(),
                         blocks,
                         out: out.wrapping_add(first * stride + g * ROWS),
                         stride,
@@ -345,6 +394,9 @@ pub unsafe fn rows_by_tokens(
 
 /// The reference: one row group (format `f`) against one token, row by row.
 pub fn scalar(f: Format, group: &[u8], a: &[Q8Block]) -> [f32; ROWS] {
+    if is_k(f as u8) {
+        return kquant::scalar(f == Format::Q6_K, group, a);
+    }
     let f = f as u8;
     let mut acc = [0f32; ROWS];
     for (blk, ab) in group.chunks_exact(block_bytes(f)).zip(a) {
@@ -361,6 +413,9 @@ pub fn scalar(f: Format, group: &[u8], a: &[Q8Block]) -> [f32; ROWS] {
     acc
 }
 
+mod kquant;
+#[cfg(target_arch = "x86_64")]
+mod kquant_x86;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

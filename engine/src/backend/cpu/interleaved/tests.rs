@@ -2,7 +2,13 @@ use super::*;
 use crate::backend::cpu::simd::{quantize_row, report_not_run};
 use rand::{Rng, SeedableRng};
 
-const FORMATS: [Format; 5] = [Format::Q8_0, Format::Q4_0, Format::Q4_1, Format::Q5_0, Format::Q5_1];
+const FORMATS: [Format; 7] =
+    [Format::Q8_0, Format::Q4_0, Format::Q4_1, Format::Q5_0, Format::Q5_1, Format::Q4_K, Format::Q6_K];
+
+/// Columns of `n` of format `f`'s blocks.
+fn cols_of(f: Format, n: usize) -> usize {
+    n * elems(f as u8)
+}
 
 /// `tokens` rows of `blocks` 8-bit blocks from random values.
 fn acts(rng: &mut rand::rngs::StdRng, tokens: usize, blocks: usize) -> Vec<Q8Block> {
@@ -14,9 +20,9 @@ fn acts(rng: &mut rand::rngs::StdRng, tokens: usize, blocks: usize) -> Vec<Q8Blo
     xq
 }
 
-/// Row group `r / 16`'s bytes.
-fn group_of(f: Format, packed: &[u8], blocks: usize, r: usize) -> &[u8] {
-    let bytes = blocks * block_bytes(f as u8);
+/// Row group `r / 16`'s bytes, `cols` columns.
+fn group_of(f: Format, packed: &[u8], cols: usize, r: usize) -> &[u8] {
+    let bytes = packed_len(f, ROWS, cols);
     &packed[(r / ROWS) * bytes..][..bytes]
 }
 
@@ -26,11 +32,12 @@ fn packed_rows_give_back_the_file_rows() -> Result<()> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(3);
     for f in FORMATS {
         let fb = f.dtype().block_bytes();
-        for (rows, cols) in [(1, 32), (16, 64), (37, 96), (48, 32)] {
-            let file = quant::random_blocks(f.dtype(), rows * cols / QK, &mut rng);
+        for (rows, n) in [(1, 1), (16, 2), (37, 3), (48, 1)] {
+            let cols = cols_of(f, n);
+            let file = quant::random_blocks(f.dtype(), rows * n, &mut rng);
             let packed = pack(f, &file, rows, cols)?;
             assert_eq!(packed.len(), packed_len(f, rows, cols));
-            assert_eq!(packed.len(), rows.div_ceil(ROWS) * ROWS * cols / QK * fb, "{f:?}: the file's size");
+            assert_eq!(packed.len(), rows.div_ceil(ROWS) * ROWS * n * fb, "{f:?}: the file's size");
             let mut want = vec![0f32; rows * cols];
             quant::dequantize(f.dtype(), &file, &mut want);
             let mut got = vec![0f32; cols];
@@ -41,7 +48,8 @@ fn packed_rows_give_back_the_file_rows() -> Result<()> {
                 assert!(got == want[r * cols..(r + 1) * cols], "{f:?} {rows}x{cols}: row {r} dequantized");
             }
         }
-        assert!(pack(f, &vec![0; fb - 1], 1, 32).is_err(), "{f:?}: a short block is refused");
+        assert!(pack(f, &vec![0; fb - 1], 1, cols_of(f, 1)).is_err(), "{f:?}: a short block is refused");
+        assert!(pack(f, &vec![0; fb], 1, cols_of(f, 1) / 2).is_err(), "{f:?}: half a block is refused");
     }
     Ok(())
 }
@@ -51,15 +59,17 @@ fn packed_rows_give_back_the_file_rows() -> Result<()> {
 #[test]
 fn scalar_is_the_dequantized_dot() -> Result<()> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(4);
-    let (rows, blocks) = (20, 6);
+    let rows = 20;
     for f in FORMATS {
-        let file = quant::random_blocks(f.dtype(), rows * blocks, &mut rng);
-        let packed = pack(f, &file, rows, blocks * QK)?;
-        let a = acts(&mut rng, 1, blocks);
-        let mut w = vec![0f32; blocks * QK];
+        let n = if is_k(f as u8) { 2 } else { 6 };
+        let cols = cols_of(f, n);
+        let file = quant::random_blocks(f.dtype(), rows * n, &mut rng);
+        let packed = pack(f, &file, rows, cols)?;
+        let a = acts(&mut rng, 1, cols / QK);
+        let mut w = vec![0f32; cols];
         for r in 0..rows {
-            dequantize_row(f, &packed, blocks * QK, r, &mut w);
-            let got = scalar(f, group_of(f, &packed, blocks, r), &a)[r % ROWS];
+            dequantize_row(f, &packed, cols, r, &mut w);
+            let got = scalar(f, group_of(f, &packed, cols, r), &a)[r % ROWS];
             let x = |l: usize| f64::from(a[l / QK].d) * f64::from(a[l / QK].qs[l % QK]);
             let want: f64 = w.iter().enumerate().map(|(l, &v)| f64::from(v) * x(l)).sum();
             let mass: f64 = w.iter().enumerate().map(|(l, &v)| (f64::from(v) * x(l)).abs()).sum();
@@ -70,23 +80,29 @@ fn scalar_is_the_dequantized_dot() -> Result<()> {
 }
 
 /// Every level this CPU has gives the reference's bits, for every format, tile width and partial row group, with
-/// the extreme Q8_0 weights (-128, 127) against ±127 activations that could overflow a 16-bit pair.
+/// the extreme Q8_0 weights (-128, 127) against ±127 activations that could overflow a 16-bit pair, and the
+/// extreme Q6_K scales (-128, 127).
 #[test]
 fn every_level_gives_the_scalar_bits() -> Result<()> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-    let blocks = 5;
-    let cols = blocks * QK;
     for isa in Isa::X86 {
         if !isa.supported() {
             report_not_run(isa, "every_level_gives_the_scalar_bits");
             continue;
         }
         for f in FORMATS {
+            let n = if is_k(f as u8) { 2 } else { 5 };
+            let (cols, blocks) = (cols_of(f, n), cols_of(f, n) / QK);
             for rows in [1, 7, 8, 9, 16, 21, 40] {
-                let mut file = quant::random_blocks(f.dtype(), rows * blocks, &mut rng);
+                let mut file = quant::random_blocks(f.dtype(), rows * n, &mut rng);
                 if f == Format::Q8_0 {
                     for (l, q) in file[2..2 + QK].iter_mut().enumerate() {
                         *q = if l % 2 == 0 { 0x80 } else { 0x7f };
+                    }
+                }
+                if f == Format::Q6_K {
+                    for (l, s) in file[192..208].iter_mut().enumerate() {
+                        *s = if l % 2 == 0 { 0x80 } else { 0x7f };
                     }
                 }
                 let packed = pack(f, &file, rows, cols)?;
@@ -100,7 +116,7 @@ fn every_level_gives_the_scalar_bits() -> Result<()> {
                     unsafe { rows_by_tokens(isa, f, &packed, rows, &sums, out.as_mut_ptr(), stride) };
                     for t in 0..tokens {
                         for r in 0..rows {
-                            let want = scalar(f, group_of(f, &packed, blocks, r), &a[t * blocks..(t + 1) * blocks]);
+                            let want = scalar(f, group_of(f, &packed, cols, r), &a[t * blocks..(t + 1) * blocks]);
                             let got = out[t * stride + r];
                             let at = format!("{} {f:?} {rows}x{tokens} at ({r},{t})", isa.name());
                             assert_eq!(got.to_bits(), want[r % ROWS].to_bits(), "{at}");

@@ -1,18 +1,21 @@
 //! The x86 tiles of the interleaved layout at each instruction-set level (see the parent module).
 
-use super::{Format, Q8_0, ROWS, TOKENS_256, TOKENS_512, bias, block_bytes, five, has_min, high_bits_at, values_at};
+use super::{
+    Format, Q8_0, ROWS, TOKENS_256, TOKENS_512, bias, block_bytes, elems, five, has_min, high_bits_at, is_k, values_at,
+};
 use crate::backend::cpu::simd::x86::{AVX_VNNI, AVX2, AVX512_VNNI};
 use crate::backend::cpu::simd::{Isa, Q8Block};
 use crate::quant::QK;
 use std::arch::x86_64::*;
 
-/// One tile's operands: `rows` (≤ 16) rows of the group at `w` (`blocks` blocks) against tokens at `a` with
-/// their sums at `sums` (`blocks` each), into `out + t·stride + r`.
+/// One tile's operands: `rows` (≤ 16) rows of the group at `w` (`blocks` blocks of 32 columns) against tokens
+/// at `a` with their sums at `sums` and their halves' at `halves` (`blocks` each), into `out + t·stride + r`.
 #[derive(Clone, Copy)]
 pub struct Operands {
     pub w: *const u8,
     pub a: *const Q8Block,
     pub sums: *const i32,
+    pub halves: *const [i32; 2],
     pub blocks: usize,
     pub out: *mut f32,
     pub stride: usize,
@@ -38,7 +41,7 @@ macro_rules! level {
             use super::*;
 
             /// This level's tile of each [`Format`], in its order.
-            pub const TILES: [Tile; 5] = [tile::<0>, tile::<1>, tile::<2>, tile::<3>, tile::<4>];
+            pub const TILES: [Tile; 7] = [tile::<0>, tile::<1>, tile::<2>, tile::<3>, tile::<4>, tile::<5>, tile::<6>];
 
             /// [`Tile`] at this level for format `F`.
             ///
@@ -85,7 +88,9 @@ unsafe fn four(a: *const Q8Block, blocks: usize, t: usize, b: usize, g: usize) -
 unsafe fn body<const V: u8, const T: usize, const F: u8>(o: Operands) {
     // SAFETY: forwarded.
     unsafe {
-        if V == AVX512_VNNI {
+        if V == AVX512_VNNI && is_k(F) {
+            super::kquant_x86::wide::<T, F>(o);
+        } else if V == AVX512_VNNI {
             wide::<T, F>(o);
         } else {
             halves::<V, T, F>(o);
@@ -101,7 +106,7 @@ unsafe fn body<const V: u8, const T: usize, const F: u8>(o: Operands) {
 /// AVX-512 F/BW/VL and VNNI; otherwise as for [`Tile`].
 #[inline(always)]
 unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
-    let Operands { w, a, sums, blocks, out, stride, rows } = o;
+    let Operands { w, a, sums, blocks, out, stride, rows, .. } = o;
     // SAFETY (whole body): the caller's ranges; a block is `block_bytes(F)` bytes laid out as it says.
     unsafe {
         let low = _mm512_set1_epi8(0x0f);
@@ -149,10 +154,7 @@ unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
                 }
             }
         }
-        let mask = if rows >= ROWS { 0xffff } else { (1u16 << rows) - 1 };
-        for (t, acc) in acc.iter().enumerate() {
-            _mm512_mask_storeu_ps(out.add(t * stride), mask, *acc);
-        }
+        store512(&acc, out, stride, rows);
     }
 }
 
@@ -170,19 +172,17 @@ unsafe fn halves<const V: u8, const T: usize, const F: u8>(o: Operands) {
     // SAFETY (whole body): the caller's ranges.
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); T]; 2];
-        for b in 0..blocks {
+        for b in 0..blocks / (elems(F) / QK) {
             prefetch::<F>(w.add(b * block_bytes(F)));
+            if is_k(F) {
+                super::kquant_x86::super_block_halves::<V, T, F>(w.add(b * block_bytes(F)), b, o, &mut acc);
+                continue;
+            }
             for (h, acc) in acc.iter_mut().enumerate() {
                 half_block::<V, T, F>(h, w.add(b * block_bytes(F)), b, o, acc);
             }
         }
-        for (h, acc) in acc.iter().enumerate() {
-            let n = rows.saturating_sub(8 * h).min(8) as i32;
-            let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-            for (t, acc) in acc.iter().enumerate() {
-                _mm256_maskstore_ps(out.add(t * stride + 8 * h), mask, *acc);
-            }
-        }
+        store256(&acc, out, stride, rows);
     }
 }
 
@@ -251,7 +251,7 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
 /// # Safety
 /// AVX-512 VNNI; `a` points at `T` rows of `blocks` blocks.
 #[inline(always)]
-unsafe fn dots512<const T: usize>(
+pub(super) unsafe fn dots512<const T: usize>(
     sum: &mut [__m512i; T],
     wg: __m512i,
     a: *const Q8Block,
@@ -273,7 +273,7 @@ unsafe fn dots512<const T: usize>(
 /// # Safety
 /// Level `V`'s features; `a` points at `T` rows of `blocks` blocks.
 #[inline(always)]
-unsafe fn dots256<const V: u8, const T: usize, const F: u8>(
+pub(super) unsafe fn dots256<const V: u8, const T: usize, const F: u8>(
     sum: &mut [__m256i; T],
     wg: __m256i,
     a: *const Q8Block,
@@ -329,9 +329,39 @@ const PREFETCH_BYTES: usize = 4096;
 /// Prefetches the cache lines [`PREFETCH_BYTES`] ahead of block `blk`: one-token decode streams every weight from
 /// memory once per step.
 #[inline(always)]
-fn prefetch<const F: u8>(blk: *const u8) {
+pub(super) fn prefetch<const F: u8>(blk: *const u8) {
     for line in (0..block_bytes(F)).step_by(64) {
         // SAFETY: a prefetch reads nothing and never faults.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH_BYTES + line) as *const i8) };
+    }
+}
+
+/// Writes each token's 16 sums (rows past `rows` left alone) to `out + t·stride`.
+///
+/// # Safety
+/// AVX-512 F; `out + t·stride + r` writable for `t < T`, `r < rows`.
+#[inline(always)]
+pub(super) unsafe fn store512<const T: usize>(acc: &[__m512; T], out: *mut f32, stride: usize, rows: usize) {
+    let mask = if rows >= ROWS { 0xffff } else { (1u16 << rows) - 1 };
+    for (t, acc) in acc.iter().enumerate() {
+        // SAFETY: the caller's range; the mask stops at `rows`.
+        unsafe { _mm512_mask_storeu_ps(out.add(t * stride), mask, *acc) };
+    }
+}
+
+/// [`store512`] for sums in two halves of 8 rows.
+///
+/// # Safety
+/// AVX2; as for [`store512`].
+#[inline(always)]
+pub(super) unsafe fn store256<const T: usize>(acc: &[[__m256; T]; 2], out: *mut f32, stride: usize, rows: usize) {
+    for (h, acc) in acc.iter().enumerate() {
+        let n = rows.saturating_sub(8 * h).min(8) as i32;
+        // SAFETY: AVX2 (the caller's).
+        let mask = unsafe { _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)) };
+        for (t, acc) in acc.iter().enumerate() {
+            // SAFETY: the caller's range; the mask stops at `rows`.
+            unsafe { _mm256_maskstore_ps(out.add(t * stride + 8 * h), mask, *acc) };
+        }
     }
 }

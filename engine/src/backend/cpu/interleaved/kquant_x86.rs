@@ -1,0 +1,245 @@
+//! The x86 tiles of Q4_K and Q6_K in the interleaved layout ([`super::kquant`]) at each instruction-set level:
+//! `x86`'s tiles with a super-block's eight 32-element sub-blocks, each against its own activation block.
+
+use super::kquant::{Q4K_D, Q4K_DMIN, Q4K_SCALES, Q6K_D, Q6K_SCALES};
+use super::x86::{Operands, dots256, dots512, prefetch, store512};
+use super::{Q4_K, ROWS, block_bytes};
+use crate::quant::{QK, QK_K};
+use std::arch::x86_64::*;
+
+/// 32-element sub-blocks (activation blocks) per super-block.
+const SUBS: usize = QK_K / QK;
+/// Bytes of one line of values: a 4-byte group of the 16 rows.
+const LINE: usize = 4 * ROWS;
+
+/// A Q4_K super-block's 6-bit scales (`[j]`) and minimums (`[8 + j]`) of sub-block `j`, each as the 16 rows'
+/// bytes: [`crate::quant::k4_scale_min`] on 16 rows at once, from the 12 bytes' lines at `p`.
+///
+/// # Safety
+/// SSE2; `p` points at 12 × 16 readable bytes.
+#[inline(always)]
+unsafe fn k4_scales(p: *const u8) -> [__m128i; 16] {
+    // SAFETY: forwarded.
+    unsafe {
+        let (six, nibble, top) = (_mm_set1_epi8(63), _mm_set1_epi8(0x0f), _mm_set1_epi8(0x30));
+        let mut q = [_mm_setzero_si128(); 12];
+        for (k, q) in q.iter_mut().enumerate() {
+            *q = _mm_loadu_si128(p.add(k * ROWS) as *const __m128i);
+        }
+        let mut out = [_mm_setzero_si128(); 16];
+        for j in 0..4 {
+            out[j] = _mm_and_si128(q[j], six);
+            out[8 + j] = _mm_and_si128(q[j + 4], six);
+            // Sub-block j + 4's: nibbles of byte j + 8, top bits from bytes j (scale) and j + 4 (minimum).
+            let (scale_top, min_top) =
+                (_mm_and_si128(_mm_srli_epi16::<2>(q[j]), top), _mm_and_si128(_mm_srli_epi16::<2>(q[j + 4]), top));
+            out[4 + j] = _mm_or_si128(_mm_and_si128(q[j + 8], nibble), scale_top);
+            out[12 + j] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16::<4>(q[j + 8]), nibble), min_top);
+        }
+        out
+    }
+}
+
+/// Sub-block `j`'s 4-bit values of one 4-byte group (line `line`): the low nibbles for even `j`, high for odd.
+#[inline(always)]
+fn q4k_line(j: usize, g: usize) -> usize {
+    ((j / 2) * (QK / 4) + g) * LINE
+}
+
+/// Q6_K sub-block `j`'s lines of group `g`: its low nibbles (high ones if `j % 4 ≥ 2`) and its top bits.
+#[inline(always)]
+fn q6k_lines(j: usize, g: usize) -> (usize, usize) {
+    let (n, c) = (j / 4, j % 4);
+    ((16 * n + 8 * (c % 2) + g) * LINE, (32 + 8 * n + g) * LINE)
+}
+
+/// `x86`'s 512-bit tile for a K-quant: 16 rows in one register per token, per sub-block one `vpdpbusd` per group
+/// and token (Q6_K: sums per half, each started at `-32 · Σ a` of the half and times its scale).
+///
+/// # Safety
+/// AVX-512 F/BW/VL and VNNI; otherwise as for `x86::Tile`, with `o.blocks` a multiple of 8.
+#[inline(always)]
+pub(super) unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
+    let Operands { w, a, halves, blocks, out, stride, rows, .. } = o;
+    // SAFETY (whole body): the caller's ranges; a super-block is `block_bytes(F)` bytes laid out as `kquant` says.
+    unsafe {
+        let (low, top) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x30));
+        let sign = _mm512_set1_epi32(i32::MIN);
+        let mut acc = [_mm512_setzero_ps(); T];
+        for sb in 0..blocks / SUBS {
+            let blk = w.add(sb * block_bytes(F));
+            prefetch::<F>(blk);
+            if F == Q4_K {
+                let sm = k4_scales(blk.add(Q4K_SCALES));
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(Q4K_D) as *const __m256i));
+                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(Q4K_DMIN) as *const __m256i));
+                for j in 0..SUBS {
+                    let b = sb * SUBS + j;
+                    let mut sum = [_mm512_setzero_si512(); T];
+                    for g in 0..QK / 4 {
+                        let line = _mm512_loadu_si512(blk.add(q4k_line(j, g)) as *const __m512i);
+                        let v = if j % 2 == 0 { line } else { _mm512_srli_epi16::<4>(line) };
+                        dots512(&mut sum, _mm512_and_si512(v, low), a, blocks, b, g);
+                    }
+                    let dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm[j])));
+                    let min = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm[8 + j])));
+                    let neg_min = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(min), sign));
+                    for (t, acc) in acc.iter_mut().enumerate() {
+                        let ab = &*a.add(t * blocks + b);
+                        *acc =
+                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_mul_ps(dsc, _mm512_set1_ps(ab.d)), *acc);
+                        *acc = _mm512_fmadd_ps(neg_min, _mm512_set1_ps(ab.s), *acc);
+                    }
+                }
+            } else {
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(Q6K_D) as *const __m256i));
+                for j in 0..SUBS {
+                    let b = sb * SUBS + j;
+                    let mut total = [_mm512_setzero_si512(); T];
+                    for h in 0..2 {
+                        let mut sum = [_mm512_setzero_si512(); T];
+                        for (t, s) in sum.iter_mut().enumerate() {
+                            *s = _mm512_set1_epi32(-32 * (*halves.add(t * blocks + b))[h]);
+                        }
+                        for g in 4 * h..4 * h + 4 {
+                            let (ql, qh) = q6k_lines(j, g);
+                            let ql = _mm512_loadu_si512(blk.add(ql) as *const __m512i);
+                            let qh = _mm512_loadu_si512(blk.add(qh) as *const __m512i);
+                            let low4 = if j % 4 < 2 { ql } else { _mm512_srli_epi16::<4>(ql) };
+                            let high2 = match j % 4 {
+                                0 => _mm512_slli_epi16::<4>(qh),
+                                1 => _mm512_slli_epi16::<2>(qh),
+                                2 => qh,
+                                _ => _mm512_srli_epi16::<2>(qh),
+                            };
+                            let v = _mm512_or_si512(_mm512_and_si512(low4, low), _mm512_and_si512(high2, top));
+                            dots512(&mut sum, v, a, blocks, b, g);
+                        }
+                        let scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                            blk.add(Q6K_SCALES + (2 * j + h) * ROWS) as *const __m128i
+                        ));
+                        for (total, s) in total.iter_mut().zip(&sum) {
+                            *total = _mm512_add_epi32(*total, _mm512_mullo_epi32(*s, scale));
+                        }
+                    }
+                    for (t, acc) in acc.iter_mut().enumerate() {
+                        let ab = &*a.add(t * blocks + b);
+                        *acc =
+                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[t]), _mm512_mul_ps(d, _mm512_set1_ps(ab.d)), *acc);
+                    }
+                }
+            }
+        }
+        store512(&acc, out, stride, rows);
+    }
+}
+
+/// Both halves of 8 rows of super-block `sb` at `blk` into their accumulators (`x86`'s `halves` for a K-quant).
+///
+/// # Safety
+/// Level `V`'s features; otherwise as for `x86::Tile`.
+#[inline(always)]
+pub(super) unsafe fn super_block_halves<const V: u8, const T: usize, const F: u8>(
+    blk: *const u8,
+    sb: usize,
+    o: Operands,
+    acc: &mut [[__m256; T]; 2],
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        let sm = if F == Q4_K { k4_scales(blk.add(Q4K_SCALES)) } else { [_mm_setzero_si128(); 16] };
+        for (r, acc) in acc.iter_mut().enumerate() {
+            half_block::<V, T, F>(r, blk, sb, &sm, o, acc);
+        }
+    }
+}
+
+/// The 8 bytes of rows `8r..8r + 8` of a 16-row byte vector, widened to 32-bit lanes (signed for Q6_K's scales).
+///
+/// # Safety
+/// AVX2.
+#[inline(always)]
+unsafe fn rows_of<const SIGNED: bool>(v: __m128i, r: usize) -> __m256i {
+    // SAFETY: forwarded.
+    unsafe {
+        let v = if r == 0 { v } else { _mm_unpackhi_epi64(v, v) };
+        if SIGNED { _mm256_cvtepi8_epi32(v) } else { _mm256_cvtepu8_epi32(v) }
+    }
+}
+
+/// Rows `8r..8r + 8` of super-block `sb` at `blk` into their accumulators (`sm`: Q4_K's scales and minimums).
+///
+/// # Safety
+/// As for [`super_block_halves`].
+#[inline(always)]
+unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
+    r: usize,
+    blk: *const u8,
+    sb: usize,
+    sm: &[__m128i; 16],
+    o: Operands,
+    acc: &mut [__m256; T],
+) {
+    let Operands { a, halves, blocks, .. } = o;
+    // SAFETY (whole body): the caller's ranges.
+    unsafe {
+        let (low, top) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0x30));
+        let v = blk.add(32 * r);
+        if F == Q4_K {
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(Q4K_D + 16 * r) as *const __m128i));
+            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(Q4K_DMIN + 16 * r) as *const __m128i));
+            for j in 0..SUBS {
+                let b = sb * SUBS + j;
+                let mut sum = [_mm256_setzero_si256(); T];
+                for g in 0..QK / 4 {
+                    let line = _mm256_loadu_si256(v.add(q4k_line(j, g)) as *const __m256i);
+                    let q = if j % 2 == 0 { line } else { _mm256_srli_epi16::<4>(line) };
+                    dots256::<V, T, F>(&mut sum, _mm256_and_si256(q, low), a, blocks, b, g);
+                }
+                let dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(rows_of::<false>(sm[j], r)));
+                let min = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(rows_of::<false>(sm[8 + j], r)));
+                let neg_min = _mm256_xor_ps(min, _mm256_set1_ps(-0.0));
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    let ab = &*a.add(t * blocks + b);
+                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_mul_ps(dsc, _mm256_set1_ps(ab.d)), *acc);
+                    *acc = _mm256_fmadd_ps(neg_min, _mm256_set1_ps(ab.s), *acc);
+                }
+            }
+            return;
+        }
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(Q6K_D + 16 * r) as *const __m128i));
+        for j in 0..SUBS {
+            let b = sb * SUBS + j;
+            let mut total = [_mm256_setzero_si256(); T];
+            for h in 0..2 {
+                let mut sum = [_mm256_setzero_si256(); T];
+                for (t, s) in sum.iter_mut().enumerate() {
+                    *s = _mm256_set1_epi32(-32 * (*halves.add(t * blocks + b))[h]);
+                }
+                for g in 4 * h..4 * h + 4 {
+                    let (ql, qh) = q6k_lines(j, g);
+                    let ql = _mm256_loadu_si256(v.add(ql) as *const __m256i);
+                    let qh = _mm256_loadu_si256(v.add(qh) as *const __m256i);
+                    let low4 = if j % 4 < 2 { ql } else { _mm256_srli_epi16::<4>(ql) };
+                    let high2 = match j % 4 {
+                        0 => _mm256_slli_epi16::<4>(qh),
+                        1 => _mm256_slli_epi16::<2>(qh),
+                        2 => qh,
+                        _ => _mm256_srli_epi16::<2>(qh),
+                    };
+                    let q = _mm256_or_si256(_mm256_and_si256(low4, low), _mm256_and_si256(high2, top));
+                    dots256::<V, T, F>(&mut sum, q, a, blocks, b, g);
+                }
+                let scales = _mm_loadu_si128(blk.add(Q6K_SCALES + (2 * j + h) * ROWS) as *const __m128i);
+                let scale = rows_of::<true>(scales, r);
+                for (total, s) in total.iter_mut().zip(&sum) {
+                    *total = _mm256_add_epi32(*total, _mm256_mullo_epi32(*s, scale));
+                }
+            }
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let ab = &*a.add(t * blocks + b);
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[t]), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), *acc);
+            }
+        }
+    }
+}
