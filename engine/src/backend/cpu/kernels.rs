@@ -1,5 +1,5 @@
-//! The CPU kernels of each block-quantized format kept in the file's layout (Q2_K, Q3_K, Q5_K and Q8_K; the
-//! 32-element formats, Q4_K and Q6_K are kept interleaved, `interleaved`), selected by format here and nowhere else: the scalar reference dot (one weight row against 8-bit activation blocks of 32, several per K-quant
+//! The CPU kernels of each block-quantized format kept in the file's layout (Q2_K, Q3_K and Q8_K; the 32-element
+//! formats, Q4_K, Q5_K and Q6_K are kept interleaved, `interleaved`), selected by format here and nowhere else: the scalar reference dot (one weight row against 8-bit activation blocks of 32, several per K-quant
 //! block) and, on x86-64, the instances of the one-row and token-tile kernels specialized to the
 //! format's block layout (`unpack` decodes a sub-block for them) at each instruction-set level of [`Isa::X86`].
 //! A new format adds one [`QuantKernels`] here and its `unpack` arm; `simd` and `qgemm` call through the table
@@ -10,7 +10,7 @@ use super::qgemm::{self, GroupPtr};
 use super::simd::{Isa, Q8Block};
 #[cfg(target_arch = "x86_64")]
 use super::{simd, unpack};
-use crate::quant::{self, BlockFormat, QK, k4_scale_min, q2k_value, q3k_scale, q3k_value, q5k_value};
+use crate::quant::{self, BlockFormat, QK, q2k_value, q3k_scale, q3k_value};
 use crate::tensor::{DType, f16_at};
 
 /// One format's CPU kernels.
@@ -59,15 +59,21 @@ pub(super) fn kernels(dtype: DType) -> &'static QuantKernels {
         DType::Q8_K => &Q8_K,
         DType::Q2_K => &Q2_K,
         DType::Q3_K => &Q3_K,
-        DType::Q5_K => &Q5_K,
         DType::F32 | DType::F16 | DType::BF16 => panic!("no quantized kernels for {dtype}"),
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q6_K => {
+        DType::Q8_0
+        | DType::Q4_0
+        | DType::Q4_1
+        | DType::Q5_0
+        | DType::Q5_1
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K => {
             panic!("{dtype} is kept interleaved, with the kernels of `interleaved`")
         }
     }
 }
 
-/// The block formats kept in the file's layout, whose kernels this table holds: Q2_K, Q3_K, Q5_K and Q8_K (the
+/// The block formats kept in the file's layout, whose kernels this table holds: Q2_K, Q3_K and Q8_K (the
 /// others are kept interleaved, [`super::interleaved`]); the tests run each.
 #[cfg(test)]
 pub(super) fn formats() -> impl Iterator<Item = &'static BlockFormat> {
@@ -126,16 +132,6 @@ static Q8_K: QuantKernels = kernels_of!(
     },
     unpack::Q8_K
 );
-
-/// Sub-block `j` of a Q5_K block: `d·sc_j·da·Σ q·a − dmin·m_j·s`.
-#[inline(always)]
-fn q5k_sub(blk: &[u8], j: usize, ab: &Q8Block) -> f32 {
-    let (sc, m) = k4_scale_min(&blk[4..16], j);
-    let isum = int_dot(ab, |l| q5k_value(blk, 32 * j + l) as i32);
-    f16_at(blk, 0) * sc as f32 * ab.d * isum as f32 - f16_at(blk, 2) * m as f32 * ab.s
-}
-
-static Q5_K: QuantKernels = kernels_of!(|w, a| row_dot(w, a, &quant::Q5_K, q5k_sub), unpack::Q5_K);
 
 /// Sub-block `j` of a Q2_K block: `d·da·Σ sc_h·q·a − dmin·da·Σ m_h·a` over its halves `h` (scale and minimum
 /// in the low and high nibbles of byte `2j + h`).

@@ -146,7 +146,7 @@ pub(super) mod x86 {
     use super::{GROUP, GroupPtr, LaneSums, Q8x8};
     use crate::backend::cpu::simd::x86::{AVX_VNNI, AVX2, AVX512_VNNI, accumulate, hsum};
     use crate::backend::cpu::unpack::{
-        Sub, biased, block_scales, half_mins, has_offset, signed, sub_offset, subs, unit_mul, unpack_with,
+        Sub, biased, block_scales, half_mins, signed, sub_offset, subs, unit_mul, unpack_with,
     };
     use std::arch::x86_64::*;
 
@@ -234,7 +234,6 @@ pub(super) mod x86 {
         unsafe {
             // First pass: the products d_w·d_a the one-token kernel forms (read back with load-port broadcasts in
             // the main loop, which costs no ALU slot) and the offset terms, lanes = tokens.
-            let mut offset = _mm256_setzero_ps();
             let mut ks = ([0f32; 8], [0f32; 8]);
             for b in 0..blocks {
                 let ab = &*a.add(b);
@@ -247,29 +246,22 @@ pub(super) mod x86 {
                 if half_mins::<Q>() {
                     _mm256_store_ps(sc.add((blocks + b) * GROUP), _mm256_mul_ps(min, _mm256_load_ps(ab.d.as_ptr())));
                 }
-                if has_offset::<Q>() {
-                    offset = _mm256_add_ps(offset, _mm256_mul_ps(min, _mm256_load_ps(ab.s.as_ptr())));
-                }
             }
             let mut acc = [_mm256_setzero_ps(); T];
             if V == AVX512_VNNI && T >= 2 {
                 pairs::<T, Q>(w, a, sums, blocks, sc, &mut acc);
             } else {
-                let mask = _mm256_set1_epi8(0x0f);
                 for b in 0..blocks {
                     _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(sub_offset::<Q>(b) + PREFETCH_BYTES) as *const i8);
                     // The scales come from `sc`: the sub-block's own are not needed here.
-                    let sub = unpack_with::<Q>(w, b, mask, 0.0, 0.0);
+                    let sub = unpack_with::<Q>(w, b, 0.0, 0.0);
                     for (t, acc) in acc.iter_mut().enumerate() {
                         step::<V, Q>(&sub, &*a.add(b), sc, blocks, b, t, acc);
                     }
                 }
             }
-            // Formats without offsets add nothing: +0, as the one-token kernel's sum of zeros.
-            let mut off = [0f32; GROUP];
-            _mm256_storeu_ps(off.as_mut_ptr(), offset);
-            for t in 0..T {
-                *out.add(t * stride) = hsum(acc[t]) + off[t];
+            for (t, acc) in acc.iter().enumerate() {
+                *out.add(t * stride) = hsum(*acc);
             }
         }
     }
@@ -316,7 +308,6 @@ pub(super) mod x86 {
     ) {
         // SAFETY (whole body): the caller's features and ranges; a group's two adjacent token rows are 64 bytes.
         unsafe {
-            let mask = _mm256_set1_epi8(0x0f);
             let zero = _mm512_setzero_si512();
             // Lane l of pair p reads token 2p + l / 8's scale from the block's eight.
             let lanes: [__m512i; GROUP / 2] = std::array::from_fn(|p| {
@@ -328,7 +319,7 @@ pub(super) mod x86 {
             let mut acc2 = [_mm512_setzero_ps(); GROUP / 2];
             for b in 0..blocks {
                 _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(sub_offset::<Q>(b) + PREFETCH_BYTES) as *const i8);
-                let sub = unpack_with::<Q>(w, b, mask, 0.0, 0.0);
+                let sub = unpack_with::<Q>(w, b, 0.0, 0.0);
                 let ab = &*a.add(b);
                 // Signed weights with plain 4-byte sums (Q8_K) go in as `w + 128`, each lane starting from
                 // `-128 · Σa` (`sums`): Σ (w + 128)·a - 128·Σa = Σ w·a, the same integers as below.

@@ -141,7 +141,7 @@ pub fn dot_quant_scalar(dtype: DType, w: &[u8], a: &[Q8Block]) -> f32 {
 pub(super) mod x86 {
     use super::{Q8Block, QK};
     use crate::backend::cpu::unpack::{
-        Sub, block_bytes, block_scales, half_mins, has_offset, signed, sub_offset, subs, unit_mul, unpack_with,
+        Sub, block_bytes, block_scales, half_mins, signed, sub_offset, subs, unit_mul, unpack_with,
     };
     use std::arch::x86_64::*;
 
@@ -307,18 +307,17 @@ pub(super) mod x86 {
         }
     }
 
-    /// One sub-block's contribution: `acc += d·da·Σ(w·a)`, returning the offset term `min·s`.
+    /// One sub-block's contribution: `acc += d·da·Σ(w·a)`.
     ///
     /// # Safety
     /// As for [`dot4`].
     #[inline(always)]
-    unsafe fn block_dot<const V: u8, const Q: u8>(w: Sub, ab: &Q8Block, acc: &mut __m256) -> f32 {
+    unsafe fn block_dot<const V: u8, const Q: u8>(w: Sub, ab: &Q8Block, acc: &mut __m256) {
         // SAFETY: level V's features are present; activation blocks hold 32 i8.
         unsafe {
             let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
             accumulate::<V, Q>(&w, av, _mm256_set1_ps(w.d * ab.d), _mm256_set1_ps(w.min * ab.d), acc);
         }
-        if has_offset::<Q>() { w.min * ab.s } else { 0.0 }
     }
 
     /// One activation row against one weight row: `acc += cvt(Σ w·a) · (d_w·d_a)` per sub-block, then
@@ -333,8 +332,6 @@ pub(super) mod x86 {
         // so its block, inside `w` (prefetches may point past it: they never fault).
         unsafe {
             let mut acc = _mm256_setzero_ps();
-            let mut offset = 0f32;
-            let mask = _mm256_set1_epi8(0x0f);
             let mut ks = ([0f32; 8], [0f32; 8]);
             for (b, ab) in a.iter().take(blocks).enumerate() {
                 _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().wrapping_add(sub_offset::<Q>(b) + PREFETCH_BYTES) as *const i8);
@@ -342,10 +339,10 @@ pub(super) mod x86 {
                 if j == 0 {
                     ks = block_scales::<Q>(w.as_ptr(), b / subs::<Q>());
                 }
-                let sub = unpack_with::<Q>(w.as_ptr(), b, mask, ks.0[j], ks.1[j]);
-                offset += block_dot::<V, Q>(sub, ab, &mut acc);
+                let sub = unpack_with::<Q>(w.as_ptr(), b, ks.0[j], ks.1[j]);
+                block_dot::<V, Q>(sub, ab, &mut acc);
             }
-            hsum(acc) + offset
+            hsum(acc)
         }
     }
 

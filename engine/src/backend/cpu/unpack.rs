@@ -1,19 +1,18 @@
-//! AVX2 decoding of the block formats kept in the file's layout (Q2_K, Q3_K, Q5_K and Q8_K; the 32-element
-//! formats, Q4_K and Q6_K are kept interleaved, `interleaved`) for the integer dot kernels of `simd::x86` and
+//! AVX2 decoding of the block formats kept in the file's layout (Q2_K, Q3_K and Q8_K; the 32-element formats,
+//! Q4_K, Q5_K and Q6_K are kept interleaved, `interleaved`) for the integer dot kernels of `simd::x86` and
 //! `qgemm::x86`: every format is read in 32-element sub-blocks (eight per super-block), each lined up with one
-//! 8-bit activation block. A sub-block becomes the unsigned
-//! operand of `maddubs`, the 16-bit multipliers of the following `madd` (ones, or the two scales of 16-element halves), its
-//! float scale and the multiplier of the activation sum (the offset term of formats with a minimum or a bias).
+//! 8-bit activation block. A sub-block becomes the unsigned operand of `maddubs`, the 16-bit multipliers of the
+//! following `madd` (ones, or the two scales of 16-element halves), its float scale and (Q2_K) the multiplier of
+//! its offset term.
 //! Q2_K's minimums differ between the two 16-element halves of a sub-block, so its offset term is an integer dot
 //! of its own (the activations against the halves' minimums) under a second float scale.
 //! Formats are const-generic tags so each kernel instance is specialized to one layout.
 
 use std::arch::x86_64::*;
 
-use crate::quant::{k4_scale_min, q3k_scale};
+use crate::quant::q3k_scale;
 
 pub(super) const Q8_K: u8 = 5;
-pub(super) const Q5_K: u8 = 7;
 pub(super) const Q2_K: u8 = 9;
 pub(super) const Q3_K: u8 = 10;
 
@@ -21,7 +20,6 @@ pub(super) const Q3_K: u8 = 10;
 pub(super) const fn block_bytes<const Q: u8>() -> usize {
     match Q {
         Q8_K => 292,
-        Q5_K => 176,
         Q2_K => 84,
         _ => 110,
     }
@@ -35,11 +33,6 @@ pub(super) const fn subs<const Q: u8>() -> usize {
 /// Whether weights are signed (`maddubs` then takes their magnitude and moves the sign onto the activation).
 pub(super) const fn signed<const Q: u8>() -> bool {
     matches!(Q, Q8_K | Q3_K)
-}
-
-/// Whether a sub-block has an offset term `min · Σa` (a minimum: Q5_K).
-pub(super) const fn has_offset<const Q: u8>() -> bool {
-    !signed::<Q>() && !half_mins::<Q>()
 }
 
 /// Whether each 16-element half has its own minimum (Q2_K): the offset is then `min · Σ_h m_h·Σ_{l∈h} a_l`,
@@ -121,15 +114,11 @@ fn locate<const Q: u8>(row: *const u8, b: usize) -> (*const u8, usize) {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn scales<const Q: u8>(row: *const u8, b: usize) -> (f32, f32) {
-    let (blk, j) = locate::<Q>(row, b);
+    let (blk, _) = locate::<Q>(row, b);
     // SAFETY (whole body): every read lies inside that block (the layouts of ggml-common.h).
     unsafe {
         match Q {
             Q8_K => ((blk as *const f32).read_unaligned(), 0.0),
-            Q5_K => {
-                let (sc, m) = k4_scale_min(std::slice::from_raw_parts(blk.add(4), 12), j);
-                (half_at(blk) * sc as f32, -(half_at(blk.add(2)) * m as f32))
-            }
             // The integer sums carry Q2_K's sub-scales and minimums; these are the super-block's.
             Q2_K => (half_at(blk.add(80)), -half_at(blk.add(82))),
             _ => (half_at(blk.add(108)), 0.0),
@@ -138,9 +127,7 @@ pub(super) unsafe fn scales<const Q: u8>(row: *const u8, b: usize) -> (f32, f32)
 }
 
 /// The float scales and offset multipliers of the eight sub-blocks of K-quant block `k` of `row`, bit for bit
-/// what [`scales`] gives for each: the kernels decode them once per block and row. Q5_K's 6-bit pairs
-/// are unpacked with a few 32-bit operations and converted eight at a time, where per sub-block they cost
-/// more than the sub-block's integer dot product.
+/// what [`scales`] gives for each: the kernels decode them once per block and row.
 ///
 /// # Safety
 /// AVX2/FMA/F16C available; `row` holds at least block `k` of layout `Q`, a K-quant layout.
@@ -148,56 +135,26 @@ pub(super) unsafe fn scales<const Q: u8>(row: *const u8, b: usize) -> (f32, f32)
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn block_scales<const Q: u8>(row: *const u8, k: usize) -> ([f32; 8], [f32; 8]) {
     let (mut d, mut min) = ([0f32; 8], [0f32; 8]);
-    // SAFETY (whole body): every read lies inside block k (the layouts of ggml-common.h).
-    unsafe {
-        if Q == Q5_K {
-            let blk = row.wrapping_add(k * block_bytes::<Q>());
-            let word = |i: usize| (blk.add(4 + 4 * i) as *const u32).read_unaligned();
-            let (a, b, c) = (word(0), word(1), word(2));
-            // `k4_scale_min` for j = 0..4 (low 6 bits of bytes 0..4 and 4..8) and j = 4..8 (nibbles of bytes 8..12
-            // under the top two bits of bytes 0..4 and 4..8), byte j of each.
-            let sc = u64::from(a & 0x3f3f_3f3f) | u64::from((c & 0x0f0f_0f0f) | ((a >> 6) & 0x0303_0303) << 4) << 32;
-            let m =
-                u64::from(b & 0x3f3f_3f3f) | u64::from(((c >> 4) & 0x0f0f_0f0f) | ((b >> 6) & 0x0303_0303) << 4) << 32;
-            let float = |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
-            let half8 = |p: *const u8| _mm256_cvtph_ps(_mm_set1_epi16((p as *const i16).read_unaligned()));
-            _mm256_storeu_ps(d.as_mut_ptr(), _mm256_mul_ps(half8(blk), float(sc)));
-            let dmin = _mm256_mul_ps(half8(blk.add(2)), float(m));
-            _mm256_storeu_ps(min.as_mut_ptr(), _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0)));
-        } else {
-            for j in 0..subs::<Q>() {
-                (d[j], min[j]) = scales::<Q>(row, k * subs::<Q>() + j);
-            }
-        }
+    for j in 0..subs::<Q>() {
+        // SAFETY: every read lies inside block k (the layouts of ggml-common.h).
+        (d[j], min[j]) = unsafe { scales::<Q>(row, k * subs::<Q>() + j) };
     }
     (d, min)
 }
 
-/// Low (`shift` 0) or high (`shift` 4) nibbles of the 32 bytes at `p`, one per byte.
-///
-/// # Safety
-/// 32 readable bytes at `p`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibbles32(p: *const u8, shift: usize, mask: __m256i) -> __m256i {
-    // SAFETY: forwarded.
-    let q = unsafe { _mm256_loadu_si256(p as *const __m256i) };
-    _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(shift as i32)), mask)
-}
-
 /// Decodes sub-block `b` of `row` with its own scales (the kernels take them from [`block_scales`] once per block;
-/// the tests check each sub-block this way). `mask` is 0x0f in every byte.
+/// the tests check each sub-block this way).
 ///
 /// # Safety
 /// AVX2/FMA/F16C available; `row` holds at least block `b / subs::<Q>()` of layout `Q`.
 #[cfg(test)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn unpack<const Q: u8>(row: *const u8, b: usize, mask: __m256i) -> Sub {
+unsafe fn unpack<const Q: u8>(row: *const u8, b: usize) -> Sub {
     // SAFETY: forwarded.
     unsafe {
         let (d, min) = scales::<Q>(row, b);
-        unpack_with::<Q>(row, b, mask, d, min)
+        unpack_with::<Q>(row, b, d, min)
     }
 }
 
@@ -207,13 +164,12 @@ unsafe fn unpack<const Q: u8>(row: *const u8, b: usize, mask: __m256i) -> Sub {
 /// As for [`unpack`].
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn unpack_with<const Q: u8>(row: *const u8, b: usize, mask: __m256i, d: f32, min: f32) -> Sub {
+pub(super) unsafe fn unpack_with<const Q: u8>(row: *const u8, b: usize, d: f32, min: f32) -> Sub {
     let (blk, j) = locate::<Q>(row, b);
     let ones = _mm256_set1_epi16(1);
     // SAFETY (whole body): every read lies inside that block.
     unsafe {
         let zero = _mm256_setzero_si256();
-        let unsigned = |wq| Sub { wabs: wq, wq, mul: ones, mins: zero, d, min };
         // The 16-bit multipliers of the two 16-element halves of a sub-block: `lo` for elements 0..16.
         let halves = |lo: i16, hi: i16| _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo));
         // The 2-bit fields of Q2_K and Q3_K: sub-block j = 4n + c at bits 2c of the 32 bytes at `qs + 32n`.
@@ -225,14 +181,6 @@ pub(super) unsafe fn unpack_with<const Q: u8>(row: *const u8, b: usize, mask: __
             Q8_K => {
                 let wq = _mm256_loadu_si256(blk.add(4 + 32 * j) as *const __m256i);
                 Sub { wabs: _mm256_sign_epi8(wq, wq), wq, mul: ones, mins: zero, d, min }
-            }
-            Q5_K => {
-                let q = nibbles32(blk.add(48 + 32 * (j / 2)), 4 * (j % 2), mask);
-                // Bit j of byte l of qh is bit 4 of element l.
-                let bit = _mm256_set1_epi8((1u8 << j) as i8);
-                let qh = _mm256_loadu_si256(blk.add(16) as *const __m256i);
-                let high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(0x10));
-                unsigned(_mm256_or_si256(q, high))
             }
             Q2_K => {
                 // Bytes 2j and 2j + 1 hold the halves' scales (low nibbles) and minimums (high nibbles).
@@ -260,7 +208,6 @@ pub(super) fn tag(dtype: crate::tensor::DType) -> u8 {
     use crate::tensor::DType;
     match dtype {
         DType::Q8_K => Q8_K,
-        DType::Q5_K => Q5_K,
         DType::Q2_K => Q2_K,
         _ => Q3_K,
     }
@@ -277,7 +224,7 @@ mod tests {
     fn decoded<const Q: u8>(row: &[u8], b: usize) -> (Vec<i32>, f32, Vec<f32>) {
         // SAFETY: only run after AVX2 detection; `row` holds the block of sub-block b.
         unsafe {
-            let s = unpack::<Q>(row.as_ptr(), b, _mm256_set1_epi8(0x0f));
+            let s = unpack::<Q>(row.as_ptr(), b);
             let (mut q, mut mul, mut mins) = ([0i8; 32], [0i16; 16], [0i16; 16]);
             _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, s.wq);
             _mm256_storeu_si256(mul.as_mut_ptr() as *mut __m256i, s.mul);
@@ -324,7 +271,6 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         use crate::tensor::DType as D;
         check::<Q8_K>(D::Q8_K, &mut rng);
-        check::<Q5_K>(D::Q5_K, &mut rng);
         check::<Q2_K>(D::Q2_K, &mut rng);
         check::<Q3_K>(D::Q3_K, &mut rng);
     }

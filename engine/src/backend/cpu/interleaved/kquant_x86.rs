@@ -1,9 +1,9 @@
-//! The x86 tiles of Q4_K and Q6_K in the interleaved layout ([`super::kquant`]) at each instruction-set level:
+//! The x86 tiles of Q4_K, Q5_K and Q6_K in the interleaved layout ([`super::kquant`]) at each instruction-set level:
 //! `x86`'s tiles with a super-block's eight 32-element sub-blocks, each against its own activation block.
 
-use super::kquant::{Q4K_D, Q4K_DMIN, Q4K_SCALES, Q6K_D, Q6K_SCALES};
-use super::x86::{Operands, dots256, dots512, prefetch, store512};
-use super::{Q4_K, ROWS, block_bytes};
+use super::kquant::{HIGH_LINE, d_at, dmin_at, scales_at};
+use super::x86::{Operands, dots256_pair, dots512, prefetch, store512};
+use super::{Q5_K, Q6_K, ROWS, block_bytes};
 use crate::quant::{QK, QK_K};
 use std::arch::x86_64::*;
 
@@ -12,7 +12,7 @@ const SUBS: usize = QK_K / QK;
 /// Bytes of one line of values: a 4-byte group of the 16 rows.
 const LINE: usize = 4 * ROWS;
 
-/// A Q4_K super-block's 6-bit scales (`[j]`) and minimums (`[8 + j]`) of sub-block `j`, each as the 16 rows'
+/// A Q4_K or Q5_K super-block's 6-bit scales (`[j]`) and minimums (`[8 + j]`) of sub-block `j`, each as the 16 rows'
 /// bytes: [`crate::quant::k4_scale_min`] on 16 rows at once, from the 12 bytes' lines at `p`.
 ///
 /// # Safety
@@ -50,7 +50,7 @@ fn q4k_line(j: usize, g: usize) -> usize {
 #[inline(always)]
 fn q6k_lines(j: usize, g: usize) -> (usize, usize) {
     let (n, c) = (j / 4, j % 4);
-    ((16 * n + 8 * (c % 2) + g) * LINE, (32 + 8 * n + g) * LINE)
+    ((16 * n + 8 * (c % 2) + g) * LINE, (HIGH_LINE + 8 * n + g) * LINE)
 }
 
 /// `x86`'s 512-bit tile for a K-quant: 16 rows in one register per token, per sub-block one `vpdpbusd` per group
@@ -69,17 +69,23 @@ pub(super) unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
         for sb in 0..blocks / SUBS {
             let blk = w.add(sb * block_bytes(F));
             prefetch::<F>(blk);
-            if F == Q4_K {
-                let sm = k4_scales(blk.add(Q4K_SCALES));
-                let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(Q4K_D) as *const __m256i));
-                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(Q4K_DMIN) as *const __m256i));
+            if F != Q6_K {
+                let sm = k4_scales(blk.add(scales_at(F)));
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(d_at(F)) as *const __m256i));
+                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(dmin_at(F)) as *const __m256i));
                 for j in 0..SUBS {
                     let b = sb * SUBS + j;
                     let mut sum = [_mm512_setzero_si512(); T];
                     for g in 0..QK / 4 {
                         let line = _mm512_loadu_si512(blk.add(q4k_line(j, g)) as *const __m512i);
                         let v = if j % 2 == 0 { line } else { _mm512_srli_epi16::<4>(line) };
-                        dots512(&mut sum, _mm512_and_si512(v, low), a, blocks, b, g);
+                        let mut v = _mm512_and_si512(v, low);
+                        if F == Q5_K {
+                            let high = _mm512_loadu_si512(blk.add((HIGH_LINE + g) * LINE) as *const __m512i);
+                            let set = _mm512_test_epi8_mask(high, _mm512_set1_epi8((1u8 << j) as i8));
+                            v = _mm512_mask_add_epi8(v, set, v, _mm512_set1_epi8(0x10));
+                        }
+                        dots512(&mut sum, v, a, blocks, b, g);
                     }
                     let dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm[j])));
                     let min = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm[8 + j])));
@@ -92,7 +98,7 @@ pub(super) unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
                     }
                 }
             } else {
-                let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(Q6K_D) as *const __m256i));
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(d_at(F)) as *const __m256i));
                 for j in 0..SUBS {
                     let b = sb * SUBS + j;
                     let mut total = [_mm512_setzero_si512(); T];
@@ -116,7 +122,7 @@ pub(super) unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
                             dots512(&mut sum, v, a, blocks, b, g);
                         }
                         let scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(
-                            blk.add(Q6K_SCALES + (2 * j + h) * ROWS) as *const __m128i
+                            blk.add(scales_at(F) + (2 * j + h) * ROWS) as *const __m128i
                         ));
                         for (total, s) in total.iter_mut().zip(&sum) {
                             *total = _mm512_add_epi32(*total, _mm512_mullo_epi32(*s, scale));
@@ -147,7 +153,7 @@ pub(super) unsafe fn super_block_halves<const V: u8, const T: usize, const F: u8
 ) {
     // SAFETY: forwarded.
     unsafe {
-        let sm = if F == Q4_K { k4_scales(blk.add(Q4K_SCALES)) } else { [_mm_setzero_si128(); 16] };
+        let sm = if F == Q6_K { [_mm_setzero_si128(); 16] } else { k4_scales(blk.add(scales_at(F))) };
         for (r, acc) in acc.iter_mut().enumerate() {
             half_block::<V, T, F>(r, blk, sb, &sm, o, acc);
         }
@@ -167,7 +173,7 @@ unsafe fn rows_of<const SIGNED: bool>(v: __m128i, r: usize) -> __m256i {
     }
 }
 
-/// Rows `8r..8r + 8` of super-block `sb` at `blk` into their accumulators (`sm`: Q4_K's scales and minimums).
+/// Rows `8r..8r + 8` of super-block `sb` at `blk` into their accumulators (`sm`: Q4_K's or Q5_K's scales and minimums).
 ///
 /// # Safety
 /// As for [`super_block_halves`].
@@ -183,18 +189,16 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
     let Operands { a, halves, blocks, .. } = o;
     // SAFETY (whole body): the caller's ranges.
     unsafe {
-        let (low, top) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0x30));
         let v = blk.add(32 * r);
-        if F == Q4_K {
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(Q4K_D + 16 * r) as *const __m128i));
-            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(Q4K_DMIN + 16 * r) as *const __m128i));
+        if F != Q6_K {
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(d_at(F) + 16 * r) as *const __m128i));
+            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(dmin_at(F) + 16 * r) as *const __m128i));
             for j in 0..SUBS {
                 let b = sb * SUBS + j;
                 let mut sum = [_mm256_setzero_si256(); T];
-                for g in 0..QK / 4 {
-                    let line = _mm256_loadu_si256(v.add(q4k_line(j, g)) as *const __m256i);
-                    let q = if j % 2 == 0 { line } else { _mm256_srli_epi16::<4>(line) };
-                    dots256::<V, T, F>(&mut sum, _mm256_and_si256(q, low), a, blocks, b, g);
+                for g in (0..QK / 4).step_by(2) {
+                    let q = [k4_values::<F>(v, j, g), k4_values::<F>(v, j, g + 1)];
+                    dots256_pair::<V, T, F>(&mut sum, q, [g, g + 1], a, blocks, b);
                 }
                 let dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(rows_of::<false>(sm[j], r)));
                 let min = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(rows_of::<false>(sm[8 + j], r)));
@@ -207,7 +211,7 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
             }
             return;
         }
-        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(Q6K_D + 16 * r) as *const __m128i));
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(d_at(F) + 16 * r) as *const __m128i));
         for j in 0..SUBS {
             let b = sb * SUBS + j;
             let mut total = [_mm256_setzero_si256(); T];
@@ -216,21 +220,11 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
                 for (t, s) in sum.iter_mut().enumerate() {
                     *s = _mm256_set1_epi32(-32 * (*halves.add(t * blocks + b))[h]);
                 }
-                for g in 4 * h..4 * h + 4 {
-                    let (ql, qh) = q6k_lines(j, g);
-                    let ql = _mm256_loadu_si256(v.add(ql) as *const __m256i);
-                    let qh = _mm256_loadu_si256(v.add(qh) as *const __m256i);
-                    let low4 = if j % 4 < 2 { ql } else { _mm256_srli_epi16::<4>(ql) };
-                    let high2 = match j % 4 {
-                        0 => _mm256_slli_epi16::<4>(qh),
-                        1 => _mm256_slli_epi16::<2>(qh),
-                        2 => qh,
-                        _ => _mm256_srli_epi16::<2>(qh),
-                    };
-                    let q = _mm256_or_si256(_mm256_and_si256(low4, low), _mm256_and_si256(high2, top));
-                    dots256::<V, T, F>(&mut sum, q, a, blocks, b, g);
+                for g in (4 * h..4 * h + 4).step_by(2) {
+                    let q = [q6k_values(v, j, g), q6k_values(v, j, g + 1)];
+                    dots256_pair::<V, T, F>(&mut sum, q, [g, g + 1], a, blocks, b);
                 }
-                let scales = _mm_loadu_si128(blk.add(Q6K_SCALES + (2 * j + h) * ROWS) as *const __m128i);
+                let scales = _mm_loadu_si128(blk.add(scales_at(F) + (2 * j + h) * ROWS) as *const __m128i);
                 let scale = rows_of::<true>(scales, r);
                 for (total, s) in total.iter_mut().zip(&sum) {
                     *total = _mm256_add_epi32(*total, _mm256_mullo_epi32(*s, scale));
@@ -241,5 +235,48 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
                 *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[t]), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), *acc);
             }
         }
+    }
+}
+
+/// Sub-block `j`'s values of group `g` for the 8 rows at `v` (Q4_K's nibbles, with Q5_K's fifth bits).
+///
+/// # Safety
+/// AVX2; `v` points at the rows' first byte of a Q4_K or Q5_K super-block.
+#[inline(always)]
+unsafe fn k4_values<const F: u8>(v: *const u8, j: usize, g: usize) -> __m256i {
+    // SAFETY: forwarded; the lines lie inside the super-block.
+    unsafe {
+        let line = _mm256_loadu_si256(v.add(q4k_line(j, g)) as *const __m256i);
+        let q = if j.is_multiple_of(2) { line } else { _mm256_srli_epi16::<4>(line) };
+        let q = _mm256_and_si256(q, _mm256_set1_epi8(0x0f));
+        if F != Q5_K {
+            return q;
+        }
+        let high = _mm256_loadu_si256(v.add((HIGH_LINE + g) * LINE) as *const __m256i);
+        let bit = _mm256_set1_epi8((1u8 << j) as i8);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(high, bit), bit);
+        _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
+    }
+}
+
+/// Q6_K sub-block `j`'s 6-bit values (unsigned, `q + 32`) of group `g` for the 8 rows at `v`.
+///
+/// # Safety
+/// AVX2; `v` points at the rows' first byte of a Q6_K super-block.
+#[inline(always)]
+unsafe fn q6k_values(v: *const u8, j: usize, g: usize) -> __m256i {
+    // SAFETY: forwarded; the lines lie inside the super-block.
+    unsafe {
+        let (ql, qh) = q6k_lines(j, g);
+        let ql = _mm256_loadu_si256(v.add(ql) as *const __m256i);
+        let qh = _mm256_loadu_si256(v.add(qh) as *const __m256i);
+        let low4 = if j % 4 < 2 { ql } else { _mm256_srli_epi16::<4>(ql) };
+        let high2 = match j % 4 {
+            0 => _mm256_slli_epi16::<4>(qh),
+            1 => _mm256_slli_epi16::<2>(qh),
+            2 => qh,
+            _ => _mm256_srli_epi16::<2>(qh),
+        };
+        _mm256_or_si256(_mm256_and_si256(low4, _mm256_set1_epi8(0x0f)), _mm256_and_si256(high2, _mm256_set1_epi8(0x30)))
     }
 }

@@ -1,5 +1,5 @@
-//! The 32-element block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), Q4_K and Q6_K as the CPU backend keeps them: 16
-//! rows side by side ([`pack`]; the K-quants' super-blocks in [`kquant`]), so a 4-byte group of 16 rows fills one 512-bit register and one `vpdpbusd` against a token's 4
+//! The 32-element block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), Q4_K, Q5_K and Q6_K as the CPU backend keeps
+//! them: 16 rows side by side ([`pack`]; the K-quants' super-blocks in [`kquant`]), so a 4-byte group of 16 rows fills one 512-bit register and one `vpdpbusd` against a token's 4
 //! activation bytes, broadcast, advances 16 rows' sums. Each row's block is summed as integers (exact, in any
 //! order), then `acc = fma(Σ q·a, d_w·d_a, acc)` (and `acc = fma(m_w, s_a, acc)` for the formats with a minimum)
 //! block by block: [`scalar`]'s arithmetic, so every level, token count and thread split gives the same bits. The
@@ -33,6 +33,7 @@ pub enum Format {
     Q5_1 = 4,
     Q4_K = 5,
     Q6_K = 6,
+    Q5_K = 7,
 }
 
 const Q8_0: u8 = Format::Q8_0 as u8;
@@ -41,6 +42,7 @@ const Q5_0: u8 = Format::Q5_0 as u8;
 const Q5_1: u8 = Format::Q5_1 as u8;
 const Q4_K: u8 = Format::Q4_K as u8;
 const Q6_K: u8 = Format::Q6_K as u8;
+const Q5_K: u8 = Format::Q5_K as u8;
 
 impl Format {
     /// The format of `dtype`, if this layout holds it.
@@ -52,6 +54,7 @@ impl Format {
             DType::Q5_0 => Some(Format::Q5_0),
             DType::Q5_1 => Some(Format::Q5_1),
             DType::Q4_K => Some(Format::Q4_K),
+            DType::Q5_K => Some(Format::Q5_K),
             DType::Q6_K => Some(Format::Q6_K),
             _ => None,
         }
@@ -65,6 +68,7 @@ impl Format {
             Format::Q5_0 => DType::Q5_0,
             Format::Q5_1 => DType::Q5_1,
             Format::Q4_K => DType::Q4_K,
+            Format::Q5_K => DType::Q5_K,
             Format::Q6_K => DType::Q6_K,
         }
     }
@@ -72,7 +76,7 @@ impl Format {
 
 /// Whether format `f` is a K-quant (256-element super-blocks, [`kquant`]).
 const fn is_k(f: u8) -> bool {
-    f == Q4_K || f == Q6_K
+    f == Q4_K || f == Q5_K || f == Q6_K
 }
 
 /// Weights per row of one block of format `f`.
@@ -105,10 +109,8 @@ const fn bias(f: u8) -> i32 {
 /// group `j` in its low and group `j + 4` in its high nibbles, then (Q5) the fifth bits, 8 bytes per group, bit
 /// `4·row + k` for the group's byte k of that row.
 const fn block_bytes(f: u8) -> usize {
-    match f {
-        Q4_K => return ROWS * kquant::Q4K_FILE,
-        Q6_K => return ROWS * kquant::Q6K_FILE,
-        _ => {}
+    if is_k(f) {
+        return ROWS * kquant::file_bytes(f);
     }
     let scales = if has_min(f) { 4 * ROWS } else { 2 * ROWS };
     let values = if f == Q8_0 { ROWS * QK } else { ROWS * QK / 2 };
@@ -260,7 +262,7 @@ pub fn pack_into(f: Format, file: &[u8], rows: usize, cols: usize, out: &mut [u8
             for (b, blk) in dst.chunks_exact_mut(bb).enumerate() {
                 for r in (group * ROWS..rows).take(ROWS) {
                     for (byte, &v) in file[(r * blocks + b) * fb..][..fb].iter().enumerate() {
-                        blk[kquant::position(f == Format::Q6_K, r % ROWS, byte)] = v;
+                        blk[kquant::position(f as u8, r % ROWS, byte)] = v;
                     }
                 }
             }
@@ -295,7 +297,7 @@ pub fn file_row(f: Format, packed: &[u8], cols: usize, r: usize) -> Vec<u8> {
     let mut row = Vec::with_capacity(blocks * f.dtype().block_bytes());
     for blk in group.chunks_exact(bb) {
         if is_k(f as u8) {
-            row.extend(kquant::file_block(f == Format::Q6_K, blk, r % ROWS));
+            row.extend(kquant::file_block(f as u8, blk, r % ROWS));
             continue;
         }
         push_file_block(f as u8, &get(f as u8, blk, r % ROWS), &mut row);
@@ -395,7 +397,7 @@ pub unsafe fn rows_by_tokens(
 /// The reference: one row group (format `f`) against one token, row by row.
 pub fn scalar(f: Format, group: &[u8], a: &[Q8Block]) -> [f32; ROWS] {
     if is_k(f as u8) {
-        return kquant::scalar(f == Format::Q6_K, group, a);
+        return kquant::scalar(f as u8, group, a);
     }
     let f = f as u8;
     let mut acc = [0f32; ROWS];

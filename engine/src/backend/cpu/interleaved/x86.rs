@@ -41,7 +41,8 @@ macro_rules! level {
             use super::*;
 
             /// This level's tile of each [`Format`], in its order.
-            pub const TILES: [Tile; 7] = [tile::<0>, tile::<1>, tile::<2>, tile::<3>, tile::<4>, tile::<5>, tile::<6>];
+            pub const TILES: [Tile; 8] =
+                [tile::<0>, tile::<1>, tile::<2>, tile::<3>, tile::<4>, tile::<5>, tile::<6>, tile::<7>];
 
             /// [`Tile`] at this level for format `F`.
             ///
@@ -226,8 +227,7 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
                     lo = _mm256_or_si256(lo, fifth256(bits.add(8 * j)));
                     hi = _mm256_or_si256(hi, fifth256(bits.add(8 * (j + 4))));
                 }
-                dots256::<V, T, F>(&mut sum, lo, a, blocks, b, j);
-                dots256::<V, T, F>(&mut sum, hi, a, blocks, b, j + 4);
+                dots256_pair::<V, T, F>(&mut sum, [lo, hi], [j, j + 4], a, blocks, b);
             }
         }
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h) as *const __m128i));
@@ -300,6 +300,37 @@ pub(super) unsafe fn dots256<const V: u8, const T: usize, const F: u8>(
                 AVX512_VNNI => _mm256_dpbusd_epi32(*s, wg, av),
                 _ => _mm256_add_epi32(*s, _mm256_madd_epi16(_mm256_maddubs_epi16(wg, av), ones)),
             };
+        }
+    }
+}
+
+/// [`dots256`] of two groups' values (`w[i]` of group `g[i]`), each below 64, so that two `maddubs` pairs add up
+/// within 16 bits (≤ 2 · 2 · 63 · 128): without VNNI their products are summed as 16-bit integers before one `madd`
+/// instead of a `madd` each (a quarter fewer instructions on the ports that multiply; the same integers).
+///
+/// # Safety
+/// Level `V`'s features; `a` points at `T` rows of `blocks` blocks.
+#[inline(always)]
+pub(super) unsafe fn dots256_pair<const V: u8, const T: usize, const F: u8>(
+    sum: &mut [__m256i; T],
+    w: [__m256i; 2],
+    g: [usize; 2],
+    a: *const Q8Block,
+    blocks: usize,
+    b: usize,
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        if V != AVX2 || F == Q8_0 {
+            dots256::<V, T, F>(sum, w[0], a, blocks, b, g[0]);
+            dots256::<V, T, F>(sum, w[1], a, blocks, b, g[1]);
+            return;
+        }
+        let ones = _mm256_set1_epi16(1);
+        for (t, s) in sum.iter_mut().enumerate() {
+            let p0 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(four(a, blocks, t, b, g[0])));
+            let p1 = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(four(a, blocks, t, b, g[1])));
+            *s = _mm256_add_epi32(*s, _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
         }
     }
 }
