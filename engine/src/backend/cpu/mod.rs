@@ -179,10 +179,11 @@ impl Backend for CpuBackend {
         if let Some((m, f)) = to_repack(t)? {
             let file = t.bytes.as_slice();
             let bytes = match &self.arena {
+                // The backend's threads repack row groups side by side.
                 Some(arena) => arena.write(interleaved::packed_len(f, m.rows, m.cols), |dst| {
-                    interleaved::pack_into(f, file, m.rows, m.cols, dst)
+                    self.pool.install(|| interleaved::pack_into(f, file, m.rows, m.cols, dst))
                 })?,
-                None => Bytes::owned(&interleaved::pack(f, file, m.rows, m.cols)?),
+                None => Bytes::owned(&self.pool.install(|| interleaved::pack(f, file, m.rows, m.cols))?),
             };
             t.bytes.advise(Paging::DontNeed)?;
             return Ok(CpuMatrix { bytes, ..m });
@@ -216,7 +217,7 @@ impl Backend for CpuBackend {
     /// a temporary file in `TMPDIR`.
     fn upload_matrix_offloaded(&self, t: &HostTensor) -> Result<CpuMatrix> {
         if let Some((m, f)) = to_repack(t)? {
-            let packed = interleaved::pack(f, t.bytes.as_slice(), m.rows, m.cols)?;
+            let packed = self.pool.install(|| interleaved::pack(f, t.bytes.as_slice(), m.rows, m.cols))?;
             let bytes = Bytes::owned(&packed).spill(&std::env::temp_dir())?;
             t.bytes.advise(Paging::DontNeed)?;
             return Ok(CpuMatrix { bytes, ..m });

@@ -12,6 +12,7 @@ use super::simd::{Isa, Q8Block};
 use crate::quant::{self, QK, QK_K};
 use crate::tensor::{DType, f16_at};
 use crate::{Error, Result};
+use rayon::prelude::*;
 
 /// Rows side by side.
 pub const ROWS: usize = 16;
@@ -255,32 +256,55 @@ pub fn pack_into(f: Format, file: &[u8], rows: usize, cols: usize, out: &mut [u8
             reason: format!("{} bytes are not {rows} rows of {cols} {} weights", file.len(), f.dtype()),
         });
     }
-    out.fill(0);
-    if is_k(f as u8) {
-        // The file's bytes, moved; missing rows stay zeros (d = 0).
-        for (group, dst) in out.chunks_exact_mut((blocks * bb).max(1)).enumerate() {
+    // Each byte's place, as `base + stride · row` (the layouts below are affine in the row), and what flips it.
+    let moves: Option<Vec<(usize, usize, u8)>> = (0..fb)
+        .map(|byte| {
+            let base = moved_to(f as u8, 0, byte)?;
+            let flip = if f == Format::Q8_0 && byte >= 2 { 0x80 } else { 0 };
+            Some((base, moved_to(f as u8, 1, byte)? - base, flip))
+        })
+        .collect();
+    // Missing rows are blocks of zeros: scale 0 (and Q8_0's 0 stored as 128).
+    let zeros = vec![0u8; fb];
+    out.par_chunks_exact_mut((blocks * bb).max(1)).enumerate().for_each(|(group, dst)| {
+        dst.fill(0);
+        for i in 0..ROWS {
+            let r = group * ROWS + i;
             for (b, blk) in dst.chunks_exact_mut(bb).enumerate() {
-                for r in (group * ROWS..rows).take(ROWS) {
-                    for (byte, &v) in file[(r * blocks + b) * fb..][..fb].iter().enumerate() {
-                        blk[kquant::position(f as u8, r % ROWS, byte)] = v;
+                let src = if r < rows { &file[(r * blocks + b) * fb..][..fb] } else { &zeros[..] };
+                match &moves {
+                    Some(moves) => {
+                        for (&(base, stride, flip), &v) in moves.iter().zip(src) {
+                            blk[base + stride * i] = v ^ flip;
+                        }
                     }
+                    None => put(f as u8, blk, i, &parts(f as u8, src)),
                 }
             }
         }
-        return Ok(());
-    }
-    // Missing rows: scale 0 and values that make 0 (Q8_0 stores 0 as 128).
-    let zero = Parts { d: [0; 2], m: [0; 2], q: [if f == Format::Q8_0 { 0x80 } else { 0 }; QK] };
-    for (group, dst) in out.chunks_exact_mut((blocks * bb).max(1)).enumerate() {
-        for (b, blk) in dst.chunks_exact_mut(bb).enumerate() {
-            for i in 0..ROWS {
-                let r = group * ROWS + i;
-                let p = if r < rows { parts(f as u8, &file[(r * blocks + b) * fb..][..fb]) } else { zero };
-                put(f as u8, blk, i, &p);
-            }
-        }
-    }
+    });
     Ok(())
+}
+
+/// Where byte `byte` of row `i`'s file block goes in its row group's block, for the formats whose layout moves the
+/// file's bytes rather than regrouping their bits (all but Q5_0 and Q5_1): a 4-bit format's byte `j` of values
+/// holds values `j` and `j + 16`, the low and high nibbles of line `j / 4`'s byte `j % 4` of the row, and Q8_0's
+/// value `j` (flipped by `0x80`) is that line's byte too.
+fn moved_to(f: u8, i: usize, byte: usize) -> Option<usize> {
+    if is_k(f) {
+        return Some(kquant::position(f, i, byte));
+    }
+    if five(f) {
+        return None;
+    }
+    Some(match byte {
+        0..2 => 2 * i + byte,
+        2..4 if has_min(f) => 2 * ROWS + 2 * i + byte - 2,
+        _ => {
+            let j = byte - values_at(f) / ROWS;
+            values_at(f) + (j / 4) * 4 * ROWS + 4 * i + j % 4
+        }
+    })
 }
 
 /// [`pack_into`] a new buffer.
