@@ -203,15 +203,24 @@ impl Bytes {
     /// The same bytes backed by a file, so their pages can leave memory ([`Bytes::advise`]): a mapped window as
     /// it is, other bytes written to an unnamed temporary file in `dir` (gone when the last map of it is).
     pub fn spill(&self, dir: &Path) -> Result<Bytes> {
-        if matches!(self, Bytes::Mapped { .. }) || self.is_empty() {
+        if matches!(self, Bytes::Mapped { .. }) {
             return Ok(self.clone());
+        }
+        Bytes::spilled(self.as_slice(), dir)
+    }
+
+    /// `data` written to an unnamed temporary file in `dir` and mapped from it (the file is gone when the last
+    /// map of it is), without first copying it into memory of its own.
+    pub(crate) fn spilled(data: &[u8], dir: &Path) -> Result<Bytes> {
+        if data.is_empty() {
+            return Ok(Bytes::owned(data));
         }
         let io = |e| Error::io(dir, e);
         let mut file = tempfile::tempfile_in(dir).map_err(io)?;
-        file.write_all(self.as_slice()).map_err(io)?;
+        file.write_all(data).map_err(io)?;
         // SAFETY: the file is unnamed and private to this process, so nothing else can change it under the map.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        Ok(Bytes::mapped(Arc::new(map), 0, self.len()))
+        Ok(Bytes::mapped(Arc::new(map), 0, data.len()))
     }
 }
 

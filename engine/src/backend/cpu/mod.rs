@@ -218,7 +218,7 @@ impl Backend for CpuBackend {
     fn upload_matrix_offloaded(&self, t: &HostTensor) -> Result<CpuMatrix> {
         if let Some((m, f)) = to_repack(t)? {
             let packed = self.pool.install(|| interleaved::pack(f, t.bytes.as_slice(), m.rows, m.cols))?;
-            let bytes = Bytes::owned(&packed).spill(&std::env::temp_dir())?;
+            let bytes = Bytes::spilled(&packed, &std::env::temp_dir())?;
             t.bytes.advise(Paging::DontNeed)?;
             return Ok(CpuMatrix { bytes, ..m });
         }
