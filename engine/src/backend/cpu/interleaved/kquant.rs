@@ -5,7 +5,7 @@
 //! also as integers), then, per sub-block, Q4_K and Q5_K `acc = fma(Σ q·a, (d·sc)·d_a, acc)` and
 //! `acc = fma(-(dmin·m), s_a, acc)`, Q6_K `acc = fma(Σ sc·(q - 32)·a, d·d_a, acc)`: [`scalar`]'s arithmetic.
 
-use super::{Q5_K, Q6_K, ROWS};
+use super::{Q5_K, Q6_K, ROWS, line_byte};
 use crate::backend::cpu::simd::Q8Block;
 use crate::quant::{QK, QK_K, k4_scale_min, q4k_value, q5k_value, q6k_value};
 use crate::tensor::f16_at;
@@ -44,7 +44,7 @@ pub(super) const HIGH_LINE: usize = 32;
 /// (the nibbles, then Q5_K's fifth bits or Q6_K's top bits, as one run) to line `v / 4`, row `i`'s 4 bytes of it;
 /// each per-row field's byte `k` beside the other rows' byte `k`.
 pub(super) fn position(f: u8, i: usize, byte: usize) -> usize {
-    let line = |v: usize| (v / 4) * 4 * ROWS + 4 * i + v % 4;
+    let line = |v: usize| line_byte(i, v);
     let field = |at: usize, k: usize| at + k * ROWS + i;
     if f == Q6_K {
         return match byte {

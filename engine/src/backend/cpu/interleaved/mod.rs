@@ -179,10 +179,15 @@ fn push_file_block(f: u8, p: &Parts, out: &mut Vec<u8>) {
     }
 }
 
+/// Where byte `v` of row `i`'s values goes when each 4-byte group of the 16 rows is one 64-byte line: line `v / 4`,
+/// the row's 4 bytes of it (every format of this layout stores its value bytes so).
+const fn line_byte(i: usize, v: usize) -> usize {
+    (v / 4) * 4 * ROWS + 4 * i + v % 4
+}
+
 /// Byte of value `l` of row `i` in a block's values, and (4/5-bit formats) whether it sits in the high nibble.
 fn value_at(f: u8, i: usize, l: usize) -> (usize, bool) {
-    let (g, k) = (l / 4, l % 4);
-    if f == Q8_0 { (g * 4 * ROWS + 4 * i + k, false) } else { ((g % 4) * 4 * ROWS + 4 * i + k, g >= 4) }
+    if f == Q8_0 { (line_byte(i, l), false) } else { (line_byte(i, l % (QK / 2)), l >= QK / 2) }
 }
 
 /// Bit of value `l` of row `i` among a block's fifth bits (Q5): group `l / 4`'s 64, byte `l % 4` of the row.
@@ -288,8 +293,8 @@ pub fn pack_into(f: Format, file: &[u8], rows: usize, cols: usize, out: &mut [u8
 
 /// Where byte `byte` of row `i`'s file block goes in its row group's block, for the formats whose layout moves the
 /// file's bytes rather than regrouping their bits (all but Q5_0 and Q5_1): a 4-bit format's byte `j` of values
-/// holds values `j` and `j + 16`, the low and high nibbles of line `j / 4`'s byte `j % 4` of the row, and Q8_0's
-/// value `j` (flipped by `0x80`) is that line's byte too.
+/// holds values `j` and `j + 16`, which [`value_at`] puts in the low and high nibbles of one byte, and Q8_0's
+/// value `j` (flipped by `0x80`) is that value's byte.
 fn moved_to(f: u8, i: usize, byte: usize) -> Option<usize> {
     if is_k(f) {
         return Some(kquant::position(f, i, byte));
@@ -300,10 +305,8 @@ fn moved_to(f: u8, i: usize, byte: usize) -> Option<usize> {
     Some(match byte {
         0..2 => 2 * i + byte,
         2..4 if has_min(f) => 2 * ROWS + 2 * i + byte - 2,
-        _ => {
-            let j = byte - values_at(f) / ROWS;
-            values_at(f) + (j / 4) * 4 * ROWS + 4 * i + j % 4
-        }
+        // The file block's values follow its scale (and minimum): as many bytes as a row group's take per row.
+        _ => values_at(f) + value_at(f, i, byte - values_at(f) / ROWS).0,
     })
 }
 
