@@ -1,65 +1,96 @@
-//! Q4_K, Q5_K and Q6_K in the interleaved layout: a row group's super-block is the 16 rows' file blocks with their
-//! bytes moved, not changed ([`position`]), so that each 4-byte group of values of the 16 rows is one 64-byte
-//! line, as the 32-element formats' are, and each per-row field (scales, sub-block scales) sits 16 rows side by
-//! side. The kernels sum each 32-element sub-block as integers (Q6_K: each 16-element half, times its 8-bit scale,
-//! also as integers), then, per sub-block, Q4_K and Q5_K `acc = fma(Σ q·a, (d·sc)·d_a, acc)` and
-//! `acc = fma(-(dmin·m), s_a, acc)`, Q6_K `acc = fma(Σ sc·(q - 32)·a, d·d_a, acc)`: [`scalar`]'s arithmetic.
+//! The K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) in the interleaved layout: a row group's super-block is the 16 rows'
+//! file blocks with their bytes moved, not changed ([`position`]), so that each 4-byte group of values of the 16 rows
+//! is one 64-byte line, as the 32-element formats' are, and each per-row field (scales, sub-block scales) sits 16
+//! rows side by side. The kernels sum each 32-element sub-block as integers (the formats with a scale per 16
+//! elements, Q2_K, Q3_K and Q6_K: each half, times its scale, also as integers), then, per sub-block, Q4_K and Q5_K
+//! `acc = fma(Σ q·a, (d·sc)·d_a, acc)` and `acc = fma(-(dmin·m), s_a, acc)`, Q3_K and Q6_K
+//! `acc = fma(Σ sc·q·a, d·d_a, acc)`, Q2_K that and `acc = fma(Σ m·a, -(dmin·d_a), acc)`: [`scalar`]'s arithmetic.
 
-use super::{Q5_K, Q6_K, ROWS, line_byte};
+use super::{Q2_K, Q3_K, Q5_K, Q6_K, ROWS, line_byte};
 use crate::backend::cpu::simd::Q8Block;
-use crate::quant::{QK, QK_K, k4_scale_min, q4k_value, q5k_value, q6k_value};
+use crate::quant::{QK, QK_K, k4_scale_min, q2k_value, q3k_scale, q3k_value, q4k_value, q5k_value, q6k_value};
 use crate::tensor::f16_at;
 
-/// Bytes of K-quant `f`'s file block: Q4_K d, dmin (f16), 12 bytes of 6-bit scales and minimums, 128 bytes of
-/// nibbles; Q5_K the same with 32 bytes of fifth bits before the nibbles; Q6_K 128 bytes of low nibbles, 64 of
-/// top bits, 16 signed scales, d (f16).
+/// Bytes of K-quant `f`'s file block: Q2_K 16 bytes of 4-bit scales and minimums, 64 of 2-bit values, d, dmin
+/// (f16); Q3_K 32 bytes of high bits, 64 of 2-bit values, 12 of 6-bit scales, d; Q4_K d, dmin, 12 bytes of 6-bit
+/// scales and minimums, 128 bytes of nibbles; Q5_K the same with 32 bytes of fifth bits before the nibbles; Q6_K
+/// 128 bytes of low nibbles, 64 of top bits, 16 signed scales, d.
 pub(super) const fn file_bytes(f: u8) -> usize {
     match f {
+        Q2_K => 84,
+        Q3_K => 110,
         Q5_K => 176,
         Q6_K => 210,
         _ => 144,
     }
 }
 
-/// Bytes of values per row: every byte of the file block but its per-row fields.
-const fn values(f: u8) -> usize {
-    file_bytes(f) - if f == Q6_K { 18 } else { 16 }
+/// Whether format `f` has a scale per 16 elements (two per sub-block) rather than per 32.
+pub(super) const fn per_half(f: u8) -> bool {
+    f == Q2_K || f == Q3_K || f == Q6_K
 }
 
-/// Where a row group's super-block holds each field of the 16 rows (after the values' lines): d (16 f16), Q4_K
-/// and Q5_K's dmin and 12 scale bytes, Q6_K's 16 scales, each byte as 16 rows' bytes.
+/// Bytes of K-quant `f`'s per-row scale fields (Q4_K/Q5_K's 12 packed bytes hold scales and minimums).
+const fn scale_bytes(f: u8) -> usize {
+    match f {
+        Q2_K | Q6_K => 16,
+        _ => 12,
+    }
+}
+
+/// Bytes of values per row: every byte of the file block but its per-row fields (the scale bytes, d and dmin).
+const fn values(f: u8) -> usize {
+    file_bytes(f) - scale_bytes(f) - if f == Q3_K || f == Q6_K { 2 } else { 4 }
+}
+
+/// Where a row group's super-block holds each field of the 16 rows (after the values' lines): d (16 f16), Q2_K,
+/// Q4_K and Q5_K's dmin, and the scale bytes, each byte as 16 rows' bytes (Q3_K and Q6_K's before d).
 pub(super) const fn d_at(f: u8) -> usize {
-    values(f) * ROWS + if f == Q6_K { 16 * ROWS } else { 0 }
+    values(f) * ROWS + if f == Q3_K || f == Q6_K { scale_bytes(f) * ROWS } else { 0 }
 }
 pub(super) const fn dmin_at(f: u8) -> usize {
     d_at(f) + 2 * ROWS
 }
 pub(super) const fn scales_at(f: u8) -> usize {
-    if f == Q6_K { values(f) * ROWS } else { dmin_at(f) + 2 * ROWS }
+    if f == Q3_K || f == Q6_K { values(f) * ROWS } else { dmin_at(f) + 2 * ROWS }
 }
 /// Line of the first of Q5_K's fifth bits and Q6_K's top bits: the 32 lines of nibbles come first.
 pub(super) const HIGH_LINE: usize = 32;
+/// Line of the first of Q3_K's high bits: the 16 lines of 2-bit values come first.
+pub(super) const Q3K_HIGH_LINE: usize = 16;
 
 /// Where byte `byte` of row `i`'s file block goes in the row group's super-block of K-quant `f`: value byte `v`
-/// (the nibbles, then Q5_K's fifth bits or Q6_K's top bits, as one run) to line `v / 4`, row `i`'s 4 bytes of it;
-/// each per-row field's byte `k` beside the other rows' byte `k`.
+/// (the nibbles or 2-bit values, then Q3_K's high bits, Q5_K's fifth bits or Q6_K's top bits, as one run) to line
+/// `v / 4`, row `i`'s 4 bytes of it; each per-row field's byte `k` beside the other rows' byte `k`.
 pub(super) fn position(f: u8, i: usize, byte: usize) -> usize {
     let line = |v: usize| line_byte(i, v);
     let field = |at: usize, k: usize| at + k * ROWS + i;
-    if f == Q6_K {
-        return match byte {
+    match f {
+        Q2_K => match byte {
+            0..16 => field(scales_at(f), byte),
+            16..80 => line(byte - 16),
+            80..82 => d_at(f) + 2 * i + (byte - 80),
+            _ => dmin_at(f) + 2 * i + (byte - 82),
+        },
+        Q3_K => match byte {
+            0..32 => line(64 + byte),
+            32..96 => line(byte - 32),
+            96..108 => field(scales_at(f), byte - 96),
+            _ => d_at(f) + 2 * i + (byte - 108),
+        },
+        Q6_K => match byte {
             0..192 => line(byte),
             192..208 => field(scales_at(f), byte - 192),
             _ => d_at(f) + 2 * i + (byte - 208),
-        };
-    }
-    match byte {
-        0..2 => d_at(f) + 2 * i + byte,
-        2..4 => dmin_at(f) + 2 * i + (byte - 2),
-        4..16 => field(scales_at(f), byte - 4),
-        // Q5_K's fifth bits, after its 128 bytes of nibbles.
-        16..48 if f == Q5_K => line(128 + byte - 16),
-        _ => line(byte - (file_bytes(f) - 128)),
+        },
+        _ => match byte {
+            0..2 => d_at(f) + 2 * i + byte,
+            2..4 => dmin_at(f) + 2 * i + (byte - 2),
+            4..16 => field(scales_at(f), byte - 4),
+            // Q5_K's fifth bits, after its 128 bytes of nibbles.
+            16..48 if f == Q5_K => line(128 + byte - 16),
+            _ => line(byte - (file_bytes(f) - 128)),
+        },
     }
 }
 
@@ -76,12 +107,27 @@ pub(super) fn scalar(f: u8, group: &[u8], a: &[Q8Block]) -> [f32; ROWS] {
             let file = file_block(f, blk, i);
             for (j, ab) in a.iter().enumerate() {
                 let x = |l: usize| i32::from(ab.qs[l]);
-                if f == Q6_K {
-                    let half = |h: usize| -> i32 {
-                        let scale = i32::from(file[192 + 2 * j + h] as i8);
-                        scale * (16 * h..16 * h + 16).map(|l| q6k_value(&file, QK * j + l) * x(l)).sum::<i32>()
+                if per_half(f) {
+                    // Half h of sub-block j: its scale (and Q2_K's minimum) times its integer sums.
+                    let half = |h: usize| -> (i32, i32) {
+                        let (k, ls) = (2 * j + h, 16 * h..16 * h + 16);
+                        let dot =
+                            |value: &dyn Fn(usize) -> i32| ls.clone().map(|l| value(QK * j + l) * x(l)).sum::<i32>();
+                        match f {
+                            Q2_K => {
+                                let (sc, m) = (i32::from(file[k] & 0x0f), i32::from(file[k] >> 4));
+                                (sc * dot(&|e| i32::from(q2k_value(&file, e))), m * ls.map(x).sum::<i32>())
+                            }
+                            Q3_K => (q3k_scale(&file[96..108], k) * dot(&|e| q3k_value(&file, e)), 0),
+                            _ => (i32::from(file[192 + k] as i8) * dot(&|e| q6k_value(&file, e)), 0),
+                        }
                     };
-                    *acc = ((half(0) + half(1)) as f32).mul_add(f16_at(&file, 208) * ab.d, *acc);
+                    let ((s0, m0), (s1, m1)) = (half(0), half(1));
+                    let d = f16_at(&file, if f == Q2_K { 80 } else { file_bytes(f) - 2 });
+                    *acc = ((s0 + s1) as f32).mul_add(d * ab.d, *acc);
+                    if f == Q2_K {
+                        *acc = ((m0 + m1) as f32).mul_add(-(f16_at(&file, 82) * ab.d), *acc);
+                    }
                 } else {
                     let value = if f == Q5_K { q5k_value } else { q4k_value };
                     let (sc, m) = k4_scale_min(&file[4..16], j);

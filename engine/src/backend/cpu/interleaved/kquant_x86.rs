@@ -1,9 +1,9 @@
-//! The x86 tiles of Q4_K, Q5_K and Q6_K in the interleaved layout ([`super::kquant`]) at each instruction-set level:
+//! The x86 tiles of the K-quants in the interleaved layout ([`super::kquant`]) at each instruction-set level:
 //! `x86`'s tiles with a super-block's eight 32-element sub-blocks, each against its own activation block.
 
-use super::kquant::{HIGH_LINE, d_at, dmin_at, scales_at};
+use super::kquant::{HIGH_LINE, Q3K_HIGH_LINE, d_at, dmin_at, per_half, scales_at};
 use super::x86::{Operands, dots256_pair, dots512, prefetch, store512};
-use super::{Q5_K, Q6_K, ROWS, block_bytes};
+use super::{Q2_K, Q3_K, Q5_K, Q6_K, ROWS, block_bytes};
 use crate::quant::{QK, QK_K};
 use std::arch::x86_64::*;
 
@@ -53,6 +53,112 @@ fn q6k_lines(j: usize, g: usize) -> (usize, usize) {
     ((16 * n + 8 * (c % 2) + g) * LINE, (HIGH_LINE + 8 * n + g) * LINE)
 }
 
+/// What each value of a format with a scale per 16 elements is stored above: Q6_K's `q + 32`, Q3_K's `q + 4`.
+const fn half_bias(f: u8) -> i32 {
+    match f {
+        Q6_K => -32,
+        Q3_K => -4,
+        _ => 0,
+    }
+}
+
+/// The 16 rows' signed scales of 16-element half `k` (0..16) of a Q2_K, Q3_K or Q6_K super-block at `blk`: Q6_K's
+/// bytes, Q2_K's low nibbles, Q3_K's 6 bits ([`crate::quant::q3k_scale`] on 16 rows at once) less 32.
+///
+/// # Safety
+/// SSE2; `blk` points at a super-block of format `F`.
+#[inline(always)]
+unsafe fn half_scales<const F: u8>(blk: *const u8, k: usize) -> __m128i {
+    // SAFETY: forwarded; the fields lie inside the super-block.
+    unsafe {
+        let field = |n: usize| _mm_loadu_si128(blk.add(scales_at(F) + n * ROWS) as *const __m128i);
+        let shr = |v: __m128i, n: usize| _mm_srl_epi16(v, _mm_cvtsi32_si128(n as i32));
+        match F {
+            Q6_K => field(k),
+            Q2_K => _mm_and_si128(field(k), _mm_set1_epi8(0x0f)),
+            _ => {
+                let low = _mm_and_si128(shr(field(k % 8), 4 * (k / 8)), _mm_set1_epi8(0x0f));
+                let high = _mm_and_si128(shr(field(8 + k % 4), 2 * (k / 4)), _mm_set1_epi8(3));
+                _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16::<4>(high)), _mm_set1_epi8(32))
+            }
+        }
+    }
+}
+
+/// Q2_K sub-block `j`'s minimums of its two halves as 16-bit pairs, row after row (rows 0..8, then 8..16), for one
+/// `madd` against a token's two half sums.
+///
+/// # Safety
+/// SSE2; `blk` points at a Q2_K super-block.
+#[inline(always)]
+unsafe fn q2k_min_pairs(blk: *const u8, j: usize) -> [__m128i; 2] {
+    // SAFETY: forwarded; the fields lie inside the super-block.
+    unsafe {
+        let min = |k: usize| {
+            let field = _mm_loadu_si128(blk.add(scales_at(Q2_K) + k * ROWS) as *const __m128i);
+            _mm_and_si128(_mm_srli_epi16::<4>(field), _mm_set1_epi8(0x0f))
+        };
+        let (m0, m1) = (min(2 * j), min(2 * j + 1));
+        [_mm_unpacklo_epi8(m0, m1), _mm_unpackhi_epi8(m0, m1)]
+    }
+}
+
+/// A token's two half sums of activation block `b` as one 32-bit lane of 16-bit pairs (each at most 16 · 128).
+///
+/// # Safety
+/// `halves` points at `(t + 1) · blocks` pairs.
+#[inline(always)]
+unsafe fn half_pair(halves: *const [i32; 2], blocks: usize, t: usize, b: usize) -> i32 {
+    // SAFETY: forwarded.
+    let [h0, h1] = unsafe { *halves.add(t * blocks + b) };
+    (h0 & 0xffff) | (h1 << 16)
+}
+
+/// The 2-bit field line and (Q3_K) high-bit line of sub-block `j`'s group `g` in a Q2_K or Q3_K super-block: the
+/// 32 bytes of fields of each half of 128 elements are 8 lines, quarter `j % 4` at bits `2·(j % 4)`; the high bit
+/// is bit `j` of the 8 high-bit lines.
+#[inline(always)]
+fn k2_lines(j: usize, g: usize) -> (usize, usize) {
+    ((8 * (j / 4) + g) * LINE, (Q3K_HIGH_LINE + g) * LINE)
+}
+
+/// Sub-block `j`'s values of group `g` for the 16 rows of a Q2_K, Q3_K or Q6_K super-block at `blk`, unsigned
+/// (Q3_K's `q + 4`, Q6_K's `q + 32`).
+///
+/// # Safety
+/// AVX-512 F/BW; `blk` points at a super-block of format `F`.
+#[inline(always)]
+unsafe fn values512<const F: u8>(blk: *const u8, j: usize, g: usize) -> __m512i {
+    // SAFETY: forwarded; the lines lie inside the super-block.
+    unsafe {
+        if F == Q6_K {
+            let (ql, qh) = q6k_lines(j, g);
+            let ql = _mm512_loadu_si512(blk.add(ql) as *const __m512i);
+            let qh = _mm512_loadu_si512(blk.add(qh) as *const __m512i);
+            let low4 = if j % 4 < 2 { ql } else { _mm512_srli_epi16::<4>(ql) };
+            let high2 = match j % 4 {
+                0 => _mm512_slli_epi16::<4>(qh),
+                1 => _mm512_slli_epi16::<2>(qh),
+                2 => qh,
+                _ => _mm512_srli_epi16::<2>(qh),
+            };
+            return _mm512_or_si512(
+                _mm512_and_si512(low4, _mm512_set1_epi8(0x0f)),
+                _mm512_and_si512(high2, _mm512_set1_epi8(0x30)),
+            );
+        }
+        let (two, high) = k2_lines(j, g);
+        let line = _mm512_loadu_si512(blk.add(two) as *const __m512i);
+        let v = _mm512_and_si512(_mm512_srl_epi16(line, _mm_cvtsi32_si128(2 * (j % 4) as i32)), _mm512_set1_epi8(3));
+        if F != Q3_K {
+            return v;
+        }
+        let high = _mm512_loadu_si512(blk.add(high) as *const __m512i);
+        let set = _mm512_test_epi8_mask(high, _mm512_set1_epi8((1u8 << j) as i8));
+        _mm512_mask_add_epi8(v, set, v, _mm512_set1_epi8(4))
+    }
+}
+
 /// `x86`'s 512-bit tile for a K-quant: 16 rows in one register per token, per sub-block one `vpdpbusd` per group
 /// and token (Q6_K: sums per half, each started at `-32 · Σ a` of the half and times its scale).
 ///
@@ -63,13 +169,13 @@ pub(super) unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
     let Operands { w, a, halves, blocks, out, stride, rows, .. } = o;
     // SAFETY (whole body): the caller's ranges; a super-block is `block_bytes(F)` bytes laid out as `kquant` says.
     unsafe {
-        let (low, top) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x30));
+        let low = _mm512_set1_epi8(0x0f);
         let sign = _mm512_set1_epi32(i32::MIN);
         let mut acc = [_mm512_setzero_ps(); T];
         for sb in 0..blocks / SUBS {
             let blk = w.add(sb * block_bytes(F));
             prefetch::<F>(blk);
-            if F != Q6_K {
+            if !per_half(F) {
                 let sm = k4_scales(blk.add(scales_at(F)));
                 let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(d_at(F)) as *const __m256i));
                 let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(dmin_at(F)) as *const __m256i));
@@ -99,39 +205,48 @@ pub(super) unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
                 }
             } else {
                 let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(d_at(F)) as *const __m256i));
+                let neg_dmin = if F == Q2_K {
+                    let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(dmin_at(F)) as *const __m256i));
+                    _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dmin), sign))
+                } else {
+                    _mm512_setzero_ps()
+                };
                 for j in 0..SUBS {
                     let b = sb * SUBS + j;
                     let mut total = [_mm512_setzero_si512(); T];
                     for h in 0..2 {
                         let mut sum = [_mm512_setzero_si512(); T];
-                        for (t, s) in sum.iter_mut().enumerate() {
-                            *s = _mm512_set1_epi32(-32 * (*halves.add(t * blocks + b))[h]);
+                        if half_bias(F) != 0 {
+                            for (t, s) in sum.iter_mut().enumerate() {
+                                *s = _mm512_set1_epi32(half_bias(F) * (*halves.add(t * blocks + b))[h]);
+                            }
                         }
                         for g in 4 * h..4 * h + 4 {
-                            let (ql, qh) = q6k_lines(j, g);
-                            let ql = _mm512_loadu_si512(blk.add(ql) as *const __m512i);
-                            let qh = _mm512_loadu_si512(blk.add(qh) as *const __m512i);
-                            let low4 = if j % 4 < 2 { ql } else { _mm512_srli_epi16::<4>(ql) };
-                            let high2 = match j % 4 {
-                                0 => _mm512_slli_epi16::<4>(qh),
-                                1 => _mm512_slli_epi16::<2>(qh),
-                                2 => qh,
-                                _ => _mm512_srli_epi16::<2>(qh),
-                            };
-                            let v = _mm512_or_si512(_mm512_and_si512(low4, low), _mm512_and_si512(high2, top));
-                            dots512(&mut sum, v, a, blocks, b, g);
+                            dots512(&mut sum, values512::<F>(blk, j, g), a, blocks, b, g);
                         }
-                        let scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(
-                            blk.add(scales_at(F) + (2 * j + h) * ROWS) as *const __m128i
-                        ));
+                        let scale = _mm512_cvtepi8_epi32(half_scales::<F>(blk, 2 * j + h));
                         for (total, s) in total.iter_mut().zip(&sum) {
                             *total = _mm512_add_epi32(*total, _mm512_mullo_epi32(*s, scale));
                         }
                     }
+                    let mins = if F == Q2_K {
+                        let [lo, hi] = q2k_min_pairs(blk, j);
+                        _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo))
+                    } else {
+                        _mm512_setzero_si512()
+                    };
                     for (t, acc) in acc.iter_mut().enumerate() {
                         let ab = &*a.add(t * blocks + b);
                         *acc =
                             _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[t]), _mm512_mul_ps(d, _mm512_set1_ps(ab.d)), *acc);
+                        if F == Q2_K {
+                            let m = _mm512_madd_epi16(mins, _mm512_set1_epi32(half_pair(halves, blocks, t, b)));
+                            *acc = _mm512_fmadd_ps(
+                                _mm512_cvtepi32_ps(m),
+                                _mm512_mul_ps(neg_dmin, _mm512_set1_ps(ab.d)),
+                                *acc,
+                            );
+                        }
                     }
                 }
             }
@@ -153,7 +268,7 @@ pub(super) unsafe fn super_block_halves<const V: u8, const T: usize, const F: u8
 ) {
     // SAFETY: forwarded.
     unsafe {
-        let sm = if F == Q6_K { [_mm_setzero_si128(); 16] } else { k4_scales(blk.add(scales_at(F))) };
+        let sm = if per_half(F) { [_mm_setzero_si128(); 16] } else { k4_scales(blk.add(scales_at(F))) };
         for (r, acc) in acc.iter_mut().enumerate() {
             half_block::<V, T, F>(r, blk, sb, &sm, o, acc);
         }
@@ -190,7 +305,7 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
     // SAFETY (whole body): the caller's ranges.
     unsafe {
         let v = blk.add(32 * r);
-        if F != Q6_K {
+        if !per_half(F) {
             let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(d_at(F) + 16 * r) as *const __m128i));
             let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(dmin_at(F) + 16 * r) as *const __m128i));
             for j in 0..SUBS {
@@ -212,27 +327,41 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
             return;
         }
         let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(d_at(F) + 16 * r) as *const __m128i));
+        let neg_dmin = if F == Q2_K {
+            _mm256_xor_ps(
+                _mm256_cvtph_ps(_mm_loadu_si128(blk.add(dmin_at(F) + 16 * r) as *const __m128i)),
+                _mm256_set1_ps(-0.0),
+            )
+        } else {
+            _mm256_setzero_ps()
+        };
         for j in 0..SUBS {
             let b = sb * SUBS + j;
             let mut total = [_mm256_setzero_si256(); T];
             for h in 0..2 {
                 let mut sum = [_mm256_setzero_si256(); T];
-                for (t, s) in sum.iter_mut().enumerate() {
-                    *s = _mm256_set1_epi32(-32 * (*halves.add(t * blocks + b))[h]);
+                if half_bias(F) != 0 {
+                    for (t, s) in sum.iter_mut().enumerate() {
+                        *s = _mm256_set1_epi32(half_bias(F) * (*halves.add(t * blocks + b))[h]);
+                    }
                 }
                 for g in (4 * h..4 * h + 4).step_by(2) {
-                    let q = [q6k_values(v, j, g), q6k_values(v, j, g + 1)];
+                    let q = [values256::<F>(v, j, g), values256::<F>(v, j, g + 1)];
                     dots256_pair::<V, T, F>(&mut sum, q, [g, g + 1], a, blocks, b);
                 }
-                let scales = _mm_loadu_si128(blk.add(scales_at(F) + (2 * j + h) * ROWS) as *const __m128i);
-                let scale = rows_of::<true>(scales, r);
+                let scale = rows_of::<true>(half_scales::<F>(blk, 2 * j + h), r);
                 for (total, s) in total.iter_mut().zip(&sum) {
                     *total = _mm256_add_epi32(*total, _mm256_mullo_epi32(*s, scale));
                 }
             }
+            let mins = if F == Q2_K { _mm256_cvtepu8_epi16(q2k_min_pairs(blk, j)[r]) } else { _mm256_setzero_si256() };
             for (t, acc) in acc.iter_mut().enumerate() {
                 let ab = &*a.add(t * blocks + b);
                 *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[t]), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), *acc);
+                if F == Q2_K {
+                    let m = _mm256_madd_epi16(mins, _mm256_set1_epi32(half_pair(halves, blocks, t, b)));
+                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(neg_dmin, _mm256_set1_ps(ab.d)), *acc);
+                }
             }
         }
     }
@@ -259,24 +388,40 @@ unsafe fn k4_values<const F: u8>(v: *const u8, j: usize, g: usize) -> __m256i {
     }
 }
 
-/// Q6_K sub-block `j`'s 6-bit values (unsigned, `q + 32`) of group `g` for the 8 rows at `v`.
+/// Sub-block `j`'s values of group `g` for the 8 rows at `v` of a Q2_K, Q3_K or Q6_K super-block, unsigned (Q3_K's
+/// `q + 4`, Q6_K's `q + 32`).
 ///
 /// # Safety
-/// AVX2; `v` points at the rows' first byte of a Q6_K super-block.
+/// AVX2; `v` points at the rows' first byte of a super-block of format `F`.
 #[inline(always)]
-unsafe fn q6k_values(v: *const u8, j: usize, g: usize) -> __m256i {
+unsafe fn values256<const F: u8>(v: *const u8, j: usize, g: usize) -> __m256i {
     // SAFETY: forwarded; the lines lie inside the super-block.
     unsafe {
-        let (ql, qh) = q6k_lines(j, g);
-        let ql = _mm256_loadu_si256(v.add(ql) as *const __m256i);
-        let qh = _mm256_loadu_si256(v.add(qh) as *const __m256i);
-        let low4 = if j % 4 < 2 { ql } else { _mm256_srli_epi16::<4>(ql) };
-        let high2 = match j % 4 {
-            0 => _mm256_slli_epi16::<4>(qh),
-            1 => _mm256_slli_epi16::<2>(qh),
-            2 => qh,
-            _ => _mm256_srli_epi16::<2>(qh),
-        };
-        _mm256_or_si256(_mm256_and_si256(low4, _mm256_set1_epi8(0x0f)), _mm256_and_si256(high2, _mm256_set1_epi8(0x30)))
+        if F == Q6_K {
+            let (ql, qh) = q6k_lines(j, g);
+            let ql = _mm256_loadu_si256(v.add(ql) as *const __m256i);
+            let qh = _mm256_loadu_si256(v.add(qh) as *const __m256i);
+            let low4 = if j % 4 < 2 { ql } else { _mm256_srli_epi16::<4>(ql) };
+            let high2 = match j % 4 {
+                0 => _mm256_slli_epi16::<4>(qh),
+                1 => _mm256_slli_epi16::<2>(qh),
+                2 => qh,
+                _ => _mm256_srli_epi16::<2>(qh),
+            };
+            return _mm256_or_si256(
+                _mm256_and_si256(low4, _mm256_set1_epi8(0x0f)),
+                _mm256_and_si256(high2, _mm256_set1_epi8(0x30)),
+            );
+        }
+        let (two, high) = k2_lines(j, g);
+        let line = _mm256_loadu_si256(v.add(two) as *const __m256i);
+        let q = _mm256_and_si256(_mm256_srl_epi16(line, _mm_cvtsi32_si128(2 * (j % 4) as i32)), _mm256_set1_epi8(3));
+        if F != Q3_K {
+            return q;
+        }
+        let high = _mm256_loadu_si256(v.add(high) as *const __m256i);
+        let bit = _mm256_set1_epi8((1u8 << j) as i8);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(high, bit), bit);
+        _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(4)))
     }
 }

@@ -1,5 +1,5 @@
-//! The 32-element block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), Q4_K, Q5_K and Q6_K as the CPU backend keeps
-//! them: 16 rows side by side ([`pack`]; the K-quants' super-blocks in [`kquant`]), so a 4-byte group of 16 rows fills one 512-bit register and one `vpdpbusd` against a token's 4
+//! The 32-element block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and the K-quants (Q2_K to Q6_K) as the CPU backend
+//! keeps them: 16 rows side by side ([`pack`]; the K-quants' super-blocks in [`kquant`]), so a 4-byte group of 16 rows fills one 512-bit register and one `vpdpbusd` against a token's 4
 //! activation bytes, broadcast, advances 16 rows' sums. Each row's block is summed as integers (exact, in any
 //! order), then `acc = fma(Σ q·a, d_w·d_a, acc)` (and `acc = fma(m_w, s_a, acc)` for the formats with a minimum)
 //! block by block: [`scalar`]'s arithmetic, so every level, token count and thread split gives the same bits. The
@@ -35,6 +35,8 @@ pub enum Format {
     Q4_K = 5,
     Q6_K = 6,
     Q5_K = 7,
+    Q2_K = 8,
+    Q3_K = 9,
 }
 
 const Q8_0: u8 = Format::Q8_0 as u8;
@@ -44,6 +46,8 @@ const Q5_1: u8 = Format::Q5_1 as u8;
 const Q4_K: u8 = Format::Q4_K as u8;
 const Q6_K: u8 = Format::Q6_K as u8;
 const Q5_K: u8 = Format::Q5_K as u8;
+const Q2_K: u8 = Format::Q2_K as u8;
+const Q3_K: u8 = Format::Q3_K as u8;
 
 impl Format {
     /// The format of `dtype`, if this layout holds it.
@@ -57,6 +61,8 @@ impl Format {
             DType::Q4_K => Some(Format::Q4_K),
             DType::Q5_K => Some(Format::Q5_K),
             DType::Q6_K => Some(Format::Q6_K),
+            DType::Q2_K => Some(Format::Q2_K),
+            DType::Q3_K => Some(Format::Q3_K),
             _ => None,
         }
     }
@@ -71,13 +77,15 @@ impl Format {
             Format::Q4_K => DType::Q4_K,
             Format::Q5_K => DType::Q5_K,
             Format::Q6_K => DType::Q6_K,
+            Format::Q2_K => DType::Q2_K,
+            Format::Q3_K => DType::Q3_K,
         }
     }
 }
 
 /// Whether format `f` is a K-quant (256-element super-blocks, [`kquant`]).
 const fn is_k(f: u8) -> bool {
-    f == Q4_K || f == Q5_K || f == Q6_K
+    f == Q4_K || f == Q5_K || f == Q6_K || f == Q2_K || f == Q3_K
 }
 
 /// Weights per row of one block of format `f`.

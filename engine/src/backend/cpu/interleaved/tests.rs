@@ -2,8 +2,18 @@ use super::*;
 use crate::backend::cpu::simd::{quantize_row, report_not_run};
 use rand::{Rng, SeedableRng};
 
-const FORMATS: [Format; 8] =
-    [Format::Q8_0, Format::Q4_0, Format::Q4_1, Format::Q5_0, Format::Q5_1, Format::Q4_K, Format::Q5_K, Format::Q6_K];
+const FORMATS: [Format; 10] = [
+    Format::Q8_0,
+    Format::Q4_0,
+    Format::Q4_1,
+    Format::Q5_0,
+    Format::Q5_1,
+    Format::Q4_K,
+    Format::Q5_K,
+    Format::Q6_K,
+    Format::Q2_K,
+    Format::Q3_K,
+];
 
 /// Columns of `n` of format `f`'s blocks.
 fn cols_of(f: Format, n: usize) -> usize {

@@ -41,8 +41,10 @@ macro_rules! level {
             use super::*;
 
             /// This level's tile of each [`Format`], in its order.
-            pub const TILES: [Tile; 8] =
-                [tile::<0>, tile::<1>, tile::<2>, tile::<3>, tile::<4>, tile::<5>, tile::<6>, tile::<7>];
+            pub const TILES: [Tile; 10] = [
+                tile::<0>, tile::<1>, tile::<2>, tile::<3>, tile::<4>, tile::<5>, tile::<6>, tile::<7>, tile::<8>,
+                tile::<9>,
+            ];
 
             /// [`Tile`] at this level for format `F`.
             ///
