@@ -1,5 +1,5 @@
-//! The CPU kernels of each block-quantized format kept in the file's layout (Q2_K, Q3_K and Q8_K; the 32-element
-//! formats, Q4_K, Q5_K and Q6_K are kept interleaved, `interleaved`), selected by format here and nowhere else: the scalar reference dot (one weight row against 8-bit activation blocks of 32, several per K-quant
+//! The CPU kernels of each block-quantized format kept in the file's layout (Q8_K; the 32-element formats and the
+//! other K-quants are kept interleaved, `interleaved`), selected by format here and nowhere else: the scalar reference dot (one weight row against 8-bit activation blocks of 32, several per K-quant
 //! block) and, on x86-64, the instances of the one-row and token-tile kernels specialized to the
 //! format's block layout (`unpack` decodes a sub-block for them) at each instruction-set level of [`Isa::X86`].
 //! A new format adds one [`QuantKernels`] here and its `unpack` arm; `simd` and `qgemm` call through the table
@@ -10,8 +10,8 @@ use super::qgemm::{self, GroupPtr};
 use super::simd::{Isa, Q8Block};
 #[cfg(target_arch = "x86_64")]
 use super::{simd, unpack};
-use crate::quant::{self, BlockFormat, QK, q2k_value, q3k_scale, q3k_value};
-use crate::tensor::{DType, f16_at};
+use crate::quant::{self, BlockFormat, QK};
+use crate::tensor::DType;
 
 /// One format's CPU kernels.
 pub(super) struct QuantKernels {
@@ -57,8 +57,6 @@ pub(super) struct X86Kernels {
 pub(super) fn kernels(dtype: DType) -> &'static QuantKernels {
     match dtype {
         DType::Q8_K => &Q8_K,
-        DType::Q2_K => &Q2_K,
-        DType::Q3_K => &Q3_K,
         DType::F32 | DType::F16 | DType::BF16 => panic!("no quantized kernels for {dtype}"),
         DType::Q8_0
         | DType::Q4_0
@@ -67,14 +65,16 @@ pub(super) fn kernels(dtype: DType) -> &'static QuantKernels {
         | DType::Q5_1
         | DType::Q4_K
         | DType::Q5_K
-        | DType::Q6_K => {
+        | DType::Q6_K
+        | DType::Q2_K
+        | DType::Q3_K => {
             panic!("{dtype} is kept interleaved, with the kernels of `interleaved`")
         }
     }
 }
 
-/// The block formats kept in the file's layout, whose kernels this table holds: Q2_K, Q3_K and Q8_K (the
-/// others are kept interleaved, [`super::interleaved`]); the tests run each.
+/// The block formats kept in the file's layout, whose kernels this table holds: Q8_K (the others are kept
+/// interleaved, [`super::interleaved`]); the tests run each.
 #[cfg(test)]
 pub(super) fn formats() -> impl Iterator<Item = &'static BlockFormat> {
     quant::FORMATS.iter().copied().filter(|f| super::interleaved::Format::of(f.dtype).is_none())
@@ -131,28 +131,6 @@ static Q8_K: QuantKernels = kernels_of!(
         })
     },
     unpack::Q8_K
-);
-
-/// Sub-block `j` of a Q2_K block: `d·da·Σ sc_h·q·a − dmin·da·Σ m_h·a` over its halves `h` (scale and minimum
-/// in the low and high nibbles of byte `2j + h`).
-#[inline(always)]
-fn q2k_sub(blk: &[u8], j: usize, ab: &Q8Block) -> f32 {
-    let byte = |l: usize| i32::from(blk[2 * j + l / 16]);
-    let isum = int_dot(ab, |l| (byte(l) & 0x0f) * i32::from(q2k_value(blk, 32 * j + l)));
-    let msum = int_dot(ab, |l| byte(l) >> 4);
-    f16_at(blk, 80) * ab.d * isum as f32 - f16_at(blk, 82) * ab.d * msum as f32
-}
-
-static Q2_K: QuantKernels = kernels_of!(|w, a| row_dot(w, a, &quant::Q2_K, q2k_sub), unpack::Q2_K);
-
-static Q3_K: QuantKernels = kernels_of!(
-    |w, a| {
-        row_dot(w, a, &quant::Q3_K, |blk, j, ab| {
-            let isum = int_dot(ab, |l| q3k_scale(&blk[96..108], 2 * j + l / 16) * q3k_value(blk, 32 * j + l));
-            f16_at(blk, 108) * ab.d * isum as f32
-        })
-    },
-    unpack::Q3_K
 );
 
 #[cfg(test)]

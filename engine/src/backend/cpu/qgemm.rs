@@ -16,7 +16,6 @@ pub const GROUP: usize = 8;
 #[repr(C, align(32))]
 pub struct Q8x8 {
     d: [f32; GROUP],
-    s: [f32; GROUP],
     qs: [[i8; QK]; GROUP],
 }
 
@@ -49,7 +48,7 @@ impl PackedActs {
     /// Regroups `xq` (`tokens` rows of `blocks` blocks, back to back), with their [`LaneSums`] if `lane_sums`
     /// (some weight they meet is read by a tile that needs them: [`reads_lane_sums`]).
     pub fn pack(xq: &[Q8Block], tokens: usize, blocks: usize, lane_sums: bool) -> Self {
-        let zero = Q8x8 { d: [0.0; GROUP], s: [0.0; GROUP], qs: [[0; QK]; GROUP] };
+        let zero = Q8x8 { d: [0.0; GROUP], qs: [[0; QK]; GROUP] };
         let mut groups = vec![zero; tokens.div_ceil(GROUP) * blocks];
         let mut sums = vec![LaneSums([[0; GROUP]; GROUP]); if lane_sums { groups.len() } else { 0 }];
         for (t, row) in xq.chunks_exact(blocks).take(tokens).enumerate() {
@@ -57,7 +56,6 @@ impl PackedActs {
             for (b, blk) in row.iter().enumerate() {
                 let dst = &mut groups[g * blocks + b];
                 dst.d[slot] = blk.d;
-                dst.s[slot] = blk.s;
                 dst.qs[slot] = blk.qs;
                 if let Some(sum) = sums.get_mut(g * blocks + b) {
                     for (lane, four) in sum.0[slot].iter_mut().zip(blk.qs.chunks_exact(4)) {
@@ -104,9 +102,8 @@ pub unsafe fn rows_by_tokens(
             && isa.supported(),
         "qgemm operands do not match"
     );
-    // Per-block scales of one row × one group, rewritten by every tile (aligned for 256-bit stores): `d_w·d_a`,
-    // then, for formats whose halves have their own minimums (Q2_K), `min_w·d_a`.
-    let mut scales = vec![Align32([0f32; GROUP]); 2 * blocks];
+    // Per-block scales of one row × one group, rewritten by every tile (aligned for 256-bit stores): `d_w·d_a`.
+    let mut scales = vec![Align32([0f32; GROUP]); blocks];
     let sc = scales.as_mut_ptr() as *mut f32;
     // Token groups are visited in runs that fit in L1 (with room for the weight rows), all rows per run: with
     // long prompts every row would otherwise stream all activations from L2.
@@ -125,7 +122,7 @@ pub unsafe fn rows_by_tokens(
                 };
                 let op = out.wrapping_add(g * GROUP * token_stride + r);
                 // SAFETY: `isa`'s features were detected; row r lies in `w`, the group's blocks in `acts` (groups
-                // and sums), `scales` holds `2 · blocks` aligned groups of floats (asserted above), and the caller
+                // and sums), `scales` holds `blocks` aligned groups of floats (asserted above), and the caller
                 // vouches for outputs (g·8 + t, r) for t < tokens.
                 unsafe { (k.tile)(tokens, wp, ap, blocks, sc, op, token_stride) }
             }
@@ -145,9 +142,7 @@ struct Align32([f32; GROUP]);
 pub(super) mod x86 {
     use super::{GROUP, GroupPtr, LaneSums, Q8x8};
     use crate::backend::cpu::simd::x86::{AVX_VNNI, AVX2, AVX512_VNNI, accumulate, hsum};
-    use crate::backend::cpu::unpack::{
-        Sub, biased, block_scales, half_mins, signed, sub_offset, subs, unit_mul, unpack_with,
-    };
+    use crate::backend::cpu::unpack::{Sub, block_scales, sub_offset, subs, unpack_with};
     use std::arch::x86_64::*;
 
     /// How far ahead in the weight row to prefetch.
@@ -161,7 +156,7 @@ pub(super) mod x86 {
 
                 /// Whether this level's tile reads the activations' [`LaneSums`] for layout `Q` (see `pairs`).
                 pub const fn reads_lane_sums<const Q: u8>() -> bool {
-                    $level == AVX512_VNNI && biased::<Q>()
+                    $level == AVX512_VNNI
                 }
 
                 /// Picks the tile instance for `tokens` (1..=8).
@@ -214,11 +209,11 @@ pub(super) mod x86 {
     crate::backend::cpu::isa::for_each_level!(level);
 
     /// One weight row × `T` tokens. Per output: `acc += cvt(Σ w·a) · (d_w·d_a)` block by block, then
-    /// `hsum(acc) + Σ min·s`, the arithmetic of `simd::x86::dot_quant_one`.
+    /// `hsum(acc)`, the arithmetic of `simd::x86::dot_quant_one`.
     ///
     /// # Safety
     /// Level `V`'s features available; `w` points at one row of at least `blocks` sub-blocks of layout `Q`; `a`
-    /// and `sums` at `blocks` groups; `sc` at `2 · blocks · GROUP` writable floats, 32-byte aligned; `out + t·stride`
+    /// and `sums` at `blocks` groups; `sc` at `blocks · GROUP` writable floats, 32-byte aligned; `out + t·stride`
     /// writable for `t < T`.
     #[inline(always)]
     unsafe fn tile<const V: u8, const T: usize, const Q: u8>(
@@ -234,18 +229,14 @@ pub(super) mod x86 {
         unsafe {
             // First pass: the products d_w·d_a the one-token kernel forms (read back with load-port broadcasts in
             // the main loop, which costs no ALU slot) and the offset terms, lanes = tokens.
-            let mut ks = ([0f32; 8], [0f32; 8]);
+            let mut ks = [0f32; 8];
             for b in 0..blocks {
                 let ab = &*a.add(b);
                 let j = b % subs::<Q>();
                 if j == 0 {
                     ks = block_scales::<Q>(w, b / subs::<Q>());
                 }
-                let (d, min) = (_mm256_set1_ps(ks.0[j]), _mm256_set1_ps(ks.1[j]));
-                _mm256_store_ps(sc.add(b * GROUP), _mm256_mul_ps(d, _mm256_load_ps(ab.d.as_ptr())));
-                if half_mins::<Q>() {
-                    _mm256_store_ps(sc.add((blocks + b) * GROUP), _mm256_mul_ps(min, _mm256_load_ps(ab.d.as_ptr())));
-                }
+                _mm256_store_ps(sc.add(b * GROUP), _mm256_mul_ps(_mm256_set1_ps(ks[j]), _mm256_load_ps(ab.d.as_ptr())));
             }
             let mut acc = [_mm256_setzero_ps(); T];
             if V == AVX512_VNNI && T >= 2 {
@@ -254,9 +245,9 @@ pub(super) mod x86 {
                 for b in 0..blocks {
                     _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(sub_offset::<Q>(b) + PREFETCH_BYTES) as *const i8);
                     // The scales come from `sc`: the sub-block's own are not needed here.
-                    let sub = unpack_with::<Q>(w, b, 0.0, 0.0);
+                    let sub = unpack_with::<Q>(w, b, 0.0);
                     for (t, acc) in acc.iter_mut().enumerate() {
-                        step::<V, Q>(&sub, &*a.add(b), sc, blocks, b, t, acc);
+                        step::<V, Q>(&sub, &*a.add(b), sc, b, t, acc);
                     }
                 }
             }
@@ -276,17 +267,15 @@ pub(super) mod x86 {
         sub: &Sub,
         ab: &Q8x8,
         sc: *const f32,
-        blocks: usize,
         b: usize,
         t: usize,
         acc: &mut __m256,
     ) {
-        // SAFETY: forwarded; `sc` holds 2 · blocks · GROUP floats.
+        // SAFETY: forwarded; `sc` holds blocks · GROUP floats.
         unsafe {
             let av = _mm256_load_si256(ab.qs[t].as_ptr() as *const __m256i);
             let scale = _mm256_broadcast_ss(&*sc.add(b * GROUP + t));
-            let min_scale = _mm256_broadcast_ss(&*sc.add((blocks + b) * GROUP + t));
-            accumulate::<V, Q>(sub, av, scale, min_scale, acc);
+            accumulate::<V, Q>(sub, av, scale, acc);
         }
     }
 
@@ -308,7 +297,6 @@ pub(super) mod x86 {
     ) {
         // SAFETY (whole body): the caller's features and ranges; a group's two adjacent token rows are 64 bytes.
         unsafe {
-            let zero = _mm512_setzero_si512();
             // Lane l of pair p reads token 2p + l / 8's scale from the block's eight.
             let lanes: [__m512i; GROUP / 2] = std::array::from_fn(|p| {
                 _mm512_inserti64x4::<1>(
@@ -319,44 +307,21 @@ pub(super) mod x86 {
             let mut acc2 = [_mm512_setzero_ps(); GROUP / 2];
             for b in 0..blocks {
                 _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(sub_offset::<Q>(b) + PREFETCH_BYTES) as *const i8);
-                let sub = unpack_with::<Q>(w, b, 0.0, 0.0);
+                let sub = unpack_with::<Q>(w, b, 0.0);
                 let ab = &*a.add(b);
-                // Signed weights with plain 4-byte sums (Q8_K) go in as `w + 128`, each lane starting from
-                // `-128 · Σa` (`sums`): Σ (w + 128)·a - 128·Σa = Σ w·a, the same integers as below.
-                let biased = biased::<Q>();
-                let wabs = if biased {
-                    _mm512_xor_si512(_mm512_broadcast_i64x4(sub.wq), _mm512_set1_epi8(i8::MIN))
-                } else {
-                    _mm512_broadcast_i64x4(sub.wabs)
-                };
-                // `sign_epi8` has no 512-bit form: negate the activations under the negative weights' mask (where
-                // a weight is 0 its magnitude is 0 too, so leaving that activation as it is changes no sum).
-                let negative =
-                    if signed::<Q>() && !biased { _mm512_movepi8_mask(_mm512_broadcast_i64x4(sub.wq)) } else { 0 };
+                // The signed weights go in as `w + 128`, each lane starting from `-128 · Σa` (`sums`):
+                // Σ (w + 128)·a - 128·Σa = Σ w·a, the same integers as `step`'s.
+                let wabs = _mm512_xor_si512(_mm512_broadcast_i64x4(sub.wq), _mm512_set1_epi8(i8::MIN));
                 let scales = _mm512_castps256_ps512(_mm256_load_ps(sc.add(b * GROUP)));
                 for p in 0..T / 2 {
                     let av = _mm512_loadu_si512(ab.qs[2 * p].as_ptr() as *const __m512i);
-                    let av = if signed::<Q>() && !biased { _mm512_mask_sub_epi8(av, negative, zero, av) } else { av };
-                    let p32 = if biased {
-                        let from = _mm512_load_si512((*sums.add(b)).0[2 * p].as_ptr() as *const __m512i);
-                        _mm512_dpbusd_epi32(from, wabs, av)
-                    } else if unit_mul::<Q>() {
-                        _mm512_dpbusd_epi32(zero, wabs, av)
-                    } else {
-                        _mm512_madd_epi16(_mm512_maddubs_epi16(wabs, av), _mm512_broadcast_i64x4(sub.mul))
-                    };
+                    let from = _mm512_load_si512((*sums.add(b)).0[2 * p].as_ptr() as *const __m512i);
+                    let p32 = _mm512_dpbusd_epi32(from, wabs, av);
                     let scale = _mm512_permutexvar_ps(lanes[p], scales);
                     acc2[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p32), scale, acc2[p]);
-                    if half_mins::<Q>() {
-                        let ones = _mm512_set1_epi8(1);
-                        let m32 = _mm512_madd_epi16(_mm512_maddubs_epi16(ones, av), _mm512_broadcast_i64x4(sub.mins));
-                        let min_scales = _mm512_castps256_ps512(_mm256_load_ps(sc.add((blocks + b) * GROUP)));
-                        let scale = _mm512_permutexvar_ps(lanes[p], min_scales);
-                        acc2[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m32), scale, acc2[p]);
-                    }
                 }
                 if T % 2 == 1 {
-                    step::<AVX512_VNNI, Q>(&sub, ab, sc, blocks, b, T - 1, &mut acc[T - 1]);
+                    step::<AVX512_VNNI, Q>(&sub, ab, sc, b, T - 1, &mut acc[T - 1]);
                 }
             }
             for p in 0..T / 2 {

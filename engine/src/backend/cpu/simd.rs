@@ -12,7 +12,8 @@ use crate::tensor::DType;
 pub struct Q8Block {
     /// Scale: value ≈ `d * qs[i]`.
     pub d: f32,
-    /// `d * Σ qs`, used by the offset terms of the formats with a minimum (Q4_1, Q5_1, Q4_K, Q5_K).
+    /// `d * Σ qs`, used by the offset terms of the formats with a minimum (Q4_1, Q5_1, Q4_K, Q5_K; Q2_K's are
+    /// per 16 elements and take the integer half sums instead).
     pub s: f32,
     /// Quantized values.
     pub qs: [i8; QK],
@@ -140,9 +141,7 @@ pub fn dot_quant_scalar(dtype: DType, w: &[u8], a: &[Q8Block]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
     use super::{Q8Block, QK};
-    use crate::backend::cpu::unpack::{
-        Sub, block_bytes, block_scales, half_mins, signed, sub_offset, subs, unit_mul, unpack_with,
-    };
+    use crate::backend::cpu::unpack::{Sub, block_bytes, block_scales, sub_offset, subs, unpack_with};
     use std::arch::x86_64::*;
 
     #[inline]
@@ -269,20 +268,9 @@ pub(super) mod x86 {
         }
     }
 
-    /// `madd(maddubs(w, a), mul)`: the sub-block's products weighted by its 16-bit multipliers, as
-    /// [`dot4`] where those are all ones.
-    ///
-    /// # Safety
-    /// As for [`dot4`].
-    #[inline(always)]
-    unsafe fn weighted<const V: u8, const Q: u8>(w: __m256i, a: __m256i, mul: __m256i) -> __m256i {
-        // SAFETY: forwarded.
-        unsafe { if unit_mul::<Q>() { dot4::<V>(w, a) } else { _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), mul) } }
-    }
-
-    /// One token's share of one sub-block in 256-bit lanes: `acc += cvt(Σ w·a)·scale`, then for [`half_mins`]
-    /// formats `acc += cvt(Σ_h m_h·Σ_{l∈h} a_l)·min_scale`; `a` is the token's activations as loaded. The one-token
-    /// kernels and the tile (`qgemm::x86`) both take this path, so their results agree bit for bit.
+    /// One token's share of one sub-block in 256-bit lanes: `acc += cvt(Σ w·a)·scale`; `a` is the token's
+    /// activations as loaded. The one-token kernels and the tile (`qgemm::x86`) both take this path, so their
+    /// results agree bit for bit.
     ///
     /// # Safety
     /// As for [`dot4`].
@@ -291,19 +279,13 @@ pub(super) mod x86 {
         w: &Sub,
         a: __m256i,
         scale: __m256,
-        min_scale: __m256,
         acc: &mut __m256,
     ) {
         // SAFETY: forwarded.
         unsafe {
-            // maddubs needs an unsigned operand: for signed weights, move their sign onto a.
-            let a = if signed::<Q>() { _mm256_sign_epi8(a, w.wq) } else { a };
-            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(weighted::<V, Q>(w.wabs, a, w.mul)), scale, *acc);
-            if half_mins::<Q>() {
-                // Pairs of activations summed by maddubs with ones, then weighted by madd.
-                let m32 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), a), w.mins);
-                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m32), min_scale, *acc);
-            }
+            // maddubs needs an unsigned operand: move the weights' signs onto a.
+            let a = _mm256_sign_epi8(a, w.wq);
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4::<V>(w.wabs, a)), scale, *acc);
         }
     }
 
@@ -316,12 +298,12 @@ pub(super) mod x86 {
         // SAFETY: level V's features are present; activation blocks hold 32 i8.
         unsafe {
             let av = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
-            accumulate::<V, Q>(&w, av, _mm256_set1_ps(w.d * ab.d), _mm256_set1_ps(w.min * ab.d), acc);
+            accumulate::<V, Q>(&w, av, _mm256_set1_ps(w.d * ab.d), acc);
         }
     }
 
     /// One activation row against one weight row: `acc += cvt(Σ w·a) · (d_w·d_a)` per sub-block, then
-    /// `hsum(acc) + Σ min·s`.
+    /// `hsum(acc)`.
     ///
     /// # Safety
     /// As for [`dot4`].
@@ -332,14 +314,14 @@ pub(super) mod x86 {
         // so its block, inside `w` (prefetches may point past it: they never fault).
         unsafe {
             let mut acc = _mm256_setzero_ps();
-            let mut ks = ([0f32; 8], [0f32; 8]);
+            let mut ks = [0f32; 8];
             for (b, ab) in a.iter().take(blocks).enumerate() {
                 _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().wrapping_add(sub_offset::<Q>(b) + PREFETCH_BYTES) as *const i8);
                 let j = b % subs::<Q>();
                 if j == 0 {
                     ks = block_scales::<Q>(w.as_ptr(), b / subs::<Q>());
                 }
-                let sub = unpack_with::<Q>(w.as_ptr(), b, ks.0[j], ks.1[j]);
+                let sub = unpack_with::<Q>(w.as_ptr(), b, ks[j]);
                 block_dot::<V, Q>(sub, ab, &mut acc);
             }
             hsum(acc)
