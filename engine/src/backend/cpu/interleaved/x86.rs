@@ -78,7 +78,7 @@ crate::backend::cpu::isa::for_each_level!(level);
 /// # Safety
 /// `a` points at `t + 1` rows of `blocks` blocks.
 #[inline(always)]
-unsafe fn four(a: *const Q8Block, blocks: usize, t: usize, b: usize, g: usize) -> i32 {
+pub(super) unsafe fn four(a: *const Q8Block, blocks: usize, t: usize, b: usize, g: usize) -> i32 {
     // SAFETY: forwarded; a block's 32 bytes hold 8 groups.
     unsafe { ((*a.add(t * blocks + b)).qs.as_ptr().add(4 * g) as *const i32).read_unaligned() }
 }
