@@ -338,11 +338,7 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
         };
         for j in 0..SUBS {
             let b = sb * SUBS + j;
-            let total = if V == AVX2 {
-                scaled_by_madd::<T, F>(v, blk, j, b, r, o)
-            } else {
-                scaled_by_mullo::<V, T, F>(v, blk, j, b, r, o)
-            };
+            let total = scaled::<V, T, F>(v, blk, j, b, r, o);
             let mins = if F == Q2_K { _mm256_cvtepu8_epi16(q2k_min_pairs(blk, j)[r]) } else { _mm256_setzero_si256() };
             for (t, acc) in acc.iter_mut().enumerate() {
                 let ab = &*a.add(t * blocks + b);
@@ -357,53 +353,16 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
 }
 
 /// Sub-block `j` (activation block `b`) of rows `8r..8r + 8` of a Q2_K, Q3_K or Q6_K super-block at `blk` (values
-/// at `v`): each token's `Σ_h sc_h · Σ_{l∈h} q_l·a_l` as integers, with VNNI: each half's `vpdpbusd` sums (Q3_K's
-/// and Q6_K's started at `bias · Σ a`) times its scale by `mullo`.
+/// at `v`): each token's `Σ_h sc_h · Σ_{l∈h} q_l·a_l` as integers. With VNNI each half's `vpdpbusd` sums (Q3_K's and
+/// Q6_K's started at `bias · Σ a`) are multiplied by its scale with `mullo`. Without, two groups' `maddubs`
+/// products are summed as 16-bit integers (values below 64), then one `madd` against the half's scale in both
+/// 16-bit lanes of each row multiplies and sums at once; the bias, `bias · Σ_h sc_h·Σ_{l∈h} a_l`, is one `madd` of
+/// the two scales against the token's two half sums, shifted (`-bias` is 4 or 32).
 ///
 /// # Safety
 /// Level `V`'s features; otherwise as for [`super_block_halves`].
 #[inline(always)]
-unsafe fn scaled_by_mullo<const V: u8, const T: usize, const F: u8>(
-    v: *const u8,
-    blk: *const u8,
-    j: usize,
-    b: usize,
-    r: usize,
-    o: Operands,
-) -> [__m256i; T] {
-    let Operands { a, halves, blocks, .. } = o;
-    // SAFETY (whole body): the caller's ranges.
-    unsafe {
-        let mut total = [_mm256_setzero_si256(); T];
-        for h in 0..2 {
-            let mut sum = [_mm256_setzero_si256(); T];
-            if half_bias(F) != 0 {
-                for (t, s) in sum.iter_mut().enumerate() {
-                    *s = _mm256_set1_epi32(half_bias(F) * (*halves.add(t * blocks + b))[h]);
-                }
-            }
-            for g in (4 * h..4 * h + 4).step_by(2) {
-                let q = [values256::<F>(v, j, g), values256::<F>(v, j, g + 1)];
-                dots256_pair::<V, T, F>(&mut sum, q, [g, g + 1], a, blocks, b);
-            }
-            let scale = rows_of::<true>(half_scales::<F>(blk, 2 * j + h), r);
-            for (total, s) in total.iter_mut().zip(&sum) {
-                *total = _mm256_add_epi32(*total, _mm256_mullo_epi32(*s, scale));
-            }
-        }
-        total
-    }
-}
-
-/// [`scaled_by_mullo`]'s integers without VNNI: two groups' `maddubs` products summed as 16-bit integers (values
-/// below 64), then one `madd` against the half's scale in both 16-bit lanes of each row, which multiplies and
-/// sums at once (no `mullo`); the bias, `bias · Σ_h sc_h·Σ_{l∈h} a_l`, is one `madd` of the two scales against
-/// the token's two half sums, shifted (`-bias` is 4 or 32).
-///
-/// # Safety
-/// AVX2; otherwise as for [`super_block_halves`].
-#[inline(always)]
-unsafe fn scaled_by_madd<const T: usize, const F: u8>(
+unsafe fn scaled<const V: u8, const T: usize, const F: u8>(
     v: *const u8,
     blk: *const u8,
     j: usize,
@@ -416,6 +375,25 @@ unsafe fn scaled_by_madd<const T: usize, const F: u8>(
     unsafe {
         let s = [half_scales::<F>(blk, 2 * j), half_scales::<F>(blk, 2 * j + 1)];
         let mut total = [_mm256_setzero_si256(); T];
+        if V != AVX2 {
+            for (h, &sh) in s.iter().enumerate() {
+                let mut sum = [_mm256_setzero_si256(); T];
+                if half_bias(F) != 0 {
+                    for (t, s) in sum.iter_mut().enumerate() {
+                        *s = _mm256_set1_epi32(half_bias(F) * (*halves.add(t * blocks + b))[h]);
+                    }
+                }
+                for g in (4 * h..4 * h + 4).step_by(2) {
+                    let q = [values256::<F>(v, j, g), values256::<F>(v, j, g + 1)];
+                    dots256_pair::<V, T, F>(&mut sum, q, [g, g + 1], a, blocks, b);
+                }
+                let scale = rows_of::<true>(sh, r);
+                for (total, s) in total.iter_mut().zip(&sum) {
+                    *total = _mm256_add_epi32(*total, _mm256_mullo_epi32(*s, scale));
+                }
+            }
+            return total;
+        }
         for (h, &sh) in s.iter().enumerate() {
             let scale = row_pairs(sh, sh, r);
             for g in (4 * h..4 * h + 4).step_by(2) {
