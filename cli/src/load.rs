@@ -103,7 +103,8 @@ pub fn load<B: Backend>(path: &Path, device: &DeviceArgs, backend: Arc<B>, need_
 /// Arguments of `strata convert`.
 #[derive(clap::Args)]
 pub struct ConvertArgs {
-    /// A `.gguf` file or a Hugging Face directory.
+    /// A `.gguf` file, a Hugging Face directory, or `random:<preset>[:<dtype>]` (seeded random weights; a GGUF of
+    /// one gets a stand-in vocabulary of single bytes, so llama.cpp loads it).
     #[arg(long)]
     model: PathBuf,
     /// Output: a directory (`--to hf`) or a `.gguf` file (`--to gguf`).

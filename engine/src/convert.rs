@@ -130,6 +130,20 @@ pub fn gguf_metadata(c: &ModelConfig) -> Vec<(String, Value)> {
     md
 }
 
+/// A stand-in vocabulary for a model without a tokenizer (`random:` models, test models): byte-level BPE over
+/// single bytes, the 256 byte symbols for the first ids and `<tokN>` fillers after them, no merges, so that
+/// llama.cpp loads the file (its benchmarks feed token ids, not text) and strata encodes text a byte per token.
+pub fn byte_vocabulary(vocab_size: usize) -> Vec<(String, Value)> {
+    let byte_chars = crate::tokenizer::byte_level_alphabet();
+    let tokens = (0..vocab_size).map(|id| byte_chars.get(id).map_or_else(|| format!("<tok{id}>"), |ch| ch.to_string()));
+    vec![
+        ("tokenizer.ggml.model".into(), Value::Str("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::Str("smollm".into())),
+        ("tokenizer.ggml.tokens".into(), Value::Array(tokens.map(Value::Str).collect())),
+        ("tokenizer.ggml.merges".into(), Value::Array(Vec::new())),
+    ]
+}
+
 /// Writes `files` as a GGUF of its llama.cpp architecture at `out`: 2-D matrices (embeddings and head included)
 /// as `dtype`, norms as f32, the tokenizer as `tokenizer.ggml.*` metadata. A quantized `dtype` quantizes float matrices one
 /// at a time as llama.cpp's `llama-quantize --pure` does (bit for bit); matrices the source stores quantized in
@@ -227,8 +241,8 @@ fn tokenizer_metadata(files: &ModelFiles) -> Result<Vec<(String, Value)>> {
             md.sort_by(|a, b| a.0.cmp(&b.0));
             Ok(md)
         }
-        // Without a tokenizer the file still serves prompts given as token ids.
-        ModelFiles::Synthetic(_) => Ok(Vec::new()),
+        // llama.cpp refuses a file without a vocabulary: a synthetic model gets a stand-in.
+        ModelFiles::Synthetic(_) => Ok(byte_vocabulary(files.config().vocab_size)),
         ModelFiles::Hf { dir, .. } if !dir.join("tokenizer.json").exists() => Ok(Vec::new()),
         ModelFiles::Hf { .. } => {
             let tok = files.tokenizer()?;

@@ -119,15 +119,7 @@ pub struct GgufOverrides {
 pub fn write_gguf(path: &Path, spec: &TinySpec, weights: &Weights, ov: &GgufOverrides) -> Result<()> {
     let c = &spec.config;
     let mut md = crate::convert::gguf_metadata(c);
-    let s = |x: &str| Value::Str(x.into());
-    md.push(("tokenizer.ggml.model".into(), s("gpt2")));
-    md.push(("tokenizer.ggml.pre".into(), s("smollm")));
-    // Vocabulary: byte-level symbols for the first 256 ids, then filler tokens; no merges.
-    let byte_chars = crate::tokenizer::byte_level_alphabet();
-    let tokens =
-        (0..c.vocab_size).map(|id| byte_chars.get(id).map_or_else(|| format!("<tok{id}>"), |ch| ch.to_string()));
-    md.push(("tokenizer.ggml.tokens".into(), Value::Array(tokens.map(Value::Str).collect())));
-    md.push(("tokenizer.ggml.merges".into(), Value::Array(Vec::new())));
+    md.extend(crate::convert::byte_vocabulary(c.vocab_size));
     // A second stop id is written as the end-of-turn token, as chat models' GGUFs carry it.
     for (key, id) in ["eos_token_id", "eot_token_id"].iter().zip(&c.eos_token_ids) {
         md.push((format!("tokenizer.ggml.{key}"), Value::U64((*id).into())));
