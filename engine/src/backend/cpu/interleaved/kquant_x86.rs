@@ -99,9 +99,18 @@ unsafe fn q2k_min_pairs(blk: *const u8, j: usize) -> [__m128i; 2] {
             let field = _mm_loadu_si128(blk.add(scales_at(Q2_K) + k * ROWS) as *const __m128i);
             _mm_and_si128(_mm_srli_epi16::<4>(field), _mm_set1_epi8(0x0f))
         };
-        let (m0, m1) = (min(2 * j), min(2 * j + 1));
-        [_mm_unpacklo_epi8(m0, m1), _mm_unpackhi_epi8(m0, m1)]
+        interleave_rows(min(2 * j), min(2 * j + 1))
     }
+}
+
+/// Two 16-row byte vectors as pairs `(x_row, y_row)`, row after row: rows 0..8, then rows 8..16.
+///
+/// # Safety
+/// SSE2.
+#[inline(always)]
+unsafe fn interleave_rows(x: __m128i, y: __m128i) -> [__m128i; 2] {
+    // SAFETY: forwarded.
+    unsafe { [_mm_unpacklo_epi8(x, y), _mm_unpackhi_epi8(x, y)] }
 }
 
 /// A token's two half sums of activation block `b` as one 32-bit lane of 16-bit pairs (each at most 16 · 128).
@@ -269,7 +278,11 @@ pub(super) unsafe fn super_block_halves<const V: u8, const T: usize, const F: u8
 ) {
     // SAFETY: forwarded.
     unsafe {
-        let sm = if per_half(F) { [_mm_setzero_si128(); 16] } else { k4_scales(blk.add(scales_at(F))) };
+        let sm = if per_half(F) {
+            std::array::from_fn(|k| half_scales::<F>(blk, k))
+        } else {
+            k4_scales(blk.add(scales_at(F)))
+        };
         for (r, acc) in acc.iter_mut().enumerate() {
             half_block::<V, T, F>(r, blk, sb, &sm, o, acc);
         }
@@ -289,7 +302,8 @@ unsafe fn rows_of<const SIGNED: bool>(v: __m128i, r: usize) -> __m256i {
     }
 }
 
-/// Rows `8r..8r + 8` of super-block `sb` at `blk` into their accumulators (`sm`: Q4_K's or Q5_K's scales and minimums).
+/// Rows `8r..8r + 8` of super-block `sb` at `blk` into their accumulators (`sm`: Q4_K's or Q5_K's scales and
+/// minimums, or the other formats' 16 half scales).
 ///
 /// # Safety
 /// As for [`super_block_halves`].
@@ -338,7 +352,7 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
         };
         for j in 0..SUBS {
             let b = sb * SUBS + j;
-            let total = scaled::<V, T, F>(v, blk, j, b, r, o);
+            let total = scaled::<V, T, F>(v, [sm[2 * j], sm[2 * j + 1]], j, b, r, o);
             let mins = if F == Q2_K { _mm256_cvtepu8_epi16(q2k_min_pairs(blk, j)[r]) } else { _mm256_setzero_si256() };
             for (t, acc) in acc.iter_mut().enumerate() {
                 let ab = &*a.add(t * blocks + b);
@@ -352,8 +366,8 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
     }
 }
 
-/// Sub-block `j` (activation block `b`) of rows `8r..8r + 8` of a Q2_K, Q3_K or Q6_K super-block at `blk` (values
-/// at `v`): each token's `Σ_h sc_h · Σ_{l∈h} q_l·a_l` as integers. With VNNI each half's `vpdpbusd` sums (Q3_K's and
+/// Sub-block `j` (activation block `b`) of rows `8r..8r + 8` of a Q2_K, Q3_K or Q6_K super-block (values at `v`,
+/// its halves' scales `s`): each token's `Σ_h sc_h · Σ_{l∈h} q_l·a_l` as integers. With VNNI each half's `vpdpbusd` sums (Q3_K's and
 /// Q6_K's started at `bias · Σ a`) are multiplied by its scale with `mullo`. Without, two groups' `maddubs`
 /// products are summed as 16-bit integers (values below 64), then one `madd` against the half's scale in both
 /// 16-bit lanes of each row multiplies and sums at once; the bias, `bias · Σ_h sc_h·Σ_{l∈h} a_l`, is one `madd` of
@@ -364,7 +378,7 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
 #[inline(always)]
 unsafe fn scaled<const V: u8, const T: usize, const F: u8>(
     v: *const u8,
-    blk: *const u8,
+    s: [__m128i; 2],
     j: usize,
     b: usize,
     r: usize,
@@ -373,7 +387,6 @@ unsafe fn scaled<const V: u8, const T: usize, const F: u8>(
     let Operands { a, halves, blocks, .. } = o;
     // SAFETY (whole body): the caller's ranges.
     unsafe {
-        let s = [half_scales::<F>(blk, 2 * j), half_scales::<F>(blk, 2 * j + 1)];
         let mut total = [_mm256_setzero_si256(); T];
         if V != AVX2 {
             for (h, &sh) in s.iter().enumerate() {
@@ -424,7 +437,7 @@ unsafe fn scaled<const V: u8, const T: usize, const F: u8>(
 #[inline(always)]
 unsafe fn row_pairs(x: __m128i, y: __m128i, r: usize) -> __m256i {
     // SAFETY: forwarded.
-    unsafe { _mm256_cvtepi8_epi16(if r == 0 { _mm_unpacklo_epi8(x, y) } else { _mm_unpackhi_epi8(x, y) }) }
+    unsafe { _mm256_cvtepi8_epi16(interleave_rows(x, y)[r]) }
 }
 
 /// Sub-block `j`'s values of group `g` for the 8 rows at `v` (Q4_K's nibbles, with Q5_K's fifth bits).
