@@ -142,7 +142,7 @@ struct Align32([f32; GROUP]);
 pub(super) mod x86 {
     use super::{GROUP, GroupPtr, LaneSums, Q8x8};
     use crate::backend::cpu::simd::x86::{AVX_VNNI, AVX2, AVX512_VNNI, accumulate, hsum};
-    use crate::backend::cpu::unpack::{Sub, block_scales, sub_offset, subs, unpack_with};
+    use crate::backend::cpu::unpack::{Sub, scale, sub_offset, unpack};
     use std::arch::x86_64::*;
 
     /// How far ahead in the weight row to prefetch.
@@ -229,14 +229,12 @@ pub(super) mod x86 {
         unsafe {
             // First pass: the products d_w·d_a the one-token kernel forms (read back with load-port broadcasts in
             // the main loop, which costs no ALU slot) and the offset terms, lanes = tokens.
-            let mut ks = [0f32; 8];
             for b in 0..blocks {
                 let ab = &*a.add(b);
-                let j = b % subs::<Q>();
-                if j == 0 {
-                    ks = block_scales::<Q>(w, b / subs::<Q>());
-                }
-                _mm256_store_ps(sc.add(b * GROUP), _mm256_mul_ps(_mm256_set1_ps(ks[j]), _mm256_load_ps(ab.d.as_ptr())));
+                _mm256_store_ps(
+                    sc.add(b * GROUP),
+                    _mm256_mul_ps(_mm256_set1_ps(scale::<Q>(w, b)), _mm256_load_ps(ab.d.as_ptr())),
+                );
             }
             let mut acc = [_mm256_setzero_ps(); T];
             if V == AVX512_VNNI && T >= 2 {
@@ -245,7 +243,7 @@ pub(super) mod x86 {
                 for b in 0..blocks {
                     _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(sub_offset::<Q>(b) + PREFETCH_BYTES) as *const i8);
                     // The scales come from `sc`: the sub-block's own are not needed here.
-                    let sub = unpack_with::<Q>(w, b, 0.0);
+                    let sub = unpack::<Q>(w, b);
                     for (t, acc) in acc.iter_mut().enumerate() {
                         step::<V, Q>(&sub, &*a.add(b), sc, b, t, acc);
                     }
@@ -307,7 +305,7 @@ pub(super) mod x86 {
             let mut acc2 = [_mm512_setzero_ps(); GROUP / 2];
             for b in 0..blocks {
                 _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(sub_offset::<Q>(b) + PREFETCH_BYTES) as *const i8);
-                let sub = unpack_with::<Q>(w, b, 0.0);
+                let sub = unpack::<Q>(w, b);
                 let ab = &*a.add(b);
                 // The signed weights go in as `w + 128`, each lane starting from `-128 · Σa` (`sums`):
                 // Σ (w + 128)·a - 128·Σa = Σ w·a, the same integers as `step`'s.

@@ -141,7 +141,7 @@ pub fn dot_quant_scalar(dtype: DType, w: &[u8], a: &[Q8Block]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
     use super::{Q8Block, QK};
-    use crate::backend::cpu::unpack::{Sub, block_bytes, block_scales, sub_offset, subs, unpack_with};
+    use crate::backend::cpu::unpack::{Sub, block_bytes, sub_offset, subs, unpack};
     use std::arch::x86_64::*;
 
     #[inline]
@@ -314,14 +314,9 @@ pub(super) mod x86 {
         // so its block, inside `w` (prefetches may point past it: they never fault).
         unsafe {
             let mut acc = _mm256_setzero_ps();
-            let mut ks = [0f32; 8];
             for (b, ab) in a.iter().take(blocks).enumerate() {
                 _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().wrapping_add(sub_offset::<Q>(b) + PREFETCH_BYTES) as *const i8);
-                let j = b % subs::<Q>();
-                if j == 0 {
-                    ks = block_scales::<Q>(w.as_ptr(), b / subs::<Q>());
-                }
-                let sub = unpack_with::<Q>(w.as_ptr(), b, ks[j]);
+                let sub = unpack::<Q>(w.as_ptr(), b);
                 block_dot::<V, Q>(sub, ab, &mut acc);
             }
             hsum(acc)

@@ -48,41 +48,18 @@ pub(super) unsafe fn scale<const Q: u8>(row: *const u8, b: usize) -> f32 {
     unsafe { (blk as *const f32).read_unaligned() }
 }
 
-/// The float scales of the eight sub-blocks of block `k` of `row`, bit for bit what [`scale`] gives for each: the
-/// kernels decode them once per block and row.
-///
-/// # Safety
-/// `row` holds at least block `k` of layout `Q`.
-#[inline(always)]
-pub(super) unsafe fn block_scales<const Q: u8>(row: *const u8, k: usize) -> [f32; 8] {
-    // SAFETY: every read lies inside block k.
-    std::array::from_fn(|j| unsafe { scale::<Q>(row, k * subs::<Q>() + j) })
-}
-
-/// Decodes sub-block `b` of `row` with its own scale (the kernels take it from [`block_scales`] once per block;
-/// the tests check each sub-block this way).
+/// Decodes sub-block `b` of `row`: its values, their magnitudes and its scale.
 ///
 /// # Safety
 /// AVX2 available; `row` holds at least block `b / subs::<Q>()` of layout `Q`.
-#[cfg(test)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn unpack<const Q: u8>(row: *const u8, b: usize) -> Sub {
-    // SAFETY: forwarded.
-    unsafe { unpack_with::<Q>(row, b, scale::<Q>(row, b)) }
-}
-
-/// [`unpack`] with the sub-block's float scale already known (from [`block_scales`]).
-///
-/// # Safety
-/// As for [`unpack`].
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn unpack_with<const Q: u8>(row: *const u8, b: usize, d: f32) -> Sub {
+pub(super) unsafe fn unpack<const Q: u8>(row: *const u8, b: usize) -> Sub {
     let (blk, j) = locate::<Q>(row, b);
     // SAFETY: the sub-block's 32 values lie inside that block, after its 4-byte scale.
     let wq = unsafe { _mm256_loadu_si256(blk.add(4 + 32 * j) as *const __m256i) };
-    Sub { wabs: _mm256_sign_epi8(wq, wq), wq, d }
+    // SAFETY: forwarded.
+    Sub { wabs: _mm256_sign_epi8(wq, wq), wq, d: unsafe { scale::<Q>(row, b) } }
 }
 
 #[cfg(test)]
@@ -91,8 +68,7 @@ mod tests {
     use crate::quant;
     use rand::SeedableRng;
 
-    /// Every decoded sub-block, as `d · q`, is the table's dequantized block, and [`block_scales`] gives each
-    /// sub-block's [`scale`].
+    /// Every decoded sub-block, as `d · q`, is the table's dequantized block.
     #[test]
     fn unpacked_sub_blocks_are_the_reference_dequantization() {
         if !super::super::simd::Isa::Avx2.supported() {
@@ -108,8 +84,7 @@ mod tests {
         quant::dequantize(dtype, &row, &mut want);
         for b in 0..2 * subs::<Q8_K>() {
             // SAFETY: AVX2 was detected; `row` holds two blocks.
-            let (s, each) = unsafe { (unpack::<Q8_K>(row.as_ptr(), b), block_scales::<Q8_K>(row.as_ptr(), b / 8)) };
-            assert_eq!(s.d.to_bits(), each[b % 8].to_bits(), "sub-block {b}'s scale");
+            let s = unsafe { unpack::<Q8_K>(row.as_ptr(), b) };
             let mut q = [0i8; 32];
             // SAFETY: 32 writable bytes.
             unsafe { _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, s.wq) };
