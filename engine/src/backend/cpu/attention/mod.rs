@@ -167,7 +167,7 @@ fn attend_grouped(
     let runs: usize = seqs.iter().map(|s| s.len.div_ceil(ROWS_PER_TASK)).sum::<usize>() * num_kv_heads;
     let half_in_place = half_in_place(isa, head_dim);
     let direct = InPlace::of(cache, half_in_place);
-    let can_fuse = half_in_place && FUSED_GROUPS.contains(&group);
+    let can_fuse = half_in_place && group >= 2;
     let longest = seqs.iter().map(|s| s.start_pos + s.len).max().unwrap_or(0);
     let grouping = match grouping {
         Grouping::Auto if direct.is_none() || runs >= 2 * rayon::current_num_threads() => Grouping::Together,
@@ -262,9 +262,6 @@ fn attend_grouped(
     CpuTensor { data, rows: q.rows, cols: q_dim }
 }
 
-/// Query heads per KV head that [`group_heads`] computes in one pass over the cached rows.
-const FUSED_GROUPS: std::ops::RangeInclusive<usize> = 2..=4;
-
 /// Context length from which a small decode batch spreads each group's pass over the threads (see [`attend`]).
 const SPREAD_CONTEXT: usize = 1024;
 
@@ -272,11 +269,11 @@ const SPREAD_CONTEXT: usize = 1024;
 const SPREAD_POSITIONS: usize = 512;
 
 /// Every query head of one KV head for one query row (`q` and `o`: the group's heads back to back), reading each
-/// cached key and value once for all of them where [`one_head`] reads them once per head: its arithmetic head by
-/// head, so the same bits. `isa` is the softmax's level, as `one_head` or `one_head_in_registers` would use.
+/// cached key and value once for all of them (once per pass of up to four heads in larger groups, `x86::passes`)
+/// where [`one_head`] reads them once per head: its arithmetic head by head, so the same bits. `isa` is the softmax's level, as `one_head` or `one_head_in_registers` would use.
 ///
 /// # Safety
-/// AVX2, FMA and F16C available; the head width a multiple of 8; `o.len()` / width in [`FUSED_GROUPS`]; every
+/// AVX2, FMA and F16C available; the head width a multiple of 8; `o.len()` / width at least 2; every
 /// position below `ctx` cached.
 #[cfg(target_arch = "x86_64")]
 unsafe fn group_heads<T: x86::Elem>(

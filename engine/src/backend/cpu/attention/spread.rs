@@ -16,7 +16,7 @@ use crate::backend::{AttnSeq, AttnShape};
 ///
 /// # Safety
 /// AVX2, FMA and F16C available; the head width a multiple of 8 and the group of query heads per KV head one the
-/// grouped kernels take (2 to 4); every sequence one row long.
+/// grouped kernels take (at least 2); every sequence one row long.
 pub(super) unsafe fn attend(
     isa: Isa,
     q: &CpuTensor,

@@ -129,7 +129,7 @@ fn a_half_cache_read_in_place_gives_the_bits_of_its_values_in_f32() -> crate::Re
 }
 
 /// The query heads of a KV head computed together give, bit for bit, what computing them one at a time gives:
-/// groups of 2, 3 and 4; head widths of one, two and a partial column pass; every cache type (q8_0 through its
+/// groups of 2 to 5 and 8 (two passes of heads); head widths of one, two and a partial column pass; every cache type (q8_0 through its
 /// converted rows); prefill and decode rows with contexts that are not a multiple of four keys; one and four
 /// threads.
 #[test]
@@ -140,7 +140,9 @@ fn query_heads_together_give_the_bits_of_one_at_a_time() -> crate::Result<()> {
         return Ok(());
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(16);
-    for (heads, kv_heads, head_dim) in [(9, 3, 64), (4, 2, 128), (8, 2, 40), (12, 3, 24), (6, 3, 64)] {
+    for (heads, kv_heads, head_dim) in
+        [(9, 3, 64), (4, 2, 128), (8, 2, 40), (12, 3, 24), (6, 3, 64), (10, 2, 64), (16, 2, 40)]
+    {
         let shape = AttnShape { num_heads: heads, num_kv_heads: kv_heads, head_dim, block_size: 16 };
         let kv_dim = kv_heads * head_dim;
         let positions = 8 * 16;

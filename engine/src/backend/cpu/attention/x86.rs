@@ -97,26 +97,46 @@ pub unsafe fn scores<T: Elem>(q: &[f32], kv: &KvView<'_, T>, scale: f32, scores:
 }
 
 /// [`scores`] for the `group` query heads of one KV head at once (`q`: their rows back to back; `scores`:
-/// `group` runs of the context's length), four keys per pass so that the group's accumulators stay in
-/// registers. Each key's dot product is the same FMA chain over the columns, reduced by the same additions
-/// (the pairs of `hadd` and the halves' sum that [`scores`] gives every lane), and scaled the same: the bits of
-/// [`scores`] head by head.
+/// `group` runs of the context's length), four keys per pass so that the heads' accumulators stay in registers:
+/// a group of more than [`HEADS_PER_PASS`] heads in passes of at most that many ([`passes`]). Each key's dot
+/// product is the same FMA chain over the columns, reduced by the same additions (the pairs of `hadd` and the
+/// halves' sum that [`scores`] gives every lane), and scaled the same: the bits of [`scores`] head by head.
 ///
 /// # Safety
-/// As for [`scores`], with `q.len()` = `group` · the head width and `group` in 2..=4.
+/// As for [`scores`], with `q.len()` = `group` · the head width and `group` at least 2.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn group_scores<T: Elem>(group: usize, q: &[f32], kv: &KvView<'_, T>, scale: f32, scores: &mut [f32]) {
-    // SAFETY: forwarded.
-    unsafe {
-        match (group, kv.prefetch) {
-            (2, false) => scores_of::<T, 2, false>(q, kv, scale, scores),
-            (3, false) => scores_of::<T, 3, false>(q, kv, scale, scores),
-            (_, false) => scores_of::<T, 4, false>(q, kv, scale, scores),
-            (2, true) => scores_of::<T, 2, true>(q, kv, scale, scores),
-            (3, true) => scores_of::<T, 3, true>(q, kv, scale, scores),
-            (_, true) => scores_of::<T, 4, true>(q, kv, scale, scores),
+    let (width, ctx) = (kv.width, scores.len() / group.max(1));
+    assert!(
+        group >= 2 && q.len() == group * width && scores.len() == group * ctx,
+        "group_scores operands do not match"
+    );
+    for heads in passes(group) {
+        let q = &q[heads.start * width..heads.end * width];
+        let scores = &mut scores[heads.start * ctx..heads.end * ctx];
+        // SAFETY: forwarded.
+        unsafe {
+            match (heads.len(), kv.prefetch) {
+                (2, false) => scores_of::<T, 2, false>(q, kv, scale, scores),
+                (3, false) => scores_of::<T, 3, false>(q, kv, scale, scores),
+                (_, false) => scores_of::<T, 4, false>(q, kv, scale, scores),
+                (2, true) => scores_of::<T, 2, true>(q, kv, scale, scores),
+                (3, true) => scores_of::<T, 3, true>(q, kv, scale, scores),
+                (_, true) => scores_of::<T, 4, true>(q, kv, scale, scores),
+            }
         }
     }
+}
+
+/// Query heads one pass of the grouped kernels holds in registers.
+const HEADS_PER_PASS: usize = 4;
+
+/// A group of query heads in passes of 2 to [`HEADS_PER_PASS`] heads, as even as possible (5 as 2 + 3, 7 as 3 +
+/// 4, 8 as 4 + 4): GQA groups of 5 to 8 (Llama 2 and 3 70B, TinyLlama, Qwen2.5 7B) read each cached row twice
+/// instead of once per head.
+pub fn passes(group: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let n = group.div_ceil(HEADS_PER_PASS);
+    (0..n).map(move |i| i * group / n..(i + 1) * group / n)
 }
 
 /// [`group_scores`] for `G` heads, prefetching rows ahead if `P`.
@@ -175,11 +195,11 @@ unsafe fn scores_of<T: Elem, const G: usize, const P: bool>(
 }
 
 /// [`weighted_sum`] for the `group` query heads of one KV head at once (`p`: their probabilities, runs of the
-/// context's length; `o`: their outputs back to back): each value row is read once for every head, and each
-/// column of each head is the same sequential FMA chain, so the same bits.
+/// context's length; `o`: their outputs back to back): each value row is read once for every pass of heads
+/// ([`passes`]), and each column of each head is the same sequential FMA chain, so the same bits.
 ///
 /// # Safety
-/// As for [`weighted_sum`], with `o.len()` = `group` · the head width and `group` in 2..=4.
+/// As for [`weighted_sum`], with `o.len()` = `group` · the head width and `group` at least 2.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn group_weighted_sum<T: Elem>(group: usize, p: &[f32], kv: &KvView<'_, T>, o: &mut [f32]) {
     let (width, per_pass) = (kv.width, columns_per_pass(group));
@@ -195,9 +215,10 @@ pub unsafe fn group_weighted_sum<T: Elem>(group: usize, p: &[f32], kv: &KvView<'
     }
 }
 
-/// Columns per pass of [`group_weighted_sum`], in groups of 8: as many as twelve accumulators hold.
+/// Columns per pass of [`group_weighted_sum`], in groups of 8: as many as twelve accumulators hold for the largest
+/// pass of heads.
 pub fn columns_per_pass(group: usize) -> usize {
-    12 / group.max(2)
+    12 / group.clamp(2, HEADS_PER_PASS)
 }
 
 /// Columns `c0..c0 + 8·chunks` of every head of [`group_weighted_sum`] (the rest of `o` untouched), `chunks` at
@@ -215,18 +236,27 @@ pub unsafe fn group_weighted_columns<T: Elem>(
     o: &mut [f32],
 ) {
     assert!(
-        o.len() == group * kv.width && p.len().is_multiple_of(group) && c0 + 8 * chunks <= kv.width && chunks <= 6,
+        group >= 2
+            && o.len() == group * kv.width
+            && p.len().is_multiple_of(group)
+            && c0 + 8 * chunks <= kv.width
+            && chunks <= columns_per_pass(group),
         "group_weighted_sum operands do not match"
     );
-    // SAFETY: forwarded.
-    unsafe {
-        match (group, kv.prefetch) {
-            (2, false) => columns_of::<T, 2, false>(p, kv, c0, chunks, o),
-            (3, false) => columns_of::<T, 3, false>(p, kv, c0, chunks, o),
-            (_, false) => columns_of::<T, 4, false>(p, kv, c0, chunks, o),
-            (2, true) => columns_of::<T, 2, true>(p, kv, c0, chunks, o),
-            (3, true) => columns_of::<T, 3, true>(p, kv, c0, chunks, o),
-            (_, true) => columns_of::<T, 4, true>(p, kv, c0, chunks, o),
+    let (width, ctx) = (kv.width, p.len() / group);
+    for heads in passes(group) {
+        let p = &p[heads.start * ctx..heads.end * ctx];
+        let o = &mut o[heads.start * width..heads.end * width];
+        // SAFETY: forwarded.
+        unsafe {
+            match (heads.len(), kv.prefetch) {
+                (2, false) => columns_of::<T, 2, false>(p, kv, c0, chunks, o),
+                (3, false) => columns_of::<T, 3, false>(p, kv, c0, chunks, o),
+                (_, false) => columns_of::<T, 4, false>(p, kv, c0, chunks, o),
+                (2, true) => columns_of::<T, 2, true>(p, kv, c0, chunks, o),
+                (3, true) => columns_of::<T, 3, true>(p, kv, c0, chunks, o),
+                (_, true) => columns_of::<T, 4, true>(p, kv, c0, chunks, o),
+            }
         }
     }
 }
