@@ -62,6 +62,11 @@ impl Isa {
         self != Isa::Scalar
     }
 
+    /// Whether the kernels may use AVX-512 F (with AVX2): [`Isa::Avx512Vnni`].
+    pub(super) fn avx512(self) -> bool {
+        self == Isa::Avx512Vnni
+    }
+
     /// The name benchmarks and logs print.
     pub fn name(self) -> &'static str {
         match self {

@@ -187,6 +187,7 @@ fn attend_grouped(
     let apart = grouping == Grouping::Apart;
     let heads_per_task = if apart && direct.is_some() { 1 } else { group };
     let fused = can_fuse && !apart;
+    let wide = isa.avx512();
     let tasks: Vec<AttnTask> = seqs
         .iter()
         .enumerate()
@@ -217,9 +218,9 @@ fn attend_grouped(
                         // included) and the group is one `group_heads` takes; the block table covers ctx.
                         unsafe {
                             match &kv {
-                                Src::F32(kv) => group_heads(isa, qrows, kv, ctx, scale, &mut scores, o),
-                                Src::F16(kv) => group_heads(Isa::Avx2, qrows, kv, ctx, scale, &mut scores, o),
-                                Src::Bf16(kv) => group_heads(Isa::Avx2, qrows, kv, ctx, scale, &mut scores, o),
+                                Src::F32(kv) => group_heads(isa, wide, qrows, kv, ctx, scale, &mut scores, o),
+                                Src::F16(kv) => group_heads(Isa::Avx2, wide, qrows, kv, ctx, scale, &mut scores, o),
+                                Src::Bf16(kv) => group_heads(Isa::Avx2, wide, qrows, kv, ctx, scale, &mut scores, o),
                             }
                         }
                         continue;
@@ -270,14 +271,18 @@ const SPREAD_POSITIONS: usize = 512;
 
 /// Every query head of one KV head for one query row (`q` and `o`: the group's heads back to back), reading each
 /// cached key and value once for all of them (once per pass of up to four heads in larger groups, `x86::passes`)
-/// where [`one_head`] reads them once per head: its arithmetic head by head, so the same bits. `isa` is the softmax's level, as `one_head` or `one_head_in_registers` would use.
+/// where [`one_head`] reads them once per head: its arithmetic head by head, so the same bits. `isa` is the
+/// softmax's level, as `one_head` or `one_head_in_registers` would use; `wide`: whether the kernels may use
+/// AVX-512 ([`wide`]).
 ///
 /// # Safety
-/// AVX2, FMA and F16C available; the head width a multiple of 8; `o.len()` / width at least 2; every
-/// position below `ctx` cached.
+/// AVX2, FMA and F16C available (and AVX-512 F with `wide`); the head width a multiple of 8; `o.len()` / width at
+/// least 2; every position below `ctx` cached.
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn group_heads<T: x86::Elem>(
     isa: Isa,
+    wide: bool,
     q: &[f32],
     kv: &KvView<'_, T>,
     ctx: usize,
@@ -289,11 +294,11 @@ unsafe fn group_heads<T: x86::Elem>(
     scores.clear();
     scores.resize(group * ctx, 0.0);
     // SAFETY (both calls): forwarded from the caller.
-    unsafe { x86::group_scores(group, q, kv, scale, scores) };
+    unsafe { x86::group_scores(wide, group, q, kv, scale, scores) };
     for head in scores.chunks_exact_mut(ctx) {
         softmax(isa, head);
     }
-    unsafe { x86::group_weighted_sum(group, scores, kv, o) };
+    unsafe { x86::group_weighted_sum(wide, group, scores, kv, o) };
 }
 
 /// Softmax-weighted sum of the first `ctx` value rows for one query row of one head.
@@ -335,10 +340,7 @@ fn one_head(isa: Isa, qrow: &[f32], kv: &KvView<'_>, ctx: usize, scale: f32, sco
 /// Scores into probabilities, in place.
 fn softmax(isa: Isa, scores: &mut [f32]) {
     exp::exp_from_max(isa, scores);
-    let mut denom = 0f32;
-    for sc in scores.iter() {
-        denom += *sc;
-    }
+    let denom = exp::sum_of(scores);
     for sc in scores.iter_mut() {
         *sc /= denom;
     }
@@ -425,6 +427,8 @@ enum Src<'a> {
 
 #[cfg(target_arch = "x86_64")]
 mod spread;
+#[cfg(target_arch = "x86_64")]
+mod wide;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

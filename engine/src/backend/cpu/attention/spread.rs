@@ -15,7 +15,7 @@ use crate::backend::{AttnSeq, AttnShape};
 /// of `positions` positions (rounded to whole KV blocks).
 ///
 /// # Safety
-/// AVX2, FMA and F16C available; the head width a multiple of 8 and the group of query heads per KV head one the
+/// AVX2, FMA and F16C available (AVX-512 F too where `isa` is that level); the head width a multiple of 8 and the group of query heads per KV head one the
 /// grouped kernels take (at least 2); every sequence one row long.
 pub(super) unsafe fn attend(
     isa: Isa,
@@ -30,6 +30,7 @@ pub(super) unsafe fn attend(
     let (group, scale) = (shape.group(), shape.scale());
     let q_dim = num_heads * head_dim;
     let block = cache.block_size;
+    let wide = isa.avx512();
     let run = block * (positions / block).max(1);
     assert!(seqs.iter().all(|s| s.len == 1), "spread attention takes decode rows");
     // (sequence, KV head) pairs and their contexts; pair i is sequence i / num_kv_heads.
@@ -52,9 +53,9 @@ pub(super) unsafe fn attend(
             // SAFETY: the caller's features and group; the sequence's blocks cover its context from p0 on.
             unsafe {
                 match view(si, kvh, p0) {
-                    Src::F32(kv) => x86::group_scores(group, queries(si, kvh), &kv, scale, &mut out),
-                    Src::F16(kv) => x86::group_scores(group, queries(si, kvh), &kv, scale, &mut out),
-                    Src::Bf16(kv) => x86::group_scores(group, queries(si, kvh), &kv, scale, &mut out),
+                    Src::F32(kv) => x86::group_scores(wide, group, queries(si, kvh), &kv, scale, &mut out),
+                    Src::F16(kv) => x86::group_scores(wide, group, queries(si, kvh), &kv, scale, &mut out),
+                    Src::Bf16(kv) => x86::group_scores(wide, group, queries(si, kvh), &kv, scale, &mut out),
                 }
             }
             out
@@ -74,7 +75,7 @@ pub(super) unsafe fn attend(
     });
 
     // Weighted sums of every head of the group, a pass of columns per task.
-    let per_pass = x86::columns_per_pass(group);
+    let per_pass = x86::columns_per_pass(wide, group);
     // (pair, first column, columns / 8)
     let passes: Vec<(usize, usize, usize)> = (0..pairs.len())
         .flat_map(|pi| (0..head_dim).step_by(8 * per_pass).map(move |c0| (pi, c0, ((head_dim - c0) / 8).min(per_pass))))
@@ -87,9 +88,9 @@ pub(super) unsafe fn attend(
             // SAFETY: as above; columns c0..c0 + 8·chunks lie in the head.
             unsafe {
                 match view(si, kvh, 0) {
-                    Src::F32(kv) => x86::group_weighted_columns(group, &probs[pi], &kv, c0, chunks, &mut o),
-                    Src::F16(kv) => x86::group_weighted_columns(group, &probs[pi], &kv, c0, chunks, &mut o),
-                    Src::Bf16(kv) => x86::group_weighted_columns(group, &probs[pi], &kv, c0, chunks, &mut o),
+                    Src::F32(kv) => x86::group_weighted_columns(wide, group, &probs[pi], &kv, c0, chunks, &mut o),
+                    Src::F16(kv) => x86::group_weighted_columns(wide, group, &probs[pi], &kv, c0, chunks, &mut o),
+                    Src::Bf16(kv) => x86::group_weighted_columns(wide, group, &probs[pi], &kv, c0, chunks, &mut o),
                 }
             }
             o

@@ -1,7 +1,7 @@
 //! The AVX2 kernels of attention: scores and weighted sums over a head's cached rows, for one query head or
 //! for all query heads of a KV head at once, over f32, f16 or bf16 caches.
 
-use super::KvView;
+use super::{KvView, wide};
 use half::{bf16, f16};
 use std::arch::x86_64::*;
 
@@ -10,6 +10,18 @@ pub trait Elem: Copy {
     /// # Safety
     /// AVX2 and F16C available; `p` points at eight readable values.
     unsafe fn load8(p: *const Self) -> __m256;
+
+    /// [`Self::load8`] in both 256-bit halves of a 512-bit register.
+    ///
+    /// # Safety
+    /// AVX-512 F and F16C available; `p` points at eight readable values.
+    unsafe fn load8x2(p: *const Self) -> __m512;
+
+    /// Sixteen values as f32, converted as [`Self::load8`] converts them.
+    ///
+    /// # Safety
+    /// AVX-512 F available; `p` points at sixteen readable values.
+    unsafe fn load16(p: *const Self) -> __m512;
 }
 
 impl Elem for f32 {
@@ -18,6 +30,18 @@ impl Elem for f32 {
         // SAFETY: forwarded.
         unsafe { _mm256_loadu_ps(p) }
     }
+
+    #[inline(always)]
+    unsafe fn load8x2(p: *const f32) -> __m512 {
+        // SAFETY: forwarded.
+        unsafe { _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(p.cast()))) }
+    }
+
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> __m512 {
+        // SAFETY: forwarded.
+        unsafe { _mm512_loadu_ps(p) }
+    }
 }
 
 impl Elem for f16 {
@@ -25,6 +49,18 @@ impl Elem for f16 {
     unsafe fn load8(p: *const f16) -> __m256 {
         // SAFETY: forwarded; f16 → f32 is exact, as `half`'s conversion is.
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+
+    #[inline(always)]
+    unsafe fn load8x2(p: *const f16) -> __m512 {
+        // SAFETY: forwarded; the 8 halves in both 128-bit lanes, then converted at once.
+        unsafe { _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast()))) }
+    }
+
+    #[inline(always)]
+    unsafe fn load16(p: *const f16) -> __m512 {
+        // SAFETY: forwarded.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
     }
 }
 
@@ -35,16 +71,38 @@ impl Elem for bf16 {
         // (exact, as `half`'s conversion is).
         unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())))) }
     }
+
+    #[inline(always)]
+    unsafe fn load8x2(p: *const bf16) -> __m512 {
+        // SAFETY: forwarded; as `load8`, on the 8 values in both halves.
+        unsafe { bf16_bits(_mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast()))) }
+    }
+
+    #[inline(always)]
+    unsafe fn load16(p: *const bf16) -> __m512 {
+        // SAFETY: forwarded.
+        unsafe { bf16_bits(_mm256_loadu_si256(p.cast())) }
+    }
+}
+
+/// Sixteen bf16 as the f32 with the same high bits.
+///
+/// # Safety
+/// AVX-512 F.
+#[inline(always)]
+unsafe fn bf16_bits(v: __m256i) -> __m512 {
+    // SAFETY: forwarded.
+    unsafe { _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(v))) }
 }
 
 /// Positions ahead of the one being read whose rows are prefetched: rows of one head are a few cache lines
 /// spread a cached row's width apart (and a block apart at block edges), which the hardware prefetchers do not
 /// follow far enough ahead; without this the kernels below wait on memory at long contexts.
-const AHEAD: usize = 16;
+pub(super) const AHEAD: usize = 16;
 
 /// Asks for the cache lines of `bytes` bytes from `p` (any alignment) to be brought into L1.
 #[inline(always)]
-unsafe fn prefetch(p: *const u8, bytes: usize) {
+pub(super) unsafe fn prefetch(p: *const u8, bytes: usize) {
     let first = p as usize & !63;
     let mut line = first;
     while line < p as usize + bytes {
@@ -98,31 +156,46 @@ pub unsafe fn scores<T: Elem>(q: &[f32], kv: &KvView<'_, T>, scale: f32, scores:
 
 /// [`scores`] for the `group` query heads of one KV head at once (`q`: their rows back to back; `scores`:
 /// `group` runs of the context's length), four keys per pass so that the heads' accumulators stay in registers:
-/// a group of more than [`HEADS_PER_PASS`] heads in passes of at most that many ([`passes`]). Each key's dot
-/// product is the same FMA chain over the columns, reduced by the same additions (the pairs of `hadd` and the
-/// halves' sum that [`scores`] gives every lane), and scaled the same: the bits of [`scores`] head by head.
+/// a group of more than [`HEADS_PER_PASS`] heads in passes of at most that many ([`passes`]); with `wide`, two
+/// heads per 512-bit register ([`super::wide::scores`]). Each key's dot product is the same FMA chain over the
+/// columns, reduced by the same additions (the pairs of `hadd` and the halves' sum that [`scores`] gives every
+/// lane), and scaled the same: the bits of [`scores`] head by head.
 ///
 /// # Safety
-/// As for [`scores`], with `q.len()` = `group` · the head width and `group` at least 2.
+/// As for [`scores`], with `q.len()` = `group` · the head width and `group` at least 2; with `wide`, AVX-512 F.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn group_scores<T: Elem>(group: usize, q: &[f32], kv: &KvView<'_, T>, scale: f32, scores: &mut [f32]) {
+pub unsafe fn group_scores<T: Elem>(
+    wide: bool,
+    group: usize,
+    q: &[f32],
+    kv: &KvView<'_, T>,
+    scale: f32,
+    scores: &mut [f32],
+) {
     let (width, ctx) = (kv.width, scores.len() / group.max(1));
     assert!(
         group >= 2 && q.len() == group * width && scores.len() == group * ctx,
         "group_scores operands do not match"
     );
+    let wide = wide && width <= wide::MAX_WIDTH;
     for heads in passes(group) {
         let q = &q[heads.start * width..heads.end * width];
         let scores = &mut scores[heads.start * ctx..heads.end * ctx];
-        // SAFETY: forwarded.
+        // SAFETY: forwarded (AVX-512 F with `wide`).
         unsafe {
-            match (heads.len(), kv.prefetch) {
-                (2, false) => scores_of::<T, 2, false>(q, kv, scale, scores),
-                (3, false) => scores_of::<T, 3, false>(q, kv, scale, scores),
-                (_, false) => scores_of::<T, 4, false>(q, kv, scale, scores),
-                (2, true) => scores_of::<T, 2, true>(q, kv, scale, scores),
-                (3, true) => scores_of::<T, 3, true>(q, kv, scale, scores),
-                (_, true) => scores_of::<T, 4, true>(q, kv, scale, scores),
+            match (wide, heads.len(), kv.prefetch) {
+                (false, 2, false) => scores_of::<T, 2, false>(q, kv, scale, scores),
+                (false, 3, false) => scores_of::<T, 3, false>(q, kv, scale, scores),
+                (false, _, false) => scores_of::<T, 4, false>(q, kv, scale, scores),
+                (false, 2, true) => scores_of::<T, 2, true>(q, kv, scale, scores),
+                (false, 3, true) => scores_of::<T, 3, true>(q, kv, scale, scores),
+                (false, _, true) => scores_of::<T, 4, true>(q, kv, scale, scores),
+                (true, 2, false) => wide::scores::<T, 2, false>(q, kv, scale, scores),
+                (true, 3, false) => wide::scores::<T, 3, false>(q, kv, scale, scores),
+                (true, _, false) => wide::scores::<T, 4, false>(q, kv, scale, scores),
+                (true, 2, true) => wide::scores::<T, 2, true>(q, kv, scale, scores),
+                (true, 3, true) => wide::scores::<T, 3, true>(q, kv, scale, scores),
+                (true, _, true) => wide::scores::<T, 4, true>(q, kv, scale, scores),
             }
         }
     }
@@ -196,13 +269,14 @@ unsafe fn scores_of<T: Elem, const G: usize, const P: bool>(
 
 /// [`weighted_sum`] for the `group` query heads of one KV head at once (`p`: their probabilities, runs of the
 /// context's length; `o`: their outputs back to back): each value row is read once for every pass of heads
-/// ([`passes`]), and each column of each head is the same sequential FMA chain, so the same bits.
+/// ([`passes`]) and of columns, and each column of each head is the same sequential FMA chain, so the same bits.
 ///
 /// # Safety
-/// As for [`weighted_sum`], with `o.len()` = `group` · the head width and `group` at least 2.
+/// As for [`weighted_sum`], with `o.len()` = `group` · the head width and `group` at least 2; with `wide`,
+/// AVX-512 F.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn group_weighted_sum<T: Elem>(group: usize, p: &[f32], kv: &KvView<'_, T>, o: &mut [f32]) {
-    let (width, per_pass) = (kv.width, columns_per_pass(group));
+pub unsafe fn group_weighted_sum<T: Elem>(wide: bool, group: usize, p: &[f32], kv: &KvView<'_, T>, o: &mut [f32]) {
+    let (width, per_pass) = (kv.width, columns_per_pass(wide, group));
     let mut c0 = 0;
     while c0 < width {
         let chunks = ((width - c0) / 8).min(per_pass);
@@ -210,24 +284,26 @@ pub unsafe fn group_weighted_sum<T: Elem>(group: usize, p: &[f32], kv: &KvView<'
             break; // not reached: the width is a multiple of 8
         }
         // SAFETY: forwarded; columns c0..c0 + 8·chunks lie in the head.
-        unsafe { group_weighted_columns(group, p, kv, c0, chunks, o) };
+        unsafe { group_weighted_columns(wide, group, p, kv, c0, chunks, o) };
         c0 += 8 * chunks;
     }
 }
 
-/// Columns per pass of [`group_weighted_sum`], in groups of 8: as many as twelve accumulators hold for the largest
-/// pass of heads.
-pub fn columns_per_pass(group: usize) -> usize {
-    12 / group.clamp(2, HEADS_PER_PASS)
+/// Columns per pass of [`group_weighted_sum`], in groups of 8: as many as twelve 256-bit accumulators hold for the
+/// largest pass of heads, or with `wide` 16 of 512 bits.
+pub fn columns_per_pass(wide: bool, group: usize) -> usize {
+    if wide { wide::CHUNKS_PER_PASS } else { 12 / group.clamp(2, HEADS_PER_PASS) }
 }
 
 /// Columns `c0..c0 + 8·chunks` of every head of [`group_weighted_sum`] (the rest of `o` untouched), `chunks` at
-/// most [`columns_per_pass`]: the same chains, so any split of the columns gives the same bits.
+/// most [`columns_per_pass`]: the same chains, so any split of the columns gives the same bits (with `wide`, the
+/// pairs of runs of 8 in 512-bit registers, an odd last one in a 256-bit register).
 ///
 /// # Safety
 /// As for [`group_weighted_sum`], with `c0 + 8·chunks` within the head width.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn group_weighted_columns<T: Elem>(
+    wide: bool,
     group: usize,
     p: &[f32],
     kv: &KvView<'_, T>,
@@ -240,22 +316,31 @@ pub unsafe fn group_weighted_columns<T: Elem>(
             && o.len() == group * kv.width
             && p.len().is_multiple_of(group)
             && c0 + 8 * chunks <= kv.width
-            && chunks <= columns_per_pass(group),
+            && chunks <= columns_per_pass(wide, group),
         "group_weighted_sum operands do not match"
     );
     let (width, ctx) = (kv.width, p.len() / group);
+    let (pairs, narrow) = if wide { (chunks / 2, chunks % 2) } else { (0, chunks) };
     for heads in passes(group) {
         let p = &p[heads.start * ctx..heads.end * ctx];
         let o = &mut o[heads.start * width..heads.end * width];
-        // SAFETY: forwarded.
+        // SAFETY: forwarded (AVX-512 F with `wide`); the wide columns are c0..c0 + 16·pairs, the rest after them.
         unsafe {
+            if pairs > 0 {
+                match heads.len() {
+                    2 => wide::columns_of::<T, 2>(pairs, p, kv, c0, o),
+                    3 => wide::columns_of::<T, 3>(pairs, p, kv, c0, o),
+                    _ => wide::columns_of::<T, 4>(pairs, p, kv, c0, o),
+                }
+            }
+            let c0 = c0 + 16 * pairs;
             match (heads.len(), kv.prefetch) {
-                (2, false) => columns_of::<T, 2, false>(p, kv, c0, chunks, o),
-                (3, false) => columns_of::<T, 3, false>(p, kv, c0, chunks, o),
-                (_, false) => columns_of::<T, 4, false>(p, kv, c0, chunks, o),
-                (2, true) => columns_of::<T, 2, true>(p, kv, c0, chunks, o),
-                (3, true) => columns_of::<T, 3, true>(p, kv, c0, chunks, o),
-                (_, true) => columns_of::<T, 4, true>(p, kv, c0, chunks, o),
+                (2, false) => columns_of::<T, 2, false>(p, kv, c0, narrow, o),
+                (3, false) => columns_of::<T, 3, false>(p, kv, c0, narrow, o),
+                (_, false) => columns_of::<T, 4, false>(p, kv, c0, narrow, o),
+                (2, true) => columns_of::<T, 2, true>(p, kv, c0, narrow, o),
+                (3, true) => columns_of::<T, 3, true>(p, kv, c0, narrow, o),
+                (_, true) => columns_of::<T, 4, true>(p, kv, c0, narrow, o),
             }
         }
     }
