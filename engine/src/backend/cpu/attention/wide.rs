@@ -5,7 +5,7 @@
 //! addition), so the bits are the 256-bit kernels' — with half the multiply-adds' instructions.
 
 use super::KvView;
-use super::x86::{AHEAD, Elem, prefetch};
+use super::x86::{AHEAD, Elem, columns_in, prefetch};
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
@@ -141,31 +141,6 @@ unsafe fn columns<T: Elem, const G: usize, const N: usize, const P: bool>(
     c0: usize,
     o: &mut [f32],
 ) {
-    let (v, width, ctx) = (kv.v.as_ptr(), kv.width, p.len() / G);
-    assert!(o.len() == G * width && c0 + 16 * N <= width, "group_weighted_sum operands do not match");
-    let mut acc = [[_mm512_setzero_ps(); N]; G];
-    let mut later = if P { kv.lookahead(AHEAD) } else { None };
-    // SAFETY: offsets come from the block table; columns stay below the head width, positions below ctx.
-    unsafe {
-        for (j, at) in kv.rows().take(ctx).enumerate() {
-            if P && let Some(later) = later.as_mut()
-                && let Some(next) = later.next()
-            {
-                prefetch(v.wrapping_add(next + c0).cast(), 16 * N * std::mem::size_of::<T>());
-            }
-            let row = v.add(at + c0);
-            let pv: [__m512; G] = std::array::from_fn(|g| _mm512_set1_ps(*p.get_unchecked(g * ctx + j)));
-            for c in 0..N {
-                let vc = T::load16(row.add(16 * c));
-                for (a, pv) in acc.iter_mut().zip(&pv) {
-                    a[c] = _mm512_fmadd_ps(*pv, vc, a[c]);
-                }
-            }
-        }
-        for (g, head) in acc.iter().enumerate() {
-            for (c, a) in head.iter().enumerate() {
-                _mm512_storeu_ps(o.as_mut_ptr().add(g * width + c0 + 16 * c), *a);
-            }
-        }
-    }
+    // SAFETY: forwarded; this function's features are the 512-bit registers'.
+    unsafe { columns_in::<__m512, T, G, N, P>(p, kv, c0, o) }
 }

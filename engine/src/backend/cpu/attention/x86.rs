@@ -377,29 +377,130 @@ unsafe fn group_columns<T: Elem, const G: usize, const N: usize, const P: bool>(
     c0: usize,
     o: &mut [f32],
 ) {
+    // SAFETY: forwarded; this function's features are the 256-bit registers'.
+    unsafe { columns_in::<__m256, T, G, N, P>(p, kv, c0, o) }
+}
+
+/// A register of f32 lanes the weighted sums accumulate in: 256 bits, or 512 ([`super::wide`]).
+pub(super) trait Lanes: Copy {
+    /// Lanes per register.
+    const LANES: usize;
+
+    /// # Safety
+    /// The register's instruction set (AVX, or AVX-512 F) available; so for every method below.
+    unsafe fn zero() -> Self;
+
+    unsafe fn splat(x: f32) -> Self;
+
+    /// # Safety
+    /// As above, and F16C; `p` points at [`Self::LANES`] readable values.
+    unsafe fn load<T: Elem>(p: *const T) -> Self;
+
+    /// `a · b + c`.
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
+
+    /// # Safety
+    /// As above; `p` points at [`Self::LANES`] writable floats.
+    unsafe fn store(self, p: *mut f32);
+}
+
+impl Lanes for __m256 {
+    const LANES: usize = 8;
+
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        // SAFETY (each method): the caller's instruction set and pointers.
+        unsafe { _mm256_setzero_ps() }
+    }
+
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        unsafe { _mm256_set1_ps(x) }
+    }
+
+    #[inline(always)]
+    unsafe fn load<T: Elem>(p: *const T) -> Self {
+        unsafe { T::load8(p) }
+    }
+
+    #[inline(always)]
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+        unsafe { _mm256_fmadd_ps(a, b, c) }
+    }
+
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        unsafe { _mm256_storeu_ps(p, self) }
+    }
+}
+
+impl Lanes for __m512 {
+    const LANES: usize = 16;
+
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        // SAFETY (each method): the caller's instruction set and pointers.
+        unsafe { _mm512_setzero_ps() }
+    }
+
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        unsafe { _mm512_set1_ps(x) }
+    }
+
+    #[inline(always)]
+    unsafe fn load<T: Elem>(p: *const T) -> Self {
+        unsafe { T::load16(p) }
+    }
+
+    #[inline(always)]
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        unsafe { _mm512_storeu_ps(p, self) }
+    }
+}
+
+/// Columns `c0..c0 + N·R::LANES` of `G` heads of [`group_weighted_sum`] in registers `R`: per column a sequential
+/// FMA chain over the positions, whatever the register's width.
+///
+/// # Safety
+/// `R`'s instruction set; otherwise as for [`group_weighted_columns`], with the columns within the head.
+#[inline(always)]
+pub(super) unsafe fn columns_in<R: Lanes, T: Elem, const G: usize, const N: usize, const P: bool>(
+    p: &[f32],
+    kv: &KvView<'_, T>,
+    c0: usize,
+    o: &mut [f32],
+) {
     let (v, width, ctx) = (kv.v.as_ptr(), kv.width, p.len() / G);
-    let mut acc = [[_mm256_setzero_ps(); N]; G];
-    let mut later = if P { kv.lookahead(AHEAD) } else { None };
-    // SAFETY: offsets come from the block table; columns stay below the head width, positions below ctx.
+    assert!(o.len() == G * width && c0 + N * R::LANES <= width, "group_weighted_sum operands do not match");
+    // SAFETY (whole body): offsets come from the block table; columns stay below the head width, positions below
+    // ctx; the caller's instruction set.
     unsafe {
+        let mut acc = [[R::zero(); N]; G];
+        let mut later = if P { kv.lookahead(AHEAD) } else { None };
         for (j, at) in kv.rows().take(ctx).enumerate() {
             if P && let Some(later) = later.as_mut()
                 && let Some(next) = later.next()
             {
-                prefetch(v.wrapping_add(next + c0).cast(), 8 * N * std::mem::size_of::<T>());
+                prefetch(v.wrapping_add(next + c0).cast(), N * R::LANES * std::mem::size_of::<T>());
             }
             let row = v.add(at + c0);
-            let pv: [__m256; G] = std::array::from_fn(|g| _mm256_set1_ps(*p.get_unchecked(g * ctx + j)));
+            let pv: [R; G] = std::array::from_fn(|g| R::splat(*p.get_unchecked(g * ctx + j)));
             for c in 0..N {
-                let vc = T::load8(row.add(8 * c));
+                let vc = R::load(row.add(R::LANES * c));
                 for (a, pv) in acc.iter_mut().zip(&pv) {
-                    a[c] = _mm256_fmadd_ps(*pv, vc, a[c]);
+                    a[c] = R::fma(*pv, vc, a[c]);
                 }
             }
         }
         for (g, head) in acc.iter().enumerate() {
             for (c, a) in head.iter().enumerate() {
-                _mm256_storeu_ps(o.as_mut_ptr().add(g * width + c0 + 8 * c), *a);
+                a.store(o.as_mut_ptr().add(g * width + c0 + R::LANES * c));
             }
         }
     }
