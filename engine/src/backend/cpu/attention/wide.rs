@@ -5,7 +5,7 @@
 //! addition), so the bits are the 256-bit kernels' — with half the multiply-adds' instructions.
 
 use super::KvView;
-use super::x86::{AHEAD, Elem, columns_in, prefetch};
+use super::x86::{Elem, FourKeys, columns_in};
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
@@ -43,14 +43,11 @@ pub(super) unsafe fn scores<T: Elem, const G: usize, const P: bool>(
         (2..=4).contains(&G) && width <= MAX_WIDTH && q.len() == G * width && scores.len() == G * ctx,
         "group_scores operands do not match"
     );
-    let k = kv.k.as_ptr();
     let sc = _mm512_set1_ps(scale);
     let mut packed = MaybeUninit::<[__m512; 2 * MAX_WIDTH / 8]>::uninit();
     let qp = packed.as_mut_ptr() as *mut __m512;
-    let (mut j, mut offsets, mut at) = (0, kv.rows(), 0);
-    let mut later = if P { kv.lookahead(AHEAD) } else { None };
-    let row_bytes = width * std::mem::size_of::<T>();
-    // SAFETY (whole body): offsets come from the block table and stay inside `k`; q reads stay below q.len();
+    let (mut j, mut keys) = (0, FourKeys::<T, P>::new(kv));
+    // SAFETY (whole body): key rows come from the block table and stay inside `k`; q reads stay below q.len();
     // `qp` is written at every index below pairs · chunks before it is read.
     unsafe {
         for i in 0..pairs {
@@ -63,21 +60,11 @@ pub(super) unsafe fn scores<T: Elem, const G: usize, const P: bool>(
             }
         }
         while j < ctx {
-            // Past the end, the last key is reused; those lanes are dropped.
-            let rows: [*const T; 4] = std::array::from_fn(|i| {
-                if j + i < ctx {
-                    at = offsets.next().unwrap_or(at);
-                    if P && let Some(later) = later.as_mut()
-                        && let Some(next) = later.next()
-                    {
-                        prefetch(k.wrapping_add(next).cast(), row_bytes);
-                    }
-                }
-                k.add(at)
-            });
+            let rows = keys.next(j, ctx);
             let mut acc = [[_mm512_setzero_ps(); 2]; 4];
             for c in 0..chunks {
-                let qc: [__m512; 2] = std::array::from_fn(|i| if i < pairs { *qp.add(i * chunks + c) } else { sc });
+                let qc: [__m512; 2] =
+                    std::array::from_fn(|i| if i < pairs { *qp.add(i * chunks + c) } else { _mm512_setzero_ps() });
                 for (a, row) in acc.iter_mut().zip(&rows) {
                     let kc = T::load8x2(row.add(8 * c));
                     for (a, qc) in a.iter_mut().zip(&qc).take(pairs) {

@@ -212,6 +212,45 @@ pub fn passes(group: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
     (0..n).map(move |i| i * group / n..(i + 1) * group / n)
 }
 
+/// A head's cached key rows four positions at a time, for the grouped scores: past the context's end the last row
+/// again (those lanes are dropped), and with `P` the rows [`AHEAD`] positions on prefetched.
+pub(super) struct FourKeys<'a, T, const P: bool> {
+    k: *const T,
+    offsets: super::RowOffsets<'a>,
+    later: Option<std::iter::Skip<super::RowOffsets<'a>>>,
+    at: usize,
+    row_bytes: usize,
+}
+
+impl<'a, T, const P: bool> FourKeys<'a, T, P> {
+    pub(super) fn new(kv: &'a KvView<'a, T>) -> Self {
+        let later = if P { kv.lookahead(AHEAD) } else { None };
+        let row_bytes = kv.width * std::mem::size_of::<T>();
+        FourKeys { k: kv.k.as_ptr(), offsets: kv.rows(), later, at: 0, row_bytes }
+    }
+
+    /// The rows of positions `j..j + 4` (`j` a multiple of 4, walked in order), `ctx` the context's length.
+    ///
+    /// # Safety
+    /// Every position below `ctx` cached (the block table's offsets stay inside the keys).
+    #[inline(always)]
+    pub(super) unsafe fn next(&mut self, j: usize, ctx: usize) -> [*const T; 4] {
+        std::array::from_fn(|i| {
+            if j + i < ctx {
+                self.at = self.offsets.next().unwrap_or(self.at);
+                if P && let Some(later) = self.later.as_mut()
+                    && let Some(next) = later.next()
+                {
+                    // SAFETY: a prefetch never faults.
+                    unsafe { prefetch(self.k.wrapping_add(next).cast(), self.row_bytes) };
+                }
+            }
+            // SAFETY: the caller's; `at` is a cached row's offset.
+            unsafe { self.k.add(self.at) }
+        })
+    }
+}
+
 /// [`group_scores`] for `G` heads, prefetching rows ahead if `P`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn scores_of<T: Elem, const G: usize, const P: bool>(
@@ -223,26 +262,12 @@ unsafe fn scores_of<T: Elem, const G: usize, const P: bool>(
     let width = kv.width;
     let ctx = scores.len() / G;
     assert!(q.len() == G * width && scores.len() == G * ctx, "group_scores operands do not match");
-    let k = kv.k.as_ptr();
     let sc = _mm_set1_ps(scale);
-    let (mut j, mut offsets, mut at) = (0, kv.rows(), 0);
-    let mut later = if P { kv.lookahead(AHEAD) } else { None };
-    let row_bytes = width * std::mem::size_of::<T>();
-    // SAFETY (whole body): offsets come from the block table and stay inside `k`; q reads stay below q.len().
+    let (mut j, mut keys) = (0, FourKeys::<T, P>::new(kv));
+    // SAFETY (whole body): key rows come from the block table and stay inside `k`; q reads stay below q.len().
     unsafe {
         while j < ctx {
-            // Past the end, the last key is reused; those lanes are dropped.
-            let rows: [*const T; 4] = std::array::from_fn(|i| {
-                if j + i < ctx {
-                    at = offsets.next().unwrap_or(at);
-                    if P && let Some(later) = later.as_mut()
-                        && let Some(next) = later.next()
-                    {
-                        prefetch(k.wrapping_add(next).cast(), row_bytes);
-                    }
-                }
-                k.add(at)
-            });
+            let rows = keys.next(j, ctx);
             let mut acc = [[_mm256_setzero_ps(); 4]; G];
             for c in (0..width).step_by(8) {
                 let qc: [__m256; G] = std::array::from_fn(|g| _mm256_loadu_ps(q.as_ptr().add(g * width + c)));
