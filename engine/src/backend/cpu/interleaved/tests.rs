@@ -90,8 +90,9 @@ fn scalar_is_the_dequantized_dot() -> Result<()> {
 }
 
 /// Every level this CPU has gives the reference's bits, for every format, tile width and partial row group, with
-/// the extreme Q8_0 weights (-128, 127) against ±127 activations that could overflow a 16-bit pair, and the
-/// extreme Q6_K scales (-128, 127).
+/// the extreme Q8_0 weights (-128, 127) against ±127 activations that could overflow a 16-bit pair, the extreme
+/// Q6_K scales (-128, 127), and Q3_K's and Q2_K's largest half sums (every value -4 or 3 against activations all
+/// -127 or all 127: ±8,128 and ±6,096, which the 512-bit kernels hold in 16 bits).
 #[test]
 fn every_level_gives_the_scalar_bits() -> Result<()> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
@@ -115,10 +116,21 @@ fn every_level_gives_the_scalar_bits() -> Result<()> {
                         *s = if l % 2 == 0 { 0x80 } else { 0x7f };
                     }
                 }
+                match f {
+                    // Row 0's first super-block: every value -4 (no high bit, low bits 0) or 3.
+                    Format::Q3_K => file[..96].fill(0),
+                    Format::Q2_K => file[16..80].fill(0xff),
+                    _ => {}
+                }
                 let packed = pack(f, &file, rows, cols)?;
                 for tokens in [1, 2, 3, 4, 5, 8, 9, 17] {
                     let mut a = acts(&mut rng, tokens, blocks);
                     a[0].qs = std::array::from_fn(|l| if l % 4 < 2 { 127 } else { -127 });
+                    for (t, q) in [(1, -127), (2, 127)] {
+                        if t < tokens {
+                            a[t * blocks].qs = [q; QK];
+                        }
+                    }
                     let sums = Acts::new(&a, tokens, blocks);
                     let stride = rows + 3;
                     let mut out = vec![f32::NAN; tokens * stride];
