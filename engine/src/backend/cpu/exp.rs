@@ -47,8 +47,7 @@ fn exp1(x: f32) -> f32 {
 /// sampling's weights), each in [0, 1].
 pub fn exp_from_max(isa: Isa, xs: &mut [f32]) {
     let max = max_of(xs);
-    xs.iter_mut().for_each(|x| *x -= max);
-    exp_in_place(isa, xs);
+    exp_less(isa, xs, max);
 }
 
 /// The largest value, NaNs ignored (−∞ for none): in 16 independent lanes, which the compiler vectorizes, where
@@ -88,16 +87,16 @@ pub(crate) fn sum_of(xs: &[f32]) -> f32 {
     tail.iter().fold(lanes[0], |s, &x| s + x)
 }
 
-/// `x ← eˣ` for every element.
-fn exp_in_place(isa: Isa, xs: &mut [f32]) {
+/// `x ← e^(x − m)` for every element, the subtraction in the same pass (`x − 0` is `x`, even for -0 and NaN).
+fn exp_less(isa: Isa, xs: &mut [f32], m: f32) {
     #[cfg(target_arch = "x86_64")]
     if isa.avx2() {
         // SAFETY: AVX2 and FMA were detected (every x86 level has them).
-        unsafe { x86::exp_slice(xs) };
+        unsafe { x86::exp_slice(xs, m) };
         return;
     }
     let _ = isa;
-    xs.iter_mut().for_each(|x| *x = exp1(*x));
+    xs.iter_mut().for_each(|x| *x = exp1(*x - m));
 }
 
 /// `out = g / (1 + e⁻ᵍ) · u` elementwise (SiLU of the gate times the up projection); the slices have one length.
@@ -163,14 +162,17 @@ mod x86 {
         }
     }
 
-    /// `x ← eˣ` over a slice.
+    /// `x ← e^(x − m)` over a slice.
     ///
     /// # Safety
     /// AVX2 and FMA available.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn exp_slice(xs: &mut [f32]) {
+    pub unsafe fn exp_slice(xs: &mut [f32], m: f32) {
         // SAFETY: this function's features are the kernels'; the closure inherits them.
-        unsafe { map(xs, |v| exp(v)) }
+        unsafe {
+            let m = _mm256_set1_ps(m);
+            map(xs, |v| exp(_mm256_sub_ps(v, m)))
+        }
     }
 
     /// `g ← silu(g)·u` over two slices of one length.
@@ -256,7 +258,7 @@ mod tests {
         let mut xs = inputs();
         xs.push(f32::NAN);
         let mut got = xs.clone();
-        exp_in_place(Isa::Scalar, &mut got);
+        exp_less(Isa::Scalar, &mut got, 0.0);
         for (&x, &e) in xs.iter().zip(&got) {
             if x.is_nan() {
                 assert!(e.is_nan());
@@ -287,11 +289,11 @@ mod tests {
         }
         let xs = inputs();
         let mut scalar = xs.clone();
-        exp_in_place(Isa::Scalar, &mut scalar);
+        exp_less(Isa::Scalar, &mut scalar, 0.0);
         for len in [1, 7, 8, 9, 23, xs.len() - 3] {
             for start in [0, 3] {
                 let mut v = xs[start..start + len].to_vec();
-                exp_in_place(isa, &mut v);
+                exp_less(isa, &mut v, 0.0);
                 let want = &scalar[start..start + len];
                 assert!(same(&v, want), "{len} from {start}");
             }

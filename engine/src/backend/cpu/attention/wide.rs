@@ -63,8 +63,11 @@ pub(super) unsafe fn scores<T: Elem, const G: usize, const P: bool>(
             let rows = keys.next(j, ctx);
             let mut acc = [[_mm512_setzero_ps(); 2]; 4];
             for c in 0..chunks {
-                let qc: [__m512; 2] =
-                    std::array::from_fn(|i| if i < pairs { *qp.add(i * chunks + c) } else { _mm512_setzero_ps() });
+                // No `array::from_fn` in these loops: it was left a call.
+                let mut qc = [_mm512_setzero_ps(); 2];
+                for (i, qc) in qc.iter_mut().enumerate().take(pairs) {
+                    *qc = *qp.add(i * chunks + c);
+                }
                 for (a, row) in acc.iter_mut().zip(&rows) {
                     let kc = T::load8x2(row.add(8 * c));
                     for (a, qc) in a.iter_mut().zip(&qc).take(pairs) {
@@ -76,12 +79,22 @@ pub(super) unsafe fn scores<T: Elem, const G: usize, const P: bool>(
             for i in 0..pairs {
                 // `x86`'s reduction of each head's four keys: lanes 0..4 (head 2i) and 8..12 (head 2i + 1).
                 let u = hadd(hadd(acc[0][i], acc[1][i]), hadd(acc[2][i], acc[3][i]));
-                let sums = _mm512_add_ps(u, _mm512_shuffle_f32x4::<0b10_11_00_01>(u, u));
-                let mut lanes = [0f32; 16];
-                _mm512_storeu_ps(lanes.as_mut_ptr(), _mm512_mul_ps(sums, sc));
-                scores[2 * i * ctx + j..][..n].copy_from_slice(&lanes[..n]);
-                if 2 * i + 1 < G {
-                    scores[(2 * i + 1) * ctx + j..][..n].copy_from_slice(&lanes[8..8 + n]);
+                let sums = _mm512_mul_ps(_mm512_add_ps(u, _mm512_shuffle_f32x4::<0b10_11_00_01>(u, u)), sc);
+                let (first, second) = (_mm512_castps512_ps128(sums), _mm512_extractf32x4_ps::<2>(sums));
+                if n == 4 {
+                    // Stored whole: a copy of `n` lanes is a call to memmove.
+                    _mm_storeu_ps(scores.as_mut_ptr().add(2 * i * ctx + j), first);
+                    if 2 * i + 1 < G {
+                        _mm_storeu_ps(scores.as_mut_ptr().add((2 * i + 1) * ctx + j), second);
+                    }
+                } else {
+                    let mut lanes = [[0f32; 4]; 2];
+                    _mm_storeu_ps(lanes[0].as_mut_ptr(), first);
+                    _mm_storeu_ps(lanes[1].as_mut_ptr(), second);
+                    scores[2 * i * ctx + j..][..n].copy_from_slice(&lanes[0][..n]);
+                    if 2 * i + 1 < G {
+                        scores[(2 * i + 1) * ctx + j..][..n].copy_from_slice(&lanes[1][..n]);
+                    }
                 }
             }
             j += 4;

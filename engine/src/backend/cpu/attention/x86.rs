@@ -127,12 +127,13 @@ pub unsafe fn scores<T: Elem>(q: &[f32], kv: &KvView<'_, T>, scale: f32, scores:
     unsafe {
         while j < ctx {
             // Past the end, the last key is reused; those lanes are dropped.
-            let rows: [*const T; 8] = std::array::from_fn(|i| {
+            let mut rows = [k; 8];
+            for (i, row) in rows.iter_mut().enumerate() {
                 if j + i < ctx {
                     at = offsets.next().unwrap_or(at);
                 }
-                k.add(at)
-            });
+                *row = k.add(at);
+            }
             let mut acc = [_mm256_setzero_ps(); 8];
             for c in (0..q.len()).step_by(8) {
                 let qc = _mm256_loadu_ps(q.as_ptr().add(c));
@@ -145,10 +146,14 @@ pub unsafe fn scores<T: Elem>(q: &[f32], kv: &KvView<'_, T>, scale: f32, scores:
             let u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
             let u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
             let sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-            let mut lanes = [0f32; 8];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_mul_ps(sums, sc));
             let n = (ctx - j).min(8);
-            scores[j..j + n].copy_from_slice(&lanes[..n]);
+            if n == 8 {
+                _mm256_storeu_ps(scores.as_mut_ptr().add(j), _mm256_mul_ps(sums, sc));
+            } else {
+                let mut lanes = [0f32; 8];
+                _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_mul_ps(sums, sc));
+                scores[j..j + n].copy_from_slice(&lanes[..n]);
+            }
             j += 8;
         }
     }
@@ -235,7 +240,9 @@ impl<'a, T, const P: bool> FourKeys<'a, T, P> {
     /// Every position below `ctx` cached (the block table's offsets stay inside the keys).
     #[inline(always)]
     pub(super) unsafe fn next(&mut self, j: usize, ctx: usize) -> [*const T; 4] {
-        std::array::from_fn(|i| {
+        // A loop, not `array::from_fn`, which was left a call in the kernels' hot loop.
+        let mut rows = [self.k; 4];
+        for (i, row) in rows.iter_mut().enumerate() {
             if j + i < ctx {
                 self.at = self.offsets.next().unwrap_or(self.at);
                 if P && let Some(later) = self.later.as_mut()
@@ -246,8 +253,9 @@ impl<'a, T, const P: bool> FourKeys<'a, T, P> {
                 }
             }
             // SAFETY: the caller's; `at` is a cached row's offset.
-            unsafe { self.k.add(self.at) }
-        })
+            *row = unsafe { self.k.add(self.at) };
+        }
+        rows
     }
 }
 
@@ -270,7 +278,10 @@ unsafe fn scores_of<T: Elem, const G: usize, const P: bool>(
             let rows = keys.next(j, ctx);
             let mut acc = [[_mm256_setzero_ps(); 4]; G];
             for c in (0..width).step_by(8) {
-                let qc: [__m256; G] = std::array::from_fn(|g| _mm256_loadu_ps(q.as_ptr().add(g * width + c)));
+                let mut qc = [_mm256_setzero_ps(); G];
+                for (g, qc) in qc.iter_mut().enumerate() {
+                    *qc = _mm256_loadu_ps(q.as_ptr().add(g * width + c));
+                }
                 for (i, row) in rows.iter().enumerate() {
                     let kc = T::load8(row.add(c));
                     for (a, qc) in acc.iter_mut().zip(&qc) {
@@ -282,10 +293,14 @@ unsafe fn scores_of<T: Elem, const G: usize, const P: bool>(
             for (g, a) in acc.iter().enumerate() {
                 // Lanes 0..4 of `scores`' reduction: each key's low half plus its high half.
                 let u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-                let sums = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps::<1>(u));
-                let mut lanes = [0f32; 4];
-                _mm_storeu_ps(lanes.as_mut_ptr(), _mm_mul_ps(sums, sc));
-                scores[g * ctx + j..][..n].copy_from_slice(&lanes[..n]);
+                let sums = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps::<1>(u)), sc);
+                if n == 4 {
+                    _mm_storeu_ps(scores.as_mut_ptr().add(g * ctx + j), sums);
+                } else {
+                    let mut lanes = [0f32; 4];
+                    _mm_storeu_ps(lanes.as_mut_ptr(), sums);
+                    scores[g * ctx + j..][..n].copy_from_slice(&lanes[..n]);
+                }
             }
             j += 4;
         }
@@ -515,7 +530,10 @@ pub(super) unsafe fn columns_in<R: Lanes, T: Elem, const G: usize, const N: usiz
                 prefetch(v.wrapping_add(next + c0).cast(), N * R::LANES * std::mem::size_of::<T>());
             }
             let row = v.add(at + c0);
-            let pv: [R; G] = std::array::from_fn(|g| R::splat(*p.get_unchecked(g * ctx + j)));
+            let mut pv = [R::zero(); G];
+            for (g, pv) in pv.iter_mut().enumerate() {
+                *pv = R::splat(*p.get_unchecked(g * ctx + j));
+            }
             for c in 0..N {
                 let vc = R::load(row.add(R::LANES * c));
                 for (a, pv) in acc.iter_mut().zip(&pv) {
