@@ -13,8 +13,8 @@
 //!
 //! Keeping freed blocks in the process made batch-16 decode 14 % faster on the development VM (median of 7
 //! interleaved pairs); one arena and no mapped blocks cut a 1.1B model's 1,536-token prefill's page faults 5×
-//! (docs/performance.md). It does not raise the peak a stage's memory budget is sized by (the profiling batch's `VmHWM`): what is kept is what the
-//! step held at its peak anyway.
+//! (docs/performance.md). It does not raise the peak a stage's memory budget is sized by (the profiling batch's
+//! `VmHWM`): what is kept is what the step held at its peak anyway.
 
 /// Blocks mapped on their own: none (every block comes from the heap, so a freed one is reused).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]

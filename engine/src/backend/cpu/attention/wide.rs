@@ -5,7 +5,7 @@
 //! addition), so the bits are the 256-bit kernels' — with half the multiply-adds' instructions.
 
 use super::KvView;
-use super::x86::{Elem, FourKeys, columns_in};
+use super::x86::{Elem, FourKeys, columns_in, store_run};
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
@@ -76,25 +76,14 @@ pub(super) unsafe fn scores<T: Elem, const G: usize, const P: bool>(
                 }
             }
             let n = (ctx - j).min(4);
-            for i in 0..pairs {
-                // `x86`'s reduction of each head's four keys: lanes 0..4 (head 2i) and 8..12 (head 2i + 1).
+            for h in (0..G).step_by(2) {
+                // `x86`'s reduction of each head's four keys: lanes 0..4 (head h) and 8..12 (head h + 1).
+                let i = h / 2;
                 let u = hadd(hadd(acc[0][i], acc[1][i]), hadd(acc[2][i], acc[3][i]));
                 let sums = _mm512_mul_ps(_mm512_add_ps(u, _mm512_shuffle_f32x4::<0b10_11_00_01>(u, u)), sc);
-                let (first, second) = (_mm512_castps512_ps128(sums), _mm512_extractf32x4_ps::<2>(sums));
-                if n == 4 {
-                    // Stored whole: a copy of `n` lanes is a call to memmove.
-                    _mm_storeu_ps(scores.as_mut_ptr().add(2 * i * ctx + j), first);
-                    if 2 * i + 1 < G {
-                        _mm_storeu_ps(scores.as_mut_ptr().add((2 * i + 1) * ctx + j), second);
-                    }
-                } else {
-                    let mut lanes = [[0f32; 4]; 2];
-                    _mm_storeu_ps(lanes[0].as_mut_ptr(), first);
-                    _mm_storeu_ps(lanes[1].as_mut_ptr(), second);
-                    scores[2 * i * ctx + j..][..n].copy_from_slice(&lanes[0][..n]);
-                    if 2 * i + 1 < G {
-                        scores[(2 * i + 1) * ctx + j..][..n].copy_from_slice(&lanes[1][..n]);
-                    }
+                store_run(scores, h * ctx + j, n, _mm512_castps512_ps128(sums));
+                if h + 1 < G {
+                    store_run(scores, (h + 1) * ctx + j, n, _mm512_extractf32x4_ps::<2>(sums));
                 }
             }
             j += 4;

@@ -259,6 +259,23 @@ impl<'a, T, const P: bool> FourKeys<'a, T, P> {
     }
 }
 
+/// `scores[at..at + n]` from the first `n` (at most 4) lanes of `v`: one store for a full run of keys, a copy
+/// through the stack for the context's last, shorter one (a copy of `n` lanes is a call to memmove, too dear for
+/// every run).
+#[inline(always)]
+pub(super) fn store_run(scores: &mut [f32], at: usize, n: usize, v: __m128) {
+    let dst = &mut scores[at..at + n];
+    if n == 4 {
+        // SAFETY: `dst` holds 4 floats; SSE is part of every x86-64 CPU.
+        unsafe { _mm_storeu_ps(dst.as_mut_ptr(), v) };
+    } else {
+        let mut lanes = [0f32; 4];
+        // SAFETY: as above, into a local array of 4.
+        unsafe { _mm_storeu_ps(lanes.as_mut_ptr(), v) };
+        dst.copy_from_slice(&lanes[..n]);
+    }
+}
+
 /// [`group_scores`] for `G` heads, prefetching rows ahead if `P`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn scores_of<T: Elem, const G: usize, const P: bool>(
@@ -294,13 +311,7 @@ unsafe fn scores_of<T: Elem, const G: usize, const P: bool>(
                 // Lanes 0..4 of `scores`' reduction: each key's low half plus its high half.
                 let u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
                 let sums = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps::<1>(u)), sc);
-                if n == 4 {
-                    _mm_storeu_ps(scores.as_mut_ptr().add(g * ctx + j), sums);
-                } else {
-                    let mut lanes = [0f32; 4];
-                    _mm_storeu_ps(lanes.as_mut_ptr(), sums);
-                    scores[g * ctx + j..][..n].copy_from_slice(&lanes[..n]);
-                }
+                store_run(scores, g * ctx + j, n, sums);
             }
             j += 4;
         }

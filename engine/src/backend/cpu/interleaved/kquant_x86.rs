@@ -438,10 +438,10 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
 /// its halves' scales `s`): each token's `Σ_h sc_h · Σ_{l∈h} q_l·a_l` as integers. With VNNI each half's `vpdpbusd`
 /// sums (Q3_K's and Q6_K's started at `bias · Σ a`) are multiplied by its scale with `mullo` (pairing the halves
 /// as [`paired_halves`] does gained nothing here: 256-bit `mullo` has two ports, and the 16 registers fill up).
-/// Without, two groups' `maddubs`
-/// products are summed as 16-bit integers (values below 64), then one `madd` against the half's scale in both
-/// 16-bit lanes of each row multiplies and sums at once; the bias, `bias · Σ_h sc_h·Σ_{l∈h} a_l`, is one `madd` of
-/// the two scales against the token's two half sums, shifted (`-bias` is 4 or 32).
+/// Without, two groups' `maddubs` products are summed as 16-bit integers (values below 64), then one `madd` against
+/// the half's scale in both 16-bit lanes of each row multiplies and sums at once; the bias, `bias · Σ_h
+/// sc_h·Σ_{l∈h} a_l`, is one `madd` of the two scales against the token's two half sums, shifted (`-bias` is 4 or
+/// 32).
 ///
 /// # Safety
 /// Level `V`'s features; otherwise as for [`super_block_halves`].
