@@ -123,17 +123,6 @@ unsafe fn interleave_rows(x: __m128i, y: __m128i) -> [__m128i; 2] {
     unsafe { [_mm_unpacklo_epi8(x, y), _mm_unpackhi_epi8(x, y)] }
 }
 
-/// A token's two half sums of activation block `b` as one 32-bit lane of 16-bit pairs (each at most 16 · 128).
-///
-/// # Safety
-/// `halves` points at `(t + 1) · blocks` pairs.
-#[inline(always)]
-unsafe fn half_pair(halves: *const [i32; 2], blocks: usize, t: usize, b: usize) -> i32 {
-    // SAFETY: forwarded.
-    let [h0, h1] = unsafe { *halves.add(t * blocks + b) };
-    (h0 & 0xffff) | (h1 << 16)
-}
-
 /// The 2-bit field line and (Q3_K) high-bit line of sub-block `j`'s group `g` in a Q2_K or Q3_K super-block: the
 /// 32 bytes of fields of each half of 128 elements are 8 lines, quarter `j % 4` at bits `2·(j % 4)`; the high bit
 /// is bit `j` of the 8 high-bit lines.
@@ -142,40 +131,58 @@ fn k2_lines(j: usize, g: usize) -> (usize, usize) {
     ((8 * (j / 4) + g) * LINE, (Q3K_HIGH_LINE + g) * LINE)
 }
 
-/// Sub-block `j`'s values of group `g` for the 16 rows of a Q2_K, Q3_K or Q6_K super-block at `blk`, unsigned
-/// (Q3_K's `q + 4`, Q6_K's `q + 32`).
+/// Sub-block `j`'s values of group `g` for the 16 rows of a Q6_K super-block at `blk`, unsigned (`q + 32`).
+///
+/// # Safety
+/// AVX-512 F/BW; `blk` points at a Q6_K super-block.
+#[inline(always)]
+unsafe fn q6k_values512(blk: *const u8, j: usize, g: usize) -> __m512i {
+    // SAFETY: forwarded; the lines lie inside the super-block.
+    unsafe {
+        let (ql, qh) = q6k_lines(j, g);
+        let ql = _mm512_loadu_si512(blk.add(ql) as *const __m512i);
+        let qh = _mm512_loadu_si512(blk.add(qh) as *const __m512i);
+        let low4 = if j % 4 < 2 { ql } else { _mm512_srli_epi16::<4>(ql) };
+        let high2 = match j % 4 {
+            0 => _mm512_slli_epi16::<4>(qh),
+            1 => _mm512_slli_epi16::<2>(qh),
+            2 => qh,
+            _ => _mm512_srli_epi16::<2>(qh),
+        };
+        _mm512_or_si512(_mm512_and_si512(low4, _mm512_set1_epi8(0x0f)), _mm512_and_si512(high2, _mm512_set1_epi8(0x30)))
+    }
+}
+
+/// The counts [`k2_values512`] shifts sub-block `j`'s lines by, in every 32-bit lane: right by `2·(j % 4)` (its
+/// 2-bit field down to bits 0-1) and rotated right by `j - 2` (its high bit to bit 2). Made once per sub-block and
+/// hidden from the optimizer, which would otherwise turn a shift by equal counts into a shift by one count held
+/// in a register: two instructions where this is one (`j` is not a constant; the sub-block loop stays rolled).
+#[inline(always)]
+fn k2_counts(j: usize) -> [__m512i; 2] {
+    // SAFETY: AVX-512 F, which every caller's level has.
+    std::hint::black_box(unsafe { [_mm512_set1_epi32(2 * (j % 4) as i32), _mm512_set1_epi32(((j + 30) % 32) as i32)] })
+}
+
+/// Sub-block `j`'s values of group `g` for the 16 rows of a Q2_K or Q3_K super-block at `blk`, unsigned (Q3_K's
+/// `q + 4`), with `j`'s [`k2_counts`].
 ///
 /// # Safety
 /// AVX-512 F/BW; `blk` points at a super-block of format `F`.
 #[inline(always)]
-unsafe fn values512<const F: u8>(blk: *const u8, j: usize, g: usize) -> __m512i {
+unsafe fn k2_values512<const F: u8>(blk: *const u8, j: usize, g: usize, counts: &[__m512i; 2]) -> __m512i {
     // SAFETY: forwarded; the lines lie inside the super-block.
     unsafe {
-        if F == Q6_K {
-            let (ql, qh) = q6k_lines(j, g);
-            let ql = _mm512_loadu_si512(blk.add(ql) as *const __m512i);
-            let qh = _mm512_loadu_si512(blk.add(qh) as *const __m512i);
-            let low4 = if j % 4 < 2 { ql } else { _mm512_srli_epi16::<4>(ql) };
-            let high2 = match j % 4 {
-                0 => _mm512_slli_epi16::<4>(qh),
-                1 => _mm512_slli_epi16::<2>(qh),
-                2 => qh,
-                _ => _mm512_srli_epi16::<2>(qh),
-            };
-            return _mm512_or_si512(
-                _mm512_and_si512(low4, _mm512_set1_epi8(0x0f)),
-                _mm512_and_si512(high2, _mm512_set1_epi8(0x30)),
-            );
-        }
         let (two, high) = k2_lines(j, g);
-        let line = _mm512_loadu_si512(blk.add(two) as *const __m512i);
-        let v = _mm512_and_si512(_mm512_srl_epi16(line, _mm_cvtsi32_si128(2 * (j % 4) as i32)), _mm512_set1_epi8(3));
+        let line = _mm512_srlv_epi32(_mm512_loadu_si512(blk.add(two) as *const __m512i), counts[0]);
         if F != Q3_K {
-            return v;
+            return _mm512_and_si512(line, _mm512_set1_epi8(3));
         }
-        let high = _mm512_loadu_si512(blk.add(high) as *const __m512i);
-        let set = _mm512_test_epi8_mask(high, _mm512_set1_epi8((1u8 << j) as i8));
-        _mm512_mask_add_epi8(v, set, v, _mm512_set1_epi8(4))
+        // The high bit rotated to bit 2 (the 4 of `q + 4`) and or'ed above the 2-bit field: a test and a masked
+        // add would be three instructions (LLVM makes the add an `or` and a masked move).
+        let high = _mm512_rorv_epi32(_mm512_loadu_si512(blk.add(high) as *const __m512i), counts[1]);
+        let high = _mm512_and_si512(high, _mm512_set1_epi8(4));
+        // (line & 3) | high
+        _mm512_ternarylogic_epi32::<0xec>(line, high, _mm512_set1_epi8(3))
     }
 }
 
@@ -186,7 +193,7 @@ unsafe fn values512<const F: u8>(blk: *const u8, j: usize, g: usize) -> __m512i 
 /// AVX-512 F/BW/VL and VNNI; otherwise as for `x86::Tile`, with `o.blocks` a multiple of 8.
 #[inline(always)]
 pub(super) unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
-    let Operands { w, a, halves, blocks, out, stride, rows, .. } = o;
+    let Operands { w, a, halves, pairs, q3k_starts, blocks, out, stride, rows, .. } = o;
     // SAFETY (whole body): the caller's ranges; a super-block is `block_bytes(F)` bytes laid out as `kquant` says.
     unsafe {
         let low = _mm512_set1_epi8(0x0f);
@@ -241,7 +248,7 @@ pub(super) unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
                                 *s = _mm512_set1_epi32(half_bias(F) * (*halves.add(t * blocks + b))[h]);
                             }
                             for g in 4 * h..4 * h + 4 {
-                                dots512(&mut sum, values512::<F>(blk, j, g), a, blocks, b, g);
+                                dots512(&mut sum, q6k_values512(blk, j, g), a, blocks, b, g);
                             }
                             let scale = _mm512_cvtepi8_epi32(half_scales::<F>(blk, 2 * j + h));
                             for (total, s) in total.iter_mut().zip(&sum) {
@@ -250,7 +257,7 @@ pub(super) unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
                         }
                         total
                     } else {
-                        paired_halves::<T, F>(blk, j, b, a, halves, blocks)
+                        paired_halves::<T, F>(blk, j, b, a, q3k_starts, blocks)
                     };
                     let mins = if F == Q2_K {
                         let [lo, hi] = q2k_min_pairs(blk, j);
@@ -263,7 +270,7 @@ pub(super) unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
                         *acc =
                             _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[t]), _mm512_mul_ps(d, _mm512_set1_ps(ab.d)), *acc);
                         if F == Q2_K {
-                            let m = _mm512_madd_epi16(mins, _mm512_set1_epi32(half_pair(halves, blocks, t, b)));
+                            let m = _mm512_madd_epi16(mins, _mm512_set1_epi32(*pairs.add(t * blocks + b)));
                             *acc = _mm512_fmadd_ps(
                                 _mm512_cvtepi32_ps(m),
                                 _mm512_mul_ps(neg_dmin, _mm512_set1_ps(ab.d)),
@@ -278,21 +285,18 @@ pub(super) unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
     }
 }
 
-/// Added to the second half's sum in [`paired_halves`] so that it is never negative: a Q2_K or Q3_K half's sum
-/// `Σ q·a` is at most 16 · 4 · 127 = 8,128 in magnitude (Q3_K's `q` in -4..4, Q2_K's in 0..4, `|a|` ≤ 127).
-const PAIR_OFFSET: i32 = 1 << PAIR_SHIFT;
-const PAIR_SHIFT: u32 = 14;
-
 /// Sub-block `j` (activation block `b`) of the 16 rows of a Q2_K or Q3_K super-block at `blk`: each token's
 /// `Σ_h sc_h · Σ_{l∈h} q_l·a_l` as integers, the same integers as one `mullo` per half (Q6_K's way) at fewer
-/// instructions on the port that multiplies. Both halves' sums meet in one register per token as 16-bit pairs for
-/// one `madd` against the rows' two scales: the first half's, shifted into the high 16 bits, plus the second's,
-/// which starts at [`PAIR_OFFSET`] so that it never borrows from the first's (each fits 16 bits, see there); the
-/// offset's `PAIR_OFFSET · sc_1` is taken off after. Q3_K's values are stored `q + 4`, so each half starts at
-/// `-4 · Σ a` of its activations. 512-bit tile, ns per block and token: Q3_K 0.38 → 0.35, Q2_K 0.30 → 0.28.
+/// instructions on the ports that multiply. Each half's `vpdpbusd` sum fits the low 16-bit word of its register
+/// (Q2_K's `Σ q·a` at most 16 · 3 · 127 in magnitude; Q3_K's, of the stored `q + 4`, started at
+/// [`super::q3k_start`]), so one `madd` and one `vpdpwssd` against words holding the row's scale (low) and, for
+/// Q3_K, `-4 ·` the scale (high, against the half's activation sum in the high word: the bias of the stored
+/// values) scale and add both halves; Q2_K's high words are multiplied by 0. The starts are broadcast from
+/// memory (no port that computes). 512-bit tile, ns per block and token: Q3_K 0.38 → 0.35 (the halves as 16-bit
+/// pairs, shifted and offset) → 0.28 (this), Q2_K 0.30 → 0.28 → 0.24; with [`k2_values512`]'s shifts, Q3_K 0.26.
 ///
 /// # Safety
-/// AVX-512 F/BW and VNNI; `blk` points at a super-block of format `F` (Q2_K or Q3_K), `a` and `halves` at `T`
+/// AVX-512 F/BW and VNNI; `blk` points at a super-block of format `F` (Q2_K or Q3_K), `a` and `starts` at `T`
 /// tokens' rows of `blocks` activation blocks, `b` below `blocks`.
 #[inline(always)]
 unsafe fn paired_halves<const T: usize, const F: u8>(
@@ -300,36 +304,43 @@ unsafe fn paired_halves<const T: usize, const F: u8>(
     j: usize,
     b: usize,
     a: *const Q8Block,
-    halves: *const [i32; 2],
+    starts: *const [i32; 2],
     blocks: usize,
 ) -> [__m512i; T] {
     // SAFETY (whole body): the caller's ranges; the fields lie inside the super-block.
     unsafe {
-        let bias = |t: usize, h: usize| half_bias(F) * (*halves.add(t * blocks + b))[h];
         // Plain loops: `array::from_fn` and `map` leave calls behind that take the registers through memory.
-        let mut sum = [_mm512_setzero_si512(); T];
-        for (t, s) in sum.iter_mut().enumerate() {
-            *s = _mm512_set1_epi32(bias(t, 0));
-        }
+        let mut first = [_mm512_setzero_si512(); T];
         let mut second = [_mm512_setzero_si512(); T];
-        for (t, s) in second.iter_mut().enumerate() {
-            *s = _mm512_set1_epi32(bias(t, 1) + PAIR_OFFSET);
+        if F == Q3_K {
+            for t in 0..T {
+                let [s0, s1] = *starts.add(t * blocks + b);
+                first[t] = _mm512_set1_epi32(s0);
+                second[t] = _mm512_set1_epi32(s1);
+            }
         }
+        let counts = k2_counts(j);
         for g in 0..4 {
-            dots512(&mut sum, values512::<F>(blk, j, g), a, blocks, b, g);
-            dots512(&mut second, values512::<F>(blk, j, g + 4), a, blocks, b, g + 4);
+            dots512(&mut first, k2_values512::<F>(blk, j, g, &counts), a, blocks, b, g);
+            dots512(&mut second, k2_values512::<F>(blk, j, g + 4, &counts), a, blocks, b, g + 4);
         }
-        for (s, second) in sum.iter_mut().zip(&second) {
-            *s = _mm512_add_epi32(_mm512_slli_epi32::<16>(*s), *second);
+        // The rows' scales in the low words; Q3_K's `-4 ·` them in the high ones (`-(sc << 18)`), Q2_K's 0 (its
+        // scales are not negative).
+        let words = |k: usize| {
+            let sc = _mm512_cvtepi8_epi32(half_scales::<F>(blk, k));
+            if F == Q3_K {
+                _mm512_sub_epi32(_mm512_and_si512(sc, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32::<18>(sc))
+            } else {
+                sc
+            }
+        };
+        let (w0, w1) = (words(2 * j), words(2 * j + 1));
+        for (f, s) in first.iter_mut().zip(&second) {
+            // The saturating form, which never saturates here (every sum stays far inside 32 bits): LLVM splits
+            // the plain `vpdpwssd` back into `madd` + `add` to shorten the chain, at one more instruction.
+            *f = _mm512_dpwssds_epi32(_mm512_madd_epi16(*f, w0), *s, w1);
         }
-        let (first, last) = (half_scales::<F>(blk, 2 * j), half_scales::<F>(blk, 2 * j + 1));
-        let [lo, hi] = interleave_rows(last, first);
-        let scales = _mm512_cvtepi8_epi16(_mm256_set_m128i(hi, lo));
-        let offset = _mm512_slli_epi32::<PAIR_SHIFT>(_mm512_cvtepi8_epi32(last));
-        for s in sum.iter_mut() {
-            *s = _mm512_sub_epi32(_mm512_madd_epi16(*s, scales), offset);
-        }
-        sum
+        first
     }
 }
 
@@ -384,7 +395,7 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
     o: Operands,
     acc: &mut [__m256; T],
 ) {
-    let Operands { a, halves, blocks, .. } = o;
+    let Operands { a, pairs, blocks, .. } = o;
     // SAFETY (whole body): the caller's ranges.
     unsafe {
         let v = blk.add(32 * r);
@@ -426,7 +437,7 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
                 let ab = &*a.add(t * blocks + b);
                 *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[t]), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), *acc);
                 if F == Q2_K {
-                    let m = _mm256_madd_epi16(mins, _mm256_set1_epi32(half_pair(halves, blocks, t, b)));
+                    let m = _mm256_madd_epi16(mins, _mm256_set1_epi32(*pairs.add(t * blocks + b)));
                     *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(neg_dmin, _mm256_set1_ps(ab.d)), *acc);
                 }
             }
@@ -454,7 +465,7 @@ unsafe fn scaled<const V: u8, const T: usize, const F: u8>(
     r: usize,
     o: Operands,
 ) -> [__m256i; T] {
-    let Operands { a, halves, blocks, .. } = o;
+    let Operands { a, halves, pairs, blocks, .. } = o;
     // SAFETY (whole body): the caller's ranges.
     unsafe {
         let mut total = [_mm256_setzero_si256(); T];
@@ -491,7 +502,7 @@ unsafe fn scaled<const V: u8, const T: usize, const F: u8>(
         if half_bias(F) != 0 {
             let scales = row_pairs(s[0], s[1], r);
             for (t, total) in total.iter_mut().enumerate() {
-                let m = _mm256_madd_epi16(scales, _mm256_set1_epi32(half_pair(halves, blocks, t, b)));
+                let m = _mm256_madd_epi16(scales, _mm256_set1_epi32(*pairs.add(t * blocks + b)));
                 let m = if F == Q6_K { _mm256_slli_epi32::<5>(m) } else { _mm256_slli_epi32::<2>(m) };
                 *total = _mm256_sub_epi32(*total, m);
             }

@@ -347,14 +347,26 @@ pub fn dequantize_row(f: Format, packed: &[u8], cols: usize, r: usize, out: &mut
 
 /// The activations [`rows_by_tokens`] reads: `tokens` rows of 8-bit blocks and each block's integer sum `Σ a`,
 /// which turns the stored values back into weights (`Σ (q + bias)·a = Σ q·a + bias·Σ a`), and the sums of its
-/// halves (Q6_K's scales are per 16 elements).
+/// halves (the K-quants with a scale per 16 elements), also in the two forms the tiles broadcast from memory as
+/// they are: both halves as one pair of 16-bit words (each `|h| ≤ 16 · 127`) and Q3_K's start of each half's sum
+/// (see `kquant_x86::paired_halves`).
 #[derive(Debug)]
 pub struct Acts<'a> {
     q: &'a [Q8Block],
     sums: Vec<i32>,
     halves: Vec<[i32; 2]>,
+    pairs: Vec<i32>,
+    q3k_starts: Vec<[i32; 2]>,
     blocks: usize,
     tokens: usize,
+}
+
+/// Q3_K's start of a half's `vpdpbusd` sum whose activations sum to `h`: `h + 2^12` in the high 16-bit word, `2^14`
+/// in the low one, under which the sum of `(q + 4)·a` (at most 16 · 7 · 127 in magnitude) never borrows. One `madd`
+/// against the row's scale `sc` in the low word and `-4·sc` in the high one then gives
+/// `sc·(Σ (q + 4)·a + 2^14) - 4·sc·(h + 2^12) = sc·Σ q·a`.
+pub(super) fn q3k_start(h: i32) -> i32 {
+    ((h + (1 << 12)) << 16) + (1 << 14)
 }
 
 impl<'a> Acts<'a> {
@@ -364,7 +376,9 @@ impl<'a> Acts<'a> {
         let half = |b: &Q8Block, h: usize| b.qs[16 * h..16 * h + 16].iter().map(|&v| i32::from(v)).sum::<i32>();
         let halves: Vec<[i32; 2]> = q.iter().map(|b| [half(b, 0), half(b, 1)]).collect();
         let sums = halves.iter().map(|[a, b]| a + b).collect();
-        Acts { q, sums, halves, blocks, tokens }
+        let pairs = halves.iter().map(|&[h0, h1]| (h0 & 0xffff) | (h1 << 16)).collect();
+        let q3k_starts = halves.iter().map(|&[h0, h1]| [q3k_start(h0), q3k_start(h1)]).collect();
+        Acts { q, sums, halves, pairs, q3k_starts, blocks, tokens }
     }
 }
 
@@ -404,6 +418,8 @@ pub unsafe fn rows_by_tokens(
                         a: acts.q[first * blocks..].as_ptr(),
                         sums: acts.sums[first * blocks..].as_ptr(),
                         halves: acts.halves[first * blocks..].as_ptr(),
+                        pairs: acts.pairs[first * blocks..].as_ptr(),
+                        q3k_starts: acts.q3k_starts[first * blocks..].as_ptr(),
                         blocks,
                         out: out.wrapping_add(first * stride + g * ROWS),
                         stride,

@@ -92,7 +92,8 @@ fn scalar_is_the_dequantized_dot() -> Result<()> {
 /// Every level this CPU has gives the reference's bits, for every format, tile width and partial row group, with
 /// the extreme Q8_0 weights (-128, 127) against ±127 activations that could overflow a 16-bit pair, the extreme
 /// Q6_K scales (-128, 127), and Q3_K's and Q2_K's largest half sums (every value -4 or 3 against activations all
-/// -127 or all 127: ±8,128 and ±6,096, which the 512-bit kernels hold in 16 bits).
+/// -127 or all 127: ±8,128 and ±6,096, and Q3_K's sums of the stored `q + 4`, ±14,224, which the 512-bit kernels
+/// hold in 16-bit words; a start of Q3_K's sums at 2^13 instead of 2^14 fails here).
 #[test]
 fn every_level_gives_the_scalar_bits() -> Result<()> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
