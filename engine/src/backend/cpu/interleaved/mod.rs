@@ -348,8 +348,8 @@ pub fn dequantize_row(f: Format, packed: &[u8], cols: usize, r: usize, out: &mut
 /// The activations [`rows_by_tokens`] reads: `tokens` rows of 8-bit blocks and each block's integer sum `Σ a`,
 /// which turns the stored values back into weights (`Σ (q + bias)·a = Σ q·a + bias·Σ a`), and the sums of its
 /// halves (the K-quants with a scale per 16 elements), also in the two forms the tiles broadcast from memory as
-/// they are: both halves as one pair of 16-bit words (each `|h| ≤ 16 · 127`) and Q3_K's start of each half's sum
-/// (see `kquant_x86::paired_halves`).
+/// they are: both halves as one pair of 16-bit words (each `|h| ≤ 16 · 127`) and Q3_K's and Q6_K's starts of each
+/// half's sum (`kquant_x86::paired_halves`, `-32 · h`).
 #[derive(Debug)]
 pub struct Acts<'a> {
     q: &'a [Q8Block],
@@ -357,6 +357,7 @@ pub struct Acts<'a> {
     halves: Vec<[i32; 2]>,
     pairs: Vec<i32>,
     q3k_starts: Vec<[i32; 2]>,
+    q6k_starts: Vec<[i32; 2]>,
     blocks: usize,
     tokens: usize,
 }
@@ -378,7 +379,8 @@ impl<'a> Acts<'a> {
         let sums = halves.iter().map(|[a, b]| a + b).collect();
         let pairs = halves.iter().map(|&[h0, h1]| (h0 & 0xffff) | (h1 << 16)).collect();
         let q3k_starts = halves.iter().map(|&[h0, h1]| [q3k_start(h0), q3k_start(h1)]).collect();
-        Acts { q, sums, halves, pairs, q3k_starts, blocks, tokens }
+        let q6k_starts = halves.iter().map(|&[h0, h1]| [-32 * h0, -32 * h1]).collect();
+        Acts { q, sums, halves, pairs, q3k_starts, q6k_starts, blocks, tokens }
     }
 }
 
@@ -420,6 +422,7 @@ pub unsafe fn rows_by_tokens(
                         halves: acts.halves[first * blocks..].as_ptr(),
                         pairs: acts.pairs[first * blocks..].as_ptr(),
                         q3k_starts: acts.q3k_starts[first * blocks..].as_ptr(),
+                        q6k_starts: acts.q6k_starts[first * blocks..].as_ptr(),
                         blocks,
                         out: out.wrapping_add(first * stride + g * ROWS),
                         stride,

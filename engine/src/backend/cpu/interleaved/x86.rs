@@ -9,7 +9,7 @@ use crate::quant::QK;
 use std::arch::x86_64::*;
 
 /// One tile's operands: `rows` (≤ 16) rows of the group at `w` (`blocks` blocks of 32 columns) against tokens
-/// at `a` with their sums at `sums` and their halves' at `halves`, `pairs` and `q3k_starts` (`blocks` each, as
+/// at `a` with their sums at `sums` and their halves' at `halves`, `pairs`, `q3k_starts` and `q6k_starts` (`blocks` each, as
 /// `Acts` holds them), into `out + t·stride + r`.
 #[derive(Clone, Copy)]
 pub struct Operands {
@@ -19,6 +19,7 @@ pub struct Operands {
     pub halves: *const [i32; 2],
     pub pairs: *const i32,
     pub q3k_starts: *const [i32; 2],
+    pub q6k_starts: *const [i32; 2],
     pub blocks: usize,
     pub out: *mut f32,
     pub stride: usize,
