@@ -483,7 +483,7 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
             let mins = if F == Q2_K { _mm256_cvtepu8_epi16(q2k_min_pairs(blk, j)[r]) } else { _mm256_setzero_si256() };
             for (t, acc) in acc.iter_mut().enumerate() {
                 let ab = &*a.add(t * blocks + b);
-                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[t]), _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), *acc);
+                *acc = _mm256_fmadd_ps(total[t], _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), *acc);
                 if F == Q2_K {
                     let m = _mm256_madd_epi16(mins, _mm256_set1_epi32(*pairs.add(t * blocks + b)));
                     *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(neg_dmin, _mm256_set1_ps(ab.d)), *acc);
@@ -494,9 +494,10 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
 }
 
 /// Sub-block `j` (activation block `b`) of rows `8r..8r + 8` of a Q2_K, Q3_K or Q6_K super-block (values at `v`,
-/// its halves' scales `s`): each token's `Σ_h sc_h · Σ_{l∈h} q_l·a_l` as integers. With VNNI each half's `vpdpbusd`
-/// sums (Q3_K's and Q6_K's started at `bias · Σ a`) are multiplied by its scale with `mullo` (pairing the halves
-/// as [`paired_halves`] does gained nothing here: 256-bit `mullo` has two ports, and the 16 registers fill up).
+/// its halves' scales `s`): each token's `Σ_h sc_h · Σ_{l∈h} q_l·a_l`, an integer, as a float. With VNNI each
+/// half's `vpdpbusd` sums (Q3_K's and Q6_K's started at `bias · Σ a`) are scaled and added in floats, exactly (as in
+/// [`q6k_sub_block`]: every product and both halves' total stay within 2^24), where a `mullo` per half cost two
+/// instructions (pairing the halves as [`paired_halves`] does gained nothing here: the 16 registers fill up).
 /// Without, two groups' `maddubs` products are summed as 16-bit integers (values below 64), then one `madd` against
 /// the half's scale in both 16-bit lanes of each row multiplies and sums at once; the bias, `bias · Σ_h
 /// sc_h·Σ_{l∈h} a_l`, is one `madd` of the two scales against the token's two half sums, shifted (`-bias` is 4 or
@@ -512,30 +513,35 @@ unsafe fn scaled<const V: u8, const T: usize, const F: u8>(
     b: usize,
     r: usize,
     o: Operands,
-) -> [__m256i; T] {
-    let Operands { a, halves, pairs, blocks, .. } = o;
+) -> [__m256; T] {
+    let Operands { a, halves, pairs, q6k_starts, blocks, .. } = o;
     // SAFETY (whole body): the caller's ranges.
     unsafe {
-        let mut total = [_mm256_setzero_si256(); T];
         if V != AVX2 {
-            for (h, &sh) in s.iter().enumerate() {
-                let mut sum = [_mm256_setzero_si256(); T];
-                if half_bias(F) != 0 {
-                    for (t, s) in sum.iter_mut().enumerate() {
-                        *s = _mm256_set1_epi32(half_bias(F) * (*halves.add(t * blocks + b))[h]);
-                    }
+            let mut sums = [[_mm256_setzero_si256(); T]; 2];
+            for (h, sum) in sums.iter_mut().enumerate() {
+                for (t, s) in sum.iter_mut().enumerate() {
+                    *s = match F {
+                        Q6_K => _mm256_set1_epi32((*q6k_starts.add(t * blocks + b))[h]),
+                        Q3_K => _mm256_set1_epi32(half_bias(F) * (*halves.add(t * blocks + b))[h]),
+                        _ => _mm256_setzero_si256(),
+                    };
                 }
                 for g in (4 * h..4 * h + 4).step_by(2) {
                     let q = [values256::<F>(v, j, g), values256::<F>(v, j, g + 1)];
-                    dots256_pair::<V, T, F>(&mut sum, q, [g, g + 1], a, blocks, b);
+                    dots256_pair::<V, T, F>(sum, q, [g, g + 1], a, blocks, b);
                 }
-                let scale = rows_of::<true>(sh, r);
-                for (total, s) in total.iter_mut().zip(&sum) {
-                    *total = _mm256_add_epi32(*total, _mm256_mullo_epi32(*s, scale));
-                }
+            }
+            let scale = |h: usize| _mm256_cvtepi32_ps(rows_of::<true>(s[h], r));
+            let (sc0, sc1) = (scale(0), scale(1));
+            let mut total = [_mm256_setzero_ps(); T];
+            for (t, total) in total.iter_mut().enumerate() {
+                let first = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[0][t]), sc0);
+                *total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[1][t]), sc1, first);
             }
             return total;
         }
+        let mut total = [_mm256_setzero_si256(); T];
         for (h, &sh) in s.iter().enumerate() {
             let scale = row_pairs(sh, sh, r);
             for g in (4 * h..4 * h + 4).step_by(2) {
@@ -555,7 +561,11 @@ unsafe fn scaled<const V: u8, const T: usize, const F: u8>(
                 *total = _mm256_sub_epi32(*total, m);
             }
         }
-        total
+        let mut floats = [_mm256_setzero_ps(); T];
+        for (f, total) in floats.iter_mut().zip(&total) {
+            *f = _mm256_cvtepi32_ps(*total);
+        }
+        floats
     }
 }
 
