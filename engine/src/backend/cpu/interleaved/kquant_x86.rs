@@ -310,13 +310,12 @@ unsafe fn half_sums<const T: usize>(
 }
 
 /// Sub-block `j` (activation block `b`) of the 16 rows of a Q2_K or Q3_K super-block at `blk`: each token's
-/// `Σ_h sc_h · Σ_{l∈h} q_l·a_l` as integers, the same integers as one `mullo` per half (Q6_K's way) at fewer
-/// instructions on the ports that multiply. Each half's `vpdpbusd` sum fits the low 16-bit word of its register
-/// (Q2_K's `Σ q·a` at most 16 · 3 · 127 in magnitude; Q3_K's, of the stored `q + 4`, started at
-/// [`super::q3k_start`]), so one `madd` and one `vpdpwssd` against words holding the row's scale (low) and, for
-/// Q3_K, `-4 ·` the scale (high, against the half's activation sum in the high word: the bias of the stored
-/// values) scale and add both halves; Q2_K's high words are multiplied by 0. The starts are broadcast from
-/// memory (no port that computes). 512-bit tile, ns per block and token: Q3_K 0.38 → 0.35 (the halves as 16-bit
+/// `Σ_h sc_h · Σ_{l∈h} q_l·a_l` as integers, the same integers as one `mullo` per half at fewer instructions on
+/// the ports that multiply. Each half's `vpdpbusd` sum fits the low 16-bit word of its register (Q2_K's `Σ q·a` at
+/// most 16 · 3 · 127 in magnitude; Q3_K's, of the stored `q + 4`, started at [`super::q3k_start`]), so one `madd`
+/// and one `vpdpwssds` against words holding the row's scale (low) and, for Q3_K, `-4 ·` the scale (high, against
+/// the half's activation sum in the high word: the bias of the stored values) scale and add both halves; Q2_K's
+/// high words are multiplied by 0. The starts are broadcast from memory (no port that computes). 512-bit tile, ns per block and token: Q3_K 0.38 → 0.35 (the halves as 16-bit
 /// pairs, shifted and offset) → 0.28 (this), Q2_K 0.30 → 0.28 → 0.24; with [`k2_values512`]'s shifts, Q3_K 0.26.
 ///
 /// # Safety

@@ -9,8 +9,8 @@ use crate::quant::QK;
 use std::arch::x86_64::*;
 
 /// One tile's operands: `rows` (≤ 16) rows of the group at `w` (`blocks` blocks of 32 columns) against tokens
-/// at `a` with their sums at `sums` and their halves' at `halves`, `pairs`, `q3k_starts` and `q6k_starts` (`blocks` each, as
-/// `Acts` holds them), into `out + t·stride + r`.
+/// at `a` with their sums at `sums` and their halves' at `halves`, `pairs`, `q3k_starts` and `q6k_starts`
+/// (`blocks` each, as `Acts` holds them), into `out + t·stride + r`.
 #[derive(Clone, Copy)]
 pub struct Operands {
     pub w: *const u8,
