@@ -16,7 +16,7 @@ use super::arena::WeightArena;
 use super::attention::attend;
 use super::kernels::kernels;
 use super::qgemm::{GROUP, PackedActs};
-use super::simd::{self, Isa, Q8Block, quantize_row};
+use super::simd::{self, Isa, Q8Block, quantize_row_spans};
 use super::{CpuKvLayer, CpuTensor, interleaved};
 use crate::backend::{AttnSeq, AttnShape};
 use crate::quant::{self, BlockFormat, QK};
@@ -150,10 +150,13 @@ pub fn run(cfg: &Config) -> Result<KernelBench> {
     let formats = selected(cfg)?;
     let (rows, cols, blocks) = (cfg.rows, cfg.cols, cfg.cols / QK);
     let mut rng = rand::rngs::StdRng::seed_from_u64(0x6b62);
-    // GROUP tokens of activations; the first alone is the one-token paths'.
+    // GROUP tokens of activations; the first alone is the one-token paths'. A scale per 256 where the columns
+    // allow, as the K-quants' kernels take them (the others read each block's, equal or not).
+    let span = if blocks.is_multiple_of(interleaved::SUPER_SPAN) { interleaved::SUPER_SPAN } else { 1 };
     let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; QK] }; GROUP * blocks];
     for dst in xq.chunks_exact_mut(blocks) {
-        quantize_row(Isa::Scalar, &(0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>(), dst);
+        let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        quantize_row_spans(Isa::Scalar, &x, dst, span);
     }
     // With the lane sums: one packing serves every format's tile (Q8_0's and Q8_K's AVX-512 tile reads them).
     let (one, packed) = (&xq[..blocks], PackedActs::pack(&xq, GROUP, blocks, true));

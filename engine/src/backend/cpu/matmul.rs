@@ -7,7 +7,7 @@ use super::half_dot::{self, Half};
 use super::interleaved;
 #[cfg(target_arch = "x86_64")]
 use super::qgemm::{self, PackedActs};
-use super::simd::{self, Isa, Q8Block, quantize_row};
+use super::simd::{self, Isa, Q8Block, quantize_row_spans};
 use super::{CpuMatrix, CpuTensor, Layout};
 use crate::quant::QK;
 use crate::tensor::DType;
@@ -51,13 +51,19 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
             .collect();
     }
     let blocks = k / QK;
-    let xq = if jobs.iter().any(|(w, _)| w.dtype.is_quantized()) {
+    // The K-quants' kernels take a scale per 256 activations (`interleaved::SUPER_SPAN` blocks), the others one
+    // per block: each quantization made only if a job reads it.
+    let span_of = |w: &CpuMatrix| w.layout.interleaved().map_or(1, |f| f.act_span());
+    let quantize = |span: usize| {
+        if !jobs.iter().any(|(w, _)| w.dtype.is_quantized() && span_of(w) == span) {
+            return Vec::new();
+        }
         let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; QK] }; m * blocks];
-        xq.par_chunks_mut(blocks).zip(x.data.par_chunks(k)).for_each(|(dst, src)| quantize_row(isa, src, dst));
+        let rows = xq.par_chunks_mut(blocks).zip(x.data.par_chunks(k));
+        rows.for_each(|(dst, src)| quantize_row_spans(isa, src, dst, span));
         xq
-    } else {
-        Vec::new()
     };
+    let (xq, xk) = (quantize(1), quantize(interleaved::SUPER_SPAN));
     // Several tokens: the register-tiled kernel, on activations regrouped once for every job.
     let file_layout = |w: &CpuMatrix| w.dtype.is_quantized() && w.layout == Layout::Rows;
     #[cfg(target_arch = "x86_64")]
@@ -65,8 +71,9 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
         let lane_sums = jobs.iter().any(|(w, _)| file_layout(w) && qgemm::reads_lane_sums(isa, w.dtype));
         PackedActs::pack(&xq, m, blocks, lane_sums)
     });
-    let acts =
-        jobs.iter().any(|(w, _)| w.layout.interleaved().is_some()).then(|| interleaved::Acts::new(&xq, m, blocks));
+    let tiles_read = |span: usize| jobs.iter().any(|(w, _)| w.layout.interleaved().is_some() && span_of(w) == span);
+    let acts = tiles_read(1).then(|| interleaved::Acts::new(&xq, m, blocks));
+    let acts_k = tiles_read(interleaved::SUPER_SPAN).then(|| interleaved::Acts::new(&xk, m, blocks));
     // Final [m, n] outputs, written in place by tasks that each own a disjoint range of rows (output columns).
     let mut outs: Vec<Vec<f32>> = jobs.iter().map(|(w, _)| vec![0f32; m * w.rows]).collect();
     let total_rows: usize = jobs.iter().map(|(w, _)| w.rows).sum();
@@ -83,7 +90,8 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
     }
     tasks.into_par_iter().for_each(|(w, first_row, nrows, dst)| {
         let bytes = w.bytes.as_slice();
-        if let (Some(f), Some(acts)) = (w.layout.interleaved(), acts.as_ref()) {
+        let acts = if span_of(w) == 1 { acts.as_ref() } else { acts_k.as_ref() };
+        if let (Some(f), Some(acts)) = (w.layout.interleaved(), acts) {
             let group_bytes = interleaved::packed_len(f, interleaved::ROWS, w.cols);
             let (first, groups) = (first_row / interleaved::ROWS, nrows.div_ceil(interleaved::ROWS));
             let groups = &bytes[first * group_bytes..][..groups * group_bytes];

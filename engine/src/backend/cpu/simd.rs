@@ -12,42 +12,52 @@ use crate::tensor::DType;
 pub struct Q8Block {
     /// Scale: value ≈ `d * qs[i]`.
     pub d: f32,
-    /// `d * Σ qs`, used by the offset terms of the formats with a minimum (Q4_1, Q5_1, Q4_K, Q5_K; Q2_K's are
-    /// per 16 elements and take the integer half sums instead).
+    /// `d * Σ qs`, used by the offset terms of the formats with a minimum per block (Q4_1, Q5_1; the K-quants'
+    /// take integer sums per sub-block or half instead).
     pub s: f32,
     /// Quantized values.
     pub qs: [i8; QK],
 }
 
-/// Quantizes a row (length a multiple of 32) into 8-bit blocks, with the same bits on every level (the AVX2
-/// version does the scalar one's float operations lane by lane; max and integer sums do not depend on order).
+/// Quantizes a row (length a multiple of 32) into 8-bit blocks, each under its own scale, with the same bits on
+/// every level: [`quantize_row_spans`] with spans of one block.
 pub fn quantize_row(isa: Isa, x: &[f32], out: &mut [Q8Block]) {
+    quantize_row_spans(isa, x, out, 1);
+}
+
+/// Quantizes a row (length a multiple of `32 · span`) into 8-bit blocks, each run of `span` blocks under one scale
+/// (the largest |x| of the run over 127; the K-quants' kernels take one per 256 elements, as llama.cpp's Q8_K), with
+/// the same bits on every level (the AVX2 version does the scalar one's float operations lane by lane; max and
+/// integer sums do not depend on order).
+pub fn quantize_row_spans(isa: Isa, x: &[f32], out: &mut [Q8Block], span: usize) {
     #[cfg(target_arch = "x86_64")]
     if isa.avx2() {
         // SAFETY: see dot_f32.
-        return unsafe { x86::quantize_row(x, out) };
+        return unsafe { x86::quantize_row(x, out, span) };
     }
     let _ = isa;
-    quantize_row_scalar(x, out);
+    quantize_row_scalar(x, out, span);
 }
 
-/// The portable reference for [`quantize_row`].
-fn quantize_row_scalar(x: &[f32], out: &mut [Q8Block]) {
-    for (chunk, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
-        let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+/// The portable reference for [`quantize_row_spans`].
+fn quantize_row_scalar(x: &[f32], out: &mut [Q8Block], span: usize) {
+    for (run, blocks) in x.chunks_exact(QK * span).zip(out.chunks_exact_mut(span)) {
+        let amax = run.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
         let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
-        for (q, &v) in b.qs.iter_mut().zip(chunk) {
-            // Round to nearest (ties to even) with the 1.5·2²³ trick: plain arithmetic the compiler vectorizes,
-            // unlike a call to `roundf`. |v·id| ≤ 127, far inside the trick's range.
-            const MAGIC: f32 = 12_582_912.0;
-            let r = ((v * id + MAGIC) - MAGIC) as i32;
-            *q = r.clamp(-127, 127) as i8;
-            sum += *q as i32;
+        for (chunk, b) in run.chunks_exact(QK).zip(blocks) {
+            let mut sum = 0i32;
+            for (q, &v) in b.qs.iter_mut().zip(chunk) {
+                // Round to nearest (ties to even) with the 1.5·2²³ trick: plain arithmetic the compiler
+                // vectorizes, unlike a call to `roundf`. |v·id| ≤ 127, far inside the trick's range.
+                const MAGIC: f32 = 12_582_912.0;
+                let r = ((v * id + MAGIC) - MAGIC) as i32;
+                *q = r.clamp(-127, 127) as i8;
+                sum += *q as i32;
+            }
+            b.d = d;
+            b.s = d * sum as f32;
         }
-        b.d = d;
-        b.s = d * sum as f32;
     }
 }
 
@@ -182,43 +192,49 @@ pub(super) mod x86 {
         s
     }
 
-    /// [`super::quantize_row`] eight lanes at a time: the scalar version's operations (|v| max, `v·id` rounded
-    /// by adding and subtracting 1.5·2²³, the clamp, a NaN cast to 0), so the same bits. Prefill quantizes every
-    /// linear layer's input rows; the scalar loop's saturating casts did not vectorize.
+    /// [`super::quantize_row_spans`] eight lanes at a time: the scalar version's operations (|v| max, `v·id`
+    /// rounded by adding and subtracting 1.5·2²³, the clamp, a NaN cast to 0), so the same bits. Prefill quantizes
+    /// every linear layer's input rows; the scalar loop's saturating casts did not vectorize.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn quantize_row(x: &[f32], out: &mut [Q8Block]) {
+    pub unsafe fn quantize_row(x: &[f32], out: &mut [Q8Block], span: usize) {
         const MAGIC: f32 = 12_582_912.0;
         let (sign, magic) = (_mm256_set1_ps(-0.0), _mm256_set1_ps(MAGIC));
         let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
         // packs_epi32 then packs_epi16 interleave 4-byte groups across the 128-bit halves; this restores order.
         let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-        for (chunk, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
-            // SAFETY: `chunk` holds 32 floats and `b.qs` 32 bytes.
-            unsafe {
-                let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(chunk.as_ptr().add(8 * i)));
-                // As `m.max(|v|)`: a NaN |v| leaves m (max_ps returns its second operand then).
-                let m = v.iter().fold(_mm256_setzero_ps(), |m, &v| _mm256_max_ps(_mm256_andnot_ps(sign, v), m));
-                let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-                let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-                let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-                let d = amax / 127.0;
-                let id = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
-                let q: [__m256i; 4] = std::array::from_fn(|i| {
-                    let r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v[i], id), magic), magic);
-                    // Clamped as floats: cvttps gives i32::MIN for ±inf (a subnormal amax makes `id` infinite)
-                    // and for NaN, where Rust's saturating `as` gives i32::MAX, MIN and 0.
-                    let ordered = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_ORD_Q>(r, r));
-                    let r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
-                    _mm256_and_si256(_mm256_cvttps_epi32(r), ordered)
-                });
-                let bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-                _mm256_storeu_si256(b.qs.as_mut_ptr() as *mut __m256i, _mm256_permutevar8x32_epi32(bytes, order));
-                let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-                let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-                let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-                let sum = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01)));
-                b.d = d;
-                b.s = d * sum as f32;
+        for (run, blocks) in x.chunks_exact(QK * span).zip(out.chunks_exact_mut(span)) {
+            // As `m.max(|v|)`: a NaN |v| leaves m (max_ps returns its second operand then).
+            let mut m = _mm256_setzero_ps();
+            for v in run.chunks_exact(8) {
+                // SAFETY: `v` holds 8 floats.
+                m = _mm256_max_ps(_mm256_andnot_ps(sign, unsafe { _mm256_loadu_ps(v.as_ptr()) }), m);
+            }
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+            let d = amax / 127.0;
+            let id = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+            for (chunk, b) in run.chunks_exact(QK).zip(blocks) {
+                // SAFETY: `chunk` holds 32 floats and `b.qs` 32 bytes.
+                unsafe {
+                    let q: [__m256i; 4] = std::array::from_fn(|i| {
+                        let v = _mm256_loadu_ps(chunk.as_ptr().add(8 * i));
+                        let r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v, id), magic), magic);
+                        // Clamped as floats: cvttps gives i32::MIN for ±inf (a subnormal amax makes `id` infinite)
+                        // and for NaN, where Rust's saturating `as` gives i32::MAX, MIN and 0.
+                        let ordered = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_ORD_Q>(r, r));
+                        let r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
+                        _mm256_and_si256(_mm256_cvttps_epi32(r), ordered)
+                    });
+                    let bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+                    _mm256_storeu_si256(b.qs.as_mut_ptr() as *mut __m256i, _mm256_permutevar8x32_epi32(bytes, order));
+                    let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+                    let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+                    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+                    let sum = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01)));
+                    b.d = d;
+                    b.s = d * sum as f32;
+                }
             }
         }
     }
@@ -401,9 +417,11 @@ pub(super) mod tests {
             for (i, row) in rows.iter().enumerate() {
                 let mut want = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; 32] }; blocks];
                 let mut got = want.clone();
-                quantize_row_scalar(row, &mut want);
-                quantize_row(isa, row, &mut got);
-                assert_eq!(bits(&got), bits(&want), "{} row {i}", isa.name());
+                for span in [1, 2, 3] {
+                    quantize_row_scalar(row, &mut want, span);
+                    quantize_row_spans(isa, row, &mut got, span);
+                    assert_eq!(bits(&got), bits(&want), "{} row {i}, spans of {span}", isa.name());
+                }
             }
         }
     }

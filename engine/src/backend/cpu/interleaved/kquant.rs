@@ -1,10 +1,11 @@
 //! The K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) in the interleaved layout: a row group's super-block is the 16 rows'
 //! file blocks with their bytes moved, not changed ([`position`]), so that each 4-byte group of values of the 16 rows
 //! is one 64-byte line, as the 32-element formats' are, and each per-row field (scales, sub-block scales) sits 16
-//! rows side by side. The kernels sum each 32-element sub-block as integers (the formats with a scale per 16
-//! elements, Q2_K, Q3_K and Q6_K: each half, times its scale, also as integers), then, per sub-block, Q4_K and Q5_K
-//! `acc = fma(Σ q·a, (d·sc)·d_a, acc)` and `acc = fma(-(dmin·m), s_a, acc)`, Q3_K and Q6_K
-//! `acc = fma(Σ sc·q·a, d·d_a, acc)`, Q2_K that and `acc = fma(Σ m·a, -(dmin·d_a), acc)`: [`scalar`]'s arithmetic.
+//! rows side by side. Their kernels take activations with one scale per super-block (llama.cpp's Q8_K, which its
+//! K-quant dot products take too), so a super-block's `Σ sc·Σ q·a` is gathered over its sub-blocks (or halves) before
+//! one `acc = fma(s, d·d_a, acc)` per super-block (and one for the minimums): [`scalar`]'s arithmetic. A scale per
+//! 32 activations cost a conversion, a multiply and an `fma` or two per sub-block and token; per super-block, the
+//! 512-bit tiles ran 8-19 % faster (Q3_K 0.24 → 0.22 ns per block and token, Q2_K 0.24 → 0.20).
 
 use super::{Q2_K, Q3_K, Q5_K, Q6_K, ROWS, line_byte};
 use crate::backend::cpu::simd::Q8Block;
@@ -99,42 +100,57 @@ pub(super) fn file_block(f: u8, blk: &[u8], i: usize) -> Vec<u8> {
     (0..file_bytes(f)).map(|byte| blk[position(f, i, byte)]).collect()
 }
 
-/// The reference for one row group of K-quant `f` against one token's 8-bit blocks `a`.
+/// The reference for one row group of K-quant `f` against one token's 8-bit blocks `a`, each super-block's 8 under
+/// one scale `d_a` (as llama.cpp's Q8_K; the kernels read the first's). Per super-block and row, Q2_K and Q3_K sum
+/// `Σ sc·Σ q·a` over their 16 halves as integers, Q4_K, Q5_K and Q6_K in floats (`s = fma(Σ q·a, sc, s)` sub-block
+/// after sub-block or half after half: their products fit in no 16-bit lane for one `madd`, a `mullo` costs two
+/// instructions, and the float route is exact but for the running sum's rounding past 2^24); then
+/// `acc = fma(s, d·d_a, acc)`, and for the formats with minimums `acc = fma(Σ m·Σ a, -(dmin·d_a), acc)`, the
+/// minimums' sum an integer.
 pub(super) fn scalar(f: u8, group: &[u8], a: &[Q8Block]) -> [f32; ROWS] {
     let mut acc = [0f32; ROWS];
     for (blk, a) in group.chunks_exact(ROWS * file_bytes(f)).zip(a.chunks_exact(QK_K / QK)) {
+        let d_a = a[0].d;
         for (i, acc) in acc.iter_mut().enumerate() {
             let file = file_block(f, blk, i);
+            let (mut isum, mut fsum, mut msum) = (0i32, 0f32, 0i32);
             for (j, ab) in a.iter().enumerate() {
                 let x = |l: usize| i32::from(ab.qs[l]);
                 if per_half(f) {
-                    // Half h of sub-block j: its scale (and Q2_K's minimum) times its integer sums.
-                    let half = |h: usize| -> (i32, i32) {
+                    for h in 0..2 {
                         let (k, ls) = (2 * j + h, 16 * h..16 * h + 16);
                         let dot =
                             |value: &dyn Fn(usize) -> i32| ls.clone().map(|l| value(QK * j + l) * x(l)).sum::<i32>();
                         match f {
                             Q2_K => {
                                 let (sc, m) = (i32::from(file[k] & 0x0f), i32::from(file[k] >> 4));
-                                (sc * dot(&|e| i32::from(q2k_value(&file, e))), m * ls.map(x).sum::<i32>())
+                                isum += sc * dot(&|e| i32::from(q2k_value(&file, e)));
+                                msum += m * ls.map(x).sum::<i32>();
                             }
-                            Q3_K => (q3k_scale(&file[96..108], k) * dot(&|e| q3k_value(&file, e)), 0),
-                            _ => (i32::from(file[192 + k] as i8) * dot(&|e| q6k_value(&file, e)), 0),
+                            Q3_K => isum += q3k_scale(&file[96..108], k) * dot(&|e| q3k_value(&file, e)),
+                            _ => {
+                                let sc = f32::from(file[192 + k] as i8);
+                                fsum = (dot(&|e| q6k_value(&file, e)) as f32).mul_add(sc, fsum);
+                            }
                         }
-                    };
-                    let ((s0, m0), (s1, m1)) = (half(0), half(1));
-                    let d = f16_at(&file, if f == Q2_K { 80 } else { file_bytes(f) - 2 });
-                    *acc = ((s0 + s1) as f32).mul_add(d * ab.d, *acc);
-                    if f == Q2_K {
-                        *acc = ((m0 + m1) as f32).mul_add(-(f16_at(&file, 82) * ab.d), *acc);
                     }
                 } else {
                     let value = if f == Q5_K { q5k_value } else { q4k_value };
                     let (sc, m) = k4_scale_min(&file[4..16], j);
-                    let isum: i32 = (0..QK).map(|l| i32::from(value(&file, QK * j + l)) * x(l)).sum();
-                    *acc = (isum as f32).mul_add(f16_at(&file, 0) * f32::from(sc) * ab.d, *acc);
-                    *acc = (-(f16_at(&file, 2) * f32::from(m))).mul_add(ab.s, *acc);
+                    let dot: i32 = (0..QK).map(|l| i32::from(value(&file, QK * j + l)) * x(l)).sum();
+                    fsum = (dot as f32).mul_add(f32::from(sc), fsum);
+                    msum += i32::from(m) * (0..QK).map(x).sum::<i32>();
                 }
+            }
+            let (d, dmin) = match f {
+                Q2_K => (f16_at(&file, 80), f16_at(&file, 82)),
+                Q3_K | Q6_K => (f16_at(&file, file_bytes(f) - 2), 0.0),
+                _ => (f16_at(&file, 0), f16_at(&file, 2)),
+            };
+            let s = if f == Q2_K || f == Q3_K { isum as f32 } else { fsum };
+            *acc = s.mul_add(d * d_a, *acc);
+            if f != Q3_K && f != Q6_K {
+                *acc = (msum as f32).mul_add(-(dmin * d_a), *acc);
             }
         }
     }

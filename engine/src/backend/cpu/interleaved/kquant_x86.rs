@@ -5,7 +5,7 @@ use super::kquant::{HIGH_LINE, Q3K_HIGH_LINE, d_at, dmin_at, per_half, scales_at
 use super::x86::{Operands, dots256_pair, dots512, four, prefetch, store512};
 use super::{Q2_K, Q3_K, Q5_K, Q6_K, ROWS, block_bytes};
 use crate::backend::cpu::simd::Q8Block;
-use crate::backend::cpu::simd::x86::AVX2;
+use crate::backend::cpu::simd::x86::{AVX_VNNI, AVX2};
 use crate::quant::{QK, QK_K};
 use std::arch::x86_64::*;
 
@@ -62,15 +62,6 @@ fn q4k_line(j: usize, g: usize) -> usize {
 fn q6k_lines(j: usize, g: usize) -> (usize, usize) {
     let (n, c) = (j / 4, j % 4);
     ((16 * n + 8 * (c % 2) + g) * LINE, (HIGH_LINE + 8 * n + g) * LINE)
-}
-
-/// What each value of a format with a scale per 16 elements is stored above: Q6_K's `q + 32`, Q3_K's `q + 4`.
-const fn half_bias(f: u8) -> i32 {
-    match f {
-        Q6_K => -32,
-        Q3_K => -4,
-        _ => 0,
-    }
 }
 
 /// The 16 rows' signed scales of 16-element half `k` (0..16) of a Q2_K, Q3_K or Q6_K super-block at `blk`: Q6_K's
@@ -192,87 +183,121 @@ unsafe fn k2_values512<const F: u8>(blk: *const u8, j: usize, g: usize, counts: 
 }
 
 /// `x86`'s 512-bit tile for a K-quant: 16 rows in one register per token, per sub-block one `vpdpbusd` per group
-/// and token (Q6_K: sums per half, each started at `-32 · Σ a` of the half and times its scale).
+/// and token, the super-block's `Σ sc·Σ q·a` gathered over its sub-blocks (as integers or floats, [`kquant::scalar`]'s
+/// way) and scaled once: the activations' scale is the super-block's.
 ///
 /// # Safety
-/// AVX-512 F/BW/VL and VNNI; otherwise as for `x86::Tile`, with `o.blocks` a multiple of 8.
+/// AVX-512 F/BW/VL and VNNI; otherwise as for `x86::Tile`, with `o.blocks` a multiple of 8 and the activations of
+/// each super-block under one scale.
+///
+/// [`kquant::scalar`]: super::kquant::scalar
 #[inline(always)]
 pub(super) unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
-    let Operands { w, a, pairs, q3k_starts, q6k_starts, blocks, out, stride, rows, .. } = o;
+    let Operands { w, a, blocks, out, stride, rows, .. } = o;
     // SAFETY (whole body): the caller's ranges; a super-block is `block_bytes(F)` bytes laid out as `kquant` says.
     unsafe {
-        let low = _mm512_set1_epi8(0x0f);
         let sign = _mm512_set1_epi32(i32::MIN);
         let mut acc = [_mm512_setzero_ps(); T];
         for sb in 0..blocks / SUBS {
             let blk = w.add(sb * block_bytes(F));
             prefetch::<F>(blk);
-            if !per_half(F) {
-                let sm = k4_scales(blk.add(scales_at(F)));
-                let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(d_at(F)) as *const __m256i));
-                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(dmin_at(F)) as *const __m256i));
-                for j in 0..rolled(SUBS) {
-                    let b = sb * SUBS + j;
-                    let mut sum = [_mm512_setzero_si512(); T];
-                    for g in 0..QK / 4 {
-                        let line = _mm512_loadu_si512(blk.add(q4k_line(j, g)) as *const __m512i);
-                        let v = if j % 2 == 0 { line } else { _mm512_srli_epi16::<4>(line) };
-                        let mut v = _mm512_and_si512(v, low);
-                        if F == Q5_K {
-                            let high = _mm512_loadu_si512(blk.add((HIGH_LINE + g) * LINE) as *const __m512i);
-                            let set = _mm512_test_epi8_mask(high, _mm512_set1_epi8((1u8 << j) as i8));
-                            v = _mm512_mask_add_epi8(v, set, v, _mm512_set1_epi8(0x10));
-                        }
-                        dots512(&mut sum, v, a, blocks, b, g);
-                    }
-                    let dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm[j])));
-                    let min = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm[8 + j])));
-                    let neg_min = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(min), sign));
-                    for (t, acc) in acc.iter_mut().enumerate() {
-                        let ab = &*a.add(t * blocks + b);
-                        *acc =
-                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_mul_ps(dsc, _mm512_set1_ps(ab.d)), *acc);
-                        *acc = _mm512_fmadd_ps(neg_min, _mm512_set1_ps(ab.s), *acc);
-                    }
-                }
-            } else {
-                let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(d_at(F)) as *const __m256i));
-                let neg_dmin = if F == Q2_K {
-                    let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(dmin_at(F)) as *const __m256i));
-                    _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dmin), sign))
-                } else {
-                    _mm512_setzero_ps()
-                };
-                for j in 0..rolled(SUBS) {
-                    let b = sb * SUBS + j;
-                    if F == Q6_K {
-                        q6k_sub_block(blk, j, b, a, q6k_starts, blocks, d, &mut acc);
-                        continue;
-                    }
-                    let total = paired_halves::<T, F>(blk, j, b, a, q3k_starts, blocks);
-                    let mins = if F == Q2_K {
-                        let [lo, hi] = q2k_min_pairs(blk, j);
-                        _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo))
-                    } else {
-                        _mm512_setzero_si512()
-                    };
-                    for (t, acc) in acc.iter_mut().enumerate() {
-                        let ab = &*a.add(t * blocks + b);
-                        *acc =
-                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[t]), _mm512_mul_ps(d, _mm512_set1_ps(ab.d)), *acc);
-                        if F == Q2_K {
-                            let m = _mm512_madd_epi16(mins, _mm512_set1_epi32(*pairs.add(t * blocks + b)));
-                            *acc = _mm512_fmadd_ps(
-                                _mm512_cvtepi32_ps(m),
-                                _mm512_mul_ps(neg_dmin, _mm512_set1_ps(ab.d)),
-                                *acc,
-                            );
-                        }
-                    }
-                }
+            let first = sb * SUBS;
+            // Q4_K's and Q5_K's scales and minimums, made once for both.
+            let sm = if per_half(F) { [_mm_setzero_si128(); 16] } else { k4_scales(blk.add(scales_at(F))) };
+            let s = match F {
+                Q2_K | Q3_K => k2_sums::<T, F>(blk, first, o),
+                Q6_K => q6k_sums::<T>(blk, first, o),
+                _ => k4_sums::<T, F>(blk, &sm, first, o),
+            };
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(d_at(F)) as *const __m256i));
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let d_a = _mm512_set1_ps((*a.add(t * blocks + first)).d);
+                *acc = _mm512_fmadd_ps(s[t], _mm512_mul_ps(d, d_a), *acc);
+            }
+            if F == Q3_K || F == Q6_K {
+                continue;
+            }
+            let m = mins512::<T, F>(blk, &sm, first, o);
+            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(dmin_at(F)) as *const __m256i));
+            let neg_dmin = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dmin), sign));
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let d_a = _mm512_set1_ps((*a.add(t * blocks + first)).d);
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m[t]), _mm512_mul_ps(neg_dmin, d_a), *acc);
             }
         }
         store512(&acc, out, stride, rows);
+    }
+}
+
+/// A Q4_K or Q5_K super-block's `Σ_j sc_j·Σ q·a` for the 16 rows and `T` tokens (activation blocks from `first`), in
+/// floats sub-block after sub-block (`sm`: its [`k4_scales`]).
+///
+/// # Safety
+/// As for [`wide`]; `blk` points at super-block `first / 8` of format `F`.
+#[inline(always)]
+// `j` also picks the lines and the activation block; the loop's bound stays hidden (`rolled`).
+#[allow(clippy::needless_range_loop)]
+unsafe fn k4_sums<const T: usize, const F: u8>(
+    blk: *const u8,
+    sm: &[__m128i; 16],
+    first: usize,
+    o: Operands,
+) -> [__m512; T] {
+    let Operands { a, blocks, .. } = o;
+    // SAFETY (whole body): the caller's ranges.
+    unsafe {
+        let low = _mm512_set1_epi8(0x0f);
+        let mut s = [_mm512_setzero_ps(); T];
+        for j in 0..rolled(SUBS) {
+            let b = first + j;
+            let mut sum = [_mm512_setzero_si512(); T];
+            for g in 0..QK / 4 {
+                let line = _mm512_loadu_si512(blk.add(q4k_line(j, g)) as *const __m512i);
+                let v = if j % 2 == 0 { line } else { _mm512_srli_epi16::<4>(line) };
+                let mut v = _mm512_and_si512(v, low);
+                if F == Q5_K {
+                    let high = _mm512_loadu_si512(blk.add((HIGH_LINE + g) * LINE) as *const __m512i);
+                    let set = _mm512_test_epi8_mask(high, _mm512_set1_epi8((1u8 << j) as i8));
+                    v = _mm512_mask_add_epi8(v, set, v, _mm512_set1_epi8(0x10));
+                }
+                dots512(&mut sum, v, a, blocks, b, g);
+            }
+            let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm[j]));
+            for (s, sum) in s.iter_mut().zip(&sum) {
+                *s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(*sum), sc, *s);
+            }
+        }
+        s
+    }
+}
+
+/// A super-block's `Σ m·Σ a` for the 16 rows and `T` tokens, as integers: Q4_K's and Q5_K's minimums per
+/// sub-block against `Acts`' pairs of sub-block sums, Q2_K's per half against its pairs of half sums, each pair of
+/// minimums as the two 16-bit words of a row's lane of one `vpdpwssds` (`sm`: Q4_K's and Q5_K's [`k4_scales`]).
+///
+/// # Safety
+/// As for [`wide`]; `blk` points at super-block `first / 8` of format `F` (Q2_K, Q4_K or Q5_K).
+#[inline(always)]
+unsafe fn mins512<const T: usize, const F: u8>(
+    blk: *const u8,
+    sm: &[__m128i; 16],
+    first: usize,
+    o: Operands,
+) -> [__m512i; T] {
+    let Operands { pairs, sub_pairs, blocks, .. } = o;
+    // SAFETY (whole body): the caller's ranges.
+    unsafe {
+        let mut m = [_mm512_setzero_si512(); T];
+        let (count, step, sums) = if F == Q2_K { (SUBS, 1, pairs) } else { (SUBS / 2, 2, sub_pairs) };
+        for p in 0..rolled(count) {
+            let [lo, hi] =
+                if F == Q2_K { q2k_min_pairs(blk, p) } else { interleave_rows(sm[8 + 2 * p], sm[9 + 2 * p]) };
+            let words = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
+            for (t, m) in m.iter_mut().enumerate() {
+                *m = _mm512_dpwssds_epi32(*m, words, _mm512_set1_epi32(*sums.add(t * blocks + first + step * p)));
+            }
+        }
+        m
     }
 }
 
@@ -309,92 +334,122 @@ unsafe fn half_sums<const T: usize>(
     }
 }
 
-/// Sub-block `j` (activation block `b`) of the 16 rows of a Q2_K or Q3_K super-block at `blk`: each token's
-/// `Σ_h sc_h · Σ_{l∈h} q_l·a_l` as integers, the same integers as one `mullo` per half at fewer instructions on
-/// the ports that multiply. Each half's `vpdpbusd` sum fits the low 16-bit word of its register (Q2_K's `Σ q·a` at
-/// most 16 · 3 · 127 in magnitude; Q3_K's, of the stored `q + 4`, started at [`super::q3k_start`]), so one `madd`
-/// and one `vpdpwssds` against words holding the row's scale (low) and, for Q3_K, `-4 ·` the scale (high, against
-/// the half's activation sum in the high word: the bias of the stored values) scale and add both halves; Q2_K's
-/// high words are multiplied by 0. The starts are broadcast from memory (no port that computes). 512-bit tile, ns per block and token: Q3_K 0.38 → 0.35 (the halves as 16-bit
-/// pairs, shifted and offset) → 0.28 (this), Q2_K 0.30 → 0.28 → 0.24; with [`k2_values512`]'s shifts, Q3_K 0.26.
+/// A Q3_K super-block's 16 half scales of the 16 rows (signed, [`half_scales`]), each row's twice in a row: half
+/// `k`'s 32 bytes at `32·k`, which widen (`vpmovsxbw`) to the lanes one `vpdpwssds` scales its sums by (the scale in
+/// both 16-bit words, [`super::q3k_start`]). Made 64 bytes at a time, 4 halves per register: per half, its own
+/// 6-bit extraction took 12 instructions, about a fifth of the 512-bit tile's.
 ///
 /// # Safety
-/// AVX-512 F/BW and VNNI; `blk` points at a super-block of format `F` (Q2_K or Q3_K), `a` and `starts` at `T`
-/// tokens' rows of `blocks` activation blocks, `b` below `blocks`.
+/// AVX-512 F/BW; `blk` points at a Q3_K super-block.
 #[inline(always)]
-unsafe fn paired_halves<const T: usize, const F: u8>(
-    blk: *const u8,
-    j: usize,
-    b: usize,
-    a: *const Q8Block,
-    starts: *const [i32; 2],
-    blocks: usize,
-) -> [__m512i; T] {
-    // SAFETY (whole body): the caller's ranges; the fields lie inside the super-block.
+unsafe fn q3k_scale_pairs(blk: *const u8) -> [__m512i; 8] {
+    // SAFETY (whole body): the fields lie inside the super-block.
     unsafe {
-        let counts = k2_counts(j);
-        let starts = if F == Q3_K { Some(starts) } else { None };
-        let [mut first, second] = half_sums::<T>(starts, |g| k2_values512::<F>(blk, j, g, &counts), a, blocks, b);
-        // The rows' scales in the low words; Q3_K's `-4 ·` them in the high ones (`-(sc << 18)`), Q2_K's 0 (its
-        // scales are not negative).
-        let words = |k: usize| {
-            let sc = _mm512_cvtepi8_epi32(half_scales::<F>(blk, k));
-            if F == Q3_K {
-                _mm512_sub_epi32(_mm512_and_si512(sc, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32::<18>(sc))
-            } else {
-                sc
-            }
-        };
-        let (w0, w1) = (words(2 * j), words(2 * j + 1));
-        for (f, s) in first.iter_mut().zip(&second) {
-            // The saturating form, which never saturates here (every sum stays far inside 32 bits): LLVM splits
-            // the plain `vpdpwssd` back into `madd` + `add` to shorten the chain, at one more instruction.
-            *f = _mm512_dpwssds_epi32(_mm512_madd_epi16(*f, w0), *s, w1);
+        let field = |n: usize| _mm512_loadu_si512(blk.add(scales_at(Q3_K) + n * ROWS) as *const __m512i);
+        let (l0, l1, l2) = (field(0), field(4), field(8));
+        let (nibble, top) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x30));
+        // 128-bit lanes of `lo` and `hi` (rows 0..8 and 8..16 of a half, each byte twice) taken in half order.
+        let first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+        let second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+        let mut out = [_mm512_setzero_si512(); 8];
+        for (g, out) in out.chunks_exact_mut(2).enumerate() {
+            // Halves 4g..4g + 4: low 4 bits from bytes k % 8 (nibble k / 8), top 2 from byte 8 + k % 4 (bits 2g).
+            let low = match g {
+                0 => l0,
+                1 => l1,
+                2 => _mm512_srli_epi16::<4>(l0),
+                _ => _mm512_srli_epi16::<4>(l1),
+            };
+            let high = match g {
+                0 => _mm512_slli_epi16::<4>(l2),
+                1 => _mm512_slli_epi16::<2>(l2),
+                2 => l2,
+                _ => _mm512_srli_epi16::<2>(l2),
+            };
+            let sc = _mm512_or_si512(_mm512_and_si512(low, nibble), _mm512_and_si512(high, top));
+            let sc = _mm512_sub_epi8(sc, _mm512_set1_epi8(32));
+            let (lo, hi) = (_mm512_unpacklo_epi8(sc, sc), _mm512_unpackhi_epi8(sc, sc));
+            out[0] = _mm512_permutex2var_epi64(lo, first, hi);
+            out[1] = _mm512_permutex2var_epi64(lo, second, hi);
         }
-        first
+        out
     }
 }
 
-/// Sub-block `j` (activation block `b`) of the 16 rows of a Q6_K super-block at `blk` into `acc`: each half's
-/// `vpdpbusd` sum, started from memory at `-32 · Σ a` of its activations (the stored values' bias), times its
-/// scale and added in floats instead of with a `mullo` (two instructions on one port) and an `add` per half: the
-/// integers are exact as floats (`|Σ q·a| ≤ 16 · 32 · 128`, times `|sc| ≤ 128`, both halves within 2^24), so the
-/// product, and the `fma` that adds the second, give the integer sum's float, the bits of the integer route.
-/// 512-bit tile, ns per block and token: 0.36 → 0.28.
+/// A Q2_K or Q3_K super-block's `Σ sc·Σ q·a` for the 16 rows and `T` tokens (activation blocks from `first`), as
+/// integers: each half's `vpdpbusd` sum stays in the low 16-bit word of its register (Q2_K's `Σ q·a` at most
+/// 16 · 3 · 127 in magnitude, its high word 0 or -1 against a 0 high word of the scale's lane; Q3_K's, of the stored
+/// `q + 4`, started at [`super::q3k_start`], against its scale in both words: [`q3k_scale_pairs`]), so one
+/// `vpdpwssds` per half scales it and adds it to the super-block's sum. The starts are broadcast from memory (no port
+/// that computes).
 ///
 /// # Safety
-/// As for [`paired_halves`], with a Q6_K super-block and `starts` at `Acts`' `q6k_starts`; `d` holds the rows' d.
+/// As for [`wide`]; `blk` points at super-block `first / 8` of format `F`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn q6k_sub_block<const T: usize>(
-    blk: *const u8,
-    j: usize,
-    b: usize,
-    a: *const Q8Block,
-    starts: *const [i32; 2],
-    blocks: usize,
-    d: __m512,
-    acc: &mut [__m512; T],
-) {
+unsafe fn k2_sums<const T: usize, const F: u8>(blk: *const u8, first: usize, o: Operands) -> [__m512; T] {
+    let Operands { a, q3k_starts, blocks, .. } = o;
     // SAFETY (whole body): the caller's ranges; the fields lie inside the super-block.
     unsafe {
-        let counts = q6k_counts(j);
-        let [first, second] = half_sums::<T>(Some(starts), |g| q6k_values512(blk, j, g, &counts), a, blocks, b);
-        let scale = |k: usize| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(half_scales::<Q6_K>(blk, k)));
-        let (sc0, sc1) = (scale(2 * j), scale(2 * j + 1));
-        for t in 0..T {
-            let ab = &*a.add(t * blocks + b);
-            let both =
-                _mm512_fmadd_ps(_mm512_cvtepi32_ps(second[t]), sc1, _mm512_mul_ps(_mm512_cvtepi32_ps(first[t]), sc0));
-            acc[t] = _mm512_fmadd_ps(both, _mm512_mul_ps(d, _mm512_set1_ps(ab.d)), acc[t]);
+        let mut s = [_mm512_setzero_si512(); T];
+        let scale_pairs = if F == Q3_K { q3k_scale_pairs(blk) } else { [_mm512_setzero_si512(); 8] };
+        for j in 0..rolled(SUBS) {
+            let b = first + j;
+            let counts = k2_counts(j);
+            let starts = if F == Q3_K { Some(q3k_starts) } else { None };
+            let [half0, half1] = half_sums::<T>(starts, |g| k2_values512::<F>(blk, j, g, &counts), a, blocks, b);
+            let words = |k: usize| {
+                if F == Q3_K {
+                    _mm512_cvtepi8_epi16(_mm256_loadu_si256((scale_pairs.as_ptr() as *const __m256i).add(k)))
+                } else {
+                    _mm512_cvtepi8_epi32(half_scales::<F>(blk, k))
+                }
+            };
+            let (w0, w1) = (words(2 * j), words(2 * j + 1));
+            for ((s, h0), h1) in s.iter_mut().zip(&half0).zip(&half1) {
+                // The saturating form, which never saturates here (every sum stays far inside 32 bits): LLVM splits
+                // the plain `vpdpwssd` into `madd` + `add` to shorten the chain, at one more instruction.
+                *s = _mm512_dpwssds_epi32(_mm512_dpwssds_epi32(*s, *h0, w0), *h1, w1);
+            }
         }
+        let mut floats = [_mm512_setzero_ps(); T];
+        for (f, s) in floats.iter_mut().zip(&s) {
+            *f = _mm512_cvtepi32_ps(*s);
+        }
+        floats
+    }
+}
+
+/// A Q6_K super-block's `Σ sc·Σ q·a` for the 16 rows and `T` tokens (activation blocks from `first`), in floats half
+/// after half: each half's `vpdpbusd` sum, started from memory at `-32 · Σ a` of its activations (the stored
+/// values' bias), converted and multiplied by its scale in one `fma` (the products are exact: `|Σ q·a| ≤ 16·32·128`,
+/// `|sc| ≤ 128`), where a `mullo` would cost two instructions.
+///
+/// # Safety
+/// As for [`wide`]; `blk` points at Q6_K super-block `first / 8`.
+#[inline(always)]
+unsafe fn q6k_sums<const T: usize>(blk: *const u8, first: usize, o: Operands) -> [__m512; T] {
+    let Operands { a, q6k_starts, blocks, .. } = o;
+    // SAFETY (whole body): the caller's ranges; the fields lie inside the super-block.
+    unsafe {
+        let mut s = [_mm512_setzero_ps(); T];
+        for j in 0..rolled(SUBS) {
+            let b = first + j;
+            let counts = q6k_counts(j);
+            let [half0, half1] = half_sums::<T>(Some(q6k_starts), |g| q6k_values512(blk, j, g, &counts), a, blocks, b);
+            let scale = |k: usize| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(half_scales::<Q6_K>(blk, k)));
+            let (sc0, sc1) = (scale(2 * j), scale(2 * j + 1));
+            for ((s, h0), h1) in s.iter_mut().zip(&half0).zip(&half1) {
+                *s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(*h1), sc1, _mm512_fmadd_ps(_mm512_cvtepi32_ps(*h0), sc0, *s));
+            }
+        }
+        s
     }
 }
 
 /// Both halves of 8 rows of super-block `sb` at `blk` into their accumulators (`x86`'s `halves` for a K-quant).
 ///
 /// # Safety
-/// Level `V`'s features; otherwise as for `x86::Tile`.
+/// Level `V`'s features; otherwise as for `x86::Tile`, with the activations of each super-block under one scale.
 #[inline(always)]
 pub(super) unsafe fn super_block_halves<const V: u8, const T: usize, const F: u8>(
     blk: *const u8,
@@ -429,7 +484,7 @@ unsafe fn rows_of<const SIGNED: bool>(v: __m128i, r: usize) -> __m256i {
 }
 
 /// Rows `8r..8r + 8` of super-block `sb` at `blk` into their accumulators (`sm`: Q4_K's or Q5_K's scales and
-/// minimums, or the other formats' 16 half scales).
+/// minimums, or the other formats' 16 half scales): [`wide`]'s arithmetic on 8 rows.
 ///
 /// # Safety
 /// As for [`super_block_halves`].
@@ -442,130 +497,165 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
     o: Operands,
     acc: &mut [__m256; T],
 ) {
-    let Operands { a, pairs, blocks, .. } = o;
+    let Operands { a, pairs, sub_pairs, blocks, .. } = o;
     // SAFETY (whole body): the caller's ranges.
     unsafe {
         let v = blk.add(32 * r);
-        if !per_half(F) {
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(d_at(F) + 16 * r) as *const __m128i));
-            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(dmin_at(F) + 16 * r) as *const __m128i));
-            for j in 0..rolled(SUBS) {
-                let b = sb * SUBS + j;
-                let mut sum = [_mm256_setzero_si256(); T];
-                for g in (0..QK / 4).step_by(2) {
-                    let q = [k4_values::<F>(v, j, g), k4_values::<F>(v, j, g + 1)];
-                    dots256_pair::<V, T, F>(&mut sum, q, [g, g + 1], a, blocks, b);
-                }
-                let dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(rows_of::<false>(sm[j], r)));
-                let min = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(rows_of::<false>(sm[8 + j], r)));
-                let neg_min = _mm256_xor_ps(min, _mm256_set1_ps(-0.0));
-                for (t, acc) in acc.iter_mut().enumerate() {
-                    let ab = &*a.add(t * blocks + b);
-                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_mul_ps(dsc, _mm256_set1_ps(ab.d)), *acc);
-                    *acc = _mm256_fmadd_ps(neg_min, _mm256_set1_ps(ab.s), *acc);
-                }
-            }
+        let first = sb * SUBS;
+        let s =
+            if per_half(F) { scaled::<V, T, F>(v, sm, first, r, o) } else { k4_sums256::<V, T, F>(v, sm, first, r, o) };
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(d_at(F) + 16 * r) as *const __m128i));
+        for (t, acc) in acc.iter_mut().enumerate() {
+            let d_a = _mm256_set1_ps((*a.add(t * blocks + first)).d);
+            *acc = _mm256_fmadd_ps(s[t], _mm256_mul_ps(d, d_a), *acc);
+        }
+        if F == Q3_K || F == Q6_K {
             return;
         }
-        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(d_at(F) + 16 * r) as *const __m128i));
-        let neg_dmin = if F == Q2_K {
-            _mm256_xor_ps(
-                _mm256_cvtph_ps(_mm_loadu_si128(blk.add(dmin_at(F) + 16 * r) as *const __m128i)),
-                _mm256_set1_ps(-0.0),
-            )
-        } else {
-            _mm256_setzero_ps()
-        };
-        for j in 0..rolled(SUBS) {
-            let b = sb * SUBS + j;
-            let total = scaled::<V, T, F>(v, [sm[2 * j], sm[2 * j + 1]], j, b, r, o);
-            let mins = if F == Q2_K { _mm256_cvtepu8_epi16(q2k_min_pairs(blk, j)[r]) } else { _mm256_setzero_si256() };
-            for (t, acc) in acc.iter_mut().enumerate() {
-                let ab = &*a.add(t * blocks + b);
-                *acc = _mm256_fmadd_ps(total[t], _mm256_mul_ps(d, _mm256_set1_ps(ab.d)), *acc);
-                if F == Q2_K {
-                    let m = _mm256_madd_epi16(mins, _mm256_set1_epi32(*pairs.add(t * blocks + b)));
-                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(neg_dmin, _mm256_set1_ps(ab.d)), *acc);
-                }
+        // The minimums' `Σ m·Σ a`, as `mins512` (a `madd` and an `add` per pair: once per super-block).
+        let mut m = [_mm256_setzero_si256(); T];
+        let (count, step, sums) = if F == Q2_K { (SUBS, 1, pairs) } else { (SUBS / 2, 2, sub_pairs) };
+        for p in 0..count {
+            let pair = if F == Q2_K { q2k_min_pairs(blk, p) } else { interleave_rows(sm[8 + 2 * p], sm[9 + 2 * p]) };
+            let words = _mm256_cvtepu8_epi16(pair[r]);
+            for (t, m) in m.iter_mut().enumerate() {
+                let x = _mm256_set1_epi32(*sums.add(t * blocks + first + step * p));
+                *m = _mm256_add_epi32(*m, _mm256_madd_epi16(words, x));
             }
+        }
+        let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(dmin_at(F) + 16 * r) as *const __m128i));
+        let neg_dmin = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0));
+        for (t, acc) in acc.iter_mut().enumerate() {
+            let d_a = _mm256_set1_ps((*a.add(t * blocks + first)).d);
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m[t]), _mm256_mul_ps(neg_dmin, d_a), *acc);
         }
     }
 }
 
-/// Sub-block `j` (activation block `b`) of rows `8r..8r + 8` of a Q2_K, Q3_K or Q6_K super-block (values at `v`,
-/// its halves' scales `s`): each token's `Σ_h sc_h · Σ_{l∈h} q_l·a_l`, an integer, as a float. With VNNI each
-/// half's `vpdpbusd` sums (Q3_K's and Q6_K's started at `bias · Σ a`) are scaled and added in floats, exactly (as in
-/// [`q6k_sub_block`]: every product and both halves' total stay within 2^24), where a `mullo` per half cost two
-/// instructions (pairing the halves as [`paired_halves`] does gained nothing here: the 16 registers fill up).
-/// Without, two groups' `maddubs` products are summed as 16-bit integers (values below 64), then one `madd` against
-/// the half's scale in both 16-bit lanes of each row multiplies and sums at once; the bias, `bias · Σ_h
-/// sc_h·Σ_{l∈h} a_l`, is one `madd` of the two scales against the token's two half sums, shifted (`-bias` is 4 or
-/// 32).
+/// [`k4_sums`] for rows `8r..8r + 8` (values at `v`, scales in `sm`) at level `V`.
+///
+/// # Safety
+/// As for [`super_block_halves`].
+#[inline(always)]
+// `j` also picks the lines and the activation block; the loop's bound stays hidden (`rolled`).
+#[allow(clippy::needless_range_loop)]
+unsafe fn k4_sums256<const V: u8, const T: usize, const F: u8>(
+    v: *const u8,
+    sm: &[__m128i; 16],
+    first: usize,
+    r: usize,
+    o: Operands,
+) -> [__m256; T] {
+    let Operands { a, blocks, .. } = o;
+    // SAFETY (whole body): the caller's ranges.
+    unsafe {
+        let mut s = [_mm256_setzero_ps(); T];
+        for j in 0..rolled(SUBS) {
+            let b = first + j;
+            let mut sum = [_mm256_setzero_si256(); T];
+            for g in (0..QK / 4).step_by(2) {
+                let q = [k4_values::<F>(v, j, g), k4_values::<F>(v, j, g + 1)];
+                dots256_pair::<V, T, F>(&mut sum, q, [g, g + 1], a, blocks, b);
+            }
+            let sc = _mm256_cvtepi32_ps(rows_of::<false>(sm[j], r));
+            for (s, sum) in s.iter_mut().zip(&sum) {
+                *s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(*sum), sc, *s);
+            }
+        }
+        s
+    }
+}
+
+/// A Q2_K, Q3_K or Q6_K super-block's `Σ sc·Σ q·a` for rows `8r..8r + 8` (values at `v`, half scales `sm`), as
+/// [`k2_sums`] and [`q6k_sums`] make it. With VNNI: `vpdpbusd` sums per half, Q2_K's and Q3_K's (in the low 16-bit
+/// word, Q3_K's started at [`super::q3k_start`]) scaled by `vpdpwssds`, Q6_K's (started at
+/// `-32 · Σ a`) in floats. Without: two groups' `maddubs` products are summed as 16-bit integers (values below 64);
+/// Q2_K's and Q3_K's then one `madd` against the half's scale in both 16-bit lanes of each row multiplies and sums
+/// at once (Q3_K's bias, `-4 · Σ_h sc_h·Σ_{l∈h} a_l`, one `madd` of the two scales against the token's two half
+/// sums, shifted), Q6_K's one `madd` against ones from `-32 · Σ a`, then in floats.
 ///
 /// # Safety
 /// Level `V`'s features; otherwise as for [`super_block_halves`].
 #[inline(always)]
 unsafe fn scaled<const V: u8, const T: usize, const F: u8>(
     v: *const u8,
-    s: [__m128i; 2],
-    j: usize,
-    b: usize,
+    sm: &[__m128i; 16],
+    first: usize,
     r: usize,
     o: Operands,
 ) -> [__m256; T] {
-    let Operands { a, halves, pairs, q6k_starts, blocks, .. } = o;
+    let Operands { a, pairs, q3k_starts, q6k_starts, blocks, .. } = o;
     // SAFETY (whole body): the caller's ranges.
     unsafe {
-        if V != AVX2 {
-            let mut sums = [[_mm256_setzero_si256(); T]; 2];
-            for (h, sum) in sums.iter_mut().enumerate() {
-                for (t, s) in sum.iter_mut().enumerate() {
-                    *s = match F {
+        let mut isum = [_mm256_setzero_si256(); T];
+        let mut fsum = [_mm256_setzero_ps(); T];
+        for j in 0..rolled(SUBS) {
+            let b = first + j;
+            let s = [sm[2 * j], sm[2 * j + 1]];
+            for (h, &sh) in s.iter().enumerate() {
+                let mut sum = [_mm256_setzero_si256(); T];
+                for (t, sum) in sum.iter_mut().enumerate() {
+                    *sum = match F {
                         Q6_K => _mm256_set1_epi32((*q6k_starts.add(t * blocks + b))[h]),
-                        Q3_K => _mm256_set1_epi32(half_bias(F) * (*halves.add(t * blocks + b))[h]),
+                        Q3_K if V != AVX2 => _mm256_set1_epi32((*q3k_starts.add(t * blocks + b))[h]),
                         _ => _mm256_setzero_si256(),
                     };
                 }
+                // Without VNNI, Q2_K's and Q3_K's products go straight into the super-block's sums.
+                let direct = V == AVX2 && F != Q6_K;
+                let into = if direct { &mut isum } else { &mut sum };
                 for g in (4 * h..4 * h + 4).step_by(2) {
                     let q = [values256::<F>(v, j, g), values256::<F>(v, j, g + 1)];
-                    dots256_pair::<V, T, F>(sum, q, [g, g + 1], a, blocks, b);
+                    if V != AVX2 {
+                        dots256_pair::<V, T, F>(into, q, [g, g + 1], a, blocks, b);
+                        continue;
+                    }
+                    let by = if F == Q6_K { _mm256_set1_epi16(1) } else { row_pairs(sh, sh, r) };
+                    for (t, into) in into.iter_mut().enumerate() {
+                        let p0 = _mm256_maddubs_epi16(q[0], _mm256_set1_epi32(four(a, blocks, t, b, g)));
+                        let p1 = _mm256_maddubs_epi16(q[1], _mm256_set1_epi32(four(a, blocks, t, b, g + 1)));
+                        *into = _mm256_add_epi32(*into, _mm256_madd_epi16(_mm256_add_epi16(p0, p1), by));
+                    }
+                }
+                if F == Q6_K {
+                    let sc = _mm256_cvtepi32_ps(rows_of::<true>(sh, r));
+                    for (f, sum) in fsum.iter_mut().zip(&sum) {
+                        *f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(*sum), sc, *f);
+                    }
+                } else if !direct {
+                    // Q3_K's scale in both words, against its start; Q2_K's in the low word.
+                    let words = if F == Q3_K { row_pairs(sh, sh, r) } else { rows_of::<true>(sh, r) };
+                    for (i, sum) in isum.iter_mut().zip(&sum) {
+                        *i = dpwssds256::<V>(*i, *sum, words);
+                    }
                 }
             }
-            let scale = |h: usize| _mm256_cvtepi32_ps(rows_of::<true>(s[h], r));
-            let (sc0, sc1) = (scale(0), scale(1));
-            let mut total = [_mm256_setzero_ps(); T];
-            for (t, total) in total.iter_mut().enumerate() {
-                let first = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[0][t]), sc0);
-                *total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[1][t]), sc1, first);
-            }
-            return total;
-        }
-        let mut total = [_mm256_setzero_si256(); T];
-        for (h, &sh) in s.iter().enumerate() {
-            let scale = row_pairs(sh, sh, r);
-            for g in (4 * h..4 * h + 4).step_by(2) {
-                let q = [values256::<F>(v, j, g), values256::<F>(v, j, g + 1)];
-                for (t, total) in total.iter_mut().enumerate() {
-                    let p0 = _mm256_maddubs_epi16(q[0], _mm256_set1_epi32(four(a, blocks, t, b, g)));
-                    let p1 = _mm256_maddubs_epi16(q[1], _mm256_set1_epi32(four(a, blocks, t, b, g + 1)));
-                    *total = _mm256_add_epi32(*total, _mm256_madd_epi16(_mm256_add_epi16(p0, p1), scale));
+            if V == AVX2 && F == Q3_K {
+                let scales = row_pairs(s[0], s[1], r);
+                for (t, i) in isum.iter_mut().enumerate() {
+                    let m = _mm256_madd_epi16(scales, _mm256_set1_epi32(*pairs.add(t * blocks + b)));
+                    *i = _mm256_sub_epi32(*i, _mm256_slli_epi32::<2>(m));
                 }
             }
         }
-        if half_bias(F) != 0 {
-            let scales = row_pairs(s[0], s[1], r);
-            for (t, total) in total.iter_mut().enumerate() {
-                let m = _mm256_madd_epi16(scales, _mm256_set1_epi32(*pairs.add(t * blocks + b)));
-                let m = if F == Q6_K { _mm256_slli_epi32::<5>(m) } else { _mm256_slli_epi32::<2>(m) };
-                *total = _mm256_sub_epi32(*total, m);
-            }
+        if F == Q6_K {
+            return fsum;
         }
-        let mut floats = [_mm256_setzero_ps(); T];
-        for (f, total) in floats.iter_mut().zip(&total) {
-            *f = _mm256_cvtepi32_ps(*total);
+        for (f, i) in fsum.iter_mut().zip(&isum) {
+            *f = _mm256_cvtepi32_ps(*i);
         }
-        floats
+        fsum
     }
+}
+
+/// `acc + Σ` of each lane's two 16-bit products `x·y`, saturating (never here) with the level's VNNI.
+///
+/// # Safety
+/// Level `V`'s features (AVX-VNNI or AVX-512 VNNI/VL).
+#[inline(always)]
+unsafe fn dpwssds256<const V: u8>(acc: __m256i, x: __m256i, y: __m256i) -> __m256i {
+    // SAFETY: forwarded.
+    unsafe { if V == AVX_VNNI { _mm256_dpwssds_avx_epi32(acc, x, y) } else { _mm256_dpwssds_epi32(acc, x, y) } }
 }
 
 /// Rows `8r..8r + 8` of two 16-row byte vectors as 16-bit pairs `(x_row, y_row)`, sign-extended, row after row.

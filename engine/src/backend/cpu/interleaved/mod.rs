@@ -16,6 +16,8 @@ use rayon::prelude::*;
 
 /// Rows side by side.
 pub const ROWS: usize = 16;
+/// Activation blocks under one scale for the K-quants' kernels: a super-block's (llama.cpp's Q8_K).
+pub const SUPER_SPAN: usize = QK_K / QK;
 /// Tokens per tile call: the 512-bit tile keeps 8 sums and 8 accumulators in its 32 registers, the 256-bit ones
 /// (16 registers) 4.
 const TOKENS_512: usize = 8;
@@ -50,6 +52,11 @@ const Q2_K: u8 = Format::Q2_K as u8;
 const Q3_K: u8 = Format::Q3_K as u8;
 
 impl Format {
+    /// Activation blocks under one scale that this format's kernels take: [`SUPER_SPAN`] for the K-quants, else 1.
+    pub fn act_span(self) -> usize {
+        if is_k(self as u8) { SUPER_SPAN } else { 1 }
+    }
+
     /// The format of `dtype`, if this layout holds it.
     pub fn of(dtype: DType) -> Option<Format> {
         match dtype {
@@ -346,28 +353,31 @@ pub fn dequantize_row(f: Format, packed: &[u8], cols: usize, r: usize, out: &mut
 }
 
 /// The activations [`rows_by_tokens`] reads: `tokens` rows of 8-bit blocks and each block's integer sum `Σ a`,
-/// which turns the stored values back into weights (`Σ (q + bias)·a = Σ q·a + bias·Σ a`), and the sums of its
-/// halves (the K-quants with a scale per 16 elements), also in the two forms the tiles broadcast from memory as
-/// they are: both halves as one pair of 16-bit words (each `|h| ≤ 16 · 127`) and Q3_K's and Q6_K's starts of each
-/// half's sum (`kquant_x86::paired_halves`, `-32 · h`).
+/// which turns the stored values back into weights (`Σ (q + bias)·a = Σ q·a + bias·Σ a`), and the forms of the
+/// sums the K-quants' tiles broadcast from memory as they are: the sums of each block's halves as one pair of
+/// 16-bit words (each `|h| ≤ 16 · 127`; Q2_K's minimums), Q3_K's and Q6_K's starts of each half's sum
+/// ([`q3k_start`], `-32 · h`), and each block's sum paired with the next one's (Q4_K's and Q5_K's minimums). The
+/// K-quants' kernels take the activations of each super-block (256 from the row's start) under one scale, as
+/// [`super::simd::quantize_row_spans`] with spans of [`SUPER_SPAN`] makes them (`one_scale`).
 #[derive(Debug)]
 pub struct Acts<'a> {
     q: &'a [Q8Block],
     sums: Vec<i32>,
-    halves: Vec<[i32; 2]>,
     pairs: Vec<i32>,
+    sub_pairs: Vec<i32>,
     q3k_starts: Vec<[i32; 2]>,
     q6k_starts: Vec<[i32; 2]>,
     blocks: usize,
     tokens: usize,
+    one_scale: bool,
 }
 
-/// Q3_K's start of a half's `vpdpbusd` sum whose activations sum to `h`: `h + 2^12` in the high 16-bit word, `2^14`
-/// in the low one, under which the sum of `(q + 4)·a` (at most 16 · 7 · 127 in magnitude) never borrows. One `madd`
-/// against the row's scale `sc` in the low word and `-4·sc` in the high one then gives
-/// `sc·(Σ (q + 4)·a + 2^14) - 4·sc·(h + 2^12) = sc·Σ q·a`.
+/// Q3_K's start of a half's `vpdpbusd` sum whose activations sum to `h`: `-4·h - 2^14` in the high 16-bit word,
+/// `2^14` in the low one, under which the sum of `(q + 4)·a` (at most 16 · 7 · 127 in magnitude) neither borrows nor
+/// reaches the sign bit. One `madd` against the row's scale `sc` in both words then gives
+/// `sc·(Σ (q + 4)·a + 2^14) + sc·(-4·h - 2^14) = sc·Σ q·a`.
 pub(super) fn q3k_start(h: i32) -> i32 {
-    ((h + (1 << 12)) << 16) + (1 << 14)
+    ((-4 * h - (1 << 14)) << 16) + (1 << 14)
 }
 
 impl<'a> Acts<'a> {
@@ -376,11 +386,15 @@ impl<'a> Acts<'a> {
         let q = &q[..tokens * blocks];
         let half = |b: &Q8Block, h: usize| b.qs[16 * h..16 * h + 16].iter().map(|&v| i32::from(v)).sum::<i32>();
         let halves: Vec<[i32; 2]> = q.iter().map(|b| [half(b, 0), half(b, 1)]).collect();
-        let sums = halves.iter().map(|[a, b]| a + b).collect();
+        let sums: Vec<i32> = halves.iter().map(|[a, b]| a + b).collect();
         let pairs = halves.iter().map(|&[h0, h1]| (h0 & 0xffff) | (h1 << 16)).collect();
+        let next = |i: usize| if !(i + 1).is_multiple_of(blocks.max(1)) { sums[i + 1] } else { 0 };
+        let sub_pairs = (0..sums.len()).map(|i| (sums[i] & 0xffff) | (next(i) << 16)).collect();
         let q3k_starts = halves.iter().map(|&[h0, h1]| [q3k_start(h0), q3k_start(h1)]).collect();
         let q6k_starts = halves.iter().map(|&[h0, h1]| [-32 * h0, -32 * h1]).collect();
-        Acts { q, sums, halves, pairs, q3k_starts, q6k_starts, blocks, tokens }
+        let one_scale = blocks.is_multiple_of(SUPER_SPAN)
+            && q.chunks_exact(SUPER_SPAN).all(|run| run.iter().all(|b| b.d.to_bits() == run[0].d.to_bits()));
+        Acts { q, sums, pairs, sub_pairs, q3k_starts, q6k_starts, blocks, tokens, one_scale }
     }
 }
 
@@ -402,7 +416,10 @@ pub unsafe fn rows_by_tokens(
     let group_bytes = packed_len(f, ROWS, blocks * QK);
     // These bounds are what every raw-pointer access below relies on.
     assert!(
-        w.len() == rows.div_ceil(ROWS) * group_bytes && isa.supported() && acts.q.len() == acts.tokens * blocks,
+        w.len() == rows.div_ceil(ROWS) * group_bytes
+            && isa.supported()
+            && acts.q.len() == acts.tokens * blocks
+            && (acts.one_scale || !is_k(f as u8)),
         "row-group operands do not match"
     );
     #[cfg(target_arch = "x86_64")]
@@ -419,8 +436,8 @@ pub unsafe fn rows_by_tokens(
                         w: wg.as_ptr(),
                         a: acts.q[first * blocks..].as_ptr(),
                         sums: acts.sums[first * blocks..].as_ptr(),
-                        halves: acts.halves[first * blocks..].as_ptr(),
                         pairs: acts.pairs[first * blocks..].as_ptr(),
+                        sub_pairs: acts.sub_pairs[first * blocks..].as_ptr(),
                         q3k_starts: acts.q3k_starts[first * blocks..].as_ptr(),
                         q6k_starts: acts.q6k_starts[first * blocks..].as_ptr(),
                         blocks,

@@ -1,5 +1,5 @@
 use super::*;
-use crate::backend::cpu::simd::{quantize_row, report_not_run};
+use crate::backend::cpu::simd::{quantize_row_spans, report_not_run};
 use rand::{Rng, SeedableRng};
 
 const FORMATS: [Format; 10] = [
@@ -20,12 +20,12 @@ fn cols_of(f: Format, n: usize) -> usize {
     n * elems(f as u8)
 }
 
-/// `tokens` rows of `blocks` 8-bit blocks from random values.
-fn acts(rng: &mut rand::rngs::StdRng, tokens: usize, blocks: usize) -> Vec<Q8Block> {
+/// `tokens` rows of `blocks` 8-bit blocks from random values, as format `f`'s kernels take them.
+fn acts(rng: &mut rand::rngs::StdRng, f: Format, tokens: usize, blocks: usize) -> Vec<Q8Block> {
     let x: Vec<f32> = (0..tokens * blocks * QK).map(|_| rng.random_range(-2.0f32..2.0)).collect();
     let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; QK] }; tokens * blocks];
     for (src, dst) in x.chunks(blocks * QK).zip(xq.chunks_mut(blocks)) {
-        quantize_row(Isa::Scalar, src, dst);
+        quantize_row_spans(Isa::Scalar, src, dst, f.act_span());
     }
     xq
 }
@@ -75,7 +75,7 @@ fn scalar_is_the_dequantized_dot() -> Result<()> {
         let cols = cols_of(f, n);
         let file = quant::random_blocks(f.dtype(), rows * n, &mut rng);
         let packed = pack(f, &file, rows, cols)?;
-        let a = acts(&mut rng, 1, cols / QK);
+        let a = acts(&mut rng, f, 1, cols / QK);
         let mut w = vec![0f32; cols];
         for r in 0..rows {
             dequantize_row(f, &packed, cols, r, &mut w);
@@ -125,7 +125,7 @@ fn every_level_gives_the_scalar_bits() -> Result<()> {
                 }
                 let packed = pack(f, &file, rows, cols)?;
                 for tokens in [1, 2, 3, 4, 5, 8, 9, 17] {
-                    let mut a = acts(&mut rng, tokens, blocks);
+                    let mut a = acts(&mut rng, f, tokens, blocks);
                     a[0].qs = std::array::from_fn(|l| if l % 4 < 2 { 127 } else { -127 });
                     for (t, q) in [(1, -127), (2, 127)] {
                         if t < tokens {
@@ -152,4 +152,19 @@ fn every_level_gives_the_scalar_bits() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The K-quants' kernels read each super-block's scale from its first block: activations scaled per block (whose
+/// scales differ) are refused rather than summed under the wrong scale.
+#[test]
+#[should_panic(expected = "row-group operands do not match")]
+fn k_quants_refuse_activations_scaled_per_block() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(6);
+    let (f, rows) = (Format::Q4_K, 16);
+    let cols = cols_of(f, 1);
+    let packed = pack(f, &quant::random_blocks(f.dtype(), rows, &mut rng), rows, cols).expect("whole blocks");
+    let a = acts(&mut rng, Format::Q8_0, 1, cols / QK);
+    let mut out = vec![0f32; rows];
+    // SAFETY: one token of `rows` outputs.
+    unsafe { rows_by_tokens(Isa::Scalar, f, &packed, rows, &Acts::new(&a, 1, cols / QK), out.as_mut_ptr(), rows) };
 }

@@ -9,15 +9,15 @@ use crate::quant::QK;
 use std::arch::x86_64::*;
 
 /// One tile's operands: `rows` (≤ 16) rows of the group at `w` (`blocks` blocks of 32 columns) against tokens
-/// at `a` with their sums at `sums` and their halves' at `halves`, `pairs`, `q3k_starts` and `q6k_starts`
-/// (`blocks` each, as `Acts` holds them), into `out + t·stride + r`.
+/// at `a` with their sums at `sums`, their halves' at `pairs`, `q3k_starts` and `q6k_starts`, and pairs of
+/// their sums at `sub_pairs` (`blocks` each, as `Acts` holds them), into `out + t·stride + r`.
 #[derive(Clone, Copy)]
 pub struct Operands {
     pub w: *const u8,
     pub a: *const Q8Block,
     pub sums: *const i32,
-    pub halves: *const [i32; 2],
     pub pairs: *const i32,
+    pub sub_pairs: *const i32,
     pub q3k_starts: *const [i32; 2],
     pub q6k_starts: *const [i32; 2],
     pub blocks: usize,
