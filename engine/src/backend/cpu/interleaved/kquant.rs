@@ -5,7 +5,7 @@
 //! K-quant dot products take too), so a super-block's `Σ sc·Σ q·a` is gathered over its sub-blocks (or halves) before
 //! one `acc = fma(s, d·d_a, acc)` per super-block (and one for the minimums): [`scalar`]'s arithmetic. A scale per
 //! 32 activations cost a conversion, a multiply and an `fma` or two per sub-block and token; per super-block, the
-//! 512-bit tiles ran 8-19 % faster (Q3_K 0.24 → 0.22 ns per block and token, Q2_K 0.24 → 0.20).
+//! 512-bit tiles ran 8-27 % faster (ns per block and token: Q3_K 0.25 → 0.20, Q2_K 0.24 → 0.19, Q4_K 0.21 → 0.16).
 
 use super::{Q2_K, Q3_K, Q5_K, Q6_K, ROWS, line_byte};
 use crate::backend::cpu::simd::Q8Block;
@@ -101,10 +101,10 @@ pub(super) fn file_block(f: u8, blk: &[u8], i: usize) -> Vec<u8> {
 }
 
 /// The reference for one row group of K-quant `f` against one token's 8-bit blocks `a`, each super-block's 8 under
-/// one scale `d_a` (as llama.cpp's Q8_K; the kernels read the first's). Per super-block and row, Q2_K and Q3_K sum
-/// `Σ sc·Σ q·a` over their 16 halves as integers, Q4_K, Q5_K and Q6_K in floats (`s = fma(Σ q·a, sc, s)` sub-block
-/// after sub-block or half after half: their products fit in no 16-bit lane for one `madd`, a `mullo` costs two
-/// instructions, and the float route is exact but for the running sum's rounding past 2^24); then
+/// one scale `d_a` (as llama.cpp's Q8_K; the kernels read the first's). Per super-block and row, Q2_K, Q3_K and Q4_K
+/// sum `Σ sc·Σ q·a` as integers, Q5_K and Q6_K in floats (`s = fma(Σ q·a, sc, s)` sub-block after sub-block or half
+/// after half: their half sums fit in no 16-bit word for one `madd`, a `mullo` costs two instructions, and the float
+/// route is exact but for the running sum's rounding past 2^24); then
 /// `acc = fma(s, d·d_a, acc)`, and for the formats with minimums `acc = fma(Σ m·Σ a, -(dmin·d_a), acc)`, the
 /// minimums' sum an integer.
 pub(super) fn scalar(f: u8, group: &[u8], a: &[Q8Block]) -> [f32; ROWS] {
@@ -138,7 +138,11 @@ pub(super) fn scalar(f: u8, group: &[u8], a: &[Q8Block]) -> [f32; ROWS] {
                     let value = if f == Q5_K { q5k_value } else { q4k_value };
                     let (sc, m) = k4_scale_min(&file[4..16], j);
                     let dot: i32 = (0..QK).map(|l| i32::from(value(&file, QK * j + l)) * x(l)).sum();
-                    fsum = (dot as f32).mul_add(f32::from(sc), fsum);
+                    if f == Q5_K {
+                        fsum = (dot as f32).mul_add(f32::from(sc), fsum);
+                    } else {
+                        isum += i32::from(sc) * dot;
+                    }
                     msum += i32::from(m) * (0..QK).map(x).sum::<i32>();
                 }
             }
@@ -147,7 +151,7 @@ pub(super) fn scalar(f: u8, group: &[u8], a: &[Q8Block]) -> [f32; ROWS] {
                 Q3_K | Q6_K => (f16_at(&file, file_bytes(f) - 2), 0.0),
                 _ => (f16_at(&file, 0), f16_at(&file, 2)),
             };
-            let s = if f == Q2_K || f == Q3_K { isum as f32 } else { fsum };
+            let s = if f == Q5_K || f == Q6_K { fsum } else { isum as f32 };
             *acc = s.mul_add(d * d_a, *acc);
             if f != Q3_K && f != Q6_K {
                 *acc = (msum as f32).mul_add(-(dmin * d_a), *acc);

@@ -3,7 +3,7 @@
 
 use super::kquant::{HIGH_LINE, Q3K_HIGH_LINE, d_at, dmin_at, per_half, scales_at};
 use super::x86::{Operands, dots256_pair, dots512, four, prefetch, store512};
-use super::{Q2_K, Q3_K, Q5_K, Q6_K, ROWS, block_bytes};
+use super::{Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, ROWS, block_bytes};
 use crate::backend::cpu::simd::Q8Block;
 use crate::backend::cpu::simd::x86::{AVX_VNNI, AVX2};
 use crate::quant::{QK, QK_K};
@@ -229,8 +229,9 @@ pub(super) unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
     }
 }
 
-/// A Q4_K or Q5_K super-block's `Σ_j sc_j·Σ q·a` for the 16 rows and `T` tokens (activation blocks from `first`), in
-/// floats sub-block after sub-block (`sm`: its [`k4_scales`]).
+/// A Q4_K or Q5_K super-block's `Σ_j sc_j·Σ q·a` for the 16 rows and `T` tokens (activation blocks from `first`), as
+/// integers (Q4_K) or in floats sub-block after sub-block (Q5_K, whose half sums fit in no 16-bit word), `sm` its
+/// [`k4_scales`].
 ///
 /// # Safety
 /// As for [`wide`]; `blk` points at super-block `first / 8` of format `F`.
@@ -247,6 +248,28 @@ unsafe fn k4_sums<const T: usize, const F: u8>(
     // SAFETY (whole body): the caller's ranges.
     unsafe {
         let low = _mm512_set1_epi8(0x0f);
+        if F == Q4_K {
+            // Each half's sum fits in its low 16-bit word (`|Σ q·a| ≤ 16 · 15 · 127`, the high word 0 or -1 against
+            // a 0 high word of the scale's lane): one `vpdpwssds` per half scales it into the super-block's integer
+            // sum, and the two halves are two chains of 4 `vpdpbusd` per token instead of one of 8.
+            let mut s = [_mm512_setzero_si512(); T];
+            for j in 0..rolled(SUBS) {
+                let values = |g: usize| {
+                    let line = _mm512_loadu_si512(blk.add(q4k_line(j, g)) as *const __m512i);
+                    _mm512_and_si512(if j % 2 == 0 { line } else { _mm512_srli_epi16::<4>(line) }, low)
+                };
+                let [half0, half1] = half_sums::<T>(None, values, a, blocks, first + j);
+                let w = _mm512_cvtepu8_epi32(sm[j]);
+                for ((s, h0), h1) in s.iter_mut().zip(&half0).zip(&half1) {
+                    *s = _mm512_dpwssds_epi32(_mm512_dpwssds_epi32(*s, *h0, w), *h1, w);
+                }
+            }
+            let mut floats = [_mm512_setzero_ps(); T];
+            for (f, s) in floats.iter_mut().zip(&s) {
+                *f = _mm512_cvtepi32_ps(*s);
+            }
+            return floats;
+        }
         let mut s = [_mm512_setzero_ps(); T];
         for j in 0..rolled(SUBS) {
             let b = first + j;
@@ -549,6 +572,46 @@ unsafe fn k4_sums256<const V: u8, const T: usize, const F: u8>(
     let Operands { a, blocks, .. } = o;
     // SAFETY (whole body): the caller's ranges.
     unsafe {
+        if F == Q4_K {
+            // As `k4_sums`: with VNNI a `vpdpwssds` per half; without, two groups' `maddubs` products summed as
+            // 16-bit integers, then one `madd` against the scale in both words of each row's lane.
+            let mut s = [_mm256_setzero_si256(); T];
+            for j in 0..rolled(SUBS) {
+                let b = first + j;
+                let w = rows_of::<false>(sm[j], r);
+                let pair_scale = row_pairs(sm[j], sm[j], r);
+                if V == AVX2 {
+                    let mut sum = [_mm256_setzero_si256(); T];
+                    for g in (0..QK / 4).step_by(2) {
+                        let q = [k4_values::<F>(v, j, g), k4_values::<F>(v, j, g + 1)];
+                        for (t, sum) in sum.iter_mut().enumerate() {
+                            let p0 = _mm256_maddubs_epi16(q[0], _mm256_set1_epi32(four(a, blocks, t, b, g)));
+                            let p1 = _mm256_maddubs_epi16(q[1], _mm256_set1_epi32(four(a, blocks, t, b, g + 1)));
+                            *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(_mm256_add_epi16(p0, p1), pair_scale));
+                        }
+                    }
+                    for (s, sum) in s.iter_mut().zip(&sum) {
+                        *s = _mm256_add_epi32(*s, *sum);
+                    }
+                    continue;
+                }
+                for h in 0..2 {
+                    let mut sum = [_mm256_setzero_si256(); T];
+                    for g in (4 * h..4 * h + 4).step_by(2) {
+                        let q = [k4_values::<F>(v, j, g), k4_values::<F>(v, j, g + 1)];
+                        dots256_pair::<V, T, F>(&mut sum, q, [g, g + 1], a, blocks, b);
+                    }
+                    for (s, sum) in s.iter_mut().zip(&sum) {
+                        *s = dpwssds256::<V>(*s, *sum, w);
+                    }
+                }
+            }
+            let mut floats = [_mm256_setzero_ps(); T];
+            for (f, s) in floats.iter_mut().zip(&s) {
+                *f = _mm256_cvtepi32_ps(*s);
+            }
+            return floats;
+        }
         let mut s = [_mm256_setzero_ps(); T];
         for j in 0..rolled(SUBS) {
             let b = first + j;
@@ -568,11 +631,11 @@ unsafe fn k4_sums256<const V: u8, const T: usize, const F: u8>(
 
 /// A Q2_K, Q3_K or Q6_K super-block's `Σ sc·Σ q·a` for rows `8r..8r + 8` (values at `v`, half scales `sm`), as
 /// [`k2_sums`] and [`q6k_sums`] make it. With VNNI: `vpdpbusd` sums per half, Q2_K's and Q3_K's (in the low 16-bit
-/// word, Q3_K's started at [`super::q3k_start`]) scaled by `vpdpwssds`, Q6_K's (started at
-/// `-32 · Σ a`) in floats. Without: two groups' `maddubs` products are summed as 16-bit integers (values below 64);
-/// Q2_K's and Q3_K's then one `madd` against the half's scale in both 16-bit lanes of each row multiplies and sums
-/// at once (Q3_K's bias, `-4 · Σ_h sc_h·Σ_{l∈h} a_l`, one `madd` of the two scales against the token's two half
-/// sums, shifted), Q6_K's one `madd` against ones from `-32 · Σ a`, then in floats.
+/// word, Q3_K's started at [`super::q3k_start`]) scaled by `vpdpwssds`, Q6_K's (started at `-32 · Σ a`) in floats.
+/// Without: two groups' `maddubs` products are summed as 16-bit integers (values below 64); Q2_K's and Q3_K's then
+/// one `madd` against the half's scale in both 16-bit lanes of each row multiplies and sums at once (Q3_K's bias,
+/// `-4 · Σ_h sc_h·Σ_{l∈h} a_l`, one `madd` of the two scales against the token's two half sums, shifted), Q6_K's one
+/// `madd` against ones from `-32 · Σ a`, then in floats.
 ///
 /// # Safety
 /// Level `V`'s features; otherwise as for [`super_block_halves`].
