@@ -128,7 +128,7 @@ pub fn memory_read_gb_per_s(bytes: usize, threads: usize) -> f64 {
 }
 
 /// Flags worth printing (the kernels dispatch on these); the rest of /proc/cpuinfo's list is noise here.
-const FLAGS: [&str; 12] = [
+const FLAGS: [&str; 13] = [
     "sse4_2",
     "avx",
     "avx2",
@@ -140,6 +140,7 @@ const FLAGS: [&str; 12] = [
     "avx512_vnni",
     "avx512_bf16",
     "avx_vnni",
+    "gfni",
     "amx_tile",
 ];
 

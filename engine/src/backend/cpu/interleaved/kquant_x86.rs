@@ -182,6 +182,58 @@ unsafe fn k2_values512<const F: u8>(blk: *const u8, j: usize, g: usize, counts: 
     }
 }
 
+/// With GFNI, what picks sub-block `j`'s values out of a Q2_K or Q3_K group's lines, in every lane: the bits a byte
+/// takes from the 2-bit line (its field, `3 << 2·(j % 4)`; the rest from the high-bit line), and the affine matrix
+/// that moves the field to bits 0-1 and the high bit to bit 2. The high bit sits at bit `j` of its byte, but for
+/// j = 0 and 7, where it would share a bit with the field: [`k2_values_gfni`] shifts it to bit 2 or 5 first
+/// (`SHIFT`).
+#[inline(always)]
+fn k2_picks<const F: u8>(j: usize) -> [__m512i; 2] {
+    let field = 2 * (j % 4);
+    let high = match j {
+        0 => 2,
+        7 => 5,
+        _ => j,
+    };
+    // Byte 7 - i of the matrix's qword selects output bit i's input bits; Q2_K has no high bit.
+    let high_row = if F == Q3_K { (1u64 << high) << 40 } else { 0 };
+    let matrix = (1u64 << field) << 56 | (1u64 << (field + 1)) << 48 | high_row;
+    // SAFETY: AVX-512 F, which every caller's level has.
+    unsafe { [_mm512_set1_epi32((0x0303_0303u32 << field) as i32), _mm512_set1_epi64(matrix as i64)] }
+}
+
+/// [`k2_values512`] with GFNI: one `vpternlogd` merges the field with the high bit (Q3_K) and one
+/// `vgf2p8affineqb` moves both into place ([`k2_picks`]), where shifts, a rotate and masks take four instructions;
+/// Q2_K's field takes the affine alone.
+///
+/// # Safety
+/// AVX-512 F/BW and GFNI; `blk` points at a super-block of format `F`.
+#[inline(always)]
+unsafe fn k2_values_gfni<const F: u8, const SHIFT: u8>(
+    blk: *const u8,
+    j: usize,
+    g: usize,
+    picks: &[__m512i; 2],
+) -> __m512i {
+    // SAFETY: forwarded; the lines lie inside the super-block.
+    unsafe {
+        let (two, high) = k2_lines(j, g);
+        let line = _mm512_loadu_si512(blk.add(two) as *const __m512i);
+        if F != Q3_K {
+            return _mm512_gf2p8affine_epi64_epi8::<0>(line, picks[1]);
+        }
+        let high = _mm512_loadu_si512(blk.add(high) as *const __m512i);
+        let high = match SHIFT {
+            SHIFT_LEFT => _mm512_slli_epi16::<2>(high),
+            SHIFT_RIGHT => _mm512_srli_epi16::<2>(high),
+            _ => high,
+        };
+        // picks[0] ? line : high, bit by bit.
+        let merged = _mm512_ternarylogic_epi32::<0xca>(picks[0], line, high);
+        _mm512_gf2p8affine_epi64_epi8::<0>(merged, picks[1])
+    }
+}
+
 /// `x86`'s 512-bit tile for a K-quant: 16 rows in one register per token, per sub-block one `vpdpbusd` per group
 /// and token, the super-block's `Σ sc·Σ q·a` gathered over its sub-blocks (as integers or floats, [`kquant::scalar`]'s
 /// way) and scaled once: the activations' scale is the super-block's.
@@ -192,7 +244,7 @@ unsafe fn k2_values512<const F: u8>(blk: *const u8, j: usize, g: usize, counts: 
 ///
 /// [`kquant::scalar`]: super::kquant::scalar
 #[inline(always)]
-pub(super) unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
+pub(super) unsafe fn wide<const T: usize, const F: u8, const GFNI: bool>(o: Operands) {
     let Operands { w, a, blocks, out, stride, rows, .. } = o;
     // SAFETY (whole body): the caller's ranges; a super-block is `block_bytes(F)` bytes laid out as `kquant` says.
     unsafe {
@@ -205,7 +257,7 @@ pub(super) unsafe fn wide<const T: usize, const F: u8>(o: Operands) {
             // Q4_K's and Q5_K's scales and minimums, made once for both.
             let sm = if per_half(F) { [_mm_setzero_si128(); 16] } else { k4_scales(blk.add(scales_at(F))) };
             let s = match F {
-                Q2_K | Q3_K => k2_sums::<T, F>(blk, first, o),
+                Q2_K | Q3_K => k2_sums::<T, F, GFNI>(blk, first, o),
                 Q6_K => q6k_sums::<T>(blk, first, o),
                 _ => k4_sums::<T, F>(blk, &sm, first, o),
             };
@@ -409,29 +461,26 @@ unsafe fn q3k_scale_pairs(blk: *const u8) -> [__m512i; 8] {
 /// # Safety
 /// As for [`wide`]; `blk` points at super-block `first / 8` of format `F`.
 #[inline(always)]
-unsafe fn k2_sums<const T: usize, const F: u8>(blk: *const u8, first: usize, o: Operands) -> [__m512; T] {
-    let Operands { a, q3k_starts, blocks, .. } = o;
+unsafe fn k2_sums<const T: usize, const F: u8, const GFNI: bool>(
+    blk: *const u8,
+    first: usize,
+    o: Operands,
+) -> [__m512; T] {
     // SAFETY (whole body): the caller's ranges; the fields lie inside the super-block.
     unsafe {
         let mut s = [_mm512_setzero_si512(); T];
         let scale_pairs = if F == Q3_K { q3k_scale_pairs(blk) } else { [_mm512_setzero_si512(); 8] };
-        for j in 0..rolled(SUBS) {
-            let b = first + j;
-            let counts = k2_counts(j);
-            let starts = if F == Q3_K { Some(q3k_starts) } else { None };
-            let [half0, half1] = half_sums::<T>(starts, |g| k2_values512::<F>(blk, j, g, &counts), a, blocks, b);
-            let words = |k: usize| {
-                if F == Q3_K {
-                    _mm512_cvtepi8_epi16(_mm256_loadu_si256((scale_pairs.as_ptr() as *const __m256i).add(k)))
-                } else {
-                    _mm512_cvtepi8_epi32(half_scales::<F>(blk, k))
-                }
-            };
-            let (w0, w1) = (words(2 * j), words(2 * j + 1));
-            for ((s, h0), h1) in s.iter_mut().zip(&half0).zip(&half1) {
-                // The saturating form, which never saturates here (every sum stays far inside 32 bits): LLVM splits
-                // the plain `vpdpwssd` into `madd` + `add` to shorten the chain, at one more instruction.
-                *s = _mm512_dpwssds_epi32(_mm512_dpwssds_epi32(*s, *h0, w0), *h1, w1);
+        if GFNI && F == Q3_K {
+            // Sub-blocks 0 and 7 shift their high bits first (`k2_picks`), each in a body of its own: a choice
+            // per group in one body made LLVM spill most registers (the tile ran 0.30 ns per block and token).
+            k2_sub_block::<T, F, GFNI, SHIFT_LEFT>(blk, 0, first, o, &scale_pairs, &mut s);
+            for j in 1..1 + rolled(SUBS - 2) {
+                k2_sub_block::<T, F, GFNI, 0>(blk, j, first, o, &scale_pairs, &mut s);
+            }
+            k2_sub_block::<T, F, GFNI, SHIFT_RIGHT>(blk, SUBS - 1, first, o, &scale_pairs, &mut s);
+        } else {
+            for j in 0..rolled(SUBS) {
+                k2_sub_block::<T, F, GFNI, 0>(blk, j, first, o, &scale_pairs, &mut s);
             }
         }
         let mut floats = [_mm512_setzero_ps(); T];
@@ -439,6 +488,51 @@ unsafe fn k2_sums<const T: usize, const F: u8>(blk: *const u8, first: usize, o: 
             *f = _mm512_cvtepi32_ps(*s);
         }
         floats
+    }
+}
+
+/// [`k2_values_gfni`]'s shift of the high-bit line: none, left by 2 (sub-block 0) or right by 2 (sub-block 7).
+const SHIFT_LEFT: u8 = 1;
+const SHIFT_RIGHT: u8 = 2;
+
+/// Sub-block `j` of [`k2_sums`] into `s` (Q3_K's half scales in `scale_pairs`).
+///
+/// # Safety
+/// As for [`k2_sums`].
+#[inline(always)]
+unsafe fn k2_sub_block<const T: usize, const F: u8, const GFNI: bool, const SHIFT: u8>(
+    blk: *const u8,
+    j: usize,
+    first: usize,
+    o: Operands,
+    scale_pairs: &[__m512i; 8],
+    s: &mut [__m512i; T],
+) {
+    let Operands { a, q3k_starts, blocks, .. } = o;
+    // SAFETY (whole body): the caller's ranges; the fields lie inside the super-block.
+    unsafe {
+        let b = first + j;
+        let zeros = [_mm512_setzero_si512(); 2];
+        let counts = if GFNI { zeros } else { k2_counts(j) };
+        let picks = if GFNI { k2_picks::<F>(j) } else { zeros };
+        let starts = if F == Q3_K { Some(q3k_starts) } else { None };
+        let values = |g: usize| {
+            if GFNI { k2_values_gfni::<F, SHIFT>(blk, j, g, &picks) } else { k2_values512::<F>(blk, j, g, &counts) }
+        };
+        let [half0, half1] = half_sums::<T>(starts, values, a, blocks, b);
+        let words = |k: usize| {
+            if F == Q3_K {
+                _mm512_cvtepi8_epi16(_mm256_loadu_si256((scale_pairs.as_ptr() as *const __m256i).add(k)))
+            } else {
+                _mm512_cvtepi8_epi32(half_scales::<F>(blk, k))
+            }
+        };
+        let (w0, w1) = (words(2 * j), words(2 * j + 1));
+        for ((s, h0), h1) in s.iter_mut().zip(&half0).zip(&half1) {
+            // The saturating form, which never saturates here (every sum stays far inside 32 bits): LLVM splits
+            // the plain `vpdpwssd` into `madd` + `add` to shorten the chain, at one more instruction.
+            *s = _mm512_dpwssds_epi32(_mm512_dpwssds_epi32(*s, *h0, w0), *h1, w1);
+        }
     }
 }
 

@@ -412,6 +412,30 @@ pub unsafe fn rows_by_tokens(
     out: *mut f32,
     stride: usize,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    let gfni = std::arch::is_x86_feature_detected!("gfni");
+    #[cfg(not(target_arch = "x86_64"))]
+    let gfni = false;
+    // SAFETY: forwarded; `gfni` is what this CPU has.
+    unsafe { rows_by_tokens_with(isa, gfni, f, w, rows, acts, out, stride) }
+}
+
+/// [`rows_by_tokens`], with the GFNI tiles where `gfni` (which this CPU must then have: the tests take both).
+///
+/// # Safety
+/// As for [`rows_by_tokens`]; `gfni` only where this CPU has GFNI.
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_by_tokens_with(
+    isa: Isa,
+    gfni: bool,
+    f: Format,
+    w: &[u8],
+    rows: usize,
+    acts: &Acts<'_>,
+    out: *mut f32,
+    stride: usize,
+) {
+    let _ = gfni;
     let blocks = acts.blocks;
     let group_bytes = packed_len(f, ROWS, blocks * QK);
     // These bounds are what every raw-pointer access below relies on.
@@ -423,7 +447,7 @@ pub unsafe fn rows_by_tokens(
         "row-group operands do not match"
     );
     #[cfg(target_arch = "x86_64")]
-    if let Some((tile, per_tile)) = x86::tile(isa, f) {
+    if let Some((tile, per_tile)) = x86::tile_with(isa, f, gfni) {
         let tiles = acts.tokens.div_ceil(per_tile);
         // Token tiles are visited in runs that fit in L1, all row groups per run (see `qgemm::rows_by_tokens`).
         let tile_bytes = per_tile * blocks * (std::mem::size_of::<Q8Block>() + 4);

@@ -97,7 +97,16 @@ fn scalar_is_the_dequantized_dot() -> Result<()> {
 #[test]
 fn every_level_gives_the_scalar_bits() -> Result<()> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-    for isa in Isa::X86 {
+    #[cfg(target_arch = "x86_64")]
+    let gfni = std::arch::is_x86_feature_detected!("gfni");
+    #[cfg(not(target_arch = "x86_64"))]
+    let gfni = false;
+    if !gfni {
+        eprintln!("not run: every_level_gives_the_scalar_bits with GFNI: this CPU lacks it");
+    }
+    for (isa, gfni) in
+        Isa::X86.into_iter().map(|isa| (isa, false)).chain([(Isa::Avx512Vnni, true)].into_iter().filter(|_| gfni))
+    {
         if !isa.supported() {
             report_not_run(isa, "every_level_gives_the_scalar_bits");
             continue;
@@ -136,12 +145,12 @@ fn every_level_gives_the_scalar_bits() -> Result<()> {
                     let stride = rows + 3;
                     let mut out = vec![f32::NAN; tokens * stride];
                     // SAFETY: tokens × stride outputs, rows of them per token.
-                    unsafe { rows_by_tokens(isa, f, &packed, rows, &sums, out.as_mut_ptr(), stride) };
+                    unsafe { rows_by_tokens_with(isa, gfni, f, &packed, rows, &sums, out.as_mut_ptr(), stride) };
                     for t in 0..tokens {
                         for r in 0..rows {
                             let want = scalar(f, group_of(f, &packed, cols, r), &a[t * blocks..(t + 1) * blocks]);
                             let got = out[t * stride + r];
-                            let at = format!("{} {f:?} {rows}x{tokens} at ({r},{t})", isa.name());
+                            let at = format!("{} (gfni {gfni}) {f:?} {rows}x{tokens} at ({r},{t})", isa.name());
                             assert_eq!(got.to_bits(), want[r % ROWS].to_bits(), "{at}");
                         }
                         let past = &out[t * stride + rows..(t + 1) * stride];

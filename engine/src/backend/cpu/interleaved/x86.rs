@@ -1,7 +1,8 @@
 //! The x86 tiles of the interleaved layout at each instruction-set level (see the parent module).
 
 use super::{
-    Format, Q8_0, ROWS, TOKENS_256, TOKENS_512, bias, block_bytes, elems, five, has_min, high_bits_at, is_k, values_at,
+    Format, Q2_K, Q3_K, Q8_0, ROWS, TOKENS_256, TOKENS_512, bias, block_bytes, elems, five, has_min, high_bits_at,
+    is_k, values_at,
 };
 use crate::backend::cpu::simd::x86::{AVX_VNNI, AVX2, AVX512_VNNI};
 use crate::backend::cpu::simd::{Isa, Q8Block};
@@ -29,9 +30,13 @@ pub struct Operands {
 /// A level's tile for one format: one row group against `tokens` (1..=8) tokens.
 pub type Tile = unsafe fn(tokens: usize, o: Operands);
 
-/// The tile of `isa` for format `f` and the tokens it takes at most; `None` for the scalar level.
-pub fn tile(isa: Isa, f: Format) -> Option<(Tile, usize)> {
+/// The tile of `isa` for format `f` and the tokens it takes at most, `None` for the scalar level; the 512-bit Q2_K and
+/// Q3_K tiles that pick values with GFNI where `gfni` (which this CPU must then have).
+pub(super) fn tile_with(isa: Isa, f: Format, gfni: bool) -> Option<(Tile, usize)> {
     match isa {
+        Isa::Avx512Vnni if gfni && matches!(f, Format::Q2_K | Format::Q3_K) => {
+            Some((avx512_gfni::TILES[(f == Format::Q3_K) as usize], TOKENS_512))
+        }
         Isa::Scalar => None,
         Isa::Avx2 => Some((avx2::TILES[f as usize], TOKENS_256)),
         Isa::AvxVnni => Some((avx_vnni::TILES[f as usize], TOKENS_256)),
@@ -77,6 +82,36 @@ macro_rules! level {
 }
 crate::backend::cpu::isa::for_each_level!(level);
 
+/// The 512-bit Q2_K and Q3_K tiles with GFNI (Ice Lake and later, Zen 4; not Cascade Lake's AVX-512 VNNI).
+mod avx512_gfni {
+    use super::*;
+
+    /// Q2_K's tile, then Q3_K's.
+    pub const TILES: [Tile; 2] = [tile::<Q2_K>, tile::<Q3_K>];
+
+    /// [`Tile`] for format `F` (Q2_K or Q3_K) at the 512-bit level with GFNI.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VL, VNNI and GFNI; otherwise as for the levels' tiles.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,gfni")]
+    unsafe fn tile<const F: u8>(tokens: usize, o: Operands) {
+        use super::super::kquant_x86::wide;
+        // SAFETY: forwarded; this function's features are what `wide` with GFNI needs.
+        unsafe {
+            match tokens {
+                8 => wide::<8, F, true>(o),
+                7 => wide::<7, F, true>(o),
+                6 => wide::<6, F, true>(o),
+                5 => wide::<5, F, true>(o),
+                4 => wide::<4, F, true>(o),
+                3 => wide::<3, F, true>(o),
+                2 => wide::<2, F, true>(o),
+                _ => wide::<1, F, true>(o),
+            }
+        }
+    }
+}
+
 /// Token `t`'s 4 activation bytes of group `g` in block `b`, as one integer.
 ///
 /// # Safety
@@ -96,7 +131,7 @@ unsafe fn body<const V: u8, const T: usize, const F: u8>(o: Operands) {
     // SAFETY: forwarded.
     unsafe {
         if V == AVX512_VNNI && is_k(F) {
-            super::kquant_x86::wide::<T, F>(o);
+            super::kquant_x86::wide::<T, F, false>(o);
         } else if V == AVX512_VNNI {
             wide::<T, F>(o);
         } else {
