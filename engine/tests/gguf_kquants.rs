@@ -8,8 +8,9 @@
 //!   to F32 by `llama-quantize`);
 //! - llama.cpp's greedy continuation of each prompt (`llama-completion` at temperature 0) is, token by token,
 //!   strata's top token or within [`MAX_GAP`] of it (Q2_K: a logit; teacher-forced: strata's logits along
-//!   llama.cpp's tokens, CPU backend, weights kept quantized). Exact greedy agreement is not required: both quantize activations
-//!   to 8 bits but round differently (ggml's Q8_K for K-quants), and this 135M model has near-ties (SmolLM2
+//!   llama.cpp's tokens, CPU backend, weights kept quantized). Exact greedy agreement is not required: both quantize
+//!   activations to 8 bits (for K-quants with one scale per 256, ggml's Q8_K, since fbe686b) but not with the same
+//!   float operations, nor sum in the same order, and this 135M model has near-ties (SmolLM2
 //!   scores " <" and " <=" within 0.13 after "def fibonacci"), so one flipped tie sends the two continuations
 //!   apart. A wrong kernel or block layout moves logits by far more; the bit-exact dequantization above and the
 //!   kernels' own tests against the dequantizer catch the small errors.
@@ -51,12 +52,13 @@ const MIXES: [Mix; 5] = [
     ("Q5_K_M", &[], &[DType::Q5_K, DType::Q6_K, DType::Q5_1], NEW_TOKENS, MAX_GAP),
     ("Q6_K", &[], &[DType::Q6_K, DType::Q8_0], NEW_TOKENS, MAX_GAP),
     // 2-bit down projections wreck this small model: after about ten tokens its continuations are noise
-    // ("n(n+?) for n.") and llama.cpp's and strata's activation rounding (Q8_K per 256 vs 8-bit per 32) pick
-    // different tokens, 2-4 logits apart. The first tokens are still stable; the bit-exact dequantization and
-    // the kernel tests carry the rest. Even among those, one near-tie is within a logit: strata's logits from this
-    // file differ from its own run of the dequantized (f32) file by 0.7-1.8 at every position (8-bit activations),
-    // as much as llama.cpp's do, and the interleaved kernels' float order (the same integers) put llama.cpp's
-    // 6th token of one prompt 0.535 below strata's top, the file-layout kernels' 0.19.
+    // ("n(n+?) for n.") and llama.cpp's and strata's rounding pick different tokens, 2-4 logits apart. The first
+    // tokens are still stable; the bit-exact dequantization and the kernel tests carry the rest. Even among those,
+    // one near-tie is within a logit: strata's logits from this file differ from its own run of the dequantized
+    // (f32) file by 0.7-1.8 at every position (8-bit activations), as much as llama.cpp's do, and the interleaved
+    // kernels' float order (the same integers) put llama.cpp's 6th token of one prompt 0.535 below strata's top,
+    // the file-layout kernels' 0.19; 0.514 since fbe686b (activations for K-quants with one scale per 256, as
+    // ggml's Q8_K, where they had one per 32).
     ("Q2_K", &["--tensor-type", "ffn_down=q2_k"], &[DType::Q2_K, DType::Q4_0], 8, 1.0),
     ("Q3_K_M", &["--tensor-type", "ffn_down=q3_k"], &[DType::Q3_K, DType::Q4_0, DType::Q5_0], NEW_TOKENS, MAX_GAP),
 ];
