@@ -141,9 +141,13 @@ const MIXED_FORMATS: [DType; 8] =
     [DType::Q4_K, DType::Q6_K, DType::Q5_K, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q2_K, DType::Q3_K];
 
 /// How far (relative to the largest logit) the CPU's logits of the mixed tiny model may be from its f32 twin's:
-/// the CPU multiplies block-quantized weights with 8-bit activations, the GPU keeps f32 ones. Measured 3.3% on
-/// this model, 1.2% before it had Q2_K and Q3_K matrices (`mixed_tiny_model_on_the_cpu_stays_near_its_f32_twin`).
-const MIXED_CPU_TOLERANCE: f32 = 5e-2;
+/// the CPU multiplies block-quantized weights with 8-bit activations, the GPU keeps f32 ones. Measured 11.9% on
+/// this model since fbe686b, whose K-quant kernels take activations with one scale per 256 (llama.cpp's Q8_K; this
+/// model's 256-wide rows are one super-block each, so each row's largest activation sets the rounding of all of
+/// them), 3.3% with one scale per 32 (87750db), 1.2% before the model had Q2_K and Q3_K
+/// matrices (`mixed_tiny_model_on_the_cpu_stays_near_its_f32_twin`). A wrong kernel moves logits by far more; the
+/// kernels' own tests hold them to the scalar reference's bits and that to the dequantized dot product.
+const MIXED_CPU_TOLERANCE: f32 = 0.15;
 
 /// Writes into `dir` a tiny Llama GGUF (2 layers, hidden 256, head_dim 64: every matrix whole K-quant
 /// super-blocks, heads the CUDA kernels take) whose matrices take [`MIXED_FORMATS`] in turn, as llama.cpp's
