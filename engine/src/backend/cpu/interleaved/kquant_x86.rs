@@ -2,7 +2,7 @@
 //! `x86`'s tiles with a super-block's eight 32-element sub-blocks, each against its own activation block.
 
 use super::kquant::{HIGH_LINE, Q3K_HIGH_LINE, d_at, dmin_at, per_half, scales_at};
-use super::x86::{Operands, dots256_pair, dots512, four, prefetch, store512};
+use super::x86::{Operands, dots256_pair, dots512, maddubs_pair, prefetch, store512};
 use super::{Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, ROWS, block_bytes};
 use crate::backend::cpu::simd::Q8Block;
 use crate::backend::cpu::simd::x86::{AVX_VNNI, AVX2};
@@ -281,6 +281,61 @@ pub(super) unsafe fn wide<const T: usize, const F: u8, const GFNI: bool>(o: Oper
     }
 }
 
+/// Sub-block `j`'s values of group `g` for the 16 rows of a Q4_K or Q5_K super-block at `blk` (its nibbles, with
+/// Q5_K's fifth bits): [`k4_values`] in one 512-bit register.
+///
+/// # Safety
+/// AVX-512 F/BW; `blk` points at a super-block of format `F`.
+#[inline(always)]
+unsafe fn k4_values512<const F: u8>(blk: *const u8, j: usize, g: usize) -> __m512i {
+    // SAFETY: forwarded; the lines lie inside the super-block.
+    unsafe {
+        let line = _mm512_loadu_si512(blk.add(q4k_line(j, g)) as *const __m512i);
+        let q = _mm512_and_si512(
+            if j.is_multiple_of(2) { line } else { _mm512_srli_epi16::<4>(line) },
+            _mm512_set1_epi8(0x0f),
+        );
+        if F != Q5_K {
+            return q;
+        }
+        let high = _mm512_loadu_si512(blk.add((HIGH_LINE + g) * LINE) as *const __m512i);
+        let set = _mm512_test_epi8_mask(high, _mm512_set1_epi8((1u8 << j) as i8));
+        _mm512_mask_add_epi8(q, set, q, _mm512_set1_epi8(0x10))
+    }
+}
+
+/// Each token's integer sums as floats (a super-block's `Σ sc·Σ q·a` once gathered).
+///
+/// # Safety
+/// AVX-512 F.
+#[inline(always)]
+unsafe fn floats512<const T: usize>(s: &[__m512i; T]) -> [__m512; T] {
+    // SAFETY: forwarded.
+    unsafe {
+        let mut floats = [_mm512_setzero_ps(); T];
+        for (f, s) in floats.iter_mut().zip(s) {
+            *f = _mm512_cvtepi32_ps(*s);
+        }
+        floats
+    }
+}
+
+/// [`floats512`] for 8 rows.
+///
+/// # Safety
+/// AVX2.
+#[inline(always)]
+unsafe fn floats256<const T: usize>(s: &[__m256i; T]) -> [__m256; T] {
+    // SAFETY: forwarded.
+    unsafe {
+        let mut floats = [_mm256_setzero_ps(); T];
+        for (f, s) in floats.iter_mut().zip(s) {
+            *f = _mm256_cvtepi32_ps(*s);
+        }
+        floats
+    }
+}
+
 /// A Q4_K or Q5_K super-block's `Σ_j sc_j·Σ q·a` for the 16 rows and `T` tokens (activation blocks from `first`), as
 /// integers (Q4_K) or in floats sub-block after sub-block (Q5_K, whose half sums fit in no 16-bit word), `sm` its
 /// [`k4_scales`].
@@ -299,43 +354,26 @@ unsafe fn k4_sums<const T: usize, const F: u8>(
     let Operands { a, blocks, .. } = o;
     // SAFETY (whole body): the caller's ranges.
     unsafe {
-        let low = _mm512_set1_epi8(0x0f);
         if F == Q4_K {
             // Each half's sum fits in its low 16-bit word (`|Σ q·a| ≤ 16 · 15 · 127`, the high word 0 or -1 against
             // a 0 high word of the scale's lane): one `vpdpwssds` per half scales it into the super-block's integer
             // sum, and the two halves are two chains of 4 `vpdpbusd` per token instead of one of 8.
             let mut s = [_mm512_setzero_si512(); T];
             for j in 0..rolled(SUBS) {
-                let values = |g: usize| {
-                    let line = _mm512_loadu_si512(blk.add(q4k_line(j, g)) as *const __m512i);
-                    _mm512_and_si512(if j % 2 == 0 { line } else { _mm512_srli_epi16::<4>(line) }, low)
-                };
-                let [half0, half1] = half_sums::<T>(None, values, a, blocks, first + j);
+                let [half0, half1] = half_sums::<T>(None, |g| k4_values512::<F>(blk, j, g), a, blocks, first + j);
                 let w = _mm512_cvtepu8_epi32(sm[j]);
                 for ((s, h0), h1) in s.iter_mut().zip(&half0).zip(&half1) {
                     *s = _mm512_dpwssds_epi32(_mm512_dpwssds_epi32(*s, *h0, w), *h1, w);
                 }
             }
-            let mut floats = [_mm512_setzero_ps(); T];
-            for (f, s) in floats.iter_mut().zip(&s) {
-                *f = _mm512_cvtepi32_ps(*s);
-            }
-            return floats;
+            return floats512(&s);
         }
         let mut s = [_mm512_setzero_ps(); T];
         for j in 0..rolled(SUBS) {
             let b = first + j;
             let mut sum = [_mm512_setzero_si512(); T];
             for g in 0..QK / 4 {
-                let line = _mm512_loadu_si512(blk.add(q4k_line(j, g)) as *const __m512i);
-                let v = if j % 2 == 0 { line } else { _mm512_srli_epi16::<4>(line) };
-                let mut v = _mm512_and_si512(v, low);
-                if F == Q5_K {
-                    let high = _mm512_loadu_si512(blk.add((HIGH_LINE + g) * LINE) as *const __m512i);
-                    let set = _mm512_test_epi8_mask(high, _mm512_set1_epi8((1u8 << j) as i8));
-                    v = _mm512_mask_add_epi8(v, set, v, _mm512_set1_epi8(0x10));
-                }
-                dots512(&mut sum, v, a, blocks, b, g);
+                dots512(&mut sum, k4_values512::<F>(blk, j, g), a, blocks, b, g);
             }
             let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm[j]));
             for (s, sum) in s.iter_mut().zip(&sum) {
@@ -483,11 +521,7 @@ unsafe fn k2_sums<const T: usize, const F: u8, const GFNI: bool>(
                 k2_sub_block::<T, F, GFNI, 0>(blk, j, first, o, &scale_pairs, &mut s);
             }
         }
-        let mut floats = [_mm512_setzero_ps(); T];
-        for (f, s) in floats.iter_mut().zip(&s) {
-            *f = _mm512_cvtepi32_ps(*s);
-        }
-        floats
+        floats512(&s)
     }
 }
 
@@ -678,11 +712,7 @@ unsafe fn k4_sums256<const V: u8, const T: usize, const F: u8>(
                     let mut sum = [_mm256_setzero_si256(); T];
                     for g in (0..QK / 4).step_by(2) {
                         let q = [k4_values::<F>(v, j, g), k4_values::<F>(v, j, g + 1)];
-                        for (t, sum) in sum.iter_mut().enumerate() {
-                            let p0 = _mm256_maddubs_epi16(q[0], _mm256_set1_epi32(four(a, blocks, t, b, g)));
-                            let p1 = _mm256_maddubs_epi16(q[1], _mm256_set1_epi32(four(a, blocks, t, b, g + 1)));
-                            *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(_mm256_add_epi16(p0, p1), pair_scale));
-                        }
+                        maddubs_pair(&mut sum, q, [g, g + 1], pair_scale, a, blocks, b);
                     }
                     for (s, sum) in s.iter_mut().zip(&sum) {
                         *s = _mm256_add_epi32(*s, *sum);
@@ -700,11 +730,7 @@ unsafe fn k4_sums256<const V: u8, const T: usize, const F: u8>(
                     }
                 }
             }
-            let mut floats = [_mm256_setzero_ps(); T];
-            for (f, s) in floats.iter_mut().zip(&s) {
-                *f = _mm256_cvtepi32_ps(*s);
-            }
-            return floats;
+            return floats256(&s);
         }
         let mut s = [_mm256_setzero_ps(); T];
         for j in 0..rolled(SUBS) {
@@ -768,11 +794,7 @@ unsafe fn scaled<const V: u8, const T: usize, const F: u8>(
                         continue;
                     }
                     let by = if F == Q6_K { _mm256_set1_epi16(1) } else { row_pairs(sh, sh, r) };
-                    for (t, into) in into.iter_mut().enumerate() {
-                        let p0 = _mm256_maddubs_epi16(q[0], _mm256_set1_epi32(four(a, blocks, t, b, g)));
-                        let p1 = _mm256_maddubs_epi16(q[1], _mm256_set1_epi32(four(a, blocks, t, b, g + 1)));
-                        *into = _mm256_add_epi32(*into, _mm256_madd_epi16(_mm256_add_epi16(p0, p1), by));
-                    }
+                    maddubs_pair(into, q, [g, g + 1], by, a, blocks, b);
                 }
                 if F == Q6_K {
                     let sc = _mm256_cvtepi32_ps(rows_of::<true>(sh, r));
@@ -795,13 +817,7 @@ unsafe fn scaled<const V: u8, const T: usize, const F: u8>(
                 }
             }
         }
-        if F == Q6_K {
-            return fsum;
-        }
-        for (f, i) in fsum.iter_mut().zip(&isum) {
-            *f = _mm256_cvtepi32_ps(*i);
-        }
-        fsum
+        if F == Q6_K { fsum } else { floats256(&isum) }
     }
 }
 

@@ -367,11 +367,31 @@ pub(super) unsafe fn dots256_pair<const V: u8, const T: usize, const F: u8>(
             dots256::<V, T, F>(sum, w[1], a, blocks, b, g[1]);
             return;
         }
-        let ones = _mm256_set1_epi16(1);
+        maddubs_pair(sum, w, g, _mm256_set1_epi16(1), a, blocks, b);
+    }
+}
+
+/// Without VNNI, each token's `maddubs` products of two groups' values (`w[i]` of group `g[i]`, each below 64)
+/// summed as 16-bit integers, then one `madd` against `by` (ones, or a row's scale in both words) into `sum`.
+///
+/// # Safety
+/// AVX2; `a` points at `T` rows of `blocks` blocks.
+#[inline(always)]
+pub(super) unsafe fn maddubs_pair<const T: usize>(
+    sum: &mut [__m256i; T],
+    w: [__m256i; 2],
+    g: [usize; 2],
+    by: __m256i,
+    a: *const Q8Block,
+    blocks: usize,
+    b: usize,
+) {
+    // SAFETY: forwarded.
+    unsafe {
         for (t, s) in sum.iter_mut().enumerate() {
             let p0 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(four(a, blocks, t, b, g[0])));
             let p1 = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(four(a, blocks, t, b, g[1])));
-            *s = _mm256_add_epi32(*s, _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
+            *s = _mm256_add_epi32(*s, _mm256_madd_epi16(_mm256_add_epi16(p0, p1), by));
         }
     }
 }
