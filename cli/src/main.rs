@@ -13,6 +13,7 @@ mod generate;
 mod host;
 mod http;
 mod load;
+mod perplexity;
 mod plan;
 mod retry;
 mod stats;
@@ -40,6 +41,9 @@ enum Command {
     /// Convert a model: GGUF or Hugging Face directory into a Hugging Face directory (dequantized safetensors) or a
     /// GGUF file (a float type, or quantized with --quantize as llama.cpp does).
     Convert(load::ConvertArgs),
+    /// A model's perplexity over a text file, scored as llama.cpp's llama-perplexity scores it (chunks of --ctx
+    /// tokens, each from an empty cache, the second half of each scored).
+    Perplexity(perplexity::PerplexityArgs),
     /// What-if placement: how the coordinator would split a model over nodes of given memory (and speed).
     Plan(plan::PlanArgs),
     /// Run a whole cluster in this process: stage workers and a coordinator over loopback gRPC.
@@ -75,6 +79,7 @@ fn main() {
         Command::Bench(a) => bench::run(a),
         Command::Convert(a) => load::convert(a),
         Command::Local(a) => cluster::local(a),
+        Command::Perplexity(a) => perplexity::run(a),
         Command::Plan(a) => plan::run(a),
         Command::Client(ClientCommand::Generate(a)) => client::client_generate(a),
         Command::Nodes(c) => cluster::nodes(c),

@@ -293,3 +293,50 @@ fn cuda_devices_fail_with_a_clear_message_here() {
         assert!(err.contains("this build has no CUDA support (build with --features cuda)"), "{err}");
     }
 }
+
+/// `strata perplexity` scores a text in chunks and writes its report; a text shorter than two chunks is refused
+/// with the reason. (engine/tests/perplexity.rs compares the numbers with llama.cpp's.)
+#[test]
+fn perplexity_scores_a_text_and_refuses_a_short_one() -> Result<()> {
+    let m = smollm2();
+    let text = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/data/perplexity_text.txt");
+    let dir = tempfile::tempdir()?;
+    let out = dir.path().join("ppl.json");
+    let args = |file: &Path| {
+        let (m, file, out) = (m.to_str().unwrap_or_default(), file.to_str().unwrap_or_default(), out.to_str());
+        strata(&[
+            "perplexity",
+            "--model",
+            m,
+            "--file",
+            file,
+            "--ctx",
+            "64",
+            "--chunks",
+            "3",
+            "--threads",
+            "2",
+            "--out",
+            out.unwrap_or_default(),
+        ])
+    };
+    let run = args(&text);
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(stdout.starts_with("[1]") && stdout.contains("Final estimate: PPL = "), "{stdout}");
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out)?)?;
+    assert_eq!(report["chunks"], 3);
+    // 64-token chunks score tokens 33..63 of each: 31 per chunk.
+    assert_eq!(report["scored_tokens"], 93);
+    let ppl = report["perplexity"].as_f64().unwrap_or_default();
+    // SmolLM2 reads plain English far better than chance over its 49,152 tokens.
+    assert!(ppl > 1.0 && ppl < 200.0, "perplexity {ppl}");
+    assert_eq!(report["running"].as_array().map(Vec::len), Some(3));
+
+    let short = dir.path().join("short.txt");
+    std::fs::write(&short, "Too short to score.")?;
+    let run = args(&short);
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success() && err.contains("needs at least 128"), "{err}");
+    Ok(())
+}

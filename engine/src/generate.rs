@@ -188,6 +188,21 @@ impl<B: Backend> Engine<B> {
         Ok(be.act_to_host(&logits)?.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
     }
 
+    /// Runs `ids` as a new sequence from position 0 and returns every position's logits, host-side (a row of the
+    /// vocabulary per token); the sequence's KV is freed after, whatever the outcome.
+    pub fn logits_of(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
+        let vocab = self.model.config().vocab_size;
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(Error::InvalidRequest(format!("token id {bad} is outside the vocabulary (size {vocab})")));
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let chunk = SeqChunk { seq_id: seq, start_pos: 0, len: ids.len() };
+        let logits = self.model.forward(&mut self.kv, &[chunk], StageInput::Tokens(ids), LogitRows::All);
+        self.kv.release(seq);
+        self.model.backend().act_to_host(&logits?)
+    }
+
     /// Frees a sequence's KV blocks.
     pub fn release(&mut self, seq: u64) {
         self.kv.release(seq);

@@ -18,6 +18,7 @@ pub mod layout;
 pub mod loader;
 pub mod model;
 pub mod offload;
+pub mod perplexity;
 pub mod quant;
 pub mod sampling;
 pub mod stage_memory;

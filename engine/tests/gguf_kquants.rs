@@ -63,19 +63,6 @@ const MIXES: [Mix; 5] = [
     ("Q3_K_M", &["--tensor-type", "ffn_down=q3_k"], &[DType::Q3_K, DType::Q4_0, DType::Q5_0], NEW_TOKENS, MAX_GAP),
 ];
 
-fn llama_quantize(input: &Path, output: &Path, ftype: &str, extra: &[&str]) -> Result<()> {
-    let tool = strata_testkit::llama_cpp_tool("llama-quantize")?;
-    let out = Command::new(&tool)
-        .arg("--allow-requantize")
-        .args(extra)
-        .args([input, output])
-        .args([ftype, "2"])
-        .output()
-        .with_context(|| format!("running {}", tool.display()))?;
-    ensure!(out.status.success(), "llama-quantize {ftype} failed: {}", String::from_utf8_lossy(&out.stderr));
-    Ok(())
-}
-
 /// llama.cpp's greedy continuation of `prompt`: at most `NEW_TOKENS` tokens, as text.
 fn llama_greedy(model: &Path, prompt: &str) -> Result<String> {
     let tool = strata_testkit::llama_cpp_tool("llama-completion")?;
@@ -132,8 +119,10 @@ fn k_quant_files_dequantize_and_generate_as_llama_cpp() -> Result<()> {
     for (ftype, extra, must_have, compared, max_gap) in MIXES {
         let path = dir.path().join(format!("{ftype}.gguf"));
         let f32_path = dir.path().join(format!("{ftype}-f32.gguf"));
-        llama_quantize(&source, &path, ftype, extra)?;
-        llama_quantize(&path, &f32_path, "F32", &[])?;
+        let mut args = vec!["--allow-requantize"];
+        args.extend_from_slice(extra);
+        strata_testkit::llama_quantize(&source, &path, ftype, &args)?;
+        strata_testkit::llama_quantize(&path, &f32_path, "F32", &["--allow-requantize"])?;
         let files = ModelFiles::open(&path)?;
         let formats = dequantizes_as_ggml(&files, &ModelFiles::open(&f32_path)?)?;
         std::fs::remove_file(&f32_path)?;

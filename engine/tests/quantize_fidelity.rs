@@ -9,11 +9,9 @@
 //!
 //! Needs `llama-quantize` (`scripts/llama-cpp-build.sh llama-quantize`; scripts/test builds it) and the test model.
 
-use std::path::Path;
-use std::process::Command;
 use std::sync::Arc;
 
-use anyhow::{Context, Result, ensure};
+use anyhow::Result;
 use strata_engine::KvDtype;
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::convert;
@@ -75,19 +73,6 @@ fn greedy(model: &StageModel<CpuBackend>, prompt: &[u32]) -> Result<Vec<u32>> {
         chunk = SeqChunk { seq_id: 1, start_pos: ids.len() - 1, len: 1 };
     }
     Ok(ids)
-}
-
-fn llama_quantize(input: &Path, output: &Path, dtype: DType) -> Result<()> {
-    let tool = strata_testkit::llama_cpp_tool("llama-quantize")?;
-    // --pure: every matrix in the one type, as strata quantizes (by default llama.cpp keeps some higher).
-    let out = Command::new(&tool)
-        .arg("--pure")
-        .args([input, output])
-        .args([dtype.to_string().to_uppercase(), "2".into()])
-        .output()
-        .with_context(|| format!("running {}", tool.display()))?;
-    ensure!(out.status.success(), "llama-quantize failed: {}", String::from_utf8_lossy(&out.stderr));
-    Ok(())
 }
 
 /// Tensors whose bytes differ from llama.cpp's, with how many of their bytes do.
@@ -158,7 +143,8 @@ fn quantized_at_load_equals_llama_cpp_and_stays_near_f32() -> Result<()> {
     for bound in &BOUNDS {
         let q = bound.dtype;
         let theirs_path = dir.path().join(format!("{q}.gguf"));
-        llama_quantize(&f16_gguf, &theirs_path, q)?;
+        // --pure: every matrix in the one type, as strata quantizes (by default llama.cpp keeps some higher).
+        strata_testkit::llama_quantize(&f16_gguf, &theirs_path, &q.to_string().to_uppercase(), &["--pure"])?;
         let theirs = ModelFiles::open(&theirs_path)?;
         let bad = byte_mismatches(&hf, &theirs, q)?;
         assert!(bad.is_empty(), "{q}: {} tensors differ from llama.cpp's:\n{}", bad.len(), bad.join("\n"));

@@ -95,6 +95,45 @@ pub fn llama_cpp_tool(name: &str) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// Runs `llama-quantize [args] input output ftype 2` (two threads), failing with its stderr.
+pub fn llama_quantize(input: &Path, output: &Path, ftype: &str, args: &[&str]) -> Result<()> {
+    let tool = llama_cpp_tool("llama-quantize")?;
+    let out = Command::new(&tool)
+        .args(args)
+        .args([input, output])
+        .args([ftype, "2"])
+        .output()
+        .with_context(|| format!("running {}", tool.display()))?;
+    if !out.status.success() {
+        bail!("llama-quantize {ftype} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+/// llama.cpp's perplexity of `model` over the text file `text` in chunks of `ctx` tokens (`llama-perplexity -c
+/// ctx`, two threads): its final estimate and standard error.
+pub fn llama_perplexity(model: &Path, text: &Path, ctx: usize) -> Result<(f64, f64)> {
+    let tool = llama_cpp_tool("llama-perplexity")?;
+    let out = Command::new(&tool)
+        .arg("-m")
+        .arg(model)
+        .arg("-f")
+        .arg(text)
+        .args(["-c", &ctx.to_string(), "-t", "2"])
+        .output()
+        .with_context(|| format!("running {}", tool.display()))?;
+    let log = String::from_utf8_lossy(&out.stderr);
+    // `... Final estimate: PPL = 27.6578 +/- 5.09176`
+    let estimate = log.lines().find_map(|l| l.split_once("Final estimate: PPL = ")).and_then(|(_, rest)| {
+        let (ppl, err) = rest.split_once(" +/- ")?;
+        Some((ppl.trim().parse().ok()?, err.trim().parse().ok()?))
+    });
+    match estimate {
+        Some(e) if out.status.success() => Ok(e),
+        _ => bail!("llama-perplexity gave no estimate ({}): {}", out.status, log),
+    }
+}
+
 /// Path of a binary of this workspace (`stage-worker`, `coordinator`, `strata`), built into the same target
 /// directory as the running test. `cargo test --workspace` builds them; a test run of one crate may not, so a
 /// missing binary is an error that says how to build it.
