@@ -12,7 +12,7 @@ model and flags.
                                      [--threads 2] [--strata target/release/strata] [--f32-twins]
                                      [--out target/bench/perplexity-compare.json] GGUF...
 
-The default text is the GPL's (Debian and Ubuntu ship it in base-files): English prose of ~8,000 tokens, 15
+The default text is the GPL's (Debian and Ubuntu ship it in base-files): English prose of 7,639 tokens, 14
 chunks of 512 for SmolLM2's tokenizer. llama-perplexity and llama-quantize must have been built
 (`scripts/llama-cpp-build.sh llama-perplexity llama-quantize`, cached under $STRATA_CACHE).
 """
