@@ -702,20 +702,17 @@ unsafe fn k4_sums256<const V: u8, const T: usize, const F: u8>(
     unsafe {
         if F == Q4_K {
             // As `k4_sums`: with VNNI a `vpdpwssds` per half; without, two groups' `maddubs` products summed as
-            // 16-bit integers, then one `madd` against the scale in both words of each row's lane.
+            // 16-bit integers, then one `madd` against the scale in both words of each row's lane, added straight
+            // into the super-block's sums (a sum per sub-block first cost T adds per sub-block and T registers).
             let mut s = [_mm256_setzero_si256(); T];
             for j in 0..rolled(SUBS) {
                 let b = first + j;
                 let w = rows_of::<false>(sm[j], r);
                 let pair_scale = row_pairs(sm[j], sm[j], r);
                 if V == AVX2 {
-                    let mut sum = [_mm256_setzero_si256(); T];
                     for g in (0..QK / 4).step_by(2) {
                         let q = [k4_values::<F>(v, j, g), k4_values::<F>(v, j, g + 1)];
-                        maddubs_pair(&mut sum, q, [g, g + 1], pair_scale, a, blocks, b);
-                    }
-                    for (s, sum) in s.iter_mut().zip(&sum) {
-                        *s = _mm256_add_epi32(*s, *sum);
+                        maddubs_pair(&mut s, q, [g, g + 1], pair_scale, a, blocks, b);
                     }
                     continue;
                 }
