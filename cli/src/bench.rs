@@ -330,11 +330,7 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         memory_read_gb_per_s: (a.device.device == Device::Cpu).then(|| memory_read_gb_per_s(weight_bytes, cpu_threads)),
         host: Host::detect(),
     };
-    if let Some(dir) = out.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    std::fs::write(&out, serde_json::to_string_pretty(&report)?)
-        .with_context(|| format!("writing {}", out.display()))?;
+    crate::json_file::write(&out, &report)?;
     let baseline: Option<serde_json::Value> = match &a.compare {
         Some(p) => Some(serde_json::from_str(
             &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,

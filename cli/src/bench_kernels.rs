@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use serde::Serialize;
 use strata_engine::backend::cpu::kernel_bench::{self, KernelBench, KernelPath, Outcome};
 use strata_engine::quant;
@@ -65,11 +65,7 @@ pub fn run(a: &KernelArgs, out: &Path) -> Result<()> {
     };
     let bench = kernel_bench::run(&cfg)?;
     print!("{}", table(&bench));
-    if let Some(dir) = out.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    let json = serde_json::to_string_pretty(&Report { host, bench: &bench })?;
-    std::fs::write(out, json).with_context(|| format!("writing {}", out.display()))?;
+    crate::json_file::write(out, &Report { host, bench: &bench })?;
     eprintln!("wrote {}", out.display());
     Ok(())
 }

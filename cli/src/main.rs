@@ -12,6 +12,7 @@ mod etcd;
 mod generate;
 mod host;
 mod http;
+mod json_file;
 mod load;
 mod perplexity;
 mod plan;

@@ -100,11 +100,7 @@ fn score<B: Backend>(a: PerplexityArgs, backend: Arc<B>) -> Result<()> {
         scored,
         host: Host::detect(),
     };
-    if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    std::fs::write(&a.out, serde_json::to_string_pretty(&report)?)
-        .with_context(|| format!("writing {}", a.out.display()))?;
+    crate::json_file::write(&a.out, &report)?;
     println!("wrote {}", a.out.display());
     Ok(())
 }

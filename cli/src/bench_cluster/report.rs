@@ -378,10 +378,7 @@ fn svg(report: &Report) -> String {
 }
 
 pub(super) fn write_outputs(report: &Report, out: &Path) -> Result<()> {
-    if let Some(dir) = out.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    std::fs::write(out, serde_json::to_string_pretty(report)?).with_context(|| format!("writing {}", out.display()))?;
+    crate::json_file::write(out, report)?;
     let svg_path = out.with_extension("svg");
     std::fs::write(&svg_path, svg(report)).with_context(|| format!("writing {}", svg_path.display()))?;
     println!("host: {}", report.host.describe());

@@ -165,11 +165,7 @@ pub fn run(a: ChaosArgs) -> Result<()> {
             passed,
             scenarios: reports,
         };
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        }
-        std::fs::write(path, serde_json::to_string_pretty(&run)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        crate::json_file::write(path, &run)?;
         eprintln!("wrote {}", path.display());
     }
     if !passed {
