@@ -189,12 +189,9 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Runs `ids` as a new sequence from position 0 and returns every position's logits, host-side (a row of the
-    /// vocabulary per token); the sequence's KV is freed after, whatever the outcome.
+    /// vocabulary per token); the sequence's KV is freed after, whatever the outcome. Ids outside the vocabulary
+    /// are refused by the backend's embedding lookup, as in [`Engine::step`].
     pub fn logits_of(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
-        let vocab = self.model.config().vocab_size;
-        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-            return Err(Error::InvalidRequest(format!("token id {bad} is outside the vocabulary (size {vocab})")));
-        }
         let seq = self.next_seq;
         self.next_seq += 1;
         let chunk = SeqChunk { seq_id: seq, start_pos: 0, len: ids.len() };

@@ -57,14 +57,18 @@ impl Nll {
         self.count += 1;
     }
 
+    /// The mean negative log-likelihood (0 before any token).
+    fn mean(&self) -> f64 {
+        self.sum / self.count.max(1) as f64
+    }
+
     fn perplexity(&self) -> f64 {
-        (self.sum / self.count.max(1) as f64).exp()
+        self.mean().exp()
     }
 
     /// The standard error of the perplexity, from that of the mean log-likelihood (as llama-perplexity's).
     fn std_error(&self) -> f64 {
-        let n = self.count as f64;
-        let mean = self.sum / n;
+        let (n, mean) = (self.count as f64, self.mean());
         let var = self.sum_sq / n - mean * mean;
         if self.count < 2 || var <= 0.0 { 0.0 } else { (var / (n - 1.0)).sqrt() * mean.exp() }
     }
@@ -127,7 +131,7 @@ pub fn perplexity<B: Backend>(
             nll.add(row, chunk[j + 1]);
         }
         running.push(nll.perplexity());
-        on_chunk(i, n, nll.perplexity());
+        on_chunk(i, n, running[i]);
     }
     Ok(Perplexity {
         ctx,
@@ -136,7 +140,7 @@ pub fn perplexity<B: Backend>(
         running,
         perplexity: nll.perplexity(),
         std_error: nll.std_error(),
-        mean_nll: nll.sum / nll.count.max(1) as f64,
+        mean_nll: nll.mean(),
     })
 }
 

@@ -707,15 +707,15 @@ unsafe fn k4_sums256<const V: u8, const T: usize, const F: u8>(
             let mut s = [_mm256_setzero_si256(); T];
             for j in 0..rolled(SUBS) {
                 let b = first + j;
-                let w = rows_of::<false>(sm[j], r);
-                let pair_scale = row_pairs(sm[j], sm[j], r);
                 if V == AVX2 {
+                    let pair_scale = row_pairs(sm[j], sm[j], r);
                     for g in (0..QK / 4).step_by(2) {
                         let q = [k4_values::<F>(v, j, g), k4_values::<F>(v, j, g + 1)];
                         maddubs_pair(&mut s, q, [g, g + 1], pair_scale, a, blocks, b);
                     }
                     continue;
                 }
+                let w = rows_of::<false>(sm[j], r);
                 for h in 0..2 {
                     let mut sum = [_mm256_setzero_si256(); T];
                     for g in (4 * h..4 * h + 4).step_by(2) {
