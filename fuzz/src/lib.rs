@@ -3,9 +3,6 @@
 //! errors are the expected answer to most inputs. The binaries in `src/bin/` hand these to AFL++; the `corpus`
 //! test runs every seed and every committed crash through them under plain `cargo test --lib`.
 
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
-
 use prost::Message;
 use strata_coordinator::http::openai::{Body, ChatRequest, CompletionRequest, GenerationRequest};
 use strata_engine::layout::{ModelLayout, TensorId};
@@ -21,16 +18,14 @@ pub use strata_engine::testing::alloc::CountingAlloc;
 /// Tensors larger than this are opened but not converted to f32, to keep each run fast.
 const MAX_CONVERTED_BYTES: usize = 1 << 20;
 
-/// A directory for the files the loaders open, one per process.
-fn scratch() -> Option<&'static Path> {
-    static DIR: OnceLock<Option<tempfile::TempDir>> = OnceLock::new();
-    DIR.get_or_init(|| tempfile::Builder::new().prefix("strata-fuzz").tempdir().ok()).as_ref().map(|d| d.path())
-}
-
-fn write_scratch(name: &str, data: &[u8]) -> Option<PathBuf> {
-    let path = scratch()?.join(name);
-    std::fs::write(&path, data).ok()?;
-    Some(path)
+/// A directory of its own holding `files`, removed when dropped. (A directory per process, kept in a static, was
+/// never removed: statics are not dropped, and every test run left one behind in the temporary folder.)
+fn scratch(files: &[(&str, &[u8])]) -> Option<tempfile::TempDir> {
+    let dir = tempfile::Builder::new().prefix("strata-fuzz").tempdir().ok()?;
+    for (name, data) in files {
+        std::fs::write(dir.path().join(name), data).ok()?;
+    }
+    Some(dir)
 }
 
 /// Reads [`some_tensors`] of `layout` through `tensor` and widens the small ones to f32.
@@ -53,7 +48,8 @@ fn some_tensors(layout: &ModelLayout<'_>) -> Vec<TensorId> {
 /// A GGUF file: opened (header, metadata, tensor directory, config), its tokenizer built, and the first layer's
 /// tensors read and widened to f32.
 pub fn gguf(data: &[u8]) {
-    let Some(path) = write_scratch("model.gguf", data) else { return };
+    let Some(dir) = scratch(&[("model.gguf", data)]) else { return };
+    let path = dir.path().join("model.gguf");
     let (opened, _) = with_alloc_limit(reader_alloc_limit(data.len()), || GgufSource::open(&path));
     let Ok(source) = opened else { return };
     let _ = Tokenizer::from_gguf(&source.metadata);
@@ -66,12 +62,8 @@ pub fn safetensors_header(data: &[u8]) {
         Some(i) => (&data[..i], &data[i + 1..]),
         None => (data, &[][..]),
     };
-    let (Some(_), Some(path)) = (write_scratch("config.json", config), write_scratch("model.safetensors", weights))
-    else {
-        return;
-    };
-    let Some(dir) = path.parent() else { return };
-    let (opened, _) = with_alloc_limit(reader_alloc_limit(data.len()), || HfSource::open(dir));
+    let Some(dir) = scratch(&[("config.json", config), ("model.safetensors", weights)]) else { return };
+    let (opened, _) = with_alloc_limit(reader_alloc_limit(data.len()), || HfSource::open(dir.path()));
     let Ok(source) = opened else { return };
     read_tensors(&ModelLayout::new(source.config()), |name| source.tensor(name));
 }
