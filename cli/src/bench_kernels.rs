@@ -81,8 +81,8 @@ fn table(b: &KernelBench) -> String {
         b.samples,
         b.streamed_bytes >> 20
     );
-    s.push_str("| format | isa | decode in cache ns/block | decode streamed ns/block | GB/s streamed | tile 8 tokens ns/block·token | scalar ns/block |\n");
-    s.push_str("|---|---|---:|---:|---:|---:|---:|\n");
+    s.push_str("| format | isa | decode in cache ns/block | decode streamed ns/block | GB/s streamed | tile 8 tokens ns/block·token | prefill 64 tokens ns/block·token | scalar ns/block |\n");
+    s.push_str("|---|---|---:|---:|---:|---:|---:|---:|\n");
     let mut reasons: Vec<String> = Vec::new();
     let mut rows: Vec<(&str, &str)> =
         b.timings.iter().filter(|t| t.path != KernelPath::Scalar).map(|t| (t.format, t.isa)).collect();
@@ -113,6 +113,7 @@ fn table(b: &KernelBench) -> String {
             cell(KernelPath::Streamed),
             gb,
             cell(KernelPath::Tile),
+            cell(KernelPath::Prefill),
             cell(KernelPath::Scalar),
         ];
         // A level this CPU lacks has no row, only its reason below.
@@ -184,7 +185,7 @@ mod tests {
             attention,
         });
         assert!(t.contains("streamed: 64 MiB of copies"), "{t}");
-        assert!(t.contains("| q8_0 | avx2 | 1.23 | 1.23 | 27.5 | 1.23 | 1.23 |"), "{t}");
+        assert!(t.contains("| q8_0 | avx2 | 1.23 | 1.23 | 27.5 | 1.23 | 1.23 | 1.23 |"), "{t}");
         assert!(!t.contains("| avx512-vnni |") && t.matches("| q4_k |").count() == 1, "{t}");
         assert!(t.contains("\nnot run: avx512-vnni: this CPU lacks AVX-512\n"), "{t}");
         assert!(t.ends_with("|---:|---|---:|\n| 256 | avx2 | 0.46 |\n"), "{t}");

@@ -1,6 +1,6 @@
 //! Single-threaded timings of the quantized dot-product kernels (`strata bench --kernels`): every block format on
 //! every path (one-token decode as the matmul runs it, with the weights in cache and streamed from memory as in a
-//! real decode step; the 8-token tile of batched decode and prefill) at every x86 instruction-set level this CPU
+//! real decode step; the 8-token tile of batched decode; 64 tokens, as prefill) at every x86 instruction-set level this CPU
 //! has (the others reported as not run), and the scalar oracle, over one random matrix; and one decode step's
 //! attention at a short and a long context. The 32-element formats are timed in the layout the backend keeps them in
 //! ([`interleaved`]).
@@ -65,14 +65,20 @@ pub enum KernelPath {
     /// The same over [`Config::streamed_bytes`] of copies of the matrix: weights read from memory, as every
     /// decode step of a model larger than the cache reads them.
     Streamed,
-    /// `qgemm::rows_by_tokens` with 8 tokens: batched decode and prefill.
+    /// `qgemm::rows_by_tokens` with 8 tokens: batched decode.
     Tile,
+    /// The same with [`PREFILL_TOKENS`] tokens: prefill (which some formats and levels run on a path of its own).
+    Prefill,
     /// The portable scalar reference the other kernels are tested against.
     Scalar,
 }
 
 /// Every path, in the order a run reports them.
-pub const PATHS: [KernelPath; 4] = [KernelPath::Decode, KernelPath::Streamed, KernelPath::Tile, KernelPath::Scalar];
+pub const PATHS: [KernelPath; 5] =
+    [KernelPath::Decode, KernelPath::Streamed, KernelPath::Tile, KernelPath::Prefill, KernelPath::Scalar];
+
+/// Tokens of the [`KernelPath::Prefill`] path.
+pub const PREFILL_TOKENS: usize = 64;
 
 /// One format on one path at one instruction-set level.
 #[derive(Debug, Clone, Serialize)]
@@ -83,7 +89,7 @@ pub struct KernelTiming {
     pub isa: &'static str,
     /// The path timed.
     pub path: KernelPath,
-    /// Tokens each weight row meets per pass: 8 for `tile`, else 1.
+    /// Tokens each weight row meets per pass: 8 for `tile`, [`PREFILL_TOKENS`] for `prefill`, else 1.
     pub tokens: usize,
     /// The time, or why there is none.
     #[serde(flatten)]
@@ -150,17 +156,20 @@ pub fn run(cfg: &Config) -> Result<KernelBench> {
     let formats = selected(cfg)?;
     let (rows, cols, blocks) = (cfg.rows, cfg.cols, cfg.cols / QK);
     let mut rng = rand::rngs::StdRng::seed_from_u64(0x6b62);
-    // GROUP tokens of activations; the first alone is the one-token paths'. A scale per 256 where the columns
-    // allow, as the K-quants' kernels take them (the others read each block's, equal or not).
+    // PREFILL_TOKENS tokens of activations, the first GROUP the tile's, the first alone the one-token paths'. A
+    // scale per 256 where the columns allow, as the K-quants' kernels take them (the others read each block's, equal
+    // or not).
     let span = if blocks.is_multiple_of(interleaved::SUPER_SPAN) { interleaved::SUPER_SPAN } else { 1 };
-    let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; QK] }; GROUP * blocks];
+    let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; QK] }; PREFILL_TOKENS * blocks];
     for dst in xq.chunks_exact_mut(blocks) {
         let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
         quantize_row_spans(Isa::Scalar, &x, dst, span);
     }
     // With the lane sums: one packing serves every format's tile (Q8_0's and Q8_K's AVX-512 tile reads them).
-    let (one, packed) = (&xq[..blocks], PackedActs::pack(&xq, GROUP, blocks, true));
-    let mut out = vec![0f32; GROUP * rows];
+    let (one, group) = (&xq[..blocks], &xq[..GROUP * blocks]);
+    let (packed, packed_prefill) =
+        (PackedActs::pack(group, GROUP, blocks, true), PackedActs::pack(&xq, PREFILL_TOKENS, blocks, true));
+    let mut out = vec![0f32; PREFILL_TOKENS * rows];
     let mut timings = Vec::new();
     let arena = WeightArena::if_supported();
     // The streamed path runs only at an x86 level: without one, no copies (each format's would be discarded).
@@ -185,14 +194,20 @@ pub fn run(cfg: &Config) -> Result<KernelBench> {
             row_bytes: w.len() / rows,
             rows,
             one,
+            group,
             all: &xq,
             packed: &packed,
+            packed_prefill: &packed_prefill,
             repacked,
         };
         let scalar = [(Isa::Scalar, KernelPath::Scalar)];
         let simd = Isa::X86.into_iter().flat_map(|isa| PATHS[..PATHS.len() - 1].iter().map(move |&p| (isa, p)));
         for (isa, path) in simd.chain(scalar) {
-            let tokens = if path == KernelPath::Tile { GROUP } else { 1 };
+            let tokens = match path {
+                KernelPath::Tile => GROUP,
+                KernelPath::Prefill => PREFILL_TOKENS,
+                _ => 1,
+            };
             let bytes = if path == KernelPath::Streamed { m.streamed.len() } else { w.len() };
             let outcome = match pass_seconds(cfg, isa, path, &m, &mut out) {
                 Ok(s) => Outcome::Ran {
@@ -272,17 +287,20 @@ struct Operands<'a> {
     streamed: &'a [u8],
     row_bytes: usize,
     rows: usize,
-    /// One token's blocks, all [`GROUP`] tokens' blocks, and those regrouped for the tile.
+    /// One token's blocks, [`GROUP`] tokens' and [`PREFILL_TOKENS`]' blocks, and the latter two regrouped for
+    /// `qgemm`'s tile.
     one: &'a [Q8Block],
+    group: &'a [Q8Block],
     all: &'a [Q8Block],
     packed: &'a PackedActs,
+    packed_prefill: &'a PackedActs,
     /// The backend's layout for this format, if not the file's: `w` from [`interleaved::pack`].
     repacked: Option<interleaved::Format>,
 }
 
 /// Seconds per pass of `path` with `isa`'s kernels over the matrix (over all its copies for
-/// [`KernelPath::Streamed`]), best of `cfg.samples` timings, or why it cannot run here. `out` holds [`GROUP`] ×
-/// rows floats.
+/// [`KernelPath::Streamed`]), best of `cfg.samples` timings, or why it cannot run here. `out` holds
+/// [`PREFILL_TOKENS`] × rows floats.
 fn pass_seconds(cfg: &Config, isa: Isa, path: KernelPath, m: &Operands<'_>, out: &mut [f32]) -> Result<f64, String> {
     let (w, rb, blocks) = (m.w, m.row_bytes, m.one.len());
     if !isa.supported() {
@@ -317,11 +335,14 @@ fn pass_seconds(cfg: &Config, isa: Isa, path: KernelPath, m: &Operands<'_>, out:
             black_box(&mut *out);
         }),
         #[cfg(target_arch = "x86_64")]
-        KernelPath::Tile => best_time(cfg, || {
-            // SAFETY: `out` holds GROUP × rows floats: outputs t · rows + r for every token t and row r.
-            unsafe { super::qgemm::rows_by_tokens(isa, m.dtype, black_box(w), rb, m.packed, out.as_mut_ptr(), m.rows) };
-            black_box(&mut *out);
-        }),
+        KernelPath::Tile | KernelPath::Prefill => {
+            let acts = if path == KernelPath::Tile { m.packed } else { m.packed_prefill };
+            best_time(cfg, || {
+                // SAFETY: `out` holds PREFILL_TOKENS × rows floats: outputs t · rows + r for every token t and row r.
+                unsafe { super::qgemm::rows_by_tokens(isa, m.dtype, black_box(w), rb, acts, out.as_mut_ptr(), m.rows) };
+                black_box(&mut *out);
+            })
+        }
         #[cfg(target_arch = "x86_64")]
         KernelPath::Scalar => unreachable!("timed above"),
         #[cfg(not(target_arch = "x86_64"))]
@@ -340,12 +361,13 @@ fn repacked_seconds(
     out: &mut [f32],
 ) -> f64 {
     let blocks = m.one.len();
-    let (one, group) = (interleaved::Acts::new(m.one, 1, blocks), interleaved::Acts::new(m.all, GROUP, blocks));
+    let acts = |q| interleaved::Acts::new(q, q.len() / blocks, blocks);
     let run = |isa: Isa, w: &[u8], acts: &interleaved::Acts<'_>, out: &mut [f32]| {
-        // SAFETY: `out` holds GROUP × rows floats: outputs t · rows + r for every token t and row r.
+        // SAFETY: `out` holds PREFILL_TOKENS × rows floats: outputs t · rows + r for every token t and row r.
         unsafe { interleaved::rows_by_tokens(isa, f, black_box(w), m.rows, acts, out.as_mut_ptr(), m.rows) };
         black_box(&mut *out);
     };
+    let one = acts(m.one);
     match path {
         KernelPath::Decode => best_time(cfg, || run(isa, m.w, &one, out)),
         KernelPath::Streamed => best_time(cfg, || {
@@ -353,7 +375,15 @@ fn repacked_seconds(
                 run(isa, copy, &one, out);
             }
         }),
-        KernelPath::Tile => best_time(cfg, || run(isa, m.w, &group, out)),
+        KernelPath::Tile => {
+            let group = acts(m.group);
+            best_time(cfg, || run(isa, m.w, &group, out))
+        }
+        // Made once, as one matmul makes them for all its weights: the timing is the weights'.
+        KernelPath::Prefill => {
+            let all = acts(m.all);
+            best_time(cfg, || run(isa, m.w, &all, out))
+        }
         KernelPath::Scalar => best_time(cfg, || run(Isa::Scalar, m.w, &one, out)),
     }
 }

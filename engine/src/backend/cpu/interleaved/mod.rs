@@ -370,6 +370,9 @@ pub struct Acts<'a> {
     blocks: usize,
     tokens: usize,
     one_scale: bool,
+    /// The values as 16-bit words, made by the first tile that reads them (`words`).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    words: std::sync::OnceLock<Vec<i16>>,
 }
 
 /// Q3_K's start of a half's `vpdpbusd` sum whose activations sum to `h`: `-4·h - 2^14` in the high 16-bit word,
@@ -394,7 +397,13 @@ impl<'a> Acts<'a> {
         let q6k_starts = halves.iter().map(|&[h0, h1]| [-32 * h0, -32 * h1]).collect();
         let one_scale = blocks.is_multiple_of(SUPER_SPAN)
             && q.chunks_exact(SUPER_SPAN).all(|run| run.iter().all(|b| b.d.to_bits() == run[0].d.to_bits()));
-        Acts { q, sums, pairs, sub_pairs, q3k_starts, q6k_starts, blocks, tokens, one_scale }
+        Acts { q, sums, pairs, sub_pairs, q3k_starts, q6k_starts, blocks, tokens, one_scale, words: Default::default() }
+    }
+
+    /// The values as 16-bit words, `QK` per block (made once, by the first caller; the others wait for it).
+    #[cfg(target_arch = "x86_64")]
+    fn words(&self) -> &[i16] {
+        self.words.get_or_init(|| self.q.iter().flat_map(|b| b.qs.map(i16::from)).collect())
     }
 }
 
@@ -446,6 +455,31 @@ unsafe fn rows_by_tokens_with(
             && (acts.one_scale || !is_k(f as u8)),
         "row-group operands do not match"
     );
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && f == Format::Q8_0 && acts.tokens >= words::MIN_TOKENS {
+        let aw = acts.words();
+        let mut scratch = vec![0i16; words::group_words(blocks)];
+        // Each row group widened once, then against every token.
+        for (g, wg) in w.chunks_exact(group_bytes.max(1)).enumerate() {
+            // SAFETY: AVX2 was detected; the group holds `blocks` blocks (asserted above).
+            unsafe { words::widen(wg.as_ptr(), blocks, &mut scratch) };
+            for first in (0..acts.tokens).step_by(words::TOKENS) {
+                let operands = words::Operands {
+                    w: wg.as_ptr(),
+                    words: scratch.as_ptr(),
+                    a: acts.q[first * blocks..].as_ptr(),
+                    aw: aw[first * blocks * QK..].as_ptr(),
+                    blocks,
+                    out: out.wrapping_add(first * stride + g * ROWS),
+                    stride,
+                    rows: (rows - g * ROWS).min(ROWS),
+                };
+                // SAFETY: as for the tiles below; `scratch` holds this group's words and `aw` every token's.
+                unsafe { words::tile((acts.tokens - first).min(words::TOKENS), operands) }
+            }
+        }
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if let Some((tile, per_tile)) = x86::tile_with(isa, f, gfni) {
         let tiles = acts.tokens.div_ceil(per_tile);
@@ -513,6 +547,8 @@ pub fn scalar(f: Format, group: &[u8], a: &[Q8Block]) -> [f32; ROWS] {
 mod kquant;
 #[cfg(target_arch = "x86_64")]
 mod kquant_x86;
+#[cfg(target_arch = "x86_64")]
+mod words;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

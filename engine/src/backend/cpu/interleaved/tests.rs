@@ -133,7 +133,7 @@ fn every_level_gives_the_scalar_bits() -> Result<()> {
                     _ => {}
                 }
                 let packed = pack(f, &file, rows, cols)?;
-                for tokens in [1, 2, 3, 4, 5, 8, 9, 17] {
+                for tokens in [1, 2, 3, 4, 5, 8, 9, 17, 18, 19] {
                     let mut a = acts(&mut rng, f, tokens, blocks);
                     a[0].qs = std::array::from_fn(|l| if l % 4 < 2 { 127 } else { -127 });
                     for (t, q) in [(1, -127), (2, 127)] {
