@@ -66,7 +66,7 @@ pub struct BenchArgs {
     micro_batches_per_stage: Vec<usize>,
     /// Passes over the --local clusters: each runs once per pass, in turn (1, 2, 3, 1, 2, 3, ...), so that a slower
     /// minute of a shared machine hits every cluster alike; the report adds each stage count's median ratio to one
-    /// stage over the passes.
+    /// stage over the passes. With --model alone: prefills timed, one after the other (the median reported).
     #[arg(long, default_value_t = 1, env = "STRATA_BENCH_REPEAT",
         value_parser = RangedU64ValueParser::<usize>::new().range(1..=100))]
     repeat: usize,
@@ -106,7 +106,10 @@ struct Report {
     prompt_tokens: usize,
     decode_tokens: usize,
     batch: usize,
+    /// The median of `prefill_tokens_per_s_samples`.
     prefill_tokens_per_s: f64,
+    /// Each timed prefill's rate (`--repeat` of them).
+    prefill_tokens_per_s_samples: Vec<f64>,
     decode_tokens_per_s_batch1: f64,
     decode_tokens_per_s_batched: f64,
     peak_rss_bytes: u64,
@@ -260,7 +263,7 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
     let vocab = cfg.vocab_size;
 
     // Every step in the backend's context, as a stage's executor runs its batches.
-    let (decode_tokens, batch, prompt_tokens) = (a.decode_tokens, a.batch, a.prompt_tokens);
+    let (decode_tokens, batch, prompt_tokens, prefills) = (a.decode_tokens, a.batch, a.prompt_tokens, a.repeat);
     let (prefill_s, decode1_s, decode_b_s, last_logits) = engine.scoped(|e| -> Result<_> {
         // Warm up caches, page in the weights, and grow the heap to a prompt of the measured length (as llama-bench
         // warms up with the whole prompt): the measured prefill pays no first touch of its temporaries.
@@ -268,11 +271,18 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         e.step(&[SeqChunk { seq_id: 999, start_pos: 0, len: warm.len() }], &warm)?;
         e.release(999);
 
-        // Prefill + batch-1 decode.
+        // Prefill (`prefills` times, the last one's sequence decoded on) + batch-1 decode.
         let prompt = synthetic_prompt(prompt_tokens, vocab, 0);
-        let t = Instant::now();
-        let logits = e.step(&[SeqChunk { seq_id: 0, start_pos: 0, len: prompt.len() }], &prompt)?;
-        let prefill_s = t.elapsed().as_secs_f64();
+        let mut prefill_s = Vec::with_capacity(prefills);
+        let mut logits = Vec::new();
+        for i in 0..prefills {
+            if i > 0 {
+                e.release(0);
+            }
+            let t = Instant::now();
+            logits = e.step(&[SeqChunk { seq_id: 0, start_pos: 0, len: prompt.len() }], &prompt)?;
+            prefill_s.push(t.elapsed().as_secs_f64());
+        }
         let mut next = argmax(&logits[0]);
         let mut last = logits;
         let t = Instant::now();
@@ -306,6 +316,7 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
     let sample_us_greedy = sampling_us(&last_logits, SamplingParams { temperature: 0.0, ..Default::default() });
 
     let cpu_threads = threads_or_cores(threads);
+    let prefill_rates: Vec<f64> = prefill_s.iter().map(|s| a.prompt_tokens as f64 / s).collect();
     let report = Report {
         engine: "strata",
         model: model.display().to_string(),
@@ -317,7 +328,8 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         prompt_tokens: a.prompt_tokens,
         decode_tokens: a.decode_tokens,
         batch: a.batch,
-        prefill_tokens_per_s: a.prompt_tokens as f64 / prefill_s,
+        prefill_tokens_per_s: crate::stats::percentile(&mut prefill_rates.clone(), 0.5).unwrap_or(0.0),
+        prefill_tokens_per_s_samples: prefill_rates,
         decode_tokens_per_s_batch1: a.decode_tokens as f64 / decode1_s,
         decode_tokens_per_s_batched: (a.decode_tokens * a.batch) as f64 / decode_b_s,
         peak_rss_bytes: ProcessMemory::of_self().map_or(0, |m| m.peak),
@@ -349,8 +361,9 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
     );
     println!("| metric | strata | llama.cpp |");
     println!("|---|---:|---:|");
+    let of = if a.repeat > 1 { format!(", median of {}", a.repeat) } else { String::new() };
     println!(
-        "| prefill tok/s ({} tokens) | {:.1} | {} |",
+        "| prefill tok/s ({} tokens{of}) | {:.1} | {} |",
         a.prompt_tokens,
         report.prefill_tokens_per_s,
         base("prefill_tokens_per_s")
