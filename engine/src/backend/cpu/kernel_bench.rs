@@ -166,9 +166,11 @@ pub fn run(cfg: &Config) -> Result<KernelBench> {
         quantize_row_spans(Isa::Scalar, &x, dst, span);
     }
     // With the lane sums: one packing serves every format's tile (Q8_0's and Q8_K's AVX-512 tile reads them).
-    let (one, group) = (&xq[..blocks], &xq[..GROUP * blocks]);
-    let (packed, packed_prefill) =
-        (PackedActs::pack(group, GROUP, blocks, true), PackedActs::pack(&xq, PREFILL_TOKENS, blocks, true));
+    let one = &xq[..blocks];
+    let (packed, packed_prefill) = (
+        PackedActs::pack(&xq[..GROUP * blocks], GROUP, blocks, true),
+        PackedActs::pack(&xq, PREFILL_TOKENS, blocks, true),
+    );
     let mut out = vec![0f32; PREFILL_TOKENS * rows];
     let mut timings = Vec::new();
     let arena = WeightArena::if_supported();
@@ -194,7 +196,6 @@ pub fn run(cfg: &Config) -> Result<KernelBench> {
             row_bytes: w.len() / rows,
             rows,
             one,
-            group,
             all: &xq,
             packed: &packed,
             packed_prefill: &packed_prefill,
@@ -287,10 +288,9 @@ struct Operands<'a> {
     streamed: &'a [u8],
     row_bytes: usize,
     rows: usize,
-    /// One token's blocks, [`GROUP`] tokens' and [`PREFILL_TOKENS`]' blocks, and the latter two regrouped for
-    /// `qgemm`'s tile.
+    /// One token's blocks and [`PREFILL_TOKENS`]' blocks (the tile's [`GROUP`] their first), and the tile's and
+    /// the prefill's regrouped for `qgemm`'s tile.
     one: &'a [Q8Block],
-    group: &'a [Q8Block],
     all: &'a [Q8Block],
     packed: &'a PackedActs,
     packed_prefill: &'a PackedActs,
@@ -376,7 +376,7 @@ fn repacked_seconds(
             }
         }),
         KernelPath::Tile => {
-            let group = acts(m.group);
+            let group = acts(&m.all[..GROUP * blocks]);
             best_time(cfg, || run(isa, m.w, &group, out))
         }
         // Made once, as one matmul makes them for all its weights: the timing is the weights'.

@@ -14,8 +14,6 @@ use std::arch::x86_64::*;
 
 /// Tokens from which the driver widens (below, batched decode, the widening would cost more than it saves).
 pub(super) const MIN_TOKENS: usize = 16;
-/// Tokens per tile call: 8 float accumulators, 4 integer sums, the weights' register and a broadcast.
-pub(super) const TOKENS: usize = 4;
 
 /// 16-bit words one row group of `blocks` blocks widens to: per block, per half of 8 rows, per pair of columns
 /// `(2p, 2p + 1)`, the 8 rows' two words, row by row.
@@ -70,7 +68,8 @@ pub(super) struct Operands {
     pub rows: usize,
 }
 
-/// The row group against `tokens` (1..=[`TOKENS`]) tokens.
+/// The row group against `tokens` (1..=[`super::TOKENS_256`]: 8 float accumulators, 4 integer sums, the weights'
+/// register and a broadcast) tokens.
 ///
 /// # Safety
 /// AVX2, FMA and F16C; `o.w` points at `o.blocks` blocks and `o.words` at their [`widen`]ed words; `o.a` and
