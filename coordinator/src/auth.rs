@@ -31,7 +31,7 @@ use crate::{Error, Result};
 pub struct ApiKey(String);
 
 impl ApiKey {
-    /// A key; [`ApiKey::check`] says whether it is usable.
+    /// A key; `ApiKey::check` says whether it is usable.
     pub fn new(key: impl Into<String>) -> Self {
         ApiKey(key.into())
     }

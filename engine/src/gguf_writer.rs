@@ -1,6 +1,6 @@
 //! Writing GGUF files (version 3): metadata, the tensor directory, then each tensor's data, asked of the caller
 //! one tensor at a time so that a converted model is never held whole in memory. `strata convert --to gguf` and
-//! the test-model builders in [`crate::testing`] both write through it; [`crate::loader::gguf`] reads it back.
+//! the test-model builders in `crate::testing` both write through it; [`crate::loader::gguf`] reads it back.
 
 use std::io::{BufWriter, Write};
 use std::path::Path;

@@ -117,7 +117,7 @@ pub enum Bytes {
     Arena(ArenaWindow),
 }
 
-/// A written, frozen window of a shared anonymous mapping; only [`ArenaWindow::new`] makes one, so a window
+/// A written, frozen window of a shared anonymous mapping; only `ArenaWindow::new` makes one, so a window
 /// always lies inside its map.
 #[derive(Clone)]
 pub struct ArenaWindow {

@@ -79,7 +79,7 @@ pub struct Args {
     /// etcd TLS and user.
     #[command(flatten)]
     etcd_access: EtcdArgs,
-    /// Cluster name: the worker registers under /strata/<cluster>/ in etcd.
+    /// Cluster name: the worker registers under `/strata/<cluster>/` in etcd.
     #[arg(long, env = "STRATA_CLUSTER", default_value = "default")]
     cluster: String,
     /// How long to keep trying to reach etcd at start, in milliseconds.

@@ -57,7 +57,7 @@ pub struct WorkerConfig {
     #[serde(default)]
     pub cpu_isa: CpuIsa,
     /// KV cache capacity in blocks; `None`: whatever the memory budget leaves after the weights and a profiling
-    /// batch (see [`crate::memory`]).
+    /// batch (see `crate::memory`).
     #[serde(default)]
     pub kv_blocks: Option<usize>,
     /// Memory the worker may hold on the CPU, in bytes: resident pages of the whole process, mapped weights

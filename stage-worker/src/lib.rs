@@ -2,7 +2,7 @@
 //! gRPC service. Micro-batches run on a single executor thread that owns the weights and the KV cache;
 //! outputs stream to the next stage over one long-lived `Forward` stream, and the last stage samples.
 //! Without a layer range, a worker registers with etcd (or the embedded registry) and serves what the
-//! coordinator's plan assigns it ([`registration`]).
+//! coordinator's plan assigns it (`registration`).
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), strata_stage_worker::Error> {

@@ -266,7 +266,7 @@ pub fn reference(model: &Path, threads: usize, prompt_ids: &[u32], max_tokens: u
     reference_sampled(model, threads, prompt_ids, max_tokens, SamplingParams::default())
 }
 
-/// [`reference`] with other sampling settings.
+/// [`reference()`] with other sampling settings.
 pub fn reference_sampled(
     model: &Path,
     threads: usize,

@@ -1,11 +1,11 @@
 //! The data path: one actor that owns a long-lived `Forward` stream to stage 0 and schedules every sequence.
 //!
 //! Requests wait in a bounded queue (full: `RESOURCE_EXHAUSTED`) and join the running set when the KV cache of
-//! the tightest stage has room for them ([`kv_budget`]). Every loop iteration packs the running sequences' next
+//! the tightest stage has room for them (`kv_budget`). Every loop iteration packs the running sequences' next
 //! steps (prompt chunks of at most `max_batch_tokens`, then one-token decode steps) into micro-batches, so that
 //! up to 2 per stage (stages + 1 = 2 for a single stage) are in flight, each an equal share of the running set, and
 //! no stage waits while work exists; each response feeds the sampled tokens back (EOS, `max_tokens` and stop strings
-//! are checked in [`output`]) and streams them to the callers. When the KV cache is full the youngest running sequence is
+//! are checked in `output`) and streams them to the callers. When the KV cache is full the youngest running sequence is
 //! preempted: released on every stage and later recomputed from its prompt and the tokens it already produced.
 //! Finished, cancelled and failed sequences are released on every stage once no batch of theirs is in flight.
 //!
@@ -16,10 +16,10 @@
 //! `UNAVAILABLE`) only when none is found within the recovery timeout. A new plan epoch abandons the batches in
 //! flight and requeues every active sequence likewise (its callers see no error), then connects to the new stages.
 //!
-//! Who owns what: [`scheduler`] is the policy and its bookkeeping, synchronous and without I/O (queue, running set,
-//! KV budget, batches in flight → effects); [`output`] turns a sequence's sampled tokens into events (detokenizing,
-//! stop strings, EOS and `max_tokens`); [`actor`] is the task around them (the `select!` loop, the stream and
-//! client, the callers' channels, metrics); [`link`] connects to a plan's stages.
+//! Who owns what: `scheduler` is the policy and its bookkeeping, synchronous and without I/O (queue, running set,
+//! KV budget, batches in flight → effects); `output` turns a sequence's sampled tokens into events (detokenizing,
+//! stop strings, EOS and `max_tokens`); `actor` is the task around them (the `select!` loop, the stream and
+//! client, the callers' channels, metrics); `link` connects to a plan's stages.
 //!
 //! The actor runs on a thread of its own with a current-thread runtime, which also carries everything it spawns:
 //! its connections to the stages, their `Forward` and `Answers` streams, and releases. So an answer is read, the

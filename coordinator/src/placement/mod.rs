@@ -5,7 +5,7 @@
 //! besides ([`ModelShape::stage_overhead_bytes`]), plus the embeddings on the first stage and the head and logits
 //! on the last. A node whose share rounds to zero gets no stage. When the model does not fit resident, nodes that
 //! can offload take more layers than fit, keeping the rest paged in from a slower tier, and the split minimises
-//! the slowest stage counting offloaded layers at their measured speed (see [`shares`]).
+//! the slowest stage counting offloaded layers at their measured speed (see `shares`).
 //!
 //! Replanning ([`plan_from`]) keeps the pipeline order of the plan in effect and inserts each new node where it
 //! makes the fewest layers load, so a join or a departure moves as few layers as the balance allows.

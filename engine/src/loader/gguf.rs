@@ -333,7 +333,7 @@ fn unpermute_rows(rows: usize, heads: usize) -> Vec<usize> {
     src
 }
 
-/// The inverse of [`unpermute_rows`], for writing: GGUF row `i` is Hugging Face row `order[i]`.
+/// The inverse of `unpermute_rows`, for writing: GGUF row `i` is Hugging Face row `order[i]`.
 pub fn gguf_row_order(rows: usize, heads: usize) -> Vec<usize> {
     let mut order = vec![0; rows];
     for (hf, gguf) in unpermute_rows(rows, heads).into_iter().enumerate() {

@@ -3,7 +3,7 @@
 //! real decode step; the 8-token tile of batched decode; 64 tokens, as prefill) at every x86 instruction-set level this CPU
 //! has (the others reported as not run), and the scalar oracle, over one random matrix; and one decode step's
 //! attention at a short and a long context. The 32-element formats are timed in the layout the backend keeps them in
-//! ([`interleaved`]).
+//! (`interleaved`).
 //! docs/performance.md's kernel numbers.
 
 use std::hint::black_box;

@@ -56,7 +56,7 @@ pub struct CpuMatrix {
 pub enum Layout {
     /// Row after row, GGML blocks for quantized types (as a file has them).
     Rows,
-    /// The 32-element block formats in groups of 16 rows side by side ([`interleaved`]), as resident and
+    /// The 32-element block formats in groups of 16 rows side by side (`interleaved`), as resident and
     /// offloaded Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights are kept.
     Interleaved(interleaved::Format),
 }
@@ -173,8 +173,8 @@ impl Backend for CpuBackend {
         self.pool.install(f)
     }
 
-    /// Resident weights are copied into huge pages where the system has them ([`arena`]); those of the 32-element
-    /// block formats are repacked ([`interleaved`]) on the way.
+    /// Resident weights are copied into huge pages where the system has them (`arena`); those of the 32-element
+    /// block formats are repacked (`interleaved`) on the way.
     fn upload_matrix(&self, t: &HostTensor) -> Result<CpuMatrix> {
         if let Some((m, f)) = to_repack(t)? {
             let file = t.bytes.as_slice();
@@ -213,7 +213,7 @@ impl Backend for CpuBackend {
     }
 
     /// Offloaded matrices page in from their file on use and out after their layer ([`Backend::release_layer`]);
-    /// ones converted at load or repacked ([`interleaved`]: no file holds them in that form) are first written to
+    /// ones converted at load or repacked (`interleaved`: no file holds them in that form) are first written to
     /// a temporary file in `TMPDIR`.
     fn upload_matrix_offloaded(&self, t: &HostTensor) -> Result<CpuMatrix> {
         if let Some((m, f)) = to_repack(t)? {

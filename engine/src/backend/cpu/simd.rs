@@ -107,7 +107,7 @@ pub fn dot_quant(isa: Isa, dtype: DType, w: &[u8], xq: &[Q8Block], blocks: usize
 /// Dot products of `out.len()` consecutive quantized weight rows (`row_bytes` apart) with ONE activation row,
 /// each computed exactly as [`dot_quant`] computes it: the decode path.
 ///
-/// Row after row, each by the one-row kernel, which prefetches [`x86::PREFETCH_BYTES`] ahead: decode streams
+/// Row after row, each by the one-row kernel, which prefetches `x86::PREFETCH_BYTES` ahead: decode streams
 /// every weight from memory once per step, and one ordered stream is what the prefetchers follow best. Kernels
 /// that took 4 or 8 rows at a time (loading each activation block once for all of them) were faster with the
 /// weights in cache but 1.2× slower in SmolLM2's batch-1 decode (docs/performance.md, 2026-12-03).

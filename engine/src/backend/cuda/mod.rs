@@ -4,9 +4,9 @@
 //!   sm_80+, f16 below; f32 for parity tests); the KV cache may be Q8_0 blocks instead (`--kv-dtype q8_0`). Float weights are converted to it on upload so cuBLAS runs one
 //!   type; block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) stay in their
 //!   blocks and run through the `gemv_*`/`gemm_*`/`dequantize_*`/`embedding_*` kernels named after the format
-//!   ([`quant`]); a block format without those kernels (Q8_K, or one the CPU backend gains first) is refused at
+//!   (`quant`); a block format without those kernels (Q8_K, or one the CPU backend gains first) is refused at
 //!   upload, naming the format.
-//! - Work runs on one compute stream; a second stream copies offloaded layers in (see [`staging`]). cudarc's
+//! - Work runs on one compute stream; a second stream copies offloaded layers in (see `staging`). cudarc's
 //!   automatic per-buffer event tracking is off: every buffer is allocated, used and freed on the compute
 //!   stream, and the only cross-stream traffic (weight staging) is ordered by explicit events.
 //! - Activations enter and leave through pinned host buffers.
