@@ -315,7 +315,8 @@ impl<B: Backend> StageModel<B> {
         input: StageInput<'_, B>,
         rows: LogitRows,
     ) -> Result<B::Act> {
-        self.backend.scope(|| self.forward_inner(kv, chunks, input, rows))
+        let tokens = chunks.iter().map(|c| c.len).sum();
+        self.backend.scope_pass(tokens, || self.forward_inner(kv, chunks, input, rows))
     }
 
     /// The offloaded layer to prefetch while layer `index` runs: the next one, wrapping to the first offloaded

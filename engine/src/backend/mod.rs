@@ -66,6 +66,12 @@ pub trait Backend: Send + Sync + 'static {
     fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         f()
     }
+    /// As [`Backend::scope`], for one forward pass over `tokens` tokens: the CPU backend keeps its other threads
+    /// busy between the pass's parallel regions when the pass is long enough to repay it.
+    fn scope_pass<R: Send>(&self, tokens: usize, f: impl FnOnce() -> R + Send) -> R {
+        let _ = tokens;
+        self.scope(f)
+    }
     /// Rejects a model this backend cannot run (e.g. a head width its kernels lack), before anything loads.
     fn check_model(&self, cfg: &ModelConfig) -> Result<()> {
         let _ = cfg;

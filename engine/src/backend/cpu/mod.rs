@@ -14,6 +14,7 @@ mod kv;
 mod matmul;
 mod qgemm;
 pub mod simd;
+mod spin;
 #[cfg(target_arch = "x86_64")]
 mod unpack;
 
@@ -171,6 +172,14 @@ impl Backend for CpuBackend {
 
     fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
+    }
+
+    fn scope_pass<R: Send>(&self, tokens: usize, f: impl FnOnce() -> R + Send) -> R {
+        if tokens >= spin::MIN_TOKENS && self.threads > 1 {
+            spin::while_running(&self.pool, f)
+        } else {
+            self.pool.install(f)
+        }
     }
 
     /// Resident weights are copied into huge pages where the system has them (`arena`); those of the 32-element
