@@ -22,13 +22,17 @@ pub(super) fn while_running<R: Send>(pool: &rayon::ThreadPool, f: impl FnOnce() 
         let done = AtomicBool::new(false);
         let caller = rayon::current_thread_index();
         rayon::scope(|s| {
-            s.spawn_broadcast(|_, ctx| {
-                // The caller's own copy returns at once: it runs `f`, and a copy it picks up while waiting inside
-                // `f` must not keep it from returning.
-                if Some(ctx.index()) != caller {
-                    spin(&done);
-                }
-            });
+            // One spinner per other thread, as ordinary jobs: an idle thread steals one, and a thread that is busy
+            // or blocked elsewhere (a second pass on the same pool, a thread waiting outside rayon) does not hold
+            // the pass up, as a job broadcast to every thread would. The caller returns from one it picks up
+            // itself: it runs `f`, and must not spin inside it.
+            for _ in 1..rayon::current_num_threads() {
+                s.spawn(|_| {
+                    if rayon::current_thread_index() != caller {
+                        spin(&done);
+                    }
+                });
+            }
             // Set on unwinding too: the scope waits for the spinners before it passes a panic on.
             let _stop = Stop(&done);
             f()
@@ -95,6 +99,24 @@ mod tests {
         }));
         assert!(r.is_err());
         assert_eq!(pool.install(|| 7), 7, "the pool still runs work");
+    }
+
+    #[test]
+    fn a_thread_blocked_elsewhere_does_not_hold_the_pass_up() {
+        let pool = std::sync::Arc::new(pool(2));
+        // One of the two threads waits outside rayon until the pass has returned.
+        let (release, blocked) = std::sync::mpsc::channel::<()>();
+        pool.spawn(move || {
+            let _ = blocked.recv();
+        });
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = std::sync::Arc::clone(&pool);
+        std::thread::spawn(move || {
+            let _ = tx.send(while_running(&p, || (0..1000u32).into_par_iter().sum::<u32>()));
+        });
+        let sum = rx.recv_timeout(std::time::Duration::from_secs(20));
+        release.send(()).expect("release");
+        assert_eq!(sum, Ok((0..1000u32).sum::<u32>()), "the pass returned while the other thread was blocked");
     }
 
     #[test]
