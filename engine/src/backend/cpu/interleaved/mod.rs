@@ -473,7 +473,7 @@ unsafe fn rows_by_tokens_with(
         for (g, wg) in w.chunks_exact(group_bytes.max(1)).enumerate() {
             // SAFETY: AVX2 was detected; the group holds `blocks` blocks (asserted above).
             unsafe { words::widen(wg.as_ptr(), blocks, &mut scratch) };
-            for first in (0..acts.tokens).step_by(TOKENS_256) {
+            for first in (0..acts.tokens).step_by(words::TOKENS) {
                 let operands = words::Operands {
                     w: wg.as_ptr(),
                     words: scratch.as_ptr(),
@@ -485,7 +485,7 @@ unsafe fn rows_by_tokens_with(
                     rows: (rows - g * ROWS).min(ROWS),
                 };
                 // SAFETY: as for the tiles below; `scratch` holds this group's words and `aw` every token's.
-                unsafe { words::tile((acts.tokens - first).min(TOKENS_256), operands) }
+                unsafe { words::tile((acts.tokens - first).min(words::TOKENS), operands) }
             }
         }
         return;
