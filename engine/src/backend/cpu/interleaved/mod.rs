@@ -24,6 +24,9 @@ const TOKENS_512: usize = 8;
 const TOKENS_256: usize = 4;
 /// Activation bytes (blocks and their sums) one run of tokens may occupy: half of a 32 KiB L1 data cache.
 const L1_ACT_BYTES: usize = 16 * 1024;
+/// Tokens from which the 256-bit levels unpack a 5-bit row group's values once for all of them (`x86::expand`),
+/// not in each tile of 4.
+const EXPAND_TOKENS: usize = 16;
 
 /// A format this layout holds, as a const parameter of the kernels.
 #[allow(non_camel_case_types)]
@@ -492,6 +495,33 @@ unsafe fn rows_by_tokens_with(
     }
     #[cfg(target_arch = "x86_64")]
     if let Some((tile, per_tile)) = x86::tile_with(isa, f, gfni) {
+        let operands = |g: usize, wg: &[u8], first: usize, values: &[u8]| x86::Operands {
+            w: wg.as_ptr(),
+            values: if values.is_empty() { std::ptr::null() } else { values.as_ptr() },
+            a: acts.q[first * blocks..].as_ptr(),
+            sums: acts.sums[first * blocks..].as_ptr(),
+            pairs: acts.pairs[first * blocks..].as_ptr(),
+            sub_pairs: acts.sub_pairs[first * blocks..].as_ptr(),
+            q3k_starts: acts.q3k_starts[first * blocks..].as_ptr(),
+            q6k_starts: acts.q6k_starts[first * blocks..].as_ptr(),
+            blocks,
+            out: out.wrapping_add(first * stride + g * ROWS),
+            stride,
+            rows: (rows - g * ROWS).min(ROWS),
+        };
+        if matches!(isa, Isa::Avx2 | Isa::AvxVnni) && five(f as u8) && acts.tokens >= EXPAND_TOKENS {
+            let mut values = vec![0u8; x86::expanded_len(blocks)];
+            // Each row group unpacked once, then against every token.
+            for (g, wg) in w.chunks_exact(group_bytes.max(1)).enumerate() {
+                // SAFETY: AVX2 was detected (both levels have it); the group holds `blocks` blocks of `f`.
+                unsafe { x86::expand(f, wg.as_ptr(), blocks, &mut values) };
+                for first in (0..acts.tokens).step_by(per_tile) {
+                    // SAFETY: as below; `values` holds this group's values, expanded.
+                    unsafe { tile((acts.tokens - first).min(per_tile), operands(g, wg, first, &values)) }
+                }
+            }
+            return;
+        }
         let tiles = acts.tokens.div_ceil(per_tile);
         // Token tiles are visited in runs that fit in L1, all row groups per run (see `qgemm::rows_by_tokens`).
         let tile_bytes = per_tile * blocks * (std::mem::size_of::<Q8Block>() + 4);
@@ -500,23 +530,10 @@ unsafe fn rows_by_tokens_with(
             for (g, wg) in w.chunks_exact(group_bytes.max(1)).enumerate() {
                 for tile_index in t0..(t0 + run).min(tiles) {
                     let first = tile_index * per_tile;
-                    let operands = x86::Operands {
-                        w: wg.as_ptr(),
-                        a: acts.q[first * blocks..].as_ptr(),
-                        sums: acts.sums[first * blocks..].as_ptr(),
-                        pairs: acts.pairs[first * blocks..].as_ptr(),
-                        sub_pairs: acts.sub_pairs[first * blocks..].as_ptr(),
-                        q3k_starts: acts.q3k_starts[first * blocks..].as_ptr(),
-                        q6k_starts: acts.q6k_starts[first * blocks..].as_ptr(),
-                        blocks,
-                        out: out.wrapping_add(first * stride + g * ROWS),
-                        stride,
-                        rows: (rows - g * ROWS).min(ROWS),
-                    };
                     // SAFETY: the level was detected; the group holds `blocks` blocks of `f`, tokens from `first`
                     // have `blocks` blocks and sums each (asserted above), and the caller vouches for the outputs
                     // (first + t, 16g + r) for r below the group's rows.
-                    unsafe { tile((acts.tokens - first).min(per_tile), operands) }
+                    unsafe { tile((acts.tokens - first).min(per_tile), operands(g, wg, first, &[])) }
                 }
             }
         }

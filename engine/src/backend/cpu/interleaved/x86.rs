@@ -11,10 +11,13 @@ use std::arch::x86_64::*;
 
 /// One tile's operands: `rows` (≤ 16) rows of the group at `w` (`blocks` blocks of 32 columns) against tokens
 /// at `a` with their sums at `sums`, their halves' at `pairs`, `q3k_starts` and `q6k_starts`, and pairs of
-/// their sums at `sub_pairs` (`blocks` each, as `Acts` holds them), into `out + t·stride + r`.
+/// their sums at `sub_pairs` (`blocks` each, as `Acts` holds them), into `out + t·stride + r`. For the 5-bit
+/// formats at the 256-bit levels `values` may hold the group's values [`expand`]ed to bytes (else null: the tile
+/// unpacks them itself).
 #[derive(Clone, Copy)]
 pub struct Operands {
     pub w: *const u8,
+    pub values: *const u8,
     pub a: *const Q8Block,
     pub sums: *const i32,
     pub pairs: *const i32,
@@ -221,20 +224,25 @@ unsafe fn halves<const V: u8, const T: usize, const F: u8>(o: Operands) {
                 continue;
             }
             for (h, acc) in acc.iter_mut().enumerate() {
-                half_block::<V, T, F>(h, w.add(b * block_bytes(F)), b, o, acc);
+                if five(F) && !o.values.is_null() {
+                    half_block::<V, T, F, true>(h, w.add(b * block_bytes(F)), b, o, acc);
+                } else {
+                    half_block::<V, T, F, false>(h, w.add(b * block_bytes(F)), b, o, acc);
+                }
             }
         }
         store256(&acc, out, stride, rows);
     }
 }
 
-/// Half `h` (rows `8h..8h + 8`) of block `b` at `blk` into its accumulators.
+/// Half `h` (rows `8h..8h + 8`) of block `b` at `blk` into its accumulators; its values from `o.values` where
+/// `EXPANDED`.
 ///
 /// # Safety
 /// As for [`halves`]; half h's scales, minimums and values are the second 16 or 32 bytes of each, its fifth
 /// bits the second 4 bytes of each group's 8.
 #[inline(always)]
-unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
+unsafe fn half_block<const V: u8, const T: usize, const F: u8, const EXPANDED: bool>(
     h: usize,
     blk: *const u8,
     b: usize,
@@ -244,7 +252,6 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
     let Operands { a, sums, blocks, .. } = o;
     // SAFETY (whole body): the caller's ranges.
     unsafe {
-        let low = _mm256_set1_epi8(0x0f);
         let mut sum = [_mm256_setzero_si256(); T];
         // Q8_0 without VNNI sums the signed weights directly, from zero.
         if bias(F) != 0 && !(V == AVX2 && F == Q8_0) {
@@ -260,15 +267,13 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
             }
         } else {
             for j in 0..QK / 8 {
-                let line = _mm256_loadu_si256(v.add(j * 4 * ROWS) as *const __m256i);
-                let mut lo = _mm256_and_si256(line, low);
-                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(line), low);
-                if five(F) {
-                    let bits = blk.add(high_bits_at(F) + 4 * h);
-                    lo = _mm256_or_si256(lo, fifth256(bits.add(8 * j)));
-                    hi = _mm256_or_si256(hi, fifth256(bits.add(8 * (j + 4))));
-                }
-                dots256_pair::<V, T, F>(&mut sum, [lo, hi], [j, j + 4], a, blocks, b);
+                let lohi = if EXPANDED {
+                    let at = o.values.add(expanded_at(b, h, j)) as *const __m256i;
+                    [_mm256_loadu_si256(at), _mm256_loadu_si256(at.add(4))]
+                } else {
+                    unpack::<F>(blk, h, j)
+                };
+                dots256_pair::<V, T, F>(&mut sum, lohi, [j, j + 4], a, blocks, b);
             }
         }
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * h) as *const __m128i));
@@ -282,6 +287,78 @@ unsafe fn half_block<const V: u8, const T: usize, const F: u8>(
             *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_mul_ps(dw, _mm256_set1_ps(ab.d)), *acc);
             if has_min(F) {
                 *acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(ab.s), *acc);
+            }
+        }
+    }
+}
+
+/// Half `h`'s values of group lines `j` and `j + 4` of the 4/5-bit block at `blk` (each line's low nibbles the
+/// first, its high ones the second), as bytes.
+///
+/// # Safety
+/// AVX2; `blk` points at a block of format `F`.
+#[inline(always)]
+unsafe fn unpack<const F: u8>(blk: *const u8, h: usize, j: usize) -> [__m256i; 2] {
+    // SAFETY: forwarded; a block holds its values and fifth bits where `values_at` and `high_bits_at` say.
+    unsafe {
+        let low = _mm256_set1_epi8(0x0f);
+        let line = _mm256_loadu_si256(blk.add(values_at(F) + 32 * h + j * 4 * ROWS) as *const __m256i);
+        let mut lo = _mm256_and_si256(line, low);
+        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(line), low);
+        if five(F) {
+            let bits = blk.add(high_bits_at(F) + 4 * h);
+            lo = _mm256_or_si256(lo, fifth256(bits.add(8 * j)));
+            hi = _mm256_or_si256(hi, fifth256(bits.add(8 * (j + 4))));
+        }
+        [lo, hi]
+    }
+}
+
+/// Where [`expand`] puts the 32 bytes of block `b`'s half `h`, group line `j` (0..4; its high nibbles' group
+/// 128 bytes on).
+const fn expanded_at(b: usize, h: usize, j: usize) -> usize {
+    ((2 * b + h) * 8 + j) * 32
+}
+
+/// Bytes [`expand`] writes for a row group of `blocks` blocks.
+pub(super) const fn expanded_len(blocks: usize) -> usize {
+    blocks * ROWS * QK
+}
+
+/// The row group at `w` (`blocks` blocks of the 5-bit format `f`) with its values unpacked to bytes into `out`,
+/// once for many tokens: unpacking a 5-bit group (its fifth bits spread over the bytes) costs as many
+/// instructions as its products with 4 tokens, which prefill's tiles would repeat for every 4 tokens.
+///
+/// # Safety
+/// AVX2; `w` points at `blocks` blocks of `f`, which is Q5_0 or Q5_1.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn expand(f: Format, w: *const u8, blocks: usize, out: &mut [u8]) {
+    assert!(out.len() >= expanded_len(blocks) && five(f as u8), "expanded values");
+    // SAFETY: forwarded; `out` holds them (asserted).
+    unsafe {
+        match f {
+            Format::Q5_0 => expand_f::<{ Format::Q5_0 as u8 }>(w, blocks, out),
+            _ => expand_f::<{ Format::Q5_1 as u8 }>(w, blocks, out),
+        }
+    }
+}
+
+/// [`expand`] for format `F`.
+///
+/// # Safety
+/// As for [`expand`].
+#[inline(always)]
+unsafe fn expand_f<const F: u8>(w: *const u8, blocks: usize, out: &mut [u8]) {
+    // SAFETY (whole body): the caller's blocks; `out` holds `expanded_len(blocks)` bytes.
+    unsafe {
+        for b in 0..blocks {
+            for h in 0..2 {
+                for j in 0..QK / 8 {
+                    let [lo, hi] = unpack::<F>(w.add(b * block_bytes(F)), h, j);
+                    let at = out.as_mut_ptr().add(expanded_at(b, h, j)) as *mut __m256i;
+                    _mm256_storeu_si256(at, lo);
+                    _mm256_storeu_si256(at.add(4), hi);
+                }
             }
         }
     }
