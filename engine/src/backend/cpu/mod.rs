@@ -148,14 +148,25 @@ fn same_shape(op: &'static str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
 
 /// RMSNorm of every consecutive `w.len()`-wide slice of `x` (a whole row, or one head of it); the caller has
 /// checked that the slices tile the rows.
-fn rms_norm_slices(x: &CpuTensor, w: &[f32], eps: f32) -> CpuTensor {
+/// Rows from which [`rms_norm_slices`] splits them among the pool's threads (a prompt's; one row's sum of squares
+/// is a serial chain of float adds, ~0.5 µs for 576 columns, too short to share out for a decode step's few).
+const PARALLEL_NORM_ROWS: usize = spin::MIN_TOKENS;
+
+/// Each `w.len()`-long slice of `x` (a row, or a head of one) over its root mean square, times `w`. Slices are
+/// independent, so splitting them among threads changes no bit.
+fn rms_norm_slices(pool: &rayon::ThreadPool, x: &CpuTensor, w: &[f32], eps: f32) -> CpuTensor {
     let mut out = vec![0f32; x.data.len()];
-    for (dst, src) in out.chunks_exact_mut(w.len()).zip(x.data.chunks_exact(w.len())) {
+    let norm = |(dst, src): (&mut [f32], &[f32])| {
         let ss: f32 = src.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
         let inv = 1.0 / (ss + eps).sqrt();
         for ((d, s), w) in dst.iter_mut().zip(src).zip(w) {
             *d = s * inv * w;
         }
+    };
+    if x.rows >= PARALLEL_NORM_ROWS {
+        pool.install(|| out.par_chunks_mut(w.len()).zip(x.data.par_chunks(w.len())).with_min_len(8).for_each(norm));
+    } else {
+        out.chunks_exact_mut(w.len()).zip(x.data.chunks_exact(w.len())).for_each(norm);
     }
     CpuTensor { data: out, rows: x.rows, cols: x.cols }
 }
@@ -283,7 +294,7 @@ impl Backend for CpuBackend {
         if w.len() != x.cols {
             return Err(Error::Shape { op: "rms_norm", reason: format!("weight {} for {} columns", w.len(), x.cols) });
         }
-        Ok(rms_norm_slices(x, w, eps))
+        Ok(rms_norm_slices(&self.pool, x, w, eps))
     }
 
     fn rms_norm_heads(&self, x: &CpuTensor, w: &Vec<f32>, eps: f32) -> Result<CpuTensor> {
@@ -293,7 +304,7 @@ impl Backend for CpuBackend {
                 reason: format!("heads of {} do not tile {} columns", w.len(), x.cols),
             });
         }
-        Ok(rms_norm_slices(x, w, eps))
+        Ok(rms_norm_slices(&self.pool, x, w, eps))
     }
 
     fn linear(&self, x: &CpuTensor, w: &CpuMatrix, bias: Option<&Vec<f32>>) -> Result<CpuTensor> {
