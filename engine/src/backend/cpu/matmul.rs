@@ -74,6 +74,11 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
     let tiles_read = |span: usize| jobs.iter().any(|(w, _)| w.layout.interleaved().is_some() && span_of(w) == span);
     let acts = tiles_read(1).then(|| interleaved::Acts::new(&xq, m, blocks));
     let acts_k = tiles_read(interleaved::SUPER_SPAN).then(|| interleaved::Acts::new(&xk, m, blocks));
+    for f in jobs.iter().filter_map(|(w, _)| w.layout.interleaved()) {
+        if let Some(acts) = if f.act_span() == 1 { &acts } else { &acts_k } {
+            acts.prepare(isa, f);
+        }
+    }
     // Final [m, n] outputs, written in place by tasks that each own a disjoint range of rows (output columns).
     let mut outs: Vec<Vec<f32>> = jobs.iter().map(|(w, _)| vec![0f32; m * w.rows]).collect();
     let total_rows: usize = jobs.iter().map(|(w, _)| w.rows).sum();

@@ -386,12 +386,21 @@ pub(super) fn q3k_start(h: i32) -> i32 {
     ((-4 * h - (1 << 14)) << 16) + (1 << 14)
 }
 
+/// Blocks from which [`Acts`] are made by the pool's threads together (a prompt's: 32 tokens of 576 columns), not
+/// by the caller while the others wait.
+const PARALLEL_BLOCKS: usize = 32 * 18;
+
+/// `f` of each block of `q`, in order: split among the current pool's threads from [`PARALLEL_BLOCKS`] blocks.
+fn per_block<T: Send>(q: &[Q8Block], f: impl Fn(&Q8Block) -> T + Sync + Send) -> Vec<T> {
+    if q.len() >= PARALLEL_BLOCKS { q.par_iter().with_min_len(64).map(f).collect() } else { q.iter().map(f).collect() }
+}
+
 impl<'a> Acts<'a> {
     /// `q` holds `tokens` rows of `blocks` blocks, back to back.
     pub fn new(q: &'a [Q8Block], tokens: usize, blocks: usize) -> Self {
         let q = &q[..tokens * blocks];
         let half = |b: &Q8Block, h: usize| b.qs[16 * h..16 * h + 16].iter().map(|&v| i32::from(v)).sum::<i32>();
-        let halves: Vec<[i32; 2]> = q.iter().map(|b| [half(b, 0), half(b, 1)]).collect();
+        let halves: Vec<[i32; 2]> = per_block(q, |b| [half(b, 0), half(b, 1)]);
         let sums: Vec<i32> = halves.iter().map(|[a, b]| a + b).collect();
         let pairs = halves.iter().map(|&[h0, h1]| (h0 & 0xffff) | (h1 << 16)).collect();
         let next = |i: usize| if !(i + 1).is_multiple_of(blocks.max(1)) { sums[i + 1] } else { 0 };
@@ -403,6 +412,18 @@ impl<'a> Acts<'a> {
         Acts { q, sums, pairs, sub_pairs, q3k_starts, q6k_starts, blocks, tokens, one_scale, words: Default::default() }
     }
 
+    /// Makes now what the tiles of `isa` for format `f` will read and [`Acts::new`] did not (the 16-bit words of
+    /// Q8_0's prefill at the AVX2 level), with the pool's threads, before a parallel region whose first tile would
+    /// otherwise make them while the other threads wait.
+    pub fn prepare(&self, isa: Isa, f: Format) {
+        #[cfg(target_arch = "x86_64")]
+        if reads_words(isa, f, self.tokens) {
+            self.words();
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (isa, f);
+    }
+
     /// The values as 16-bit words, `QK` per block (made once, by the first caller; the others wait for it).
     #[cfg(target_arch = "x86_64")]
     fn words(&self) -> &[i16] {
@@ -410,14 +431,27 @@ impl<'a> Acts<'a> {
             // Block by block into a sized buffer: a loop the compiler widens 32 bytes at a time (collecting a
             // flat_map pushed one word at a time, ~2 % of an AVX2-level prefill while the other threads waited).
             let mut words = vec![0i16; self.q.len() * QK];
-            for (dst, b) in words.chunks_exact_mut(QK).zip(self.q) {
-                for (d, &v) in dst.iter_mut().zip(&b.qs) {
-                    *d = i16::from(v);
+            let widen = |(dst, q): (&mut [i16], &[Q8Block])| {
+                for (dst, b) in dst.chunks_exact_mut(QK).zip(q) {
+                    for (d, &v) in dst.iter_mut().zip(&b.qs) {
+                        *d = i16::from(v);
+                    }
                 }
+            };
+            if self.q.len() >= PARALLEL_BLOCKS {
+                words.par_chunks_mut(64 * QK).zip(self.q.par_chunks(64)).for_each(widen);
+            } else {
+                widen((&mut words, self.q));
             }
             words
         })
     }
+}
+
+/// Whether the tiles of `isa` for `f` take the 16-bit words path ([`words`]) with `tokens` tokens.
+#[cfg(target_arch = "x86_64")]
+fn reads_words(isa: Isa, f: Format, tokens: usize) -> bool {
+    isa == Isa::Avx2 && f == Format::Q8_0 && tokens >= words::MIN_TOKENS
 }
 
 /// `out[t · stride + r] = w_r · x_t` for the `rows` rows held by the row groups in `w` (whole groups of format `f`
@@ -469,7 +503,7 @@ unsafe fn rows_by_tokens_with(
         "row-group operands do not match"
     );
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && f == Format::Q8_0 && acts.tokens >= words::MIN_TOKENS {
+    if reads_words(isa, f, acts.tokens) {
         let aw = acts.words();
         let mut scratch = vec![0i16; words::group_words(blocks)];
         // Each row group widened once, then against every token.

@@ -177,3 +177,37 @@ fn k_quants_refuse_activations_scaled_per_block() {
     // SAFETY: one token of `rows` outputs.
     unsafe { rows_by_tokens(Isa::Scalar, f, &packed, rows, &Acts::new(&a, 1, cols / QK), out.as_mut_ptr(), rows) };
 }
+
+/// A prompt's activations are made by the pool's threads together (from `PARALLEL_BLOCKS`): the same values, in
+/// the same places, as one thread makes for a few tokens.
+#[test]
+fn a_prompts_activations_made_in_parallel_match_the_serial_ones() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let (tokens, blocks) = (64, 18);
+    assert!(tokens * blocks >= PARALLEL_BLOCKS, "the parallel path");
+    let a = acts(&mut rng, Format::Q8_0, tokens, blocks);
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
+    let all = pool.install(|| {
+        let all = Acts::new(&a, tokens, blocks);
+        #[cfg(target_arch = "x86_64")]
+        if Isa::Avx2.supported() {
+            all.prepare(Isa::Avx2, Format::Q8_0);
+            assert!(all.words.get().is_some(), "prepared before the tiles");
+        }
+        all
+    });
+    // Each token alone is below the threshold: made serially.
+    for t in 0..tokens {
+        let one = Acts::new(&a[t * blocks..(t + 1) * blocks], 1, blocks);
+        let at = t * blocks..(t + 1) * blocks;
+        assert_eq!(all.sums[at.clone()], one.sums[..], "sums of token {t}");
+        assert_eq!(all.pairs[at.clone()], one.pairs[..], "pairs of token {t}");
+        assert_eq!(all.sub_pairs[at.clone()], one.sub_pairs[..], "sub-pairs of token {t}");
+        assert_eq!(all.q3k_starts[at.clone()], one.q3k_starts[..], "Q3_K starts of token {t}");
+        assert_eq!(all.q6k_starts[at.clone()], one.q6k_starts[..], "Q6_K starts of token {t}");
+        #[cfg(target_arch = "x86_64")]
+        if let Some(words) = all.words.get() {
+            assert_eq!(words[at.start * QK..at.end * QK], one.words()[..], "words of token {t}");
+        }
+    }
+}
