@@ -449,7 +449,7 @@ unsafe fn half_sums<const T: usize>(
 
 /// A Q3_K super-block's 16 half scales of the 16 rows (signed, [`half_scales`]), each row's twice in a row: half
 /// `k`'s 32 bytes at `32·k`, which widen (`vpmovsxbw`) to the lanes one `vpdpwssds` scales its sums by (the scale in
-/// both 16-bit words, [`super::q3k_start`]). Made 64 bytes at a time, 4 halves per register: per half, its own
+/// both 16-bit words, [`super::acts::q3k_start`]). Made 64 bytes at a time, 4 halves per register: per half, its own
 /// 6-bit extraction took 12 instructions, about a fifth of the 512-bit tile's.
 ///
 /// # Safety
@@ -492,7 +492,7 @@ unsafe fn q3k_scale_pairs(blk: *const u8) -> [__m512i; 8] {
 /// A Q2_K or Q3_K super-block's `Σ sc·Σ q·a` for the 16 rows and `T` tokens (activation blocks from `first`), as
 /// integers: each half's `vpdpbusd` sum stays in the low 16-bit word of its register (Q2_K's `Σ q·a` at most
 /// 16 · 3 · 127 in magnitude, its high word 0 or -1 against a 0 high word of the scale's lane; Q3_K's, of the stored
-/// `q + 4`, started at [`super::q3k_start`], against its scale in both words: [`q3k_scale_pairs`]), so one
+/// `q + 4`, started at [`super::acts::q3k_start`], against its scale in both words: [`q3k_scale_pairs`]), so one
 /// `vpdpwssds` per half scales it and adds it to the super-block's sum. The starts are broadcast from memory (no port
 /// that computes).
 ///
@@ -748,7 +748,7 @@ unsafe fn k4_sums256<const V: u8, const T: usize, const F: u8>(
 
 /// A Q2_K, Q3_K or Q6_K super-block's `Σ sc·Σ q·a` for rows `8r..8r + 8` (values at `v`, half scales `sm`), as
 /// [`k2_sums`] and [`q6k_sums`] make it. With VNNI: `vpdpbusd` sums per half, Q2_K's and Q3_K's (in the low 16-bit
-/// word, Q3_K's started at [`super::q3k_start`]) scaled by `vpdpwssds`, Q6_K's (started at `-32 · Σ a`) in floats.
+/// word, Q3_K's started at [`super::acts::q3k_start`]) scaled by `vpdpwssds`, Q6_K's (started at `-32 · Σ a`) in floats.
 /// Without: two groups' `maddubs` products are summed as 16-bit integers (values below 64); Q2_K's and Q3_K's then
 /// one `madd` against the half's scale in both 16-bit lanes of each row multiplies and sums at once (Q3_K's bias,
 /// `-4 · Σ_h sc_h·Σ_{l∈h} a_l`, one `madd` of the two scales against the token's two half sums, shifted), Q6_K's one
