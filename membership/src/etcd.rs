@@ -45,6 +45,7 @@ impl EtcdRegistry {
         let start = Instant::now();
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(1));
         let mut attempts = 0;
+        let mut closed = 0u32;
         loop {
             attempts += 1;
             let attempt = async {
@@ -64,7 +65,13 @@ impl EtcdRegistry {
                 },
                 Err(_) => format!("no answer within {budget:?}"),
             };
+            closed += u32::from(last_error.contains(CLOSED));
             let remaining = wait.saturating_sub(start.elapsed());
+            if remaining.is_zero()
+                && let Some(reason) = closed_for_want_of_a_certificate(etcd, closed == attempts, &last_error)
+            {
+                return Err(Error::EtcdRefused { endpoints: endpoints.join(","), reason });
+            }
             if remaining.is_zero() {
                 return Err(Error::EtcdUnreachable {
                     endpoints: endpoints.join(","),
@@ -146,6 +153,23 @@ fn refusal(e: &etcd_client::Error) -> Option<String> {
         return None;
     };
     Some(format!("{hint}: {text}"))
+}
+
+/// How a request fails on a connection the server closed.
+const CLOSED: &str = "connection closed";
+
+/// Why etcd refused us, inferred where every attempt over TLS without a client certificate ended with the
+/// connection closed: with TLS 1.3 etcd rejects a missing client certificate after the client has finished its
+/// handshake, and whether the request then sees etcd's alert (which [`refusal`] names at once) or only the closed
+/// connection is a race the request can lose every time on a loaded machine.
+fn closed_for_want_of_a_certificate(etcd: &EtcdOptions, always_closed: bool, last_error: &str) -> Option<String> {
+    let without_cert = etcd.tls.as_ref().is_some_and(|tls| tls.cert.is_none());
+    (without_cert && always_closed).then(|| {
+        format!(
+            "TLS: etcd closed every connection after the handshake, as it does when it did not accept our client \
+             certificate (none given): give --etcd-cert and --etcd-key, signed by a CA etcd trusts: {last_error}"
+        )
+    })
 }
 
 impl Registry for EtcdRegistry {
@@ -278,5 +302,29 @@ impl Registry for EtcdRegistry {
             }
         });
         Ok(rx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::EtcdTls;
+
+    #[test]
+    fn connections_closed_over_tls_without_a_client_certificate_name_the_certificate() {
+        let tls = |cert: Option<&str>| EtcdTls {
+            ca: "ca.crt".into(),
+            cert: cert.map(Into::into),
+            key: cert.map(|_| "client.key".into()),
+        };
+        let with = |tls| EtcdOptions { tls, ..EtcdOptions::new(vec!["https://127.0.0.1:2379".into()]) };
+        let closed = "transport error: connection closed";
+        let reason = closed_for_want_of_a_certificate(&with(Some(tls(None))), true, closed);
+        assert!(reason.is_some_and(|r| r.contains("did not accept our client certificate") && r.contains(closed)));
+        // Some attempt failed otherwise (etcd starting, unreachable): keep calling it unreachable.
+        assert_eq!(closed_for_want_of_a_certificate(&with(Some(tls(None))), false, closed), None);
+        // A certificate was given, or no TLS: a closed connection says nothing about certificates.
+        assert_eq!(closed_for_want_of_a_certificate(&with(Some(tls(Some("client.crt")))), true, closed), None);
+        assert_eq!(closed_for_want_of_a_certificate(&with(None), true, closed), None);
     }
 }
