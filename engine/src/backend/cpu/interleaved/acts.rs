@@ -5,7 +5,7 @@ use crate::backend::cpu::simd::{Isa, Q8Block};
 use crate::quant::QK;
 use rayon::prelude::*;
 
-/// The activations [`rows_by_tokens`] reads: `tokens` rows of 8-bit blocks and each block's integer sum `Σ a`,
+/// The activations [`super::rows_by_tokens`] reads: `tokens` rows of 8-bit blocks and each block's integer sum `Σ a`,
 /// which turns the stored values back into weights (`Σ (q + bias)·a = Σ q·a + bias·Σ a`), and the forms of the
 /// sums the K-quants' tiles broadcast from memory as they are: the sums of each block's halves as one pair of
 /// 16-bit words (each `|h| ≤ 16 · 127`; Q2_K's minimums), Q3_K's and Q6_K's starts of each half's sum
@@ -23,7 +23,7 @@ pub struct Acts<'a> {
     pub(super) blocks: usize,
     pub(super) tokens: usize,
     pub(super) one_scale: bool,
-    /// The values as 16-bit words, made by the first tile that reads them (`words`).
+    /// The values as 16-bit words, made by [`Acts::prepare`] or else by the first tile that reads them (`words`).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(super) words: std::sync::OnceLock<Vec<i16>>,
 }
