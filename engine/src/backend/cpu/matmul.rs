@@ -74,8 +74,10 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
     let tiles_read = |span: usize| jobs.iter().any(|(w, _)| w.layout.interleaved().is_some() && span_of(w) == span);
     let acts = tiles_read(1).then(|| interleaved::Acts::new(&xq, m, blocks));
     let acts_k = tiles_read(interleaved::SUPER_SPAN).then(|| interleaved::Acts::new(&xk, m, blocks));
-    for f in jobs.iter().filter_map(|(w, _)| w.layout.interleaved()) {
-        if let Some(acts) = if f.act_span() == 1 { &acts } else { &acts_k } {
+    // The activations a matrix's tiles read: per block, or (the K-quants) per super-block.
+    let acts_of = |w: &CpuMatrix| if span_of(w) == 1 { acts.as_ref() } else { acts_k.as_ref() };
+    for (w, _) in jobs {
+        if let (Some(f), Some(acts)) = (w.layout.interleaved(), acts_of(w)) {
             acts.prepare(isa, f);
         }
     }
@@ -95,8 +97,7 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
     }
     tasks.into_par_iter().for_each(|(w, first_row, nrows, dst)| {
         let bytes = w.bytes.as_slice();
-        let acts = if span_of(w) == 1 { acts.as_ref() } else { acts_k.as_ref() };
-        if let (Some(f), Some(acts)) = (w.layout.interleaved(), acts) {
+        if let (Some(f), Some(acts)) = (w.layout.interleaved(), acts_of(w)) {
             let group_bytes = interleaved::packed_len(f, interleaved::ROWS, w.cols);
             let (first, groups) = (first_row / interleaved::ROWS, nrows.div_ceil(interleaved::ROWS));
             let groups = &bytes[first * group_bytes..][..groups * group_bytes];
