@@ -67,12 +67,10 @@ impl EtcdRegistry {
             };
             closed += u32::from(last_error.contains(CLOSED));
             let remaining = wait.saturating_sub(start.elapsed());
-            if remaining.is_zero()
-                && let Some(reason) = closed_for_want_of_a_certificate(etcd, closed == attempts, &last_error)
-            {
-                return Err(Error::EtcdRefused { endpoints: endpoints.join(","), reason });
-            }
             if remaining.is_zero() {
+                if let Some(reason) = closed_for_want_of_a_certificate(etcd, closed == attempts, &last_error) {
+                    return Err(Error::EtcdRefused { endpoints: endpoints.join(","), reason });
+                }
                 return Err(Error::EtcdUnreachable {
                     endpoints: endpoints.join(","),
                     waited: start.elapsed(),
