@@ -9,13 +9,17 @@ use super::interleaved;
 use super::qgemm::{self, PackedActs};
 use super::simd::{self, Isa, Q8Block, quantize_row_spans};
 use super::{CpuMatrix, CpuTensor, Layout};
+use super::{claim, spin};
 use crate::quant::QK;
 use crate::tensor::DType;
 use crate::{Error, Result};
 
-/// Output rows handed to one task: enough to amortize scheduling, few enough to balance two cores.
-fn rows_per_task(n: usize, threads: usize) -> usize {
-    (n / (threads * 4)).clamp(8, 512)
+/// Output rows handed to one task: enough to amortize scheduling, few enough to balance the threads. A region
+/// ends when its last task does, so the threads finish up to a task apart: a prompt's tasks (long, every row times
+/// every token) are cut finer than a decode step's, whose tasks are short enough that scheduling them would show.
+fn rows_per_task(n: usize, threads: usize, prompt: bool) -> usize {
+    let per_thread = if prompt { 16 } else { 4 };
+    (n / (threads * per_thread)).clamp(8, 512)
 }
 
 /// One matrix of a fused product and its optional bias.
@@ -82,9 +86,16 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
         }
     }
     // Final [m, n] outputs, written in place by tasks that each own a disjoint range of rows (output columns).
-    let mut outs: Vec<Vec<f32>> = jobs.iter().map(|(w, _)| vec![0f32; m * w.rows]).collect();
+    // The interleaved tiles store every element of theirs, so those buffers start unwritten: zeroing them was
+    // ~4 % of a prompt's pass, on the caller while the other threads waited.
+    let stores_all = |w: &CpuMatrix| w.layout.interleaved().is_some() && acts_of(w).is_some();
+    let mut outs: Vec<Vec<f32>> = jobs
+        .iter()
+        .map(|(w, _)| if stores_all(w) { Vec::with_capacity(m * w.rows) } else { vec![0f32; m * w.rows] })
+        .collect();
     let total_rows: usize = jobs.iter().map(|(w, _)| w.rows).sum();
-    let chunk_rows = rows_per_task(total_rows, threads);
+    let prompt = m >= spin::MIN_TOKENS;
+    let chunk_rows = rows_per_task(total_rows, threads, prompt);
     let mut tasks = Vec::new();
     for ((w, _), out) in jobs.iter().zip(outs.iter_mut()) {
         let dst = SharedOut { ptr: out.as_mut_ptr(), n: w.rows };
@@ -95,7 +106,7 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
             tasks.push((*w, first_row, step.min(w.rows - first_row), dst));
         }
     }
-    tasks.into_par_iter().for_each(|(w, first_row, nrows, dst)| {
+    let run = |&(w, first_row, nrows, dst): &(&CpuMatrix, usize, usize, SharedOut)| {
         let bytes = w.bytes.as_slice();
         if let (Some(f), Some(acts)) = (w.layout.interleaved(), acts_of(w)) {
             let group_bytes = interleaved::packed_len(f, interleaved::ROWS, w.cols);
@@ -144,7 +155,19 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
                 unsafe { *dst.ptr.add(t * dst.n + first_row + i) = v };
             }
         }
-    });
+    };
+    // A prompt's pass keeps the pool's other threads spinning (`spin`), ready to claim tasks as they come; a decode
+    // step's sleep between regions, and there the caller spinning for a woken thread's task cost batch-1 decode ~9 %.
+    if prompt {
+        claim::for_each(&tasks, run);
+    } else {
+        tasks.par_iter().for_each(run);
+    }
+    for ((w, _), out) in jobs.iter().zip(outs.iter_mut()) {
+        // SAFETY: the tasks cover every row of every job, and a `stores_all` job's tiles wrote each of its rows'
+        // outputs for every token (the rest were zero-filled at this length).
+        unsafe { out.set_len(m * w.rows) };
+    }
     Ok(jobs
         .iter()
         .zip(outs)
@@ -301,7 +324,8 @@ mod tests {
             let wv: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
             let (w, w2) = (matrix(dtype, n, k, &wv, &mut rng), matrix(dtype, 5, k, &wv[..5 * k], &mut rng));
             let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();
-            for m in [1, 3, 9, 17] {
+            // 40: a prompt's path (`spin::MIN_TOKENS`), its tasks claimed one at a time into unfilled outputs.
+            for m in [1, 3, 9, 17, 40] {
                 let x =
                     CpuTensor { data: (0..m * k).map(|_| rng.random_range(-2.0f32..2.0)).collect(), rows: m, cols: k };
                 // Two jobs in one region (as q/k/v are), over 3 threads' worth of tasks.

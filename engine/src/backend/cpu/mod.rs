@@ -4,6 +4,7 @@
 
 mod arena;
 mod attention;
+mod claim;
 pub(crate) mod exp;
 mod half_dot;
 mod interleaved;

@@ -200,8 +200,10 @@ fn attend_grouped(
             })
         })
         .collect();
+    // One task per job (see `matmul::linear_many`): a prompt's later rows attend over more positions.
     let results: Vec<Vec<f32>> = tasks
         .par_iter()
+        .with_max_len(1)
         .map(|&AttnTask { si, kvh, t0, rows: n, g0 }| {
             let s = &seqs[si];
             let rows = |kv: Src<'_>| {
