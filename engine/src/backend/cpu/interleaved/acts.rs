@@ -80,19 +80,24 @@ impl<'a> Acts<'a> {
         self.words.get_or_init(|| {
             // Block by block into a sized buffer: a loop the compiler widens 32 bytes at a time (collecting a
             // flat_map pushed one word at a time, ~2 % of an AVX2-level prefill while the other threads waited).
-            let mut words = vec![0i16; self.q.len() * QK];
-            let widen = |(dst, q): (&mut [i16], &[Q8Block])| {
+            // Written before it is read, so not zeroed first (a memset the other threads would wait through).
+            let len = self.q.len() * QK;
+            let mut words = Vec::with_capacity(len);
+            let widen = |(dst, q): (&mut [std::mem::MaybeUninit<i16>], &[Q8Block])| {
                 for (dst, b) in dst.chunks_exact_mut(QK).zip(q) {
                     for (d, &v) in dst.iter_mut().zip(&b.qs) {
-                        *d = i16::from(v);
+                        d.write(i16::from(v));
                     }
                 }
             };
+            let dst = &mut words.spare_capacity_mut()[..len];
             if self.q.len() >= PARALLEL_BLOCKS {
-                words.par_chunks_mut(64 * QK).zip(self.q.par_chunks(64)).for_each(widen);
+                dst.par_chunks_mut(64 * QK).zip(self.q.par_chunks(64)).for_each(widen);
             } else {
-                widen((&mut words, self.q));
+                widen((dst, self.q));
             }
+            // SAFETY: the chunks above cover all `len` words (QK per block), each written.
+            unsafe { words.set_len(len) };
             words
         })
     }

@@ -406,11 +406,12 @@ unsafe fn rows_by_tokens_with(
     #[cfg(target_arch = "x86_64")]
     if reads_words(isa, f, acts.tokens) {
         let aw = acts.words();
-        let mut scratch = vec![0i16; words::group_words(blocks)];
+        // Written by `widen` before the tiles read it (through pointers), so not zeroed first.
+        let mut scratch = Vec::with_capacity(words::group_words(blocks));
         // Each row group widened once, then against every token.
         for (g, wg) in w.chunks_exact(group_bytes.max(1)).enumerate() {
             // SAFETY: AVX2 was detected; the group holds `blocks` blocks (asserted above).
-            unsafe { words::widen(wg.as_ptr(), blocks, &mut scratch) };
+            unsafe { words::widen(wg.as_ptr(), blocks, scratch.spare_capacity_mut()) };
             for first in (0..acts.tokens).step_by(words::TOKENS) {
                 let operands = words::Operands {
                     w: wg.as_ptr(),
@@ -430,9 +431,10 @@ unsafe fn rows_by_tokens_with(
     }
     #[cfg(target_arch = "x86_64")]
     if let Some((tile, per_tile)) = x86::tile_with(isa, f, gfni) {
-        let operands = |g: usize, wg: &[u8], first: usize, values: &[u8]| x86::Operands {
+        // `values`: a row group's expanded values (`x86::expand`), or null where the tiles read the group itself.
+        let operands = |g: usize, wg: &[u8], first: usize, values: *const u8| x86::Operands {
             w: wg.as_ptr(),
-            values: if values.is_empty() { std::ptr::null() } else { values.as_ptr() },
+            values,
             a: acts.q[first * blocks..].as_ptr(),
             sums: acts.sums[first * blocks..].as_ptr(),
             pairs: acts.pairs[first * blocks..].as_ptr(),
@@ -445,14 +447,15 @@ unsafe fn rows_by_tokens_with(
             rows: (rows - g * ROWS).min(ROWS),
         };
         if matches!(isa, Isa::Avx2 | Isa::AvxVnni) && five(f as u8) && acts.tokens >= EXPAND_TOKENS {
-            let mut values = vec![0u8; x86::expanded_len(blocks)];
+            // As the words above: written before it is read.
+            let mut values = Vec::with_capacity(x86::expanded_len(blocks));
             // Each row group unpacked once, then against every token.
             for (g, wg) in w.chunks_exact(group_bytes.max(1)).enumerate() {
                 // SAFETY: AVX2 was detected (both levels have it); the group holds `blocks` blocks of `f`.
-                unsafe { x86::expand(f, wg.as_ptr(), blocks, &mut values) };
+                unsafe { x86::expand(f, wg.as_ptr(), blocks, values.spare_capacity_mut()) };
                 for first in (0..acts.tokens).step_by(per_tile) {
                     // SAFETY: as below; `values` holds this group's values, expanded.
-                    unsafe { tile((acts.tokens - first).min(per_tile), operands(g, wg, first, &values)) }
+                    unsafe { tile((acts.tokens - first).min(per_tile), operands(g, wg, first, values.as_ptr())) }
                 }
             }
             return;
@@ -468,7 +471,7 @@ unsafe fn rows_by_tokens_with(
                     // SAFETY: the level was detected; the group holds `blocks` blocks of `f`, tokens from `first`
                     // have `blocks` blocks and sums each (asserted above), and the caller vouches for the outputs
                     // (first + t, 16g + r) for r below the group's rows.
-                    unsafe { tile((acts.tokens - first).min(per_tile), operands(g, wg, first, &[])) }
+                    unsafe { tile((acts.tokens - first).min(per_tile), operands(g, wg, first, std::ptr::null())) }
                 }
             }
         }

@@ -11,6 +11,7 @@ use super::{Q8_0, ROWS, block_bytes, values_at};
 use crate::backend::cpu::simd::Q8Block;
 use crate::quant::QK;
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 
 /// Tokens from which the driver widens (below, batched decode, the widening would cost more than it saves).
 pub(super) const MIN_TOKENS: usize = 16;
@@ -27,7 +28,7 @@ pub(super) fn group_words(blocks: usize) -> usize {
 /// # Safety
 /// AVX2; `w` points at `blocks` blocks.
 #[target_feature(enable = "avx2")]
-pub(super) unsafe fn widen(w: *const u8, blocks: usize, words: &mut [i16]) {
+pub(super) unsafe fn widen(w: *const u8, blocks: usize, words: &mut [MaybeUninit<i16>]) {
     assert!(words.len() >= group_words(blocks), "a row group's words");
     // A half's 32 bytes are 8 rows' 4 values: the first two of each row (its pair 2g) to the 8 low bytes of each
     // 128-bit lane, the last two (pair 2g + 1) to the high ones, then the lanes' low halves together.
@@ -39,7 +40,7 @@ pub(super) unsafe fn widen(w: *const u8, blocks: usize, words: &mut [i16]) {
     unsafe {
         for b in 0..blocks {
             let v = w.add(b * block_bytes(Q8_0) + values_at(Q8_0));
-            let dst = words.as_mut_ptr().add(b * ROWS * QK);
+            let dst = words.as_mut_ptr().cast::<i16>().add(b * ROWS * QK);
             for g in 0..QK / 4 {
                 for h in 0..2 {
                     // The stored `w + 128`, back to signed.

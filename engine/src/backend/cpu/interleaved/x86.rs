@@ -8,6 +8,7 @@ use crate::backend::cpu::simd::x86::{AVX_VNNI, AVX2, AVX512_VNNI};
 use crate::backend::cpu::simd::{Isa, Q8Block};
 use crate::quant::QK;
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 
 /// One tile's operands: `rows` (≤ 16) rows of the group at `w` (`blocks` blocks of 32 columns) against tokens
 /// at `a` with their sums at `sums`, their halves' at `pairs`, `q3k_starts` and `q6k_starts`, and pairs of
@@ -332,7 +333,7 @@ pub(super) const fn expanded_len(blocks: usize) -> usize {
 /// # Safety
 /// AVX2; `w` points at `blocks` blocks of `f`, which is Q5_0 or Q5_1.
 #[target_feature(enable = "avx2")]
-pub(super) unsafe fn expand(f: Format, w: *const u8, blocks: usize, out: &mut [u8]) {
+pub(super) unsafe fn expand(f: Format, w: *const u8, blocks: usize, out: &mut [MaybeUninit<u8>]) {
     assert!(out.len() >= expanded_len(blocks) && five(f as u8), "expanded values");
     // SAFETY: forwarded; `out` holds them (asserted).
     unsafe {
@@ -348,14 +349,14 @@ pub(super) unsafe fn expand(f: Format, w: *const u8, blocks: usize, out: &mut [u
 /// # Safety
 /// As for [`expand`].
 #[inline(always)]
-unsafe fn expand_f<const F: u8>(w: *const u8, blocks: usize, out: &mut [u8]) {
+unsafe fn expand_f<const F: u8>(w: *const u8, blocks: usize, out: &mut [MaybeUninit<u8>]) {
     // SAFETY (whole body): the caller's blocks; `out` holds `expanded_len(blocks)` bytes.
     unsafe {
         for b in 0..blocks {
             for h in 0..2 {
                 for j in 0..QK / 8 {
                     let [lo, hi] = unpack::<F>(w.add(b * block_bytes(F)), h, j);
-                    let at = out.as_mut_ptr().add(expanded_at(b, h, j)) as *mut __m256i;
+                    let at = out.as_mut_ptr().add(expanded_at(b, h, j)).cast::<__m256i>();
                     _mm256_storeu_si256(at, lo);
                     _mm256_storeu_si256(at.add(4), hi);
                 }
