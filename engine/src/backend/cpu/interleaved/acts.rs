@@ -2,7 +2,6 @@
 
 use super::{Format, SUPER_SPAN};
 use crate::backend::cpu::simd::{Isa, Q8Block};
-use crate::quant::QK;
 use rayon::prelude::*;
 
 /// The activations [`super::rows_by_tokens`] reads: `tokens` rows of 8-bit blocks and each block's integer sum `Σ a`,
@@ -77,29 +76,9 @@ impl<'a> Acts<'a> {
     /// The values as 16-bit words, `QK` per block (made once, by the first caller; the others wait for it).
     #[cfg(target_arch = "x86_64")]
     pub(super) fn words(&self) -> &[i16] {
-        self.words.get_or_init(|| {
-            // Block by block into a sized buffer: a loop the compiler widens 32 bytes at a time (collecting a
-            // flat_map pushed one word at a time, ~2 % of an AVX2-level prefill while the other threads waited).
-            // Written before it is read, so not zeroed first (a memset the other threads would wait through).
-            let len = self.q.len() * QK;
-            let mut words = Vec::with_capacity(len);
-            let widen = |(dst, q): (&mut [std::mem::MaybeUninit<i16>], &[Q8Block])| {
-                for (dst, b) in dst.chunks_exact_mut(QK).zip(q) {
-                    for (d, &v) in dst.iter_mut().zip(&b.qs) {
-                        d.write(i16::from(v));
-                    }
-                }
-            };
-            let dst = &mut words.spare_capacity_mut()[..len];
-            if self.q.len() >= PARALLEL_BLOCKS {
-                dst.par_chunks_mut(64 * QK).zip(self.q.par_chunks(64)).for_each(widen);
-            } else {
-                widen((dst, self.q));
-            }
-            // SAFETY: the chunks above cover all `len` words (QK per block), each written.
-            unsafe { words.set_len(len) };
-            words
-        })
+        // Block by block, each block's words an array written in place (collecting a flat_map pushed one word at a
+        // time, ~2 % of an AVX2-level prefill while the other threads waited), split as `Acts::new`'s sums are.
+        self.words.get_or_init(|| per_block(self.q, |b| b.qs.map(i16::from)).into_flattened())
     }
 }
 
