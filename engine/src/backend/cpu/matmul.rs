@@ -78,20 +78,19 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
     let tiles_read = |span: usize| jobs.iter().any(|(w, _)| w.layout.interleaved().is_some() && span_of(w) == span);
     let acts = tiles_read(1).then(|| interleaved::Acts::new(&xq, m, blocks));
     let acts_k = tiles_read(interleaved::SUPER_SPAN).then(|| interleaved::Acts::new(&xk, m, blocks));
-    // The activations a matrix's tiles read: per block, or (the K-quants) per super-block.
-    let acts_of = |w: &CpuMatrix| if span_of(w) == 1 { acts.as_ref() } else { acts_k.as_ref() };
-    for (w, _) in jobs {
-        if let (Some(f), Some(acts)) = (w.layout.interleaved(), acts_of(w)) {
-            acts.prepare(isa, f);
-        }
+    // A matrix the interleaved tiles take: its format and the activations they read, per block or (the K-quants)
+    // per super-block.
+    let tiles =
+        |w: &CpuMatrix| w.layout.interleaved().zip(if span_of(w) == 1 { acts.as_ref() } else { acts_k.as_ref() });
+    for (f, acts) in jobs.iter().filter_map(|(w, _)| tiles(w)) {
+        acts.prepare(isa, f);
     }
     // Final [m, n] outputs, written in place by tasks that each own a disjoint range of rows (output columns).
     // The interleaved tiles store every element of theirs, so those buffers start unwritten: zeroing them was
     // ~4 % of a prompt's pass, on the caller while the other threads waited.
-    let stores_all = |w: &CpuMatrix| w.layout.interleaved().is_some() && acts_of(w).is_some();
     let mut outs: Vec<Vec<f32>> = jobs
         .iter()
-        .map(|(w, _)| if stores_all(w) { Vec::with_capacity(m * w.rows) } else { vec![0f32; m * w.rows] })
+        .map(|(w, _)| if tiles(w).is_some() { Vec::with_capacity(m * w.rows) } else { vec![0f32; m * w.rows] })
         .collect();
     let total_rows: usize = jobs.iter().map(|(w, _)| w.rows).sum();
     let prompt = m >= spin::MIN_TOKENS;
@@ -108,7 +107,7 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
     }
     let run = |&(w, first_row, nrows, dst): &(&CpuMatrix, usize, usize, SharedOut)| {
         let bytes = w.bytes.as_slice();
-        if let (Some(f), Some(acts)) = (w.layout.interleaved(), acts_of(w)) {
+        if let Some((f, acts)) = tiles(w) {
             let group_bytes = interleaved::packed_len(f, interleaved::ROWS, w.cols);
             let (first, groups) = (first_row / interleaved::ROWS, nrows.div_ceil(interleaved::ROWS));
             let groups = &bytes[first * group_bytes..][..groups * group_bytes];
@@ -164,7 +163,7 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
         tasks.par_iter().for_each(run);
     }
     for ((w, _), out) in jobs.iter().zip(outs.iter_mut()) {
-        // SAFETY: the tasks cover every row of every job, and a `stores_all` job's tiles wrote each of its rows'
+        // SAFETY: the tasks cover every row of every job, and the interleaved tiles wrote each of their rows'
         // outputs for every token (the rest were zero-filled at this length).
         unsafe { out.set_len(m * w.rows) };
     }
