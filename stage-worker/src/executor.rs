@@ -314,8 +314,10 @@ fn run_contained<B: Backend>(mut exec: Executor<B>, mut rx: mpsc::Receiver<Comma
     // result back cost two thread wake-ups per batch (50-150 µs each on the development VMs).
     let backend = Arc::clone(exec.model.backend());
     let outcome = catch_unwind(AssertUnwindSafe(|| backend.scope(|| exec.run(&mut rx, io))));
-    // Weights and KV cache are freed before the death is announced, so a reload that waits for it has the room.
+    // Weights and KV cache are freed before the death is announced, so a reload that waits for it has the room:
+    // the backend too, whose weight arena holds the chunk it last copied weights into.
     drop(exec);
+    drop(backend);
     if let Err(payload) = outcome {
         let why = payload
             .downcast_ref::<&str>()

@@ -57,6 +57,35 @@ fn workers_within(cluster: &ProcessCluster, limit_mib: u64) -> Result<()> {
     Ok(())
 }
 
+/// Every worker that kept its role in the pipeline (first, middle or last stage) with no more layers than it had
+/// holds at least as many KV tokens as it did: fewer layers need less memory for weights and for each token, and
+/// a worker frees its old stage (weights, KV cache and the arena they were copied into) before it measures what
+/// the new one leaves. Checked on at least one worker: with a fourth worker joining, one of the three has fewer.
+fn reloads_measured_afresh(before: &pb::ClusterStatusResponse, after: &pb::ClusterStatusResponse) -> Result<()> {
+    let layers = llama_300mb().num_layers as u32;
+    let role = |s: &pb::StageInfo| (s.layer_start == 0, s.layer_end == layers);
+    let kv = |status: &pb::ClusterStatusResponse, id: &str| {
+        status.nodes.iter().find(|n| n.node_id == id).map(|n| n.kv_capacity_tokens).context("stage without a node")
+    };
+    let mut compared = Vec::new();
+    for old in &before.stages {
+        let Some(new) = after.stages.iter().find(|s| s.node_id == old.node_id) else { continue };
+        if role(new) != role(old) || new.layer_end - new.layer_start > old.layer_end - old.layer_start {
+            continue;
+        }
+        let (was, is) = (kv(before, &old.node_id)?, kv(after, &new.node_id)?);
+        let change = format!(
+            "{}: layers {}..{} holding {was} KV tokens, then {}..{} holding {is}",
+            old.node_id, old.layer_start, old.layer_end, new.layer_start, new.layer_end
+        );
+        ensure!(is >= was, "a reload counted what the replaced stage held: {change}");
+        compared.push(change);
+    }
+    ensure!(!compared.is_empty(), "no worker kept its role with fewer layers: {:?}", after.stages);
+    eprintln!("reloaded stages: {}", compared.join("; "));
+    Ok(())
+}
+
 async fn greedy_tokens(url: &str) -> Result<Vec<Vec<u32>>> {
     let mut client = CoordinatorClient::connect(url.to_owned()).await?;
     let mut all = Vec::new();
@@ -134,6 +163,8 @@ async fn a_model_no_worker_can_hold_is_split_and_every_worker_stays_within_its_l
     let got = greedy_tokens(&url).await.with_context(|| cluster.logs())?;
     ensure!(got == expected, "after the join: {got:?}, expected {expected:?}");
     // (A join keeps the pipeline's order, which a what-if from scratch does not know.)
+    let after = strata_tests::processes::status(&url).await?;
+    reloads_measured_afresh(&now, &after).with_context(|| cluster.logs())?;
 
     workers_within(&cluster, LIMIT_MIB)
 }

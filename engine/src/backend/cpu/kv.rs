@@ -7,31 +7,33 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use super::CpuTensor;
+use super::pages::Pages;
 use crate::backend::AttnSeq;
 use crate::quant::{self, QK};
 use crate::{Error, KvDtype, Result};
 
-/// One layer's keys or values, `num_blocks × block_size` rows of `kv_dim` elements, in the cache's type.
+/// One layer's keys or values, `num_blocks × block_size` rows of `kv_dim` elements, in the cache's type, in
+/// pages of their own (returned to the system when the cache is dropped, see [`Pages`]).
 #[derive(Debug)]
 pub(super) enum KvStore {
     /// Exact; attention reads it in place.
-    F32(Vec<f32>),
+    F32(Pages<f32>),
     /// IEEE half.
-    F16(Vec<f16>),
+    F16(Pages<f16>),
     /// bfloat16.
-    Bf16(Vec<bf16>),
+    Bf16(Pages<bf16>),
     /// GGML Q8_0 blocks, `kv_dim / 32` per row.
-    Q8_0(Vec<u8>),
+    Q8_0(Pages<u8>),
 }
 
 impl KvStore {
     fn zeros(dtype: KvDtype, rows: usize, kv_dim: usize) -> Result<Self> {
-        let bytes = rows * dtype.row_bytes(kv_dim)?;
+        let elements = rows * kv_dim;
         Ok(match dtype {
-            KvDtype::F32 => KvStore::F32(vec![0.0; rows * kv_dim]),
-            KvDtype::F16 => KvStore::F16(vec![f16::ZERO; rows * kv_dim]),
-            KvDtype::Bf16 => KvStore::Bf16(vec![bf16::ZERO; rows * kv_dim]),
-            KvDtype::Q8_0 => KvStore::Q8_0(vec![0; bytes]),
+            KvDtype::F32 => KvStore::F32(Pages::zeroed(elements)?),
+            KvDtype::F16 => KvStore::F16(Pages::zeroed(elements)?),
+            KvDtype::Bf16 => KvStore::Bf16(Pages::zeroed(elements)?),
+            KvDtype::Q8_0 => KvStore::Q8_0(Pages::zeroed(rows * dtype.row_bytes(kv_dim)?)?),
         })
     }
 

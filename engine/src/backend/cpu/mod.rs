@@ -13,6 +13,7 @@ pub mod kernel_bench;
 mod kernels;
 mod kv;
 mod matmul;
+mod pages;
 mod qgemm;
 pub mod simd;
 mod spin;

@@ -1,4 +1,5 @@
 use super::super::kv::KvStore;
+use super::super::pages::Pages;
 use super::*;
 use crate::KvDtype;
 use half::{bf16, f16};
@@ -9,7 +10,8 @@ fn setup(rng: &mut rand::rngs::StdRng, shape: AttnShape, blocks: usize) -> (CpuK
     let kv_dim = shape.num_kv_heads * shape.head_dim;
     let n = blocks * shape.block_size * kv_dim;
     let mut rand = |n| (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<f32>>();
-    let cache = CpuKvLayer { k: KvStore::F32(rand(n)), v: KvStore::F32(rand(n)), kv_dim, block_size: shape.block_size };
+    let mut store = || KvStore::F32(Pages::from_slice(&rand(n)).expect("KV pages"));
+    let cache = CpuKvLayer { k: store(), v: store(), kv_dim, block_size: shape.block_size };
     let mut table: Vec<u32> = (0..blocks as u32).collect();
     table.reverse();
     table.swap(0, blocks / 2);
