@@ -6,10 +6,14 @@ use clap::Parser;
 use strata_membership::EtcdRegistry;
 use strata_proto::shutdown_token;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    // Before the stage allocates anything much (see the function).
+fn main() -> anyhow::Result<()> {
+    // Before any other thread starts: one arena for the process cannot take back the arenas of threads that have
+    // allocated already, and tokio's workers allocate as they start (see the function).
     let heap = strata_engine::heap::keep_freed_memory();
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(serve(heap))
+}
+
+async fn serve(heap: strata_engine::heap::HeapTuning) -> anyhow::Result<()> {
     let args = cli::Args::parse();
     let _telemetry = args.log.init("strata-stage-worker");
     tracing::debug!(?heap, "allocator settings");
