@@ -65,16 +65,13 @@ fn workers_within(cluster: &ProcessCluster, limit_mib: u64) -> Result<()> {
 fn reloads_measured_afresh(before: &pb::ClusterStatusResponse, after: &pb::ClusterStatusResponse) -> Result<()> {
     let layers = llama_300mb().num_layers as u32;
     let role = |s: &pb::StageInfo| (s.layer_start == 0, s.layer_end == layers);
-    let kv = |status: &pb::ClusterStatusResponse, id: &str| {
-        status.nodes.iter().find(|n| n.node_id == id).map(|n| n.kv_capacity_tokens).context("stage without a node")
-    };
     let mut compared = Vec::new();
     for old in &before.stages {
         let Some(new) = after.stages.iter().find(|s| s.node_id == old.node_id) else { continue };
         if role(new) != role(old) || new.layer_end - new.layer_start >= old.layer_end - old.layer_start {
             continue;
         }
-        let (was, is) = (kv(before, &old.node_id)?, kv(after, &new.node_id)?);
+        let (was, is) = (node_of(before, old)?.kv_capacity_tokens, node_of(after, new)?.kv_capacity_tokens);
         let change = format!(
             "{}: layers {}..{} holding {was} KV tokens, then {}..{} holding {is}",
             old.node_id, old.layer_start, old.layer_end, new.layer_start, new.layer_end
@@ -84,9 +81,15 @@ fn reloads_measured_afresh(before: &pb::ClusterStatusResponse, after: &pb::Clust
     }
     if compared.is_empty() {
         eprintln!("no worker kept its role with fewer layers: {:?}", after.stages);
+    } else {
+        eprintln!("reloaded stages with fewer layers: {}", compared.join("; "));
     }
-    eprintln!("reloaded stages with fewer layers: {}", compared.join("; "));
     Ok(())
+}
+
+/// The node record of the worker serving `stage`.
+fn node_of<'a>(status: &'a pb::ClusterStatusResponse, stage: &pb::StageInfo) -> Result<&'a pb::NodeInfo> {
+    status.nodes.iter().find(|n| n.node_id == stage.node_id).context("stage without a node")
 }
 
 async fn greedy_tokens(url: &str) -> Result<Vec<Vec<u32>>> {
@@ -155,7 +158,7 @@ async fn a_model_no_worker_can_hold_is_split_and_every_worker_stays_within_its_l
     // Each stage's KV cache was sized from what its limit leaves, and holds the tokens the plan asks for.
     let now = strata_tests::processes::status(&url).await?;
     for stage in &now.stages {
-        let node = now.nodes.iter().find(|n| n.node_id == stage.node_id).context("stage without a node")?;
+        let node = node_of(&now, stage)?;
         ensure!(node.kv_capacity_tokens >= 512, "{} holds {} KV tokens", node.node_id, node.kv_capacity_tokens);
     }
 
@@ -201,7 +204,7 @@ async fn a_model_bigger_than_all_the_workers_memory_is_served_with_offloaded_lay
     let now = strata_tests::processes::status(&url).await?;
     let (mut report, mut offloaded) = (Vec::new(), 0);
     for stage in &now.stages {
-        let node = now.nodes.iter().find(|n| n.node_id == stage.node_id).context("stage without a node")?;
+        let node = node_of(&now, stage)?;
         let layers = stage.layer_end - stage.layer_start;
         report.push(format!(
             "{}: layers {}..{}, {} offloaded, {:.1} / {:.1} ms per resident / offloaded layer",
