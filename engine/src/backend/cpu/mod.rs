@@ -150,9 +150,10 @@ fn same_shape(op: &'static str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
 
 /// RMSNorm of every consecutive `w.len()`-wide slice of `x` (a whole row, or one head of it); the caller has
 /// checked that the slices tile the rows.
-/// Rows from which [`rms_norm_slices`] splits them among the pool's threads (a prompt's; one row's sum of squares
-/// is a serial chain of float adds, ~0.5 µs for 576 columns, too short to share out for a decode step's few).
-const PARALLEL_NORM_ROWS: usize = spin::MIN_TOKENS;
+/// Rows from which the row-wise steps (norms, RoPE, the residual add) split them among the pool's threads (a
+/// prompt's; one row's sum of squares is a serial chain of float adds, ~0.5 µs for 576 columns, too short to share
+/// out for a decode step's few).
+const PARALLEL_ROWS: usize = spin::MIN_TOKENS;
 
 /// Each `w.len()`-long slice of `x` (a row, or a head of one) over its root mean square, times `w`. Slices are
 /// independent, so splitting them among threads changes no bit.
@@ -165,7 +166,7 @@ fn rms_norm_slices(pool: &rayon::ThreadPool, x: &CpuTensor, w: &[f32], eps: f32)
             *d = s * inv * w;
         }
     };
-    if x.rows >= PARALLEL_NORM_ROWS {
+    if x.rows >= PARALLEL_ROWS {
         pool.install(|| out.par_chunks_mut(w.len()).zip(x.data.par_chunks(w.len())).with_min_len(8).for_each(norm));
     } else {
         out.chunks_exact_mut(w.len()).zip(x.data.chunks_exact(w.len())).for_each(norm);
@@ -327,22 +328,33 @@ impl Backend for CpuBackend {
                 reason: format!("{} positions for {} rows", positions.len(), x.rows),
             });
         }
-        let half = head_dim / 2;
-        let mut cos = vec![0f32; half];
-        let mut sin = vec![0f32; half];
-        for (row, &pos) in x.data.chunks_exact_mut(x.cols).zip(positions) {
-            for j in 0..half {
-                let a = pos as f32 * inv_freq[j];
-                (sin[j], cos[j]) = a.sin_cos();
-            }
-            for head in row.chunks_exact_mut(head_dim) {
-                let (lo, hi) = head.split_at_mut(half);
+        let (half, cols) = (head_dim / 2, x.cols);
+        // A run of rows and their positions; each row's angles computed once for all its heads.
+        let rotate = |(rows, positions): (&mut [f32], &[u32])| {
+            let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
+            for (row, &pos) in rows.chunks_exact_mut(cols).zip(positions) {
                 for j in 0..half {
-                    let (a, b) = (lo[j], hi[j]);
-                    lo[j] = a * cos[j] - b * sin[j];
-                    hi[j] = b * cos[j] + a * sin[j];
+                    let a = pos as f32 * inv_freq[j];
+                    (sin[j], cos[j]) = a.sin_cos();
+                }
+                for head in row.chunks_exact_mut(head_dim) {
+                    let (lo, hi) = head.split_at_mut(half);
+                    for j in 0..half {
+                        let (a, b) = (lo[j], hi[j]);
+                        lo[j] = a * cos[j] - b * sin[j];
+                        hi[j] = b * cos[j] + a * sin[j];
+                    }
                 }
             }
+        };
+        // Rows are independent, so a prompt's are split among the threads as the norms are (no bit changes);
+        // serial, a 128-token prompt's rotations kept the pool's other thread spinning.
+        if x.rows >= PARALLEL_ROWS {
+            const RUN: usize = 8;
+            let runs = x.data.par_chunks_mut(RUN * cols).zip(positions.par_chunks(RUN));
+            self.pool.install(|| runs.for_each(rotate));
+        } else {
+            rotate((&mut x.data, positions));
         }
         Ok(())
     }
@@ -384,7 +396,13 @@ impl Backend for CpuBackend {
 
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
         same_shape("add", x, y)?;
-        x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
+        let add = |(a, b): (&mut [f32], &[f32])| a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+        if x.rows >= PARALLEL_ROWS {
+            let rows = x.data.par_chunks_mut(x.cols).zip(y.data.par_chunks(x.cols));
+            self.pool.install(|| rows.with_min_len(8).for_each(add));
+        } else {
+            add((&mut x.data, &y.data));
+        }
         Ok(())
     }
 
@@ -403,6 +421,38 @@ impl Backend for CpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_prompts_rows_split_among_threads_give_each_rows_own_bits() -> Result<()> {
+        // RoPE and the residual add over a prompt's rows (split among the threads from `PARALLEL_ROWS`, in runs)
+        // against the same rows one at a time (serial): the same bits, each row at its own position.
+        let be = CpuBackend::new(2)?;
+        let (head_dim, heads, rows) = (8, 3, PARALLEL_ROWS + 13);
+        let cols = head_dim * heads;
+        let inv_freq: Vec<f32> = (0..head_dim / 2).map(|j| 10000f32.powf(-2.0 * j as f32 / head_dim as f32)).collect();
+        let positions: Vec<u32> = (0..rows as u32).map(|r| 3 * r + 5).collect();
+        let value = |i: usize| ((i * 37 % 101) as f32 - 50.0) / 7.0;
+        let x = CpuTensor { data: (0..rows * cols).map(value).collect(), rows, cols };
+        let y = CpuTensor { data: (0..rows * cols).map(|i| value(i + 11)).collect(), rows, cols };
+        let (mut rotated, mut summed) = (x.clone(), x.clone());
+        be.rope(&mut rotated, &positions, &inv_freq, head_dim)?;
+        be.add_assign(&mut summed, &y)?;
+        for r in 0..rows {
+            let row = |t: &CpuTensor| CpuTensor { data: t.data[r * cols..(r + 1) * cols].to_vec(), rows: 1, cols };
+            let mut one = row(&x);
+            be.rope(&mut one, &positions[r..r + 1], &inv_freq, head_dim)?;
+            assert_eq!(bits(&one.data), bits(&rotated.data[r * cols..(r + 1) * cols]), "RoPE, row {r}");
+            let mut one = row(&x);
+            be.add_assign(&mut one, &row(&y))?;
+            assert_eq!(bits(&one.data), bits(&summed.data[r * cols..(r + 1) * cols]), "residual add, row {r}");
+        }
+        assert_ne!(bits(&rotated.data), bits(&x.data), "the rotation changed the rows");
+        Ok(())
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|f| f.to_bits()).collect()
+    }
 
     #[test]
     fn resident_weights_are_copied_into_the_arena_and_offloaded_ones_are_not() -> Result<()> {
