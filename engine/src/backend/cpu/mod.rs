@@ -148,15 +148,13 @@ fn same_shape(op: &'static str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
     }
 }
 
-/// RMSNorm of every consecutive `w.len()`-wide slice of `x` (a whole row, or one head of it); the caller has
-/// checked that the slices tile the rows.
 /// Rows from which the row-wise steps (norms, RoPE, the residual add) split them among the pool's threads (a
 /// prompt's; one row's sum of squares is a serial chain of float adds, ~0.5 µs for 576 columns, too short to share
 /// out for a decode step's few).
 const PARALLEL_ROWS: usize = spin::MIN_TOKENS;
 
-/// Each `w.len()`-long slice of `x` (a row, or a head of one) over its root mean square, times `w`. Slices are
-/// independent, so splitting them among threads changes no bit.
+/// Each `w.len()`-long slice of `x` (a row, or a head of one) over its root mean square, times `w`; the caller has
+/// checked that the slices tile the rows. Slices are independent, so splitting them among threads changes no bit.
 fn rms_norm_slices(pool: &rayon::ThreadPool, x: &CpuTensor, w: &[f32], eps: f32) -> CpuTensor {
     let mut out = vec![0f32; x.data.len()];
     let norm = |(dst, src): (&mut [f32], &[f32])| {
