@@ -81,7 +81,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 1.0, env = "STRATA_BENCH_TOP_P")]
     top_p: f32,
     /// Sequences decoded together in the batched measurement.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
     batch: usize,
     /// Where to write the JSON report (default target/bench/engine.json, target/bench/cluster.json with an SVG
     /// plot beside it for --coordinator/--local, target/bench/kernels.json for --kernels).
@@ -157,6 +157,9 @@ fn sampling_us(logits: &[f32], params: SamplingParams) -> f64 {
 
 /// Prompt length of each sequence in the batched decode measurement.
 const SHORT_PROMPT: usize = 16;
+
+/// Decode steps before the measured ones (at most --decode-tokens), at batch 1 and at --batch.
+const WARM_DECODE_STEPS: usize = 48;
 
 /// Deterministic prompt ids spread over the vocabulary (no tokenizer needed).
 fn synthetic_prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
@@ -268,8 +271,33 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         // Warm up caches, page in the weights, and grow the heap to a prompt of the measured length (as llama-bench
         // warms up with the whole prompt): the measured prefill pays no first touch of its temporaries.
         let warm = synthetic_prompt(prompt_tokens, vocab, 99);
-        e.step(&[SeqChunk { seq_id: 999, start_pos: 0, len: warm.len() }], &warm)?;
+        let logits = e.step(&[SeqChunk { seq_id: 999, start_pos: 0, len: warm.len() }], &warm)?;
+        // And decode, at batch 1 and at `batch`, past the passes in which the backend settles how it runs steps
+        // of each size (the CPU times short passes spinning and sleeping, 29 passes), as a server has long since.
+        let warm_steps = WARM_DECODE_STEPS.min(decode_tokens);
+        let mut next = vec![argmax(&logits[0])];
+        for i in 0..warm_steps {
+            next = e
+                .step(&[SeqChunk { seq_id: 999, start_pos: warm.len() + i, len: 1 }], &next)?
+                .iter()
+                .map(|r| argmax(r))
+                .collect();
+        }
         e.release(999);
+        let warm_ids: Vec<u64> = (0..batch as u64).map(|s| 1000 + s).collect();
+        let mut nexts = Vec::new();
+        for &id in &warm_ids {
+            let p = synthetic_prompt(SHORT_PROMPT, vocab, id as usize);
+            nexts.push(argmax(&e.step(&[SeqChunk { seq_id: id, start_pos: 0, len: SHORT_PROMPT }], &p)?[0]));
+        }
+        for i in 0..warm_steps {
+            let chunks: Vec<SeqChunk> =
+                warm_ids.iter().map(|&seq_id| SeqChunk { seq_id, start_pos: SHORT_PROMPT + i, len: 1 }).collect();
+            nexts = e.step(&chunks, &nexts)?.iter().map(|r| argmax(r)).collect();
+        }
+        for &id in &warm_ids {
+            e.release(id);
+        }
 
         // Prefill (`prefills` times, the last one's sequence decoded on) + batch-1 decode.
         let prompt = synthetic_prompt(prompt_tokens, vocab, 0);

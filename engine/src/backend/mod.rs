@@ -67,7 +67,7 @@ pub trait Backend: Send + Sync + 'static {
         f()
     }
     /// As [`Backend::scope`], for one forward pass over `tokens` tokens: the CPU backend keeps its other threads
-    /// busy between the pass's parallel regions when the pass is long enough to repay it.
+    /// busy between the pass's parallel regions where that repays it (a prompt's always, a decode step's as timed).
     fn scope_pass<R: Send>(&self, tokens: usize, f: impl FnOnce() -> R + Send) -> R {
         let _ = tokens;
         self.scope(f)

@@ -88,6 +88,8 @@ pub struct CpuBackend {
     isa: Isa,
     /// Where resident weights are copied; `None` where the system grants no transparent huge pages.
     arena: Option<arena::WeightArena>,
+    /// Whether short passes spin, from their own times.
+    spin: std::sync::Mutex<spin::Choice>,
 }
 
 /// The worker threads a `threads` setting means: itself, or one per core for 0.
@@ -111,7 +113,7 @@ impl CpuBackend {
             .thread_name(|i| format!("strata-cpu-{i}"))
             .build()
             .map_err(|e| Error::Device(format!("cannot start CPU thread pool: {e}")))?;
-        Ok(CpuBackend { pool, threads, isa, arena: arena::WeightArena::if_supported() })
+        Ok(CpuBackend { pool, threads, isa, arena: arena::WeightArena::if_supported(), spin: Default::default() })
     }
 
     /// The same backend restricted to portable scalar kernels (for testing the SIMD ones).
@@ -187,11 +189,21 @@ impl Backend for CpuBackend {
     }
 
     fn scope_pass<R: Send>(&self, tokens: usize, f: impl FnOnce() -> R + Send) -> R {
-        if tokens >= spin::MIN_TOKENS && self.threads > 1 {
-            spin::while_running(&self.pool, f)
-        } else {
-            self.pool.install(f)
+        if self.threads == 1 {
+            return self.pool.install(f);
         }
+        if tokens >= spin::MIN_TOKENS {
+            return spin::while_running(&self.pool, f);
+        }
+        // A poisoned lock only means a pass panicked while recording: the choice itself is still whole.
+        let mode = self.spin.lock().unwrap_or_else(|e| e.into_inner()).mode(tokens);
+        let start = std::time::Instant::now();
+        let out = match mode {
+            spin::Mode::Spin => spin::while_running(&self.pool, f),
+            spin::Mode::Sleep => self.pool.install(f),
+        };
+        self.spin.lock().unwrap_or_else(|e| e.into_inner()).record(tokens, mode, start.elapsed());
+        out
     }
 
     /// Resident weights are copied into huge pages where the system has them (`arena`); those of the 32-element

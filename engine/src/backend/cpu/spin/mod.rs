@@ -4,12 +4,15 @@
 //! between them (norms, RoPE, regrouping the activations). An idle rayon worker goes to sleep after a few dozen
 //! rounds of looking for work, and the next region wakes it with a system call and, on a VM, an interrupt to its
 //! vCPU: `perf sched` counted ~420 such sleeps per 128-token prefill on the development VM. Over a prompt the other
-//! threads instead take the pool's jobs as they come and spin between them, as llama.cpp's threads poll. Short
-//! passes (decode) keep rayon's sleeping: there the spinning cost 8-sequence decode 10 % (docs/performance.md).
+//! threads instead take the pool's jobs as they come and spin between them, as llama.cpp's threads poll. Whether
+//! short passes (decode) spin too is measured on the machine at hand (`choice`).
 
+mod choice;
+
+pub(super) use choice::{Choice, Mode};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// Passes over at least this many tokens spin; below it, the pool's threads sleep between regions.
+/// Passes over at least this many tokens spin; below it, `Choice` decides.
 pub(super) const MIN_TOKENS: usize = 32;
 
 /// Pause instructions between two looks for work, so the looks do not hammer the other threads' queues.
