@@ -161,6 +161,37 @@ const SHORT_PROMPT: usize = 16;
 /// Decode steps before the measured ones (at most --decode-tokens), at batch 1 and at --batch.
 const WARM_DECODE_STEPS: usize = 48;
 
+/// Starts the sequences `ids`, each with its own `SHORT_PROMPT`-token prompt, and returns each one's greedy next
+/// token.
+fn start_short<B: Backend>(e: &mut Engine<B>, ids: &[u64], vocab: usize) -> Result<Vec<u32>> {
+    ids.iter()
+        .map(|&id| {
+            let p = synthetic_prompt(SHORT_PROMPT, vocab, id as usize);
+            Ok(argmax(&e.step(&[SeqChunk { seq_id: id, start_pos: 0, len: SHORT_PROMPT }], &p)?[0]))
+        })
+        .collect()
+}
+
+/// Decodes `steps` greedy tokens of the sequences `ids` together, from position `start` and fed `nexts` first;
+/// returns the last step's logits (`None` after no step).
+fn decode_greedy<B: Backend>(
+    e: &mut Engine<B>,
+    ids: &[u64],
+    start: usize,
+    steps: usize,
+    mut nexts: Vec<u32>,
+) -> Result<Option<Vec<Vec<f32>>>> {
+    let mut last = None;
+    for i in 0..steps {
+        let chunks: Vec<SeqChunk> =
+            ids.iter().map(|&seq_id| SeqChunk { seq_id, start_pos: start + i, len: 1 }).collect();
+        let l = e.step(&chunks, &nexts)?;
+        nexts = l.iter().map(|r| argmax(r)).collect();
+        last = Some(l);
+    }
+    Ok(last)
+}
+
 /// Deterministic prompt ids spread over the vocabulary (no tokenizer needed).
 fn synthetic_prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
     (0..len).map(|i| ((i * 7919 + salt * 104_729 + 13) % vocab) as u32).collect()
@@ -275,26 +306,11 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
         // And decode, at batch 1 and at `batch`, past the passes in which the backend settles how it runs steps
         // of each size (the CPU times short passes spinning and sleeping, 29 passes), as a server has long since.
         let warm_steps = WARM_DECODE_STEPS.min(decode_tokens);
-        let mut next = vec![argmax(&logits[0])];
-        for i in 0..warm_steps {
-            next = e
-                .step(&[SeqChunk { seq_id: 999, start_pos: warm.len() + i, len: 1 }], &next)?
-                .iter()
-                .map(|r| argmax(r))
-                .collect();
-        }
+        decode_greedy(e, &[999], warm.len(), warm_steps, vec![argmax(&logits[0])])?;
         e.release(999);
         let warm_ids: Vec<u64> = (0..batch as u64).map(|s| 1000 + s).collect();
-        let mut nexts = Vec::new();
-        for &id in &warm_ids {
-            let p = synthetic_prompt(SHORT_PROMPT, vocab, id as usize);
-            nexts.push(argmax(&e.step(&[SeqChunk { seq_id: id, start_pos: 0, len: SHORT_PROMPT }], &p)?[0]));
-        }
-        for i in 0..warm_steps {
-            let chunks: Vec<SeqChunk> =
-                warm_ids.iter().map(|&seq_id| SeqChunk { seq_id, start_pos: SHORT_PROMPT + i, len: 1 }).collect();
-            nexts = e.step(&chunks, &nexts)?.iter().map(|r| argmax(r)).collect();
-        }
+        let nexts = start_short(e, &warm_ids, vocab)?;
+        decode_greedy(e, &warm_ids, SHORT_PROMPT, warm_steps, nexts)?;
         for &id in &warm_ids {
             e.release(id);
         }
@@ -311,31 +327,17 @@ fn bench<B: Backend>(a: BenchArgs, backend: Arc<B>) -> Result<()> {
             logits = e.step(&[SeqChunk { seq_id: 0, start_pos: 0, len: prompt.len() }], &prompt)?;
             prefill_s.push(t.elapsed().as_secs_f64());
         }
-        let mut next = argmax(&logits[0]);
-        let mut last = logits;
+        let next = argmax(&logits[0]);
         let t = Instant::now();
-        for i in 0..decode_tokens {
-            last = e.step(&[SeqChunk { seq_id: 0, start_pos: prompt.len() + i, len: 1 }], &[next])?;
-            next = argmax(&last[0]);
-        }
+        let mut last = decode_greedy(e, &[0], prompt.len(), decode_tokens, vec![next])?.unwrap_or(logits);
         let decode1_s = t.elapsed().as_secs_f64();
         e.release(0);
 
         // Batched decode: `batch` sequences with short prompts, stepped together.
-        let short = SHORT_PROMPT;
-        let mut nexts = Vec::new();
-        for s in 0..batch {
-            let p = synthetic_prompt(short, vocab, s + 1);
-            let l = e.step(&[SeqChunk { seq_id: s as u64 + 1, start_pos: 0, len: short }], &p)?;
-            nexts.push(argmax(&l[0]));
-        }
+        let ids: Vec<u64> = (1..=batch as u64).collect();
+        let nexts = start_short(e, &ids, vocab)?;
         let t = Instant::now();
-        for i in 0..decode_tokens {
-            let chunks: Vec<SeqChunk> =
-                (0..batch).map(|s| SeqChunk { seq_id: s as u64 + 1, start_pos: short + i, len: 1 }).collect();
-            let l = e.step(&chunks, &nexts)?;
-            nexts = l.iter().map(|r| argmax(r)).collect();
-        }
+        decode_greedy(e, &ids, SHORT_PROMPT, decode_tokens, nexts)?;
         let decode_b_s = t.elapsed().as_secs_f64();
         Ok((prefill_s, decode1_s, decode_b_s, last.swap_remove(0)))
     })?;

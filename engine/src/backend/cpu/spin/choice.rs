@@ -76,10 +76,9 @@ impl Default for Bucket {
 struct Trial {
     /// Seconds per token spinning over seconds per token sleeping, of each pair so far.
     ratios: Vec<f64>,
-    /// The first pass of the pair under way: its mode and seconds per token.
+    /// The first pass of the pair under way: its mode and seconds per token. The next pass runs the other mode;
+    /// a pair starts spinning.
     first: Option<(Mode, f64)>,
-    /// The mode the next pass runs.
-    spin_next: bool,
 }
 
 impl Bucket {
@@ -87,8 +86,8 @@ impl Bucket {
         match self {
             // Warmup sleeps, as every short pass did before the trials.
             Bucket::Warmup(_) => Mode::Sleep,
-            Bucket::Trial(t) if t.spin_next => Mode::Spin,
-            Bucket::Trial(_) => Mode::Sleep,
+            Bucket::Trial(Trial { first: Some((Mode::Spin, _)), .. }) => Mode::Sleep,
+            Bucket::Trial(_) => Mode::Spin,
             Bucket::Chosen(mode, _) => *mode,
         }
     }
@@ -97,7 +96,7 @@ impl Bucket {
     fn record(&mut self, mode: Mode, per_token: f64) -> Option<(Mode, f64)> {
         match self {
             Bucket::Warmup(0) | Bucket::Chosen(_, 0) => {
-                *self = Bucket::Trial(Trial { spin_next: true, ..Trial::default() });
+                *self = Bucket::Trial(Trial::default());
             }
             Bucket::Warmup(left) | Bucket::Chosen(_, left) => *left -= 1,
             Bucket::Trial(t) => {
@@ -109,12 +108,8 @@ impl Bucket {
                         if sleep > 0.0 {
                             t.ratios.push(spin / sleep);
                         }
-                        t.spin_next = !t.spin_next;
                     }
-                    _ => {
-                        t.first = Some((mode, per_token));
-                        t.spin_next = mode == Mode::Sleep;
-                    }
+                    _ => t.first = Some((mode, per_token)),
                 }
                 if t.ratios.len() >= PAIRS {
                     let (chosen, median) = decide(&mut t.ratios);
