@@ -8,6 +8,7 @@ use super::interleaved;
 #[cfg(target_arch = "x86_64")]
 use super::qgemm::{self, PackedActs};
 use super::simd::{self, Isa, Q8Block, quantize_row_spans};
+use super::written::{Split, written};
 use super::{CpuMatrix, CpuTensor, Layout};
 use super::{claim, spin};
 use crate::quant::QK;
@@ -62,10 +63,9 @@ pub fn linear_many(isa: Isa, threads: usize, x: &CpuTensor, jobs: &[Job<'_>]) ->
         if !jobs.iter().any(|(w, _)| w.dtype.is_quantized() && span_of(w) == span) {
             return Vec::new();
         }
-        let mut xq = vec![Q8Block { d: 0.0, s: 0.0, qs: [0; QK] }; m * blocks];
-        let rows = xq.par_chunks_mut(blocks).zip(x.data.par_chunks(k));
-        rows.for_each(|(dst, src)| quantize_row_spans(isa, src, dst, span));
-        xq
+        let zero = Q8Block { d: 0.0, s: 0.0, qs: [0; QK] };
+        let row = |i: usize, dst: &mut [Q8Block]| quantize_row_spans(isa, &x.data[i * k..][..k], dst, span);
+        written(m * blocks, blocks, Split::Parallel { min_chunks: 1 }, zero, row)
     };
     let (xq, xk) = (quantize(1), quantize(interleaved::SUPER_SPAN));
     // Several tokens: the register-tiled kernel, on activations regrouped once for every job.

@@ -19,6 +19,7 @@ pub mod simd;
 mod spin;
 #[cfg(target_arch = "x86_64")]
 mod unpack;
+mod written;
 
 pub use self::isa::CpuIsa;
 pub use self::kv::CpuKvLayer;
@@ -27,6 +28,7 @@ use crate::tensor::{Bytes, DType, HostTensor, Paging};
 use crate::{Error, KvDtype, Result};
 use rayon::prelude::*;
 use simd::Isa;
+use written::{Split, written};
 
 /// Row-major f32 activations.
 #[derive(Debug, Clone, PartialEq)]
@@ -158,19 +160,19 @@ const PARALLEL_ROWS: usize = spin::MIN_TOKENS;
 /// Each `w.len()`-long slice of `x` (a row, or a head of one) over its root mean square, times `w`; the caller has
 /// checked that the slices tile the rows. Slices are independent, so splitting them among threads changes no bit.
 fn rms_norm_slices(pool: &rayon::ThreadPool, x: &CpuTensor, w: &[f32], eps: f32) -> CpuTensor {
-    let mut out = vec![0f32; x.data.len()];
-    let norm = |(dst, src): (&mut [f32], &[f32])| {
+    let norm = |i: usize, dst: &mut [f32]| {
+        let src = &x.data[i * w.len()..][..w.len()];
         let ss: f32 = src.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
         let inv = 1.0 / (ss + eps).sqrt();
         for ((d, s), w) in dst.iter_mut().zip(src).zip(w) {
             *d = s * inv * w;
         }
     };
-    if x.rows >= PARALLEL_ROWS {
-        pool.install(|| out.par_chunks_mut(w.len()).zip(x.data.par_chunks(w.len())).with_min_len(8).for_each(norm));
+    let out = if x.rows >= PARALLEL_ROWS {
+        pool.install(|| written(x.data.len(), w.len(), Split::Parallel { min_chunks: 8 }, 0.0, norm))
     } else {
-        out.chunks_exact_mut(w.len()).zip(x.data.chunks_exact(w.len())).for_each(norm);
-    }
+        written(x.data.len(), w.len(), Split::Serial, 0.0, norm)
+    };
     CpuTensor { data: out, rows: x.rows, cols: x.cols }
 }
 
@@ -389,18 +391,16 @@ impl Backend for CpuBackend {
         same_shape("silu_mul", gate, up)?;
         // Elementwise, so splitting it changes no bit; serial, its exps were ~10 % of a batch-16 decode step.
         const CHUNK: usize = 4096;
-        let mut data = vec![0f32; gate.data.len()];
-        let silu = |((o, g), u): ((&mut [f32], &[f32]), &[f32])| exp::silu_mul(self.isa, g, u, o);
-        if gate.data.len() > CHUNK {
-            self.pool.install(|| {
-                data.par_chunks_mut(CHUNK)
-                    .zip(gate.data.par_chunks(CHUNK))
-                    .zip(up.data.par_chunks(CHUNK))
-                    .for_each(silu)
-            });
+        let silu = |i: usize, o: &mut [f32]| {
+            let at = i * CHUNK..i * CHUNK + o.len();
+            exp::silu_mul(self.isa, &gate.data[at.clone()], &up.data[at], o)
+        };
+        let n = gate.data.len();
+        let data = if n > CHUNK {
+            self.pool.install(|| written(n, CHUNK, Split::Parallel { min_chunks: 1 }, 0.0, silu))
         } else {
-            silu(((&mut data, &gate.data), &up.data));
-        }
+            written(n, CHUNK, Split::Serial, 0.0, silu)
+        };
         Ok(CpuTensor { data, rows: gate.rows, cols: gate.cols })
     }
 
