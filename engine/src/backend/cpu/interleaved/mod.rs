@@ -408,11 +408,16 @@ unsafe fn rows_by_tokens_with(
         let aw = acts.words();
         // Written by `widen` before the tiles read it (through pointers), so not zeroed first.
         let mut scratch = Vec::with_capacity(words::group_words(blocks));
+        let tiles = acts.tokens.div_ceil(words::TOKENS);
         // Each row group widened once, then against every token.
         for (g, wg) in w.chunks_exact(group_bytes.max(1)).enumerate() {
             // SAFETY: AVX2 was detected; the group holds `blocks` blocks (asserted above).
             unsafe { words::widen(wg.as_ptr(), blocks, scratch.spare_capacity_mut()) };
-            for first in (0..acts.tokens).step_by(words::TOKENS) {
+            let next = w.get((g + 1) * group_bytes..).filter(|next| !next.is_empty());
+            for (tile, first) in (0..acts.tokens).step_by(words::TOKENS).enumerate() {
+                if let Some(next) = next {
+                    words::prefetch_part(&next[..group_bytes], tile, tiles);
+                }
                 let operands = words::Operands {
                     w: wg.as_ptr(),
                     words: scratch.as_ptr(),

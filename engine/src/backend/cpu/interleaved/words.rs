@@ -55,6 +55,19 @@ pub(super) unsafe fn widen(w: *const u8, blocks: usize, words: &mut [MaybeUninit
     }
 }
 
+/// Prefetches into the second-level cache the `part`-th of `parts` shares of `next`, the row group after the one
+/// being tiled: [`widen`] reads each group from memory once, and the tiles between leave the memory idle for
+/// far longer than a group takes to arrive (the widening waited on it: ~5 % of an AVX2-level Q8_0 prefill).
+#[inline(always)]
+pub(super) fn prefetch_part(next: &[u8], part: usize, parts: usize) {
+    let lines = next.len().div_ceil(64);
+    let per_part = lines.div_ceil(parts.max(1));
+    for line in part * per_part..((part + 1) * per_part).min(lines) {
+        // SAFETY: a prefetch reads nothing and never faults; the address is inside `next` besides.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(next.as_ptr().wrapping_add(64 * line) as *const i8) };
+    }
+}
+
 /// One tile's operands: the row group at `w` (its scales) widened at `words`, against tokens whose blocks are at
 /// `a` and whose values, as 16-bit words, at `aw` (`QK` per block), into `out + t·stride + r`.
 #[derive(Clone, Copy)]
