@@ -413,10 +413,10 @@ unsafe fn rows_by_tokens_with(
         for (g, wg) in w.chunks_exact(group_bytes.max(1)).enumerate() {
             // SAFETY: AVX2 was detected; the group holds `blocks` blocks (asserted above).
             unsafe { words::widen(wg.as_ptr(), blocks, scratch.spare_capacity_mut()) };
-            let next = w.get((g + 1) * group_bytes..).filter(|next| !next.is_empty());
+            let next = w.get((g + 1) * group_bytes..(g + 2) * group_bytes);
             for (tile, first) in (0..acts.tokens).step_by(words::TOKENS).enumerate() {
                 if let Some(next) = next {
-                    words::prefetch_part(&next[..group_bytes], tile, tiles);
+                    words::prefetch_part(next, tile, tiles);
                 }
                 let operands = words::Operands {
                     w: wg.as_ptr(),
